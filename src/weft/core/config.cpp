@@ -1,0 +1,671 @@
+// Config → Spec: TOML parsing (toml++), --set overrides, validation, and the canonical dump.
+// Every error names the source, the key path, the offending value and what is allowed.
+#include "weft/core/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "weft/core/error.h"
+
+namespace weft {
+namespace {
+
+using Keys = std::vector<std::string_view>;
+
+template <size_t N>
+Keys keys(const std::string_view (&list)[N]) {
+  return Keys(list, list + N);
+}
+
+constexpr std::string_view kTopKeys[] = {"model", "data", "train", "output", "parallel"};
+constexpr std::string_view kLlmKeys[] = {
+    "vocab",   "hidden",     "layers",   "heads",          "kv_heads", "ffn",
+    "max_seq", "rope_theta", "norm_eps", "tie_embeddings", "frozen"};
+constexpr std::string_view kEncoderCommonKeys[] = {
+    "kind", "hidden", "layers", "heads", "ffn", "feature_layer", "norm_eps", "frozen", "projector"};
+constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "stem_channels"};
+constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
+constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
+constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
+constexpr std::string_view kTrainKeys[] = {
+    "steps",  "batch",     "microbatches", "lr",
+    "min_lr", "warmup",    "weight_decay", "beta1",
+    "beta2",  "eps",       "grad_clip",    "precision",
+    "seed",   "log_every", "eval_every",   "checkpoint_every",
+    "threads"};
+constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
+constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp"};
+
+template <typename Range>
+std::string join(const Range& items) {
+  std::string out;
+  for (const auto& item : items) {
+    if (!out.empty()) out += ", ";
+    out += item;
+  }
+  return out;
+}
+
+bool contains(const Keys& keys, std::string_view key) {
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+// Shortest decimal text that reads back to exactly `v`, always in TOML float syntax.
+std::string format_double(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  // Shortest digits that round-trip; plain notation for everyday magnitudes (0.0003, 10000.0).
+  const double mag = std::fabs(v);
+  const bool fixed = mag == 0 || (mag >= 1e-4 && mag < 1e16);
+  char buf[400];
+  const std::to_chars_result r = std::to_chars(
+      buf, buf + sizeof(buf), v, fixed ? std::chars_format::fixed : std::chars_format::scientific);
+  std::string s(buf, r.ptr);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+// A TOML basic string literal.
+std::string quote(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      default:
+        if (u < 0x20 || u == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04X", static_cast<unsigned>(u));
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// A node's value as it would appear in TOML (tables and arrays abbreviated).
+std::string describe(const toml::node& n) {
+  if (const auto* v = n.as_string()) return quote(v->get());
+  if (const auto* v = n.as_integer()) return std::to_string(v->get());
+  if (const auto* v = n.as_floating_point()) return format_double(v->get());
+  if (const auto* v = n.as_boolean()) return v->get() ? "true" : "false";
+  if (n.is_table()) return "{...}";
+  if (n.is_array()) return "[...]";
+  std::ostringstream os;  // dates and times
+  n.visit([&](const auto& x) { os << x; });
+  return os.str();
+}
+
+std::string trim(std::string_view s) {
+  const char* ws = " \t\r\n";
+  const size_t begin = s.find_first_not_of(ws);
+  if (begin == std::string_view::npos) return "";
+  const size_t end = s.find_last_not_of(ws);
+  return std::string(s.substr(begin, end - begin + 1));
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t pos = s.find(sep, start);
+    parts.push_back(trim(std::string_view(s).substr(start, pos - start)));
+    if (pos == std::string::npos) break;
+    start = pos + 1;
+  }
+  return parts;
+}
+
+bool is_identifier(std::string_view s) {
+  if (s.empty() || s[0] < 'a' || s[0] > 'z') return false;
+  for (char c : s)
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) return false;
+  return true;
+}
+
+// One TOML table being read. Knows its key path, so every message can name the full key.
+class Section {
+ public:
+  Section(const std::string& source, const toml::table& table, std::string path)
+      : source_(source), table_(table), path_(std::move(path)) {}
+
+  const toml::table& table() const { return table_; }
+  const std::string& source() const { return source_; }
+  std::string path(std::string_view key) const {
+    return path_.empty() ? std::string(key) : path_ + "." + std::string(key);
+  }
+  const toml::node* find(std::string_view key) const { return table_.get(key); }
+
+  // Throws `<source>: <path.key> = <value>: <what>`; no " = <value>" when `value` is empty.
+  [[noreturn]] void fail_value(std::string_view key, const std::string& value,
+                               const std::string& what) const {
+    if (value.empty()) WEFT_FAIL(source_, ": ", path(key), ": ", what);
+    WEFT_FAIL(source_, ": ", path(key), " = ", value, ": ", what);
+  }
+  // Same, showing the key's value from the config (omitted for tables and absent keys).
+  [[noreturn]] void fail(std::string_view key, const std::string& what) const {
+    const toml::node* n = find(key);
+    fail_value(key, n && !n->is_table() ? describe(*n) : "", what);
+  }
+
+  // Rejects any key not in `allowed`.
+  void only(const Keys& allowed) const {
+    for (auto&& [key, node] : table_) {
+      if (contains(allowed, key.str())) continue;
+      fail(key.str(), std::string(node.is_table() ? "unknown table" : "unknown key") +
+                          " (allowed: " + join(allowed) + ")");
+    }
+  }
+
+  // The typed readers leave *out untouched and return false when the key is absent.
+  bool read(std::string_view key, int64_t* out) const {
+    const toml::node* n = find(key);
+    if (!n) return false;
+    if (const auto* v = n->as_integer()) {
+      *out = v->get();
+      return true;
+    }
+    fail(key, n->is_floating_point() ? "expected an integer, not a float" : "expected an integer");
+  }
+  bool read(std::string_view key, uint64_t* out) const {
+    int64_t v = 0;
+    if (!read(key, &v)) return false;
+    if (v < 0) fail(key, "must be >= 0");
+    *out = static_cast<uint64_t>(v);
+    return true;
+  }
+  bool read(std::string_view key, double* out) const {  // integers are accepted
+    const toml::node* n = find(key);
+    if (!n) return false;
+    if (const auto* v = n->as_integer()) {
+      *out = static_cast<double>(v->get());
+    } else if (const auto* f = n->as_floating_point()) {
+      if (!std::isfinite(f->get())) fail(key, "must be a finite number");
+      *out = f->get();
+    } else {
+      fail(key, "expected a number");
+    }
+    return true;
+  }
+  bool read(std::string_view key, bool* out) const {
+    const toml::node* n = find(key);
+    if (!n) return false;
+    if (const auto* v = n->as_boolean()) {
+      *out = v->get();
+      return true;
+    }
+    fail(key, "expected a boolean (true or false)");
+  }
+  bool read(std::string_view key, std::string* out) const {
+    const toml::node* n = find(key);
+    if (!n) return false;
+    if (const auto* v = n->as_string()) {
+      *out = v->get();
+      return true;
+    }
+    fail(key, "expected a string");
+  }
+  // A sub-table, or null when absent.
+  const toml::table* table(std::string_view key) const {
+    const toml::node* n = find(key);
+    if (!n) return nullptr;
+    if (!n->is_table()) fail(key, "expected a table");
+    return n->as_table();
+  }
+
+  // Reads an integer that must be > 0 (`positive`) or >= 0.
+  void count(std::string_view key, int64_t* out, bool positive = true) const {
+    read(key, out);
+    if (positive && *out <= 0) fail_value(key, std::to_string(*out), "must be > 0");
+    if (!positive && *out < 0) fail_value(key, std::to_string(*out), "must be >= 0");
+  }
+  // Reads a number that must be > 0 (`positive`) or >= 0.
+  void amount(std::string_view key, double* out, bool positive = true) const {
+    read(key, out);
+    if (positive && !(*out > 0)) fail_value(key, format_double(*out), "must be > 0");
+    if (!positive && !(*out >= 0)) fail_value(key, format_double(*out), "must be >= 0");
+  }
+  // Reads a string naming one of `options` (spelled as to_string(option)).
+  template <typename E>
+  void choice(std::string_view key, std::initializer_list<E> options, E* out) const {
+    std::string text;
+    if (!read(key, &text)) return;
+    std::vector<std::string> names;
+    for (E e : options) {
+      if (text == to_string(e)) {
+        *out = e;
+        return;
+      }
+      names.push_back(quote(to_string(e)));
+    }
+    fail(key, "must be one of " + join(names));
+  }
+
+ private:
+  const std::string& source_;
+  const toml::table& table_;
+  std::string path_;
+};
+
+void read_llm(const Section& s, LlmSpec* l) {
+  if (s.find("kind"))
+    s.fail("kind", "[model.llm] is the decoder; \"llm\" is reserved and cannot name an encoder");
+  s.only(keys(kLlmKeys));
+  s.count("vocab", &l->vocab, /*positive=*/false);
+  s.count("hidden", &l->hidden);
+  s.count("layers", &l->layers);
+  s.count("heads", &l->heads);
+  s.count("kv_heads", &l->kv_heads);
+  s.count("ffn", &l->ffn);
+  s.count("max_seq", &l->max_seq);
+  s.amount("rope_theta", &l->rope_theta);
+  s.amount("norm_eps", &l->norm_eps);
+  s.read("tie_embeddings", &l->tie_embeddings);
+  s.read("frozen", &l->frozen);
+
+  if (l->hidden % l->heads != 0)
+    s.fail_value("heads", std::to_string(l->heads),
+                 "hidden (" + std::to_string(l->hidden) + ") must be divisible by heads");
+  if (l->heads % l->kv_heads != 0)
+    s.fail_value("kv_heads", std::to_string(l->kv_heads),
+                 "heads (" + std::to_string(l->heads) + ") must be divisible by kv_heads");
+  if (l->head_dim() % 2 != 0)
+    s.fail_value("heads", std::to_string(l->heads),
+                 "head_dim = hidden / heads = " + std::to_string(l->head_dim()) +
+                     " must be even (RoPE rotates pairs of dims)");
+}
+
+void read_projector(const Section& s, ProjectorSpec* p) {
+  s.only(keys(kProjectorKeys));
+  s.choice("kind", {ProjectorKind::kLinear, ProjectorKind::kMlp}, &p->kind);
+  s.read("frozen", &p->frozen);
+}
+
+void read_encoder(const Section& s, EncoderSpec* e) {
+  if (!s.find("kind")) s.fail("kind", "missing; every encoder needs kind = \"vit\" or \"whisper\"");
+  s.choice("kind", {EncoderKind::kVit, EncoderKind::kWhisper}, &e->kind);
+  const bool vit = e->kind == EncoderKind::kVit;
+  Keys allowed = keys(kEncoderCommonKeys);
+  const Keys own = vit ? keys(kVitKeys) : keys(kWhisperKeys);
+  const Keys other = vit ? keys(kWhisperKeys) : keys(kVitKeys);
+  allowed.insert(allowed.end(), own.begin(), own.end());
+  for (auto&& [key, node] : s.table()) {
+    if (contains(other, key.str()))
+      s.fail(key.str(), std::string("not a key of a ") + to_string(e->kind) +
+                            " encoder (allowed: " + join(allowed) + ")");
+  }
+  s.only(allowed);
+
+  s.count("hidden", &e->hidden);
+  s.count("layers", &e->layers);
+  s.count("heads", &e->heads);
+  s.count("ffn", &e->ffn);
+  s.read("feature_layer", &e->feature_layer);
+  s.amount("norm_eps", &e->norm_eps);
+  s.read("frozen", &e->frozen);
+  if (vit) {
+    s.count("image_size", &e->image_size);
+    s.count("channels", &e->channels);
+    s.count("patch", &e->patch);
+    s.count("stem_channels", &e->stem_channels, /*positive=*/false);
+  } else {
+    s.count("mels", &e->mels);
+    s.count("frames", &e->frames);
+  }
+  if (const toml::table* p = s.table("projector"))
+    read_projector(Section(s.source(), *p, s.path("projector")), &e->projector);
+
+  const int64_t fl = e->feature_layer, layers = e->layers;
+  if (fl == 0 || fl < -layers || fl > layers) {
+    const std::string l = std::to_string(layers);
+    s.fail_value("feature_layer", std::to_string(fl),
+                 "must be in [-" + l + ", -1] or [1, " + l + "] (layers = " + l +
+                     "; negative counts from the last block, 0 is not a block)");
+  }
+  if (e->hidden % e->heads != 0)
+    s.fail_value("heads", std::to_string(e->heads),
+                 "hidden (" + std::to_string(e->hidden) + ") must be divisible by heads");
+  if (vit) {
+    if (e->image_size % e->patch != 0)
+      s.fail_value("patch", std::to_string(e->patch),
+                   "image_size (" + std::to_string(e->image_size) + ") must be divisible by patch");
+    if (e->stem_channels > 0 && e->patch % 2 != 0)
+      s.fail_value("patch", std::to_string(e->patch),
+                   "must be even when stem_channels > 0 (the stem halves the resolution)");
+  } else if (e->frames % 2 != 0) {
+    s.fail_value("frames", std::to_string(e->frames),
+                 "must be even (the conv front end halves it)");
+  }
+}
+
+// Encoders are the tables under [model] other than llm, in the order they first appear in the
+// file (tables added only by --set have no position and come last, by name).
+void read_encoders(const Section& model, std::vector<EncoderSpec>* encoders) {
+  struct Entry {
+    std::string name;
+    const toml::table* table;
+    uint64_t line, column;
+  };
+  std::vector<Entry> entries;
+  for (auto&& [key, node] : model.table()) {
+    const std::string name(key.str());
+    if (name == "llm") continue;
+    if (!is_identifier(name))
+      model.fail(name,
+                 "encoder name must match [a-z][a-z0-9_]* (every table under [model] "
+                 "other than llm is an encoder)");
+    const toml::table* t = model.table(name);  // non-null: the key exists
+    toml::source_position pos = key.source().begin;
+    if (!pos) pos = node.source().begin;
+    const uint64_t never = std::numeric_limits<uint64_t>::max();
+    entries.push_back({name, t, pos ? pos.line : never, pos ? pos.column : never});
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return std::tie(a.line, a.column) < std::tie(b.line, b.column);
+  });
+  for (const Entry& entry : entries) {
+    EncoderSpec e;
+    e.name = entry.name;
+    read_encoder(Section(model.source(), *entry.table, model.path(entry.name)), &e);
+    encoders->push_back(std::move(e));
+  }
+}
+
+void read_data(const Section& s, DataSpec* d) {
+  s.only(keys(kDataKeys));
+  if (s.read("kind", &d->kind) && d->kind != "shapes")
+    s.fail("kind", "must be \"shapes\" (the only built-in dataset)");
+  s.read("seed", &d->seed);
+  s.count("eval_samples", &d->eval_samples);
+  s.amount("noise", &d->noise, /*positive=*/false);
+  s.read("packing", &d->packing);
+}
+
+void read_train(const Section& s, TrainSpec* t) {
+  s.only(keys(kTrainKeys));
+  s.count("steps", &t->steps);
+  s.count("batch", &t->batch);
+  s.count("microbatches", &t->microbatches);
+  s.amount("lr", &t->lr);
+  s.amount("min_lr", &t->min_lr, /*positive=*/false);
+  s.count("warmup", &t->warmup, /*positive=*/false);
+  s.amount("weight_decay", &t->weight_decay, /*positive=*/false);
+  const std::pair<const char*, double*> betas[] = {{"beta1", &t->beta1}, {"beta2", &t->beta2}};
+  for (const auto& [key, beta] : betas) {
+    s.read(key, beta);
+    if (!(*beta >= 0 && *beta < 1)) s.fail_value(key, format_double(*beta), "must be in [0, 1)");
+  }
+  s.amount("eps", &t->eps);
+  s.amount("grad_clip", &t->grad_clip, /*positive=*/false);
+  s.choice("precision", {Precision::kBf16, Precision::kFp32}, &t->precision);
+  s.read("seed", &t->seed);
+  s.count("log_every", &t->log_every);
+  s.count("eval_every", &t->eval_every, /*positive=*/false);
+  s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
+  s.count("threads", &t->threads, /*positive=*/false);
+
+  if (t->min_lr > t->lr)
+    s.fail_value("min_lr", format_double(t->min_lr),
+                 "must be in [0, lr] (lr = " + format_double(t->lr) + ")");
+  if (t->batch % t->microbatches != 0)
+    s.fail_value("microbatches", std::to_string(t->microbatches),
+                 "batch (" + std::to_string(t->batch) + ") must be divisible by microbatches");
+  if (t->warmup > t->steps)
+    s.fail_value("warmup", std::to_string(t->warmup),
+                 "must be <= steps (" + std::to_string(t->steps) + ")");
+}
+
+void read_output(const Section& s, OutputSpec* o) {
+  s.only(keys(kOutputKeys));
+  s.read("dir", &o->dir);
+  s.count("keep_checkpoints", &o->keep_checkpoints);
+}
+
+// Every module gets a layout (all ones unless [parallel.<module>] says otherwise).
+void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
+  std::vector<std::string> modules = {"llm"};
+  for (const EncoderSpec& e : model.encoders) modules.push_back(e.name);
+  for (const std::string& m : modules) p->modules[m] = LayoutSpec{};
+  if (!s) return;
+  for (auto&& [key, node] : s->table()) {
+    const std::string name(key.str());
+    if (std::find(modules.begin(), modules.end(), name) == modules.end())
+      s->fail(name, "unknown module (modules: " + join(modules) + ")");
+    const Section ls(s->source(), *s->table(name), s->path(name));
+    ls.only(keys(kLayoutKeys));
+    LayoutSpec& l = p->modules[name];
+    const std::pair<const char*, int64_t*> sizes[] = {
+        {"dp", &l.dp}, {"tp", &l.tp}, {"pp", &l.pp}, {"cp", &l.cp}};
+    for (const auto& [k, v] : sizes) {
+      ls.read(k, v);
+      if (*v < 1) ls.fail_value(k, std::to_string(*v), "must be >= 1");
+    }
+  }
+}
+
+// Applies one --set "a.b.c=value" to the parsed document, creating intermediate tables.
+void apply_override(const std::string& text, const std::string& source, toml::table* root) {
+  const size_t eq = text.find('=');
+  WEFT_CHECK(eq != std::string::npos, source, ": --set ", text, ": expected section.key=value");
+  const std::vector<std::string> parts = split(text.substr(0, eq), '.');
+  bool ok = parts.size() >= 2;
+  for (const std::string& part : parts) ok = ok && !part.empty();
+  WEFT_CHECK(ok, source, ": --set ", text, ": expected section.key=value");
+
+  toml::table* table = root;
+  std::string path;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    path += (i ? "." : "") + parts[i];
+    if (!table->get(parts[i])) table->insert(parts[i], toml::table{});
+    toml::node* n = table->get(parts[i]);
+    WEFT_CHECK(n->is_table(), source, ": --set ", text, ": ", path, " = ", describe(*n),
+               " is a value, not a table");
+    table = n->as_table();
+  }
+  // The value as TOML if it is one (3e-4, true, "x", [1, 2]); otherwise the raw text.
+  const std::string value = trim(std::string_view(text).substr(eq + 1));
+  std::optional<toml::table> parsed;
+  try {
+    parsed = toml::parse(std::string_view("v = " + value));
+  } catch (const toml::parse_error&) {
+  }
+  toml::node* v = parsed && parsed->size() == 1 ? parsed->get("v") : nullptr;
+  if (v) {
+    v->visit([&](auto& node) { table->insert_or_assign(parts.back(), std::move(node)); });
+  } else {
+    table->insert_or_assign(parts.back(), value);
+  }
+}
+
+// Writes `key = value` lines in canonical TOML.
+class Writer {
+ public:
+  void header(const std::string& name) {
+    if (os_.tellp() > 0) os_ << "\n";
+    os_ << "[" << name << "]\n";
+  }
+  void put(const char* key, int64_t v) { os_ << key << " = " << v << "\n"; }
+  void put(const char* key, uint64_t v) { os_ << key << " = " << v << "\n"; }
+  void put(const char* key, double v) { os_ << key << " = " << format_double(v) << "\n"; }
+  void put(const char* key, bool v) { os_ << key << " = " << (v ? "true" : "false") << "\n"; }
+  void put(const char* key, const std::string& v) { os_ << key << " = " << quote(v) << "\n"; }
+  void put(const char* key, const char* v) = delete;  // would silently pick the bool overload
+  std::string str() const { return os_.str(); }
+
+ private:
+  std::ostringstream os_;
+};
+
+}  // namespace
+
+Spec parse_spec(const std::string& toml_text, const std::string& source,
+                const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(std::string_view(toml_text), std::string_view(source));
+  } catch (const toml::parse_error& e) {
+    const toml::source_position& at = e.source().begin;
+    WEFT_FAIL(source, ": invalid TOML at line ", at.line, ", column ", at.column, ": ",
+              e.description());
+  }
+  for (const std::string& o : overrides) apply_override(o, source, &root);
+
+  Spec spec;
+  spec.source = source;
+  const Section top(source, root, "");
+  top.only(keys(kTopKeys));
+
+  const toml::table* model = top.table("model");
+  const std::string missing_llm = "missing; the decoder table [model.llm] is required";
+  if (!model) top.fail_value("model.llm", "", missing_llm);
+  const Section ms(source, *model, "model");
+  const toml::table* llm = ms.table("llm");
+  if (!llm) ms.fail("llm", missing_llm);
+  read_llm(Section(source, *llm, "model.llm"), &spec.model.llm);
+  read_encoders(ms, &spec.model.encoders);
+
+  if (const toml::table* t = top.table("data")) read_data(Section(source, *t, "data"), &spec.data);
+  if (const toml::table* t = top.table("train"))
+    read_train(Section(source, *t, "train"), &spec.train);
+  if (const toml::table* t = top.table("output"))
+    read_output(Section(source, *t, "output"), &spec.output);
+  if (const toml::table* t = top.table("parallel")) {
+    const Section ps(source, *t, "parallel");
+    read_parallel(&ps, spec.model, &spec.parallel);
+  } else {
+    read_parallel(nullptr, spec.model, &spec.parallel);
+  }
+  return spec;
+}
+
+Spec load_spec(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  WEFT_CHECK(!std::filesystem::is_directory(path, ec), path,
+             ": cannot read config file: it is a directory");
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  WEFT_CHECK(in, path, ": cannot read config file (", errno ? std::strerror(errno) : "open failed",
+             ")");
+  std::ostringstream text;
+  text << in.rdbuf();
+  WEFT_CHECK(!in.bad(), path, ": error while reading config file");
+  return parse_spec(text.str(), path, overrides);
+}
+
+std::string spec_to_toml(const Spec& spec) {
+  Writer w;
+  const LlmSpec& l = spec.model.llm;
+  w.header("model.llm");
+  w.put("vocab", l.vocab);
+  w.put("hidden", l.hidden);
+  w.put("layers", l.layers);
+  w.put("heads", l.heads);
+  w.put("kv_heads", l.kv_heads);
+  w.put("ffn", l.ffn);
+  w.put("max_seq", l.max_seq);
+  w.put("rope_theta", l.rope_theta);
+  w.put("norm_eps", l.norm_eps);
+  w.put("tie_embeddings", l.tie_embeddings);
+  w.put("frozen", l.frozen);
+
+  for (const EncoderSpec& e : spec.model.encoders) {
+    w.header("model." + e.name);
+    w.put("kind", std::string(to_string(e.kind)));
+    w.put("hidden", e.hidden);
+    w.put("layers", e.layers);
+    w.put("heads", e.heads);
+    w.put("ffn", e.ffn);
+    w.put("feature_layer", e.feature_layer);
+    w.put("norm_eps", e.norm_eps);
+    w.put("frozen", e.frozen);
+    if (e.kind == EncoderKind::kVit) {
+      w.put("image_size", e.image_size);
+      w.put("channels", e.channels);
+      w.put("patch", e.patch);
+      w.put("stem_channels", e.stem_channels);
+    } else {
+      w.put("mels", e.mels);
+      w.put("frames", e.frames);
+    }
+    w.header("model." + e.name + ".projector");
+    w.put("kind", std::string(to_string(e.projector.kind)));
+    w.put("frozen", e.projector.frozen);
+  }
+
+  const DataSpec& d = spec.data;
+  w.header("data");
+  w.put("kind", d.kind);
+  w.put("seed", d.seed);
+  w.put("eval_samples", d.eval_samples);
+  w.put("noise", d.noise);
+  w.put("packing", d.packing);
+
+  const TrainSpec& t = spec.train;
+  w.header("train");
+  w.put("steps", t.steps);
+  w.put("batch", t.batch);
+  w.put("microbatches", t.microbatches);
+  w.put("lr", t.lr);
+  w.put("min_lr", t.min_lr);
+  w.put("warmup", t.warmup);
+  w.put("weight_decay", t.weight_decay);
+  w.put("beta1", t.beta1);
+  w.put("beta2", t.beta2);
+  w.put("eps", t.eps);
+  w.put("grad_clip", t.grad_clip);
+  w.put("precision", std::string(to_string(t.precision)));
+  w.put("seed", t.seed);
+  w.put("log_every", t.log_every);
+  w.put("eval_every", t.eval_every);
+  w.put("checkpoint_every", t.checkpoint_every);
+  w.put("threads", t.threads);
+
+  w.header("output");
+  w.put("dir", spec.output.dir);
+  w.put("keep_checkpoints", spec.output.keep_checkpoints);
+
+  for (const auto& [name, layout] : spec.parallel.modules) {
+    w.header("parallel." + name);
+    w.put("dp", layout.dp);
+    w.put("tp", layout.tp);
+    w.put("pp", layout.pp);
+    w.put("cp", layout.cp);
+  }
+  return w.str();
+}
+
+}  // namespace weft

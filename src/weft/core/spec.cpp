@@ -1,0 +1,36 @@
+// Names of the Spec enums; these are also the spellings the config accepts and writes.
+#include "weft/core/spec.h"
+
+namespace weft {
+
+const char* to_string(EncoderKind k) {
+  switch (k) {
+    case EncoderKind::kVit:
+      return "vit";
+    case EncoderKind::kWhisper:
+      return "whisper";
+  }
+  return "unknown";
+}
+
+const char* to_string(ProjectorKind k) {
+  switch (k) {
+    case ProjectorKind::kLinear:
+      return "linear";
+    case ProjectorKind::kMlp:
+      return "mlp";
+  }
+  return "unknown";
+}
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp32:
+      return "fp32";
+  }
+  return "unknown";
+}
+
+}  // namespace weft

@@ -1,0 +1,139 @@
+// Spec: the parsed, validated configuration of a run. Everything downstream trusts it; all
+// checks happen in parse_spec (core/config.h). Model shape (what a checkpoint fixes) lives in
+// ModelSpec; what a run chooses lives in TrainSpec / DataSpec / OutputSpec / ParallelSpec.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+// Decoder LLM, Llama-style. vocab = 0 means "take it from the tokenizer" (built-in dataset).
+struct LlmSpec {
+  int64_t vocab = 0;
+  int64_t hidden = 128;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t ffn = 384;  // SwiGLU inner width
+  int64_t max_seq = 256;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = true;
+  bool frozen = false;
+
+  int64_t head_dim() const { return hidden / heads; }
+};
+
+enum class EncoderKind { kVit, kWhisper };
+enum class ProjectorKind { kLinear, kMlp };
+
+struct ProjectorSpec {
+  ProjectorKind kind = ProjectorKind::kMlp;
+  bool frozen = false;
+};
+
+// One modality encoder. Fields that do not apply to its kind keep their defaults and are
+// rejected if set in the config (e.g. `patch` on a whisper encoder).
+struct EncoderSpec {
+  std::string name;  // table name under [model], e.g. "vision", "audio"
+  EncoderKind kind = EncoderKind::kVit;
+  int64_t hidden = 128;
+  int64_t layers = 3;
+  int64_t heads = 4;
+  int64_t ffn = 512;  // GELU MLP inner width
+  int64_t feature_layer = -1;  // which block's output feeds the projector; -2 = LLaVA-style
+  double norm_eps = 1e-5;
+  bool frozen = false;
+  // vit
+  int64_t image_size = 64;
+  int64_t channels = 3;
+  int64_t patch = 16;
+  int64_t stem_channels = 0;  // >0: a stride-2 conv stem before the patch embedding
+  // whisper
+  int64_t mels = 40;
+  int64_t frames = 64;  // log-mel frames per clip; tokens = frames / 2
+
+  ProjectorSpec projector;
+
+  // Number of output features (= placeholder tokens) per item.
+  int64_t tokens_per_item() const {
+    return kind == EncoderKind::kVit ? (image_size / patch) * (image_size / patch) : frames / 2;
+  }
+  // Number of blocks actually run (feature_layer resolved against layers).
+  int64_t layers_used() const { return feature_layer < 0 ? layers + 1 + feature_layer : feature_layer; }
+};
+
+struct ModelSpec {
+  LlmSpec llm;
+  std::vector<EncoderSpec> encoders;  // in config order
+};
+
+struct DataSpec {
+  std::string kind = "shapes";  // built-in procedural dataset
+  uint64_t seed = 1234;         // train stream seed; eval uses a disjoint stream
+  int64_t eval_samples = 256;
+  double noise = 0.08;  // pixel noise amplitude
+  bool packing = false;  // pack several samples per row (document-isolated) instead of padding
+};
+
+enum class Precision { kBf16, kFp32 };
+
+struct TrainSpec {
+  int64_t steps = 600;
+  int64_t batch = 64;  // global batch (samples per optimizer step)
+  int64_t microbatches = 1;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 50;
+  double weight_decay = 0.01;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // 0 disables
+  Precision precision = Precision::kBf16;
+  uint64_t seed = 0;  // parameter init seed
+  int64_t log_every = 10;
+  int64_t eval_every = 0;  // 0 = only at the end
+  int64_t checkpoint_every = 0;  // 0 = only at the end
+  int64_t threads = 0;  // 0 = all cores
+};
+
+struct OutputSpec {
+  std::string dir;  // empty = runs/<timestamp>
+  int64_t keep_checkpoints = 2;
+};
+
+// Per-module parallel layout. Only all-ones is runnable until the distributed runtime lands;
+// the Plan carries it so single-process is just the Plan with every size 1.
+struct LayoutSpec {
+  int64_t dp = 1, tp = 1, pp = 1, cp = 1;
+};
+
+struct ParallelSpec {
+  std::map<std::string, LayoutSpec> modules;  // "llm", encoder names
+};
+
+struct Spec {
+  std::string source;  // file the config came from (for messages)
+  ModelSpec model;
+  DataSpec data;
+  TrainSpec train;
+  OutputSpec output;
+  ParallelSpec parallel;
+
+  const EncoderSpec* encoder(const std::string& name) const {
+    for (const auto& e : model.encoders)
+      if (e.name == name) return &e;
+    return nullptr;
+  }
+};
+
+const char* to_string(EncoderKind k);
+const char* to_string(ProjectorKind k);
+const char* to_string(Precision p);
+
+}  // namespace weft

@@ -1,0 +1,43 @@
+// Safetensors: the checkpoint tensor format (https://github.com/huggingface/safetensors).
+// Layout: u64 little-endian header size N, N bytes of JSON header (tensor name -> {dtype, shape,
+// data_offsets}, plus an optional "__metadata__" string map), then the raw data buffer. Saving
+// is atomic (tmp file, fsync, rename); loading validates the whole header and every tensor range
+// before it returns anything, throwing weft::Error naming the file and tensor on any problem.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace weft::io {
+
+// Named tensors in a meaningful order (the order they are written and read back in).
+using TensorMap = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Writes `tensors` (dtypes F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL; CPU, strided; made
+// contiguous) to `path` in the given order, atomically: writes `path + ".tmp"`, fsyncs it, renames
+// it over `path`, then fsyncs the directory. `metadata` goes to "__metadata__". Names must be
+// non-empty, unique and not "__metadata__". Throws weft::Error (naming the tensor where one is to
+// blame) before touching the file system for bad input, and on any I/O failure (no .tmp is left).
+void save_safetensors(const std::string& path, const TensorMap& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+// Everything a safetensors file holds.
+struct SafetensorsFile {
+  TensorMap tensors;  // in data-buffer order (== write order for files from save_safetensors)
+  std::map<std::string, std::string> metadata;
+};
+
+// Reads a whole safetensors file: mmaps it, validates the header and all ranges, and copies each
+// tensor into freshly owned CPU memory (the mapping is gone on return). If `float_dtype` is set
+// (it must be a floating type), floating-point tensors are converted to it; others are kept.
+// Throws weft::Error naming the file (and the tensor, where one is to blame) on malformed input.
+SafetensorsFile load_safetensors(const std::string& path,
+                                 c10::optional<at::ScalarType> float_dtype = c10::nullopt);
+
+}  // namespace weft::io

@@ -1,0 +1,64 @@
+// Modality encoders and projectors. An Encoder maps a batch of items to features
+// [N, tokens_per_item, hidden]; a Projector maps those to the LLM's hidden size.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "weft/core/spec.h"
+#include "weft/model/layers.h"
+
+namespace weft::model {
+
+class Encoder {
+ public:
+  virtual ~Encoder() = default;
+  // inputs: vit [N, C, H, W]; whisper [N, mels, frames] (fp32). Returns compute-dtype features.
+  virtual at::Tensor operator()(const at::Tensor& inputs) const = 0;
+};
+
+// ViT (CLIP/SigLIP-like): optional stride-2 conv stem, conv patch embedding, learned positions,
+// pre-LN, pre-LN GELU blocks; features from block `feature_layer` (LLaVA takes -2).
+class VisionEncoder final : public Encoder {
+ public:
+  VisionEncoder(const Scope& s, const EncoderSpec& spec);
+  at::Tensor operator()(const at::Tensor& images) const override;
+
+ private:
+  EncoderSpec spec_;
+  at::Tensor stem_w_, stem_b_, patch_w_, patch_b_, pos_;
+  LayerNorm pre_ln_;
+  std::vector<EncoderBlock> blocks_;
+};
+
+// Whisper-style: conv1d(k3) + GELU, conv1d(k3, stride 2) + GELU, sinusoidal positions,
+// pre-LN GELU blocks, final LayerNorm.
+class AudioEncoder final : public Encoder {
+ public:
+  AudioEncoder(const Scope& s, const EncoderSpec& spec);
+  at::Tensor operator()(const at::Tensor& mels) const override;
+
+ private:
+  EncoderSpec spec_;
+  at::Tensor conv1_w_, conv1_b_, conv2_w_, conv2_b_, pos_;
+  std::vector<EncoderBlock> blocks_;
+  LayerNorm final_ln_;
+};
+
+std::unique_ptr<Encoder> make_encoder(const Scope& s, const EncoderSpec& spec);
+
+// Linear, or 2-layer MLP with GELU (LLaVA-1.5).
+struct Projector {
+  ProjectorKind kind = ProjectorKind::kMlp;
+  Linear linear;
+  GeluMlp mlp;
+  static Projector make(const Scope& s, const ProjectorSpec& spec, int64_t in, int64_t out);
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+// Fixed sinusoidal position table [length, dim] (Whisper's).
+at::Tensor sinusoids(int64_t length, int64_t dim);
+
+}  // namespace weft::model

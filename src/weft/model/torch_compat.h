@@ -1,0 +1,31 @@
+// The one place where LibTorch 1.13 (Debian) and 2.x (pip, CUDA machines) differ for weft's
+// model code. Include from .cpp files only (it pulls in ATen ops).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+namespace weft::compat {
+
+constexpr bool kHasSdpa = TORCH_VERSION_MAJOR >= 2;
+
+// Attention with a boolean "may attend" mask [B, 1, S, S] (true = visible). q, k, v are
+// [B, H, S, D] with k/v already expanded to H heads. Every row must have a visible key.
+// An undefined mask means every key is visible.
+inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& visible, double scale) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(
+      q, k, v, visible.defined() ? c10::optional<at::Tensor>(visible) : c10::nullopt, 0.0, false,
+      scale);
+#else
+  // Exact masked matmul-softmax; softmax in fp32 whatever the compute dtype.
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat).mul_(scale);
+  if (visible.defined())
+    scores.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor p = at::softmax(scores, -1).to(v.scalar_type());
+  return at::matmul(p, v);
+#endif
+}
+
+}  // namespace weft::compat

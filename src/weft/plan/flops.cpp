@@ -1,0 +1,54 @@
+#include "weft/plan/flops.h"
+
+namespace weft::plan {
+
+double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
+  const double h = static_cast<double>(llm.hidden);
+  const double q = static_cast<double>(llm.head_dim() * llm.heads);
+  const double kv = static_cast<double>(llm.head_dim() * llm.kv_heads);
+  const double f = 3.0, F = static_cast<double>(llm.ffn), L = static_cast<double>(llm.layers);
+  const double per_token = L * (h * (q + 2 * kv) + q * h + f * h * F);
+  const double linear = 2.0 * static_cast<double>(t.tokens) * per_token;
+  const double head = 2.0 * static_cast<double>(t.logit_rows) * h * static_cast<double>(llm.vocab);
+  // QK^T and PV are 2·q·S² each in full; the causal mask halves them: 2·q·L·ΣL_i².
+  const double attention = 2.0 * q * L * t.sum_sq_doc_len;
+  return linear + head + attention;
+}
+
+namespace {
+// Forward FLOPs of one pre-LN transformer block with a GELU MLP over T tokens, full attention.
+double block_flops(double T, double h, double F) {
+  return 2.0 * T * (4.0 * h * h + 2.0 * h * F) + 4.0 * T * T * h;
+}
+}  // namespace
+
+double encoder_forward_flops(const EncoderSpec& e) {
+  const double h = static_cast<double>(e.hidden), F = static_cast<double>(e.ffn);
+  const double T = static_cast<double>(e.tokens_per_item());
+  double stem = 0;
+  if (e.kind == EncoderKind::kVit) {
+    if (e.stem_channels > 0) {
+      const double half = static_cast<double>(e.image_size / 2);
+      const double c = static_cast<double>(e.stem_channels);
+      stem = 2.0 * half * half * c * static_cast<double>(e.channels) * 9.0;
+      const double k = static_cast<double>(e.patch / 2);
+      stem += 2.0 * T * c * k * k * h;
+    } else {
+      const double p = static_cast<double>(e.patch);
+      stem = 2.0 * T * static_cast<double>(e.channels) * p * p * h;
+    }
+  } else {
+    const double frames = static_cast<double>(e.frames);
+    stem = 2.0 * frames * static_cast<double>(e.mels) * h * 3.0 + 2.0 * T * h * h * 3.0;
+  }
+  return stem + static_cast<double>(e.layers_used()) * block_flops(T, h, F);
+}
+
+double projector_forward_flops(const EncoderSpec& e, const LlmSpec& llm) {
+  const double T = static_cast<double>(e.tokens_per_item());
+  const double a = static_cast<double>(e.hidden), b = static_cast<double>(llm.hidden);
+  return e.projector.kind == ProjectorKind::kLinear ? 2.0 * T * a * b
+                                                    : 2.0 * T * (a * b + b * b);
+}
+
+}  // namespace weft::plan

@@ -1,0 +1,31 @@
+// FLOP accounting (Megatron's convention, see REFERENCES.md): forward = 2 FLOPs per
+// multiply-add; a module that computes weight and input gradients costs 3x its forward, one
+// that computes input gradients only 2x, one that runs forward only 1x.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "weft/core/spec.h"
+
+namespace weft::plan {
+
+// Token statistics of one batch for the LLM.
+struct LlmTokens {
+  int64_t tokens = 0;          // real (non-padding) tokens
+  int64_t logit_rows = 0;      // rows on which the output head runs (loss targets)
+  double sum_sq_doc_len = 0;   // Σ_i L_i² over documents (the causal attention term)
+};
+
+double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t);
+// Forward FLOPs of one item (an image or a clip) through the encoder, up to its feature layer.
+double encoder_forward_flops(const EncoderSpec& enc);
+// Forward FLOPs of the projector on one item.
+double projector_forward_flops(const EncoderSpec& enc, const LlmSpec& llm);
+
+// 3 (weights + inputs), 2 (inputs only), 1 (forward only).
+inline double training_multiplier(bool weight_grads, bool input_grads) {
+  return 1.0 + (weight_grads ? 1.0 : 0.0) + (input_grads || weight_grads ? 1.0 : 0.0);
+}
+
+}  // namespace weft::plan

@@ -1,0 +1,89 @@
+#include "weft/train/eval.h"
+
+#include <torch/torch.h>
+
+#include "weft/core/error.h"
+#include "weft/data/collate.h"
+#include "weft/train/inputs.h"
+
+namespace weft::train {
+
+namespace {
+
+// Greedy continuation of a group of prompts of equal length. Returns generated ids per sample.
+std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
+                                           const std::vector<data::Sample>& prompts,
+                                           const data::Tokenizer& tok, int64_t max_new) {
+  data::CollateOptions opts;
+  opts.num_encoders = static_cast<int>(model.spec().encoders.size());
+  opts.pad_id = tok.pad_id();
+  model::Inputs in = to_inputs(data::collate(prompts, opts));
+  const int64_t B = in.tokens.size(0), P = in.tokens.size(1);
+  at::Tensor x = model.embed(in);
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(B));
+  std::vector<bool> done(static_cast<size_t>(B), false);
+  const int64_t max_len = std::min(P + max_new, model.spec().llm.max_seq);
+  for (int64_t len = P; len < max_len; ++len) {
+    in.positions = torch::arange(len, torch::kLong).unsqueeze(0).expand({B, len});
+    in.doc = torch::zeros({B, len}, torch::kInt);
+    if (in.item.size(1) < len)
+      in.item = torch::cat({in.item, torch::full({B, len - in.item.size(1)}, -1, torch::kInt)}, 1);
+    at::Tensor h = model.hidden(x, in);
+    at::Tensor next = model.llm().logits(h.select(1, len - 1)).argmax(-1);  // [B]
+    bool all_done = true;
+    auto acc = next.accessor<int64_t, 1>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (!done[b]) {
+        out[b].push_back(acc[b]);
+        if (acc[b] == tok.eos_id()) done[b] = true;
+      }
+      all_done = all_done && done[b];
+    }
+    if (all_done) break;
+    x = torch::cat({x, model.llm().embed(next.unsqueeze(1))}, 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+EvalResult evaluate_captions(const model::MultimodalModel& model,
+                             const std::vector<data::Sample>& samples,
+                             const data::Tokenizer& tokenizer, int64_t batch,
+                             at::ScalarType compute_dtype) {
+  torch::NoGradGuard no_grad;
+  model::ComputeDtypeGuard dtype(compute_dtype);
+  EvalResult r;
+  int64_t correct = 0;
+  for (size_t begin = 0; begin < samples.size();) {
+    // A group: consecutive samples with the same prompt length, at most `batch`.
+    const int64_t P = samples[begin].prompt_length;
+    std::vector<data::Sample> prompts;
+    size_t end = begin;
+    int64_t max_new = 0;
+    while (end < samples.size() && samples[end].prompt_length == P &&
+           static_cast<int64_t>(prompts.size()) < batch) {
+      data::Sample p = samples[end];
+      WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(p.tokens.size()),
+                 "eval sample ", end, ": prompt length ", P, " out of range");
+      max_new = std::max<int64_t>(max_new, static_cast<int64_t>(p.tokens.size()) - P + 2);
+      p.tokens.resize(P);
+      p.is_target.assign(P, 0);
+      prompts.push_back(std::move(p));
+      ++end;
+    }
+    std::vector<std::vector<int64_t>> gen = generate(model, prompts, tokenizer, max_new);
+    for (size_t i = 0; i < gen.size(); ++i) {
+      const std::string text = tokenizer.decode(gen[i]);
+      const std::string& ref = samples[begin + i].caption;
+      correct += text == ref ? 1 : 0;
+      if (r.examples.size() < 4) r.examples.emplace_back(text, ref);
+    }
+    begin = end;
+  }
+  r.samples = static_cast<int64_t>(samples.size());
+  r.caption_accuracy = r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples) : 0;
+  return r;
+}
+
+}  // namespace weft::train

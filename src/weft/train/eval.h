@@ -1,0 +1,27 @@
+// Caption evaluation: greedy generation from each sample's prompt (BOS + modality
+// placeholders), exact match of the decoded text against the sample's caption.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "weft/data/sample.h"
+#include "weft/data/tokenizer.h"
+#include "weft/model/multimodal.h"
+
+namespace weft::train {
+
+struct EvalResult {
+  double caption_accuracy = 0;
+  int64_t samples = 0;
+  std::vector<std::pair<std::string, std::string>> examples;  // (generated, reference), a few
+};
+
+EvalResult evaluate_captions(const model::MultimodalModel& model,
+                             const std::vector<data::Sample>& samples,
+                             const data::Tokenizer& tokenizer, int64_t batch,
+                             at::ScalarType compute_dtype);
+
+}  // namespace weft::train

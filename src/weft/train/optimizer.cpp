@@ -1,0 +1,87 @@
+#include "weft/train/optimizer.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "weft/core/error.h"
+
+namespace weft::train {
+
+AdamW::AdamW(model::NamedTensors params, AdamWOptions opts)
+    : params_(std::move(params)), opts_(opts) {
+  for (const auto& [name, p] : params_) {
+    exp_avg_.push_back(torch::zeros_like(p));
+    exp_avg_sq_.push_back(torch::zeros_like(p));
+  }
+}
+
+void AdamW::step(double lr) {
+  ++steps_;
+  const double bc1 = 1.0 - std::pow(opts_.beta1, static_cast<double>(steps_));
+  const double bc2 = 1.0 - std::pow(opts_.beta2, static_cast<double>(steps_));
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].second;
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (opts_.weight_decay > 0 && p.dim() >= 2) p.mul_(1.0 - lr * opts_.weight_decay);
+    exp_avg_[i].mul_(opts_.beta1).add_(g, 1.0 - opts_.beta1);
+    exp_avg_sq_[i].mul_(opts_.beta2).addcmul_(g, g, 1.0 - opts_.beta2);
+    at::Tensor denom = (exp_avg_sq_[i] / bc2).sqrt_().add_(opts_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+  }
+}
+
+model::NamedTensors AdamW::state() const {
+  model::NamedTensors out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  auto take = [&](const std::string& key, at::Tensor& dst) {
+    auto it = by_name.find(key);
+    WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
+    WEFT_CHECK(it->second.sizes() == dst.sizes(), "optimizer state: '", key, "' has shape ",
+               it->second.sizes(), ", expected ", dst.sizes());
+    dst.copy_(it->second);
+    by_name.erase(it);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    take("exp_avg." + params_[i].first, exp_avg_[i]);
+    take("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  }
+  WEFT_CHECK(by_name.empty(), "optimizer state: unexpected tensor '",
+             by_name.empty() ? "" : by_name.begin()->first,
+             "' (a checkpoint of another model or freezing setup?)");
+  steps_ = steps;
+}
+
+double lr_at(const TrainSpec& t, int64_t step) {
+  if (t.warmup > 0 && step < t.warmup)
+    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
+  const double span = static_cast<double>(std::max<int64_t>(t.steps - t.warmup, 1));
+  const double progress = std::min(1.0, static_cast<double>(step - t.warmup) / span);
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+double clip_grad_norm(const model::NamedTensors& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  double sq = 0;
+  for (const auto& [name, p] : params)
+    if (p.grad().defined()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+  const double norm = std::sqrt(sq);
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (const auto& [name, p] : params)
+      if (p.grad().defined()) p.grad().mul_(scale);
+  }
+  return norm;
+}
+
+}  // namespace weft::train

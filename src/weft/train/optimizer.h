@@ -1,0 +1,43 @@
+// AdamW over fp32 master parameters, the LR schedule (linear warm-up, cosine decay to min_lr),
+// and global gradient-norm clipping.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "weft/core/spec.h"
+#include "weft/model/layers.h"
+
+namespace weft::train {
+
+struct AdamWOptions {
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.01;
+};
+
+// Owns the moment estimates of `params` (parameters that require grad). Weight decay applies
+// to matrices only (dim >= 2), not to norms and biases. A parameter without a grad this step is
+// left untouched (its moments too).
+class AdamW {
+ public:
+  AdamW(model::NamedTensors params, AdamWOptions opts);
+  void step(double lr);
+  int64_t steps() const { return steps_; }
+  // State as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>") for checkpoints.
+  model::NamedTensors state() const;
+  void load_state(const model::NamedTensors& state, int64_t steps);
+
+ private:
+  model::NamedTensors params_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+  AdamWOptions opts_;
+  int64_t steps_ = 0;
+};
+
+// Learning rate for optimizer step `step` (0-based).
+double lr_at(const TrainSpec& t, int64_t step);
+
+// √(Σ‖g‖²) over all grads (fp32); scales grads by max_norm/norm when above (max_norm > 0).
+double clip_grad_norm(const model::NamedTensors& params, double max_norm);
+
+}  // namespace weft::train

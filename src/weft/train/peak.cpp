@@ -1,0 +1,24 @@
+#include "weft/train/peak.h"
+
+#include <torch/torch.h>
+
+#include "weft/core/progress.h"
+
+namespace weft::train {
+
+double measure_matmul_peak(at::ScalarType dtype, double seconds, int64_t n) {
+  torch::NoGradGuard no_grad;
+  at::Tensor a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+  at::Tensor c = at::mm(a, b);  // warm-up (oneDNN/BLAS kernel selection)
+  double best = 0;
+  const double until = now_seconds() + seconds;
+  do {
+    const double t0 = now_seconds();
+    at::mm_out(c, a, b);
+    const double dt = now_seconds() - t0;
+    best = std::max(best, 2.0 * static_cast<double>(n * n * n) / dt);
+  } while (now_seconds() < until);
+  return best;
+}
+
+}  // namespace weft::train

@@ -1,0 +1,11 @@
+// Measured matmul peak of this machine (the MFU denominator): square matmuls in `dtype`
+// timed for about `seconds`; returns FLOP/s.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+namespace weft::train {
+
+double measure_matmul_peak(at::ScalarType dtype, double seconds = 0.5, int64_t n = 1024);
+
+}  // namespace weft::train

@@ -1,0 +1,53 @@
+// Trainer: executes a Plan for a Spec — the training loop (gradient accumulation over
+// microbatches, clipping, AdamW, LR schedule), metrics, checkpoints, resume and evaluation.
+// A single-process run is the Plan with every size 1; the distributed runtime plugs in here.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "weft/core/spec.h"
+#include "weft/model/multimodal.h"
+#include "weft/plan/plan.h"
+
+namespace weft::train {
+
+struct TrainerOptions {
+  std::string out_dir;     // run directory ("" = runs/<timestamp>)
+  std::string resume_dir;  // continue this run from its newest checkpoint ("" = fresh)
+  bool progress = true;    // progress bar / log lines on stderr
+  double peak_flops = 0;   // MFU denominator; 0 = measure the matmul peak at start
+  bool eval = true;        // caption evaluation at eval_every and at the end
+};
+
+struct Summary {
+  std::string run_dir;
+  int64_t steps = 0;
+  double loss_first = 0, loss_last = 0;
+  double eval_caption_accuracy = -1;  // -1 when not evaluated
+  double tokens_per_second = 0;
+  double mfu = 0;
+  double wall_seconds = 0;   // training wall time of this and earlier (resumed) sessions
+  std::string to_json() const;
+};
+
+class Trainer {
+ public:
+  Trainer(Spec spec, plan::Plan plan, TrainerOptions options);
+  ~Trainer();
+  Summary run();
+
+  // The model being trained (initialised, or loaded from the resumed checkpoint).
+  model::MultimodalModel& model();
+  // Called after the gradients of a step are accumulated, before clipping and the optimizer
+  // (tests use it to inspect or poison gradients).
+  std::function<void(int64_t step)> after_backward;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weft::train
