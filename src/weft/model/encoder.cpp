@@ -29,7 +29,9 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec) : spec_(sp
   const double std = 1.0 / std::sqrt(static_cast<double>(in_ch * kernel * kernel));
   patch_w_ = s.add("patch.weight", init_normal({spec.hidden, in_ch, kernel, kernel}, std));
   patch_b_ = s.add("patch.bias", torch::zeros({spec.hidden}));
-  pos_ = s.add("position", init_normal({spec.tokens_per_item(), spec.hidden}, 0.02));
+  // Learned positions start on the scale of the patch embeddings (not 0.02): where a thing is
+  // in the image must be visible to attention from the first step.
+  pos_ = s.add("position", init_normal({spec.tokens_per_item(), spec.hidden}, 0.5));
   pre_ln_ = LayerNorm::make(s.sub("pre_ln"), spec.hidden, spec.norm_eps);
   blocks_ = make_blocks(s, spec);
 }

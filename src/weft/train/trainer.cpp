@@ -294,12 +294,14 @@ Summary Trainer::run() {
     line["mfu"] = flops / step_seconds / peak;
     metrics << line.dump() << "\n";
     metrics.flush();
-    progress.update(step + 1, loss, static_cast<double>(tokens) / step_seconds, lr);
+    if (m.opts.progress)
+      progress.update(step + 1, loss, static_cast<double>(tokens) / step_seconds, lr);
 
     const bool last = step + 1 == ts.steps;
     if (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0 && !last) {
       EvalResult r = run_eval();
-      progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
+      if (m.opts.progress)
+        progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
                        std::to_string(r.caption_accuracy));
     }
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))

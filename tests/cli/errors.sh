@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Bad input through the real binary: each case must exit non-zero with a message that names
+# the file / key and what was expected — never a crash.
+set -u
+weft=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fail=0
+expect_error() {  # name, expected substring, command...
+  local name=$1 want=$2; shift 2
+  local out rc
+  out=$("$@" 2>&1); rc=$?
+  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
+    echo "FAIL $name: exit status $rc (want a clean non-zero exit)"; echo "$out"; fail=1
+  elif ! grep -qF -- "$want" <<<"$out"; then
+    echo "FAIL $name: message lacks '$want':"; echo "$out"; fail=1
+  else
+    echo "ok   $name: $(grep -F -- "$want" <<<"$out" | head -1)"
+  fi
+}
+printf '[model.llm]\nhidden = = 3\n' > "$tmp/malformed.toml"
+expect_error malformed-toml "malformed.toml: invalid TOML at line 2" "$weft" train "$tmp/malformed.toml"
+expect_error missing-file "$tmp/nope.toml" "$weft" train "$tmp/nope.toml"
+expect_error unknown-key "train.stepz" "$weft" train "$src/configs/tiny-vlm.toml" --set train.stepz=3
+expect_error bad-set "expected section.key=value" "$weft" train "$src/configs/tiny-vlm.toml" --set steps
+expect_error wrong-type "train.steps" "$weft" train "$src/configs/tiny-vlm.toml" --set 'train.steps="many"'
+expect_error heads "model.llm.heads" "$weft" train "$src/configs/tiny-vlm.toml" --set model.llm.heads=3
+expect_error layout "parallel.llm" "$weft" train "$src/configs/tiny-vlm.toml" --set parallel.llm.tp=2
+expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tmp"
+expect_error resume-missing "not a run directory" "$weft" train --resume "$tmp/none"
+out=$("$weft" plan "$src/configs/tiny-vlm.toml") || { echo "FAIL plan: exit $?"; fail=1; }
+grep -q '"name": "vision.projector"' <<<"$out" || { echo "FAIL plan output: $out"; fail=1; }
+[ $fail -eq 0 ] && echo "all CLI error cases passed"
+exit $fail

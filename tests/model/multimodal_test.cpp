@@ -1,0 +1,311 @@
+// MultimodalModel on a tiny two-encoder model: the loss counts target tokens only, features
+// replace placeholder embeddings, placeholder-count errors, frozen modules, parameter names.
+#include "weft/model/multimodal.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <functional>
+#include <initializer_list>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "weft/core/error.h"
+#include "weft/data/collate.h"
+#include "weft/train/inputs.h"
+
+namespace weft::model {
+namespace {
+
+constexpr int64_t kPad = 0, kBos = 1, kImage = 2, kAudio = 3;
+
+ModelSpec tiny_spec() {
+  ModelSpec m;
+  m.llm.vocab = 20;
+  m.llm.hidden = 32;
+  m.llm.layers = 2;
+  m.llm.heads = 4;
+  m.llm.kv_heads = 2;
+  m.llm.ffn = 64;
+  m.llm.max_seq = 32;
+  m.llm.tie_embeddings = false;  // so the embedding gradient shows which rows were looked up
+  EncoderSpec v;
+  v.name = "vision";
+  v.kind = EncoderKind::kVit;
+  v.image_size = 16;
+  v.patch = 8;
+  v.channels = 3;
+  v.hidden = 16;
+  v.layers = 2;
+  v.heads = 2;
+  v.ffn = 32;
+  EncoderSpec a;
+  a.name = "audio";
+  a.kind = EncoderKind::kWhisper;
+  a.mels = 8;
+  a.frames = 8;
+  a.hidden = 16;
+  a.layers = 2;
+  a.heads = 2;
+  a.ffn = 32;
+  a.projector.kind = ProjectorKind::kLinear;
+  m.encoders = {v, a};
+  return m;
+}
+
+data::ModalityItem image_at(int64_t start) {
+  return {0, start, 4, torch::randn({3, 16, 16})};
+}
+data::ModalityItem clip_at(int64_t start) { return {1, start, 4, torch::randn({8, 8})}; }
+
+// Sample 0: <bos> [img×4] 5 6 7, targets 6 7.
+// Sample 1: <bos> [aud×4] [img×4] 8 9 10, targets 9 10.
+std::vector<data::Sample> samples() {
+  data::Sample s0;
+  s0.tokens = {kBos, kImage, kImage, kImage, kImage, 5, 6, 7};
+  s0.is_target = {0, 0, 0, 0, 0, 0, 1, 1};
+  s0.items = {image_at(1)};
+  data::Sample s1;
+  s1.tokens = {kBos, kAudio, kAudio, kAudio, kAudio, kImage, kImage, kImage, kImage, 8, 9, 10};
+  s1.is_target = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+  s1.items = {clip_at(1), image_at(5)};
+  return {s0, s1};
+}
+
+Inputs collate(const std::vector<data::Sample>& s, bool packing) {
+  data::CollateOptions o;
+  o.num_encoders = 2;
+  o.pad_id = kPad;
+  o.packing = packing;
+  o.max_seq = 32;
+  return train::to_inputs(data::collate(s, o));
+}
+
+float loss_of(const MultimodalModel& m, const Inputs& in) {
+  torch::NoGradGuard no_grad;
+  return m.loss_sum(in).item<float>();
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no weft::Error thrown)";
+}
+
+TEST(Multimodal, LossIsCrossEntropyOnTargetTokensOnly) {
+  torch::manual_seed(21);
+  MultimodalModel model(tiny_spec());
+  const Inputs in = collate(samples(), /*packing=*/false);
+  ASSERT_EQ(in.tokens.sizes(), (std::vector<int64_t>{2, 12}));
+
+  at::Tensor loss = model.loss_sum(in);
+  EXPECT_EQ(loss.dim(), 0);
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+
+  torch::NoGradGuard no_grad;
+  at::Tensor h = model.hidden(model.embed(in), in);
+  ASSERT_EQ(h.sizes(), (std::vector<int64_t>{2, 12, 32}));
+  at::Tensor logits = model.llm().logits(h.reshape({24, 32})).to(torch::kDouble);
+  ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{24, 20}));
+  auto L = logits.accessor<double, 2>();
+  // (row of B·S, next token) for every target, written out: row 0 = sample 0 (S = 12),
+  // tokens 5→6 at t=5 and 6→7 at t=6; row 1 = sample 1, 8→9 at t=9 and 9→10 at t=10.
+  const std::vector<std::pair<int64_t, int64_t>> pairs = {{5, 6}, {6, 7}, {12 + 9, 9}, {12 + 10, 10}};
+  double expected = 0;
+  for (const auto& [row, target] : pairs) {
+    double mx = -1e300, z = 0;
+    for (int64_t v = 0; v < 20; ++v) mx = std::max(mx, L[row][v]);
+    for (int64_t v = 0; v < 20; ++v) z += std::exp(L[row][v] - mx);
+    expected += mx + std::log(z) - L[row][target];
+  }
+  EXPECT_NEAR(loss.item<double>(), expected, 1e-5 * expected);
+  // Near-uniform logits at init: each target costs about log(20).
+  EXPECT_NEAR(expected / 4.0, std::log(20.0), 0.5);
+}
+
+// Packing two samples in one row (isolated documents, positions restarting) gives the same loss
+// as padding them into separate rows.
+TEST(Multimodal, PackedLossEqualsPaddedLoss) {
+  torch::manual_seed(22);
+  MultimodalModel model(tiny_spec());
+  const auto s = samples();
+  const Inputs padded = collate(s, false), packed = collate(s, true);
+  ASSERT_EQ(packed.tokens.size(0), 1);
+  EXPECT_NEAR(loss_of(model, packed), loss_of(model, padded), 1e-4);
+}
+
+TEST(Multimodal, FeaturesReplacePlaceholderTokens) {
+  torch::manual_seed(23);
+  MultimodalModel model(tiny_spec());
+  const Inputs in = collate(samples(), false);
+  const float base = loss_of(model, in);
+
+  // Another token id at an image placeholder and at an audio placeholder: bit-identical loss.
+  Inputs placeholder = in;
+  placeholder.tokens = in.tokens.clone();
+  placeholder.tokens[0][2] = 17;
+  placeholder.tokens[1][3] = 17;
+  EXPECT_EQ(loss_of(model, placeholder), base);
+
+  // The same change at a text position does change it (so the check above can fail).
+  Inputs text = in;
+  text.tokens = in.tokens.clone();
+  text.tokens[0][5] = 17;
+  EXPECT_NE(loss_of(model, text), base);
+
+  // A different image changes the loss; so does a different clip.
+  Inputs image = in;
+  image.encoder_inputs = in.encoder_inputs;
+  image.encoder_inputs[0] = in.encoder_inputs[0] + torch::randn_like(in.encoder_inputs[0]);
+  EXPECT_GT(std::abs(loss_of(model, image) - base), 1e-6);
+  Inputs clip = in;
+  clip.encoder_inputs = in.encoder_inputs;
+  clip.encoder_inputs[1] = in.encoder_inputs[1] + torch::randn_like(in.encoder_inputs[1]);
+  EXPECT_GT(std::abs(loss_of(model, clip) - base), 1e-6);
+
+  // A batch without any audio item (undefined input, no rows) runs.
+  const Inputs vision_only = collate({samples()[0]}, false);
+  EXPECT_FALSE(vision_only.encoder_inputs[1].defined());
+  EXPECT_TRUE(std::isfinite(loss_of(model, vision_only)));
+}
+
+TEST(Multimodal, PlaceholderCountMismatchNamesTheEncoder) {
+  torch::manual_seed(24);
+  MultimodalModel model(tiny_spec());
+  const Inputs in = collate(samples(), false);
+  ASSERT_EQ(in.encoder_rows[0].numel(), 8);  // two images × 4 tokens
+
+  Inputs fewer = in;
+  fewer.encoder_rows = in.encoder_rows;
+  fewer.encoder_rows[0] = in.encoder_rows[0].narrow(0, 0, 7);
+  const std::string m1 = error_of([&] { model.loss_sum(fewer); });
+  EXPECT_NE(m1.find("'vision'"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("7 placeholder"), std::string::npos) << m1;
+
+  Inputs no_clip = in;
+  no_clip.encoder_inputs = in.encoder_inputs;
+  no_clip.encoder_inputs[1] = at::Tensor();
+  const std::string m2 = error_of([&] { model.loss_sum(no_clip); });
+  EXPECT_NE(m2.find("'audio'"), std::string::npos) << m2;
+
+  Inputs one_encoder = in;
+  one_encoder.encoder_inputs = {in.encoder_inputs[0]};
+  one_encoder.encoder_rows = {in.encoder_rows[0]};
+  EXPECT_THROW(model.loss_sum(one_encoder), Error);
+}
+
+TEST(Multimodal, FrozenModuleGetsNoGradientsOthersDo) {
+  torch::manual_seed(25);
+  MultimodalModel model(tiny_spec());
+  model.set_trainable("vision", false);
+  const Inputs in = collate(samples(), false);
+  model.loss_sum(in).backward();
+  int64_t frozen = 0, trained = 0;
+  for (const auto& [name, p] : model.parameters()) {
+    if (MultimodalModel::module_of(name) == "vision") {
+      EXPECT_FALSE(p.requires_grad()) << name;
+      EXPECT_FALSE(p.grad().defined()) << name;
+      ++frozen;
+    } else {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_EQ(p.grad().scalar_type(), torch::kFloat) << name;
+      ++trained;
+    }
+  }
+  EXPECT_GT(frozen, 0);
+  EXPECT_GT(trained, 0);
+  // The projector right after the frozen encoder still learns.
+  bool projector_moved = false;
+  for (const auto& [name, p] : model.parameters())
+    if (name.rfind("vision.projector.", 0) == 0 && p.grad().abs().sum().item<double>() > 0)
+      projector_moved = true;
+  EXPECT_TRUE(projector_moved);
+  EXPECT_THROW(model.set_trainable("visoin", false), Error);
+}
+
+TEST(Multimodal, FrozenEncoderAndProjectorRecordNoGraph) {
+  torch::manual_seed(26);
+  MultimodalModel model(tiny_spec());
+  for (const char* m : {"audio", "audio.projector"}) model.set_trainable(m, false);
+  const Inputs in = collate(samples(), false);
+  model.loss_sum(in).backward();
+  for (const auto& [name, p] : model.parameters()) {
+    const std::string mod = MultimodalModel::module_of(name);
+    if (mod == "audio" || mod == "audio.projector")
+      EXPECT_FALSE(p.grad().defined()) << name;
+    else
+      EXPECT_TRUE(p.grad().defined()) << name;
+  }
+  // The loss still backprops into the LLM; the embedding rows of placeholder tokens get no
+  // gradient (features replaced them), the rows of text tokens do.
+  at::Tensor g;
+  for (const auto& [name, p] : model.parameters())
+    if (name == "llm.embedding") g = p.grad();
+  ASSERT_TRUE(g.defined());
+  EXPECT_EQ(g[kImage].abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(g[kAudio].abs().sum().item<double>(), 0.0);
+  EXPECT_GT(g[kBos].abs().sum().item<double>(), 0.0);
+  EXPECT_GT(g[5].abs().sum().item<double>(), 0.0);
+
+  // With every module frozen, no autograd graph exists at all: the embeddings, with the audio
+  // and image features scattered in, and the loss do not require grad.
+  for (const char* m : {"vision", "vision.projector", "llm"}) model.set_trainable(m, false);
+  at::Tensor x = model.embed(in);
+  EXPECT_FALSE(x.requires_grad());
+  EXPECT_FALSE(model.loss_sum(in).requires_grad());
+  // Unfreezing only the vision projector brings a graph back.
+  model.set_trainable("vision.projector", true);
+  EXPECT_TRUE(model.embed(in).requires_grad());
+}
+
+TEST(Multimodal, FrozenFlagsInTheSpecApply) {
+  ModelSpec spec = tiny_spec();
+  spec.encoders[0].frozen = true;
+  spec.encoders[1].projector.frozen = true;
+  spec.llm.frozen = true;
+  torch::manual_seed(27);
+  MultimodalModel model(spec);
+  for (const auto& [name, p] : model.parameters()) {
+    const std::string mod = MultimodalModel::module_of(name);
+    const bool trainable = mod == "vision.projector" || mod == "audio";
+    EXPECT_EQ(p.requires_grad(), trainable) << name;
+  }
+}
+
+TEST(Multimodal, ParameterNamesFollowModules) {
+  torch::manual_seed(28);
+  MultimodalModel model(tiny_spec());
+  std::vector<std::string> order;  // modules in order of first appearance
+  std::set<std::string> names;
+  for (const auto& [name, p] : model.parameters()) {
+    names.insert(name);
+    const std::string mod = MultimodalModel::module_of(name);
+    EXPECT_EQ(name.rfind(mod + ".", 0), 0u) << name << " → " << mod;
+    if (order.empty() || order.back() != mod) order.push_back(mod);
+    EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"vision", "vision.projector", "audio",
+                                             "audio.projector", "llm"}));
+  for (const char* n :
+       {"llm.embedding", "llm.head", "llm.layers.1.attn.qkv.weight", "llm.layers.0.mlp.down.weight",
+        "llm.final_norm.weight", "vision.patch.weight", "vision.position",
+        "vision.layers.1.mlp.fc1.weight", "vision.projector.fc1.weight",
+        "vision.projector.fc2.bias", "audio.conv1.weight", "audio.final_ln.weight",
+        "audio.projector.linear.weight"})
+    EXPECT_TRUE(names.count(n)) << n;
+
+  EXPECT_EQ(MultimodalModel::module_of("llm.layers.0.attn.qkv.weight"), "llm");
+  EXPECT_EQ(MultimodalModel::module_of("vision.layers.0.attn.qkv.weight"), "vision");
+  EXPECT_EQ(MultimodalModel::module_of("vision.projector.fc1.weight"), "vision.projector");
+  EXPECT_EQ(MultimodalModel::module_of("audio.projector.linear.bias"), "audio.projector");
+  EXPECT_EQ(MultimodalModel::module_of("audio.conv1.weight"), "audio");
+}
+
+}  // namespace
+}  // namespace weft::model

@@ -1,0 +1,228 @@
+// Trainer behaviour on a tiny model: freezing, exact resume, divergence errors, checkpoints.
+#include "weft/train/trainer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "weft/core/config.h"
+#include "weft/core/error.h"
+#include "weft/io/checkpoint.h"
+#include "weft/plan/plan.h"
+
+namespace fs = std::filesystem;
+
+namespace weft::train {
+namespace {
+
+constexpr const char* kTiny = R"(
+[model.llm]
+hidden = 32
+layers = 2
+heads = 4
+kv_heads = 2
+ffn = 64
+max_seq = 32
+[model.vision]
+kind = "vit"
+image_size = 32
+patch = 8
+stem_channels = 8
+hidden = 32
+layers = 2
+heads = 2
+ffn = 64
+[data]
+eval_samples = 16
+[train]
+steps = 6
+batch = 8
+microbatches = 2
+warmup = 2
+lr = 3e-3
+precision = "fp32"
+log_every = 1
+)";
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() /
+               ("weft_trainer_test_" + std::to_string(::getpid()) + "_" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+Spec tiny_spec(const std::vector<std::string>& sets = {}) { return parse_spec(kTiny, "tiny", sets); }
+
+TrainerOptions quiet_options(const fs::path& out) {
+  TrainerOptions o;
+  o.out_dir = out.string();
+  o.progress = false;
+  o.peak_flops = 1e12;  // skip measuring the peak
+  o.eval = false;
+  return o;
+}
+
+std::map<std::string, at::Tensor> snapshot(model::MultimodalModel& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, p] : m.parameters()) out[name] = p.detach().clone();
+  return out;
+}
+
+std::vector<double> losses(const fs::path& run) {
+  std::vector<double> out;
+  std::ifstream in(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("\"loss\":");
+    out.push_back(std::stod(line.substr(at + 7)));
+  }
+  return out;
+}
+
+// Runs a spec and checks which modules changed: frozen ones must be bit-identical and hold no
+// gradient storage; all others must have moved.
+void check_frozen(const std::vector<std::string>& sets, const std::vector<std::string>& frozen) {
+  Spec spec = tiny_spec(sets);
+  Trainer t(spec, plan::make_plan(spec), quiet_options(temp_dir("frozen")));
+  auto before = snapshot(t.model());
+  t.run();
+  for (const auto& [name, p] : t.model().parameters()) {
+    const std::string module = model::MultimodalModel::module_of(name);
+    const bool is_frozen = std::find(frozen.begin(), frozen.end(), module) != frozen.end();
+    EXPECT_FALSE(p.grad().defined()) << name;  // grads are released after every step
+    if (is_frozen) {
+      EXPECT_FALSE(p.requires_grad()) << name;
+      EXPECT_TRUE(torch::equal(p, before[name])) << name << " changed although frozen";
+    } else {
+      EXPECT_FALSE(torch::equal(p, before[name])) << name << " did not train";
+    }
+  }
+}
+
+TEST(Trainer, FrozenEncoderStaysBitIdentical) {
+  check_frozen({"model.vision.frozen=true"}, {"vision"});
+}
+
+TEST(Trainer, FrozenEncoderAndProjectorStayBitIdentical) {
+  check_frozen({"model.vision.frozen=true", "model.vision.projector.frozen=true"},
+               {"vision", "vision.projector"});
+}
+
+TEST(Trainer, FrozenLlmStillTrainsTheEncoderThroughIt) {
+  check_frozen({"model.llm.frozen=true"}, {"llm"});
+}
+
+TEST(Trainer, FrozenModulesGetNoOptimizerState) {
+  Spec spec = tiny_spec({"model.vision.frozen=true", "train.steps=1", "train.warmup=0"});
+  const fs::path out = temp_dir("frozen_state");
+  Trainer(spec, plan::make_plan(spec), quiet_options(out)).run();
+  io::Checkpoint c = io::load_checkpoint(io::latest_checkpoint(out.string()));
+  for (const auto& [name, t] : c.optimizer)
+    EXPECT_EQ(name.find(".vision."), std::string::npos) << name;
+  EXPECT_FALSE(c.optimizer.empty());
+}
+
+// fp32: 12 straight steps == 6 steps, a crash, and a resume for the remaining 6 — bitwise.
+TEST(Trainer, ResumeIsBitwiseExact) {
+  const std::vector<std::string> sets = {"train.steps=12", "train.checkpoint_every=6"};
+  const fs::path straight = temp_dir("straight"), resumed = temp_dir("resumed");
+  Spec spec = tiny_spec(sets);
+  Trainer a(spec, plan::make_plan(spec), quiet_options(straight));
+  a.run();
+
+  {
+    Trainer b(spec, plan::make_plan(spec), quiet_options(resumed));
+    b.after_backward = [](int64_t step) {
+      if (step == 8) throw std::runtime_error("simulated crash");
+    };
+    EXPECT_THROW(b.run(), std::runtime_error);
+  }
+  ASSERT_NE(io::latest_checkpoint(resumed.string()), "");
+  TrainerOptions o = quiet_options(resumed);
+  o.resume_dir = resumed.string();
+  Trainer c(load_spec((resumed / "config.toml").string()), plan::make_plan(spec), o);
+  c.run();
+
+  for (size_t i = 0; i < a.model().parameters().size(); ++i) {
+    const auto& [name, pa] = a.model().parameters()[i];
+    EXPECT_TRUE(torch::equal(pa, c.model().parameters()[i].second)) << name;
+  }
+  const std::vector<double> la = losses(straight), lc = losses(resumed);
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(lc.size(), 12u);  // metrics after the checkpoint were rewritten, not duplicated
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
+}
+
+TEST(Trainer, NanLossIsAClearError) {
+  Spec spec = tiny_spec();
+  Trainer t(spec, plan::make_plan(spec), quiet_options(temp_dir("nan")));
+  {
+    torch::NoGradGuard g;
+    t.model().parameters().front().second.fill_(NAN);
+  }
+  try {
+    t.run();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 1: loss is nan"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, NonFiniteGradientNamesTheModule) {
+  Spec spec = tiny_spec();
+  Trainer t(spec, plan::make_plan(spec), quiet_options(temp_dir("nangrad")));
+  t.after_backward = [&t](int64_t step) {
+    for (const auto& [name, p] : t.model().parameters())
+      if (name == "vision.projector.fc1.weight") p.mutable_grad().view(-1)[0] = INFINITY;
+  };
+  try {
+    t.run();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("module 'vision.projector'"), std::string::npos) << what;
+  }
+}
+
+TEST(Trainer, WritesRunDirectory) {
+  const fs::path out = temp_dir("rundir");
+  Spec spec = tiny_spec({"train.steps=3", "train.checkpoint_every=1", "output.keep_checkpoints=2"});
+  TrainerOptions o = quiet_options(out);
+  o.eval = true;
+  Summary s = Trainer(spec, plan::make_plan(spec), o).run();
+  EXPECT_EQ(s.steps, 3);
+  EXPECT_GE(s.eval_caption_accuracy, 0.0);
+  EXPECT_GT(s.tokens_per_second, 0.0);
+  for (const char* f : {"config.toml", "plan.json", "metrics.jsonl", "summary.json"})
+    EXPECT_TRUE(fs::exists(out / f)) << f;
+  EXPECT_EQ(losses(out).size(), 3u);
+  // keep-last-2: steps 2 and 3 remain.
+  EXPECT_FALSE(fs::exists(out / "checkpoints/step_00000001"));
+  EXPECT_TRUE(fs::exists(out / "checkpoints/step_00000002/model.safetensors"));
+  EXPECT_EQ(io::latest_checkpoint(out.string()), (out / "checkpoints/step_00000003").string());
+  // An interrupted save (a leftover temporary directory) is never taken for a checkpoint.
+  fs::create_directories(out / "checkpoints/.tmp-step_00000009");
+  fs::create_directories(out / "checkpoints/step_00000010");  // no state.json: incomplete
+  EXPECT_EQ(io::latest_checkpoint(out.string()), (out / "checkpoints/step_00000003").string());
+}
+
+TEST(Trainer, ResumeRejectsAnotherModel) {
+  const fs::path out = temp_dir("othermodel");
+  Spec spec = tiny_spec({"train.steps=1", "train.warmup=0"});
+  Trainer(spec, plan::make_plan(spec), quiet_options(out)).run();
+  Spec other = tiny_spec({"train.steps=2", "model.llm.ffn=48"});
+  TrainerOptions o = quiet_options(out);
+  o.resume_dir = out.string();
+  try {
+    Trainer t(other, plan::make_plan(other), o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("llm.layers.0.mlp"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace weft::train
