@@ -18,9 +18,10 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
               const std::string& out, const std::string& resume, bool quiet) {
   std::string path = config;
   if (!resume.empty()) {
-    WEFT_CHECK(std::filesystem::is_directory(resume), "--resume ", resume,
-               ": not a run directory");
+    WEFT_CHECK(std::filesystem::is_directory(resume), "--resume ", resume, ": not a run directory");
     if (path.empty()) path = (std::filesystem::path(resume) / "config.toml").string();
+    WEFT_CHECK(std::filesystem::exists(path), "--resume ", resume,
+               ": not a weft run directory (no config.toml)");
   }
   WEFT_CHECK(!path.empty(), "weft train: give a CONFIG file (or --resume RUN_DIR)");
   weft::Spec spec = weft::load_spec(path, sets);
@@ -32,8 +33,7 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);
   weft::train::Summary s = trainer.run();
   std::printf("steps %lld  loss %.4f -> %.4f  eval caption accuracy %.3f\n",
-              static_cast<long long>(s.steps), s.loss_first, s.loss_last,
-              s.eval_caption_accuracy);
+              static_cast<long long>(s.steps), s.loss_first, s.loss_last, s.eval_caption_accuracy);
   std::printf("%.0f tokens/s  MFU %.1f%%  wall %.1f s\n", s.tokens_per_second, 100.0 * s.mfu,
               s.wall_seconds);
   std::printf("run directory: %s\n", s.run_dir.c_str());
@@ -59,8 +59,9 @@ int main(int argc, char** argv) {
   train->add_option("config", config, "config file (TOML)");
   train->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
   train->add_option("--out", out, "run directory (default: runs/<timestamp>)");
-  train->add_option("--resume", resume, "continue the run in this directory from its newest "
-                                        "checkpoint");
+  train->add_option("--resume", resume,
+                    "continue the run in this directory from its newest "
+                    "checkpoint");
   train->add_flag("--quiet", quiet, "no progress output");
 
   CLI::App* plan = app.add_subcommand("plan", "print the Plan a config resolves to (JSON)");

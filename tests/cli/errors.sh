@@ -25,7 +25,9 @@ expect_error bad-set "expected section.key=value" "$weft" train "$src/configs/ti
 expect_error wrong-type "train.steps" "$weft" train "$src/configs/tiny-vlm.toml" --set 'train.steps="many"'
 expect_error heads "model.llm.heads" "$weft" train "$src/configs/tiny-vlm.toml" --set model.llm.heads=3
 expect_error layout "parallel.llm" "$weft" train "$src/configs/tiny-vlm.toml" --set parallel.llm.tp=2
-expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tmp"
+expect_error resume-empty "not a weft run directory (no config.toml)" "$weft" train --resume "$tmp"
+mkdir -p "$tmp/run" && cp "$src/configs/tiny-vlm.toml" "$tmp/run/config.toml"
+expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tmp/run"
 expect_error resume-missing "not a run directory" "$weft" train --resume "$tmp/none"
 out=$("$weft" plan "$src/configs/tiny-vlm.toml") || { echo "FAIL plan: exit $?"; fail=1; }
 grep -q '"name": "vision.projector"' <<<"$out" || { echo "FAIL plan output: $out"; fail=1; }

@@ -28,7 +28,7 @@ for _ in $(seq 600); do
 done
 kill -9 $pid; wait $pid 2>/dev/null
 echo "killed after $(ls "$tmp/long/checkpoints")"
-"$weft" train --resume "$tmp/long" "${small[@]}" --set train.steps=12 > "$tmp/resume.log" 2>&1 \
+"$weft" train --resume "$tmp/long" "${small[@]}" --set train.steps=12 --set train.warmup=1 > "$tmp/resume.log" 2>&1 \
   || { cat "$tmp/resume.log"; die "resume failed"; }
 grep -q '"resumed_from_step": [1-9]' "$tmp/long/summary.json" || die "summary does not show the resume"
 [ "$(wc -l < "$tmp/long/metrics.jsonl")" -eq 12 ] || die "metrics.jsonl should have 12 lines"

@@ -733,6 +733,12 @@ TEST(Config, EncoderShapes) {
                   .model.encoders[0]
                   .patch == 5);
   EXPECT_TRUE(set_fails_with("model.audio.frames=31", {"model.audio.frames = 31: must be even"}));
+  EXPECT_TRUE(fails_with(
+      kFull, {"model.vision.patch=8", "model.vision.stem_layers=4"},
+      {"model.vision.patch = 8: must be divisible by 16", "each of the 4 stem layers halves"}));
+  EXPECT_TRUE(
+      set_fails_with("model.vision.stem_layers=0", {"model.vision.stem_layers = 0: must be > 0"}));
+  EXPECT_TRUE(set_fails_with("model.audio.stem_layers=2", {"model.audio.stem_layers"}));
 }
 
 TEST(Config, FeatureLayer) {

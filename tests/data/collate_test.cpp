@@ -63,17 +63,17 @@ TEST(Collate, PaddedOneSamplePerRow) {
   EXPECT_EQ(mb.doc.scalar_type(), torch::kInt);
   EXPECT_EQ(mb.item.scalar_type(), torch::kInt);
   EXPECT_EQ(rows_of(mb.tokens), (Rows{{1, 2, 2, 5, 6, 0},  //
-                                     {1, 7, 8, 0, 0, 0},
-                                     {1, 2, 2, 3, 3, 9}}));
+                                      {1, 7, 8, 0, 0, 0},
+                                      {1, 2, 2, 3, 3, 9}}));
   EXPECT_EQ(rows_of(mb.positions), (Rows{{0, 1, 2, 3, 4, 0},  //
-                                        {0, 1, 2, 0, 0, 0},
-                                        {0, 1, 2, 3, 4, 5}}));
+                                         {0, 1, 2, 0, 0, 0},
+                                         {0, 1, 2, 3, 4, 5}}));
   EXPECT_EQ(rows_of(mb.doc), (Rows{{0, 0, 0, 0, 0, -1},  //
-                                  {0, 0, 0, -1, -1, -1},
-                                  {0, 0, 0, 0, 0, 0}}));
+                                   {0, 0, 0, -1, -1, -1},
+                                   {0, 0, 0, 0, 0, 0}}));
   EXPECT_EQ(rows_of(mb.item), (Rows{{-1, 0, 0, -1, -1, -1},  //
-                                   {-1, -1, -1, -1, -1, -1},
-                                   {-1, 0, 0, 1, 1, -1}}));
+                                    {-1, -1, -1, -1, -1, -1},
+                                    {-1, 0, 0, 1, 1, -1}}));
   // Row r·S + t predicts token t+1 when that token is a target (S = 6).
   EXPECT_EQ(vec_of(mb.target_rows), (std::vector<int64_t>{2, 3, 6 + 1, 12 + 4}));
   EXPECT_EQ(vec_of(mb.targets), (std::vector<int64_t>{5, 6, 8, 9}));
@@ -95,14 +95,14 @@ TEST(Collate, PackedDocumentsRestartPositionsAndKeepItemIdsUnique) {
   EXPECT_EQ(mb.real_tokens, 14);
   EXPECT_EQ(mb.sum_sq_doc_len, 70.0);
   EXPECT_EQ(rows_of(mb.tokens), (Rows{{1, 2, 2, 5, 6, 1, 2, 2, 3, 3, 9},  //
-                                     {1, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0}}));
+                                      {1, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0}}));
   EXPECT_EQ(rows_of(mb.positions), (Rows{{0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5},  //
-                                        {0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0}}));
+                                         {0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0}}));
   EXPECT_EQ(rows_of(mb.doc), (Rows{{0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1},  //
-                                  {0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1}}));
+                                   {0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1}}));
   // A's image is item 0, C's image and clip are items 1 and 2: unique within the row.
   EXPECT_EQ(rows_of(mb.item), (Rows{{-1, 0, 0, -1, -1, -1, 1, 1, 2, 2, -1},  //
-                                   {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1}}));
+                                    {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1}}));
   // S = 11: A's targets at rows 2, 3; C (offset 5) predicts 9 from t=4 → 9; B in row 1 → 11 + 1.
   EXPECT_EQ(vec_of(mb.target_rows), (std::vector<int64_t>{2, 3, 9, 12}));
   EXPECT_EQ(vec_of(mb.targets), (std::vector<int64_t>{5, 6, 9, 8}));

@@ -61,8 +61,9 @@ at::Tensor naive_rope(const at::Tensor& x, const at::Tensor& positions, double t
     for (int64_t s = 0; s < S; ++s)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < half; ++i) {
-          const double angle = static_cast<double>(P[b][s]) *
-                               std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+          const double angle =
+              static_cast<double>(P[b][s]) *
+              std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
           const double c = std::cos(angle), sn = std::sin(angle);
           const double a = X[b][s][h][i], bb = X[b][s][h][i + half];
           Y[b][s][h][i] = a * c - bb * sn;
@@ -108,7 +109,8 @@ TEST(Layers, RopeRotatesPairsHalfApartAtArbitraryPositions) {
   const int64_t B = 2, S = 5, H = 3, D = 8;
   const double theta = 500.0;
   // Non-contiguous, repeated and out-of-order positions (as in packed / CP-split rows).
-  at::Tensor positions = torch::tensor({0, 7, 3, 3, 250, 1, 0, 42, 9, 2}, torch::kLong).view({B, S});
+  at::Tensor positions =
+      torch::tensor({0, 7, 3, 3, 250, 1, 0, 42, 9, 2}, torch::kLong).view({B, S});
   at::Tensor x = torch::randn({B, S, H, D});
   Rope rope = Rope::make(positions, D, theta);
   EXPECT_EQ(rope.cos.sizes(), (std::vector<int64_t>{B, S, 1, D}));
@@ -296,8 +298,8 @@ TEST(Layers, GeluMlpMatchesDefinition) {
   GeluMlp mlp = GeluMlp::make(Scope{&ps, "p"}, in, F, out, 0.02);
   std::vector<std::string> names;
   for (const auto& [n, _] : ps.all()) names.push_back(n);
-  EXPECT_EQ(names, (std::vector<std::string>{"p.fc1.weight", "p.fc1.bias", "p.fc2.weight",
-                                             "p.fc2.bias"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"p.fc1.weight", "p.fc1.bias", "p.fc2.weight", "p.fc2.bias"}));
   for (const auto& [n, p] : ps.all()) fill(p, 0.5);
   at::Tensor x = torch::randn({7, in});
   at::Tensor y = mlp(x);

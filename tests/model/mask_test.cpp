@@ -59,26 +59,28 @@ void expect_grid(const std::vector<TokenDesc>& t, const Grid& expected) {
 
 TEST(Mask, TextIsCausal) {
   const auto t = tokens({{0, -1}, {0, -1}, {0, -1}, {0, -1}});
-  expect_grid(t, {
-      "1...",
-      "11..",
-      "111.",
-      "1111",
-  });
+  const Grid expected = {
+      "1...",  // q=0
+      "11..",  // q=1
+      "111.",  // q=2
+      "1111",  // q=3
+  };
+  expect_grid(t, expected);
 }
 
 // text, image (3 tokens), text, text: the image sees the text before it and all of itself,
 // never the text after it; text after the image sees the whole image causally.
 TEST(Mask, ImageSpanIsBidirectionalWithinItselfOnly) {
   const auto t = tokens({{0, -1}, {0, 0}, {0, 0}, {0, 0}, {0, -1}, {0, -1}});
-  expect_grid(t, {
-      "1.....",
-      "1111..",
-      "1111..",
-      "1111..",
-      "11111.",
-      "111111",
-  });
+  const Grid expected = {
+      "1.....",  // q=0
+      "1111..",  // q=1
+      "1111..",  // q=2
+      "1111..",  // q=3
+      "11111.",  // q=4
+      "111111",  // q=5
+  };
+  expect_grid(t, expected);
 }
 
 // text, image A (2), text, image B (2), text. The rule is "causal, or same item": B's tokens see
@@ -87,37 +89,38 @@ TEST(Mask, ImageSpanIsBidirectionalWithinItselfOnly) {
 // B (nor the text between them), although A and B are both images of the same modality.
 TEST(Mask, TwoImagesInOneRowAreIsolatedBeyondCausality) {
   const auto t = tokens({{0, -1}, {0, 0}, {0, 0}, {0, -1}, {0, 1}, {0, 1}, {0, -1}});
-  expect_grid(t, {
-      "1......",
-      "111....",
-      "111....",
-      "1111...",
-      "111111.",
-      "111111.",
-      "1111111",
-  });
+  const Grid expected = {
+      "1......",  // q=0
+      "111....",  // q=1
+      "111....",  // q=2
+      "1111...",  // q=3
+      "111111.",  // q=4
+      "111111.",  // q=5
+      "1111111",  // q=6
+  };
+  expect_grid(t, expected);
 }
 
 // Two packed documents: [text, img, img] and [img, img, text]. Nothing crosses the boundary,
 // also not when both documents reuse the same item id (the document check comes first).
 TEST(Mask, PackedDocumentsNeverSeeEachOther) {
   const Grid expected = {
-      "1.....",
-      "111...",
-      "111...",
-      "...11.",
-      "...11.",
-      "...111",
+      "1.....",  // q=0
+      "111...",  // q=1
+      "111...",  // q=2
+      "...11.",  // q=3
+      "...11.",  // q=4
+      "...111",  // q=5
   };
   expect_grid(tokens({{0, -1}, {0, 0}, {0, 0}, {1, 1}, {1, 1}, {1, -1}}), expected);
   expect_grid(tokens({{0, -1}, {0, 0}, {0, 0}, {1, 0}, {1, 0}, {1, -1}}), expected);
   // Text only: the second document's causal triangle restarts at its first token.
   const Grid text_only = {
-      "1....",
-      "11...",
-      "..1..",
-      "..11.",
-      "..111",
+      "1....",  // q=0
+      "11...",  // q=1
+      "..1..",  // q=2
+      "..11.",  // q=3
+      "..111",  // q=4
   };
   expect_grid(tokens({{0, -1}, {0, -1}, {1, -1}, {1, -1}, {1, -1}}), text_only);
 }
@@ -126,14 +129,15 @@ TEST(Mask, PackedDocumentsNeverSeeEachOther) {
 // padding token that (wrongly) carries the same item id as a real image.
 TEST(Mask, PaddingSeesOnlyItselfAndIsSeenByNobody) {
   const auto t = tokens({{0, -1}, {0, 0}, {0, 0}, {-1, -1}, {-1, -1}, {-1, 0}});
-  expect_grid(t, {
-      "1.....",
-      "111...",
-      "111...",
-      "...1..",
-      "....1.",
-      ".....1",
-  });
+  const Grid expected = {
+      "1.....",  // q=0
+      "111...",  // q=1
+      "111...",  // q=2
+      "...1..",  // q=3
+      "....1.",  // q=4
+      ".....1",  // q=5
+  };
+  expect_grid(t, expected);
 }
 
 TEST(Mask, DenseMaskEqualsVisibleOnRandomDescriptors) {

@@ -56,9 +56,7 @@ ModelSpec tiny_spec() {
   return m;
 }
 
-data::ModalityItem image_at(int64_t start) {
-  return {0, start, 4, torch::randn({3, 16, 16})};
-}
+data::ModalityItem image_at(int64_t start) { return {0, start, 4, torch::randn({3, 16, 16})}; }
 data::ModalityItem clip_at(int64_t start) { return {1, start, 4, torch::randn({8, 8})}; }
 
 // Sample 0: <bos> [img×4] 5 6 7, targets 6 7.
@@ -116,7 +114,8 @@ TEST(Multimodal, LossIsCrossEntropyOnTargetTokensOnly) {
   auto L = logits.accessor<double, 2>();
   // (row of B·S, next token) for every target, written out: row 0 = sample 0 (S = 12),
   // tokens 5→6 at t=5 and 6→7 at t=6; row 1 = sample 1, 8→9 at t=9 and 9→10 at t=10.
-  const std::vector<std::pair<int64_t, int64_t>> pairs = {{5, 6}, {6, 7}, {12 + 9, 9}, {12 + 10, 10}};
+  const std::vector<std::pair<int64_t, int64_t>> pairs = {
+      {5, 6}, {6, 7}, {12 + 9, 9}, {12 + 10, 10}};
   double expected = 0;
   for (const auto& [row, target] : pairs) {
     double mx = -1e300, z = 0;

@@ -185,8 +185,8 @@ TEST(Flops, LlmForwardMatchesReferenceFormula) {
   //   = 60·[2·(8192 + 4096 + 24576) + 6400] + 39936
   //   = 60·80128 + 39936 = 4807680 + 39936 = 4847616.
   // Forward is one third of it (2 of the 6): 1615872.
-  const double training = 6.0 * 10 * (2 * (64 * (64 + 64) + 64 * 64 + 3 * 64 * 128) + 64 * 100) +
-                          6.0 * 64 * 2 * 52;
+  const double training =
+      6.0 * 10 * (2 * (64 * (64 + 64) + 64 * 64 + 3 * 64 * 128) + 64 * 100) + 6.0 * 64 * 2 * 52;
   ASSERT_EQ(training, 4847616.0);
   LlmTokens t;
   t.tokens = 10;

@@ -41,7 +41,8 @@ constexpr std::string_view kLlmKeys[] = {
     "max_seq", "rope_theta", "norm_eps", "tie_embeddings", "frozen"};
 constexpr std::string_view kEncoderCommonKeys[] = {
     "kind", "hidden", "layers", "heads", "ffn", "feature_layer", "norm_eps", "frozen", "projector"};
-constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "stem_channels"};
+constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "stem_channels",
+                                         "stem_layers"};
 constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
 constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
@@ -342,6 +343,7 @@ void read_encoder(const Section& s, EncoderSpec* e) {
     s.count("channels", &e->channels);
     s.count("patch", &e->patch);
     s.count("stem_channels", &e->stem_channels, /*positive=*/false);
+    s.count("stem_layers", &e->stem_layers);
   } else {
     s.count("mels", &e->mels);
     s.count("frames", &e->frames);
@@ -363,9 +365,16 @@ void read_encoder(const Section& s, EncoderSpec* e) {
     if (e->image_size % e->patch != 0)
       s.fail_value("patch", std::to_string(e->patch),
                    "image_size (" + std::to_string(e->image_size) + ") must be divisible by patch");
-    if (e->stem_channels > 0 && e->patch % 2 != 0)
+    const int64_t stem_stride = int64_t{1} << std::min<int64_t>(e->stem_layers, 20);
+    if (e->stem_channels > 0 && e->patch % stem_stride != 0)
       s.fail_value("patch", std::to_string(e->patch),
-                   "must be even when stem_channels > 0 (the stem halves the resolution)");
+                   e->stem_layers == 1
+                       ? std::string("must be even when stem_channels > 0 (the stem halves the "
+                                     "resolution)")
+                       : "must be divisible by " + std::to_string(stem_stride) +
+                             " when stem_channels > 0 (each of the " +
+                             std::to_string(e->stem_layers) +
+                             " stem layers halves the resolution)");
   } else if (e->frames % 2 != 0) {
     s.fail_value("frames", std::to_string(e->frames),
                  "must be even (the conv front end halves it)");
@@ -617,6 +626,7 @@ std::string spec_to_toml(const Spec& spec) {
       w.put("channels", e.channels);
       w.put("patch", e.patch);
       w.put("stem_channels", e.stem_channels);
+      w.put("stem_layers", e.stem_layers);
     } else {
       w.put("mels", e.mels);
       w.put("frames", e.frames);

@@ -26,16 +26,16 @@ std::string str_cat(Args&&... args) {
 
 }  // namespace weft
 
-#define WEFT_CHECK(cond, ...)                                          \
-  do {                                                                 \
+#define WEFT_CHECK(cond, ...)                                               \
+  do {                                                                      \
     if (!(cond)) throw ::weft::Error(::weft::detail::str_cat(__VA_ARGS__)); \
   } while (0)
 
 #define WEFT_FAIL(...) throw ::weft::Error(::weft::detail::str_cat(__VA_ARGS__))
 
-#define WEFT_ASSERT(cond, ...)                                                          \
-  do {                                                                                  \
-    if (!(cond))                                                                        \
-      throw ::weft::Error(::weft::detail::str_cat("internal error at ", __FILE__, ":", \
-                                                  __LINE__, ": ", #cond, " ", ##__VA_ARGS__)); \
+#define WEFT_ASSERT(cond, ...)                                                                   \
+  do {                                                                                           \
+    if (!(cond))                                                                                 \
+      throw ::weft::Error(::weft::detail::str_cat("internal error at ", __FILE__, ":", __LINE__, \
+                                                  ": ", #cond, " ", ##__VA_ARGS__));             \
   } while (0)

@@ -36,16 +36,15 @@ Progress::Progress(int64_t first_step, int64_t total_steps, int64_t log_every, b
 void Progress::update(int64_t step, double loss, double tokens_per_second, double lr) {
   const double elapsed = now_seconds() - start_seconds_;
   const int64_t done = step - first_step_;
-  const double eta = done > 0 ? elapsed / static_cast<double>(done) *
-                                    static_cast<double>(total_ - step)
-                              : NAN;
+  const double eta =
+      done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - step) : NAN;
   if (tty_) {
     constexpr int kWidth = 24;
     const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(total_, 1));
     std::string bar(static_cast<size_t>(filled), '#');
     bar.resize(kWidth, '.');
-    std::fprintf(stderr, "\r[%s] %lld/%lld  loss %.4f  %.0f tok/s  lr %.2e  ETA %s   ",
-                 bar.c_str(), static_cast<long long>(step), static_cast<long long>(total_), loss,
+    std::fprintf(stderr, "\r[%s] %lld/%lld  loss %.4f  %.0f tok/s  lr %.2e  ETA %s   ", bar.c_str(),
+                 static_cast<long long>(step), static_cast<long long>(total_), loss,
                  tokens_per_second, lr, format_duration(eta).c_str());
     drawn_ = true;
   } else if (step % log_every_ == 0 || step == total_ || step == first_step_ + 1) {

@@ -44,7 +44,7 @@ struct EncoderSpec {
   int64_t hidden = 128;
   int64_t layers = 3;
   int64_t heads = 4;
-  int64_t ffn = 512;  // GELU MLP inner width
+  int64_t ffn = 512;           // GELU MLP inner width
   int64_t feature_layer = -1;  // which block's output feeds the projector; -2 = LLaVA-style
   double norm_eps = 1e-5;
   bool frozen = false;
@@ -52,7 +52,8 @@ struct EncoderSpec {
   int64_t image_size = 64;
   int64_t channels = 3;
   int64_t patch = 16;
-  int64_t stem_channels = 0;  // >0: a stride-2 conv stem before the patch embedding
+  int64_t stem_channels = 0;  // >0: a conv stem (stem_layers 3x3 stride-2 convs) before patches
+  int64_t stem_layers = 1;
   // whisper
   int64_t mels = 40;
   int64_t frames = 64;  // log-mel frames per clip; tokens = frames / 2
@@ -64,7 +65,9 @@ struct EncoderSpec {
     return kind == EncoderKind::kVit ? (image_size / patch) * (image_size / patch) : frames / 2;
   }
   // Number of blocks actually run (feature_layer resolved against layers).
-  int64_t layers_used() const { return feature_layer < 0 ? layers + 1 + feature_layer : feature_layer; }
+  int64_t layers_used() const {
+    return feature_layer < 0 ? layers + 1 + feature_layer : feature_layer;
+  }
 };
 
 struct ModelSpec {
@@ -76,7 +79,7 @@ struct DataSpec {
   std::string kind = "shapes";  // built-in procedural dataset
   uint64_t seed = 1234;         // train stream seed; eval uses a disjoint stream
   int64_t eval_samples = 256;
-  double noise = 0.08;  // pixel noise amplitude
+  double noise = 0.08;   // pixel noise amplitude
   bool packing = false;  // pack several samples per row (document-isolated) instead of padding
 };
 
@@ -97,9 +100,9 @@ struct TrainSpec {
   Precision precision = Precision::kBf16;
   uint64_t seed = 0;  // parameter init seed
   int64_t log_every = 10;
-  int64_t eval_every = 0;  // 0 = only at the end
+  int64_t eval_every = 0;        // 0 = only at the end
   int64_t checkpoint_every = 0;  // 0 = only at the end
-  int64_t threads = 0;  // 0 = all cores
+  int64_t threads = 0;           // 0 = all cores
 };
 
 struct OutputSpec {

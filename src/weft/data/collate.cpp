@@ -52,8 +52,8 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
     for (size_t d = 0; d < rows[r].size(); ++d) {
       const Sample& s = samples[rows[r][d]];
       const int64_t len = static_cast<int64_t>(s.tokens.size());
-      WEFT_CHECK(s.is_target.size() == s.tokens.size(), "sample ", rows[r][d],
-                 ": is_target has ", s.is_target.size(), " entries for ", len, " tokens");
+      WEFT_CHECK(s.is_target.size() == s.tokens.size(), "sample ", rows[r][d], ": is_target has ",
+                 s.is_target.size(), " entries for ", len, " tokens");
       for (int64_t t = 0; t < len; ++t) {
         tok[r][offset + t] = s.tokens[t];
         pos[r][offset + t] = t;

@@ -1,9 +1,8 @@
 #include "weft/io/checkpoint.h"
 
 #include <fcntl.h>
-#include <unistd.h>
-
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -99,8 +98,7 @@ std::string latest_checkpoint(const std::string& run_dir) {
 
 Checkpoint load_checkpoint(const std::string& dir) {
   const fs::path d(dir);
-  WEFT_CHECK(fs::exists(d / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile,
-             ")");
+  WEFT_CHECK(fs::exists(d / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile, ")");
   Checkpoint c;
   c.model = load_safetensors((d / "model.safetensors").string()).tensors;
   c.optimizer = load_safetensors((d / "optimizer.safetensors").string()).tensors;

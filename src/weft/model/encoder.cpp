@@ -19,12 +19,13 @@ std::vector<EncoderBlock> make_blocks(const Scope& s, const EncoderSpec& e) {
 
 VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec) : spec_(spec) {
   int64_t in_ch = spec.channels, kernel = spec.patch;
-  if (spec.stem_channels > 0) {
-    const double std = std::sqrt(2.0 / static_cast<double>(spec.channels * 9));
-    stem_w_ = s.add("stem.weight", init_normal({spec.stem_channels, spec.channels, 3, 3}, std));
-    stem_b_ = s.add("stem.bias", torch::zeros({spec.stem_channels}));
+  for (int64_t i = 0; spec.stem_channels > 0 && i < spec.stem_layers; ++i) {
+    const std::string name = "stem." + std::to_string(i);
+    const double std = std::sqrt(2.0 / static_cast<double>(in_ch * 9));
+    stem_w_.push_back(s.add(name + ".weight", init_normal({spec.stem_channels, in_ch, 3, 3}, std)));
+    stem_b_.push_back(s.add(name + ".bias", torch::zeros({spec.stem_channels})));
     in_ch = spec.stem_channels;
-    kernel = spec.patch / 2;
+    kernel /= 2;
   }
   const double std = 1.0 / std::sqrt(static_cast<double>(in_ch * kernel * kernel));
   patch_w_ = s.add("patch.weight", init_normal({spec.hidden, in_ch, kernel, kernel}, std));
@@ -38,11 +39,11 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec) : spec_(sp
 
 at::Tensor VisionEncoder::operator()(const at::Tensor& images) const {
   at::Tensor x = to_compute(images);
-  if (stem_w_.defined())
-    x = at::gelu(at::conv2d(x, to_compute(stem_w_), to_compute(stem_b_), 2, 1));
+  for (size_t i = 0; i < stem_w_.size(); ++i)
+    x = at::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
   const int64_t k = patch_w_.size(-1);
   x = at::conv2d(x, to_compute(patch_w_), to_compute(patch_b_), k);  // [N, h, g, g]
-  x = x.flatten(2).transpose(1, 2) + to_compute(pos_);              // [N, T, h]
+  x = x.flatten(2).transpose(1, 2) + to_compute(pos_);               // [N, T, h]
   x = pre_ln_(x);
   const int64_t used = spec_.layers_used();
   for (int64_t i = 0; i < used; ++i) x = blocks_[i](x);

@@ -19,7 +19,8 @@ class Encoder {
   virtual at::Tensor operator()(const at::Tensor& inputs) const = 0;
 };
 
-// ViT (CLIP/SigLIP-like): optional stride-2 conv stem, conv patch embedding, learned positions,
+// ViT (CLIP/SigLIP-like): optional conv stem (stem_layers 3x3 stride-2 convs + GELU), conv patch
+// embedding (kernel = stride = patch / 2^stem_layers), learned positions,
 // pre-LN, pre-LN GELU blocks; features from block `feature_layer` (LLaVA takes -2).
 class VisionEncoder final : public Encoder {
  public:
@@ -28,7 +29,8 @@ class VisionEncoder final : public Encoder {
 
  private:
   EncoderSpec spec_;
-  at::Tensor stem_w_, stem_b_, patch_w_, patch_b_, pos_;
+  std::vector<at::Tensor> stem_w_, stem_b_;
+  at::Tensor patch_w_, patch_b_, pos_;
   LayerNorm pre_ln_;
   std::vector<EncoderBlock> blocks_;
 };

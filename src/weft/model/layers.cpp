@@ -61,8 +61,7 @@ LayerNorm LayerNorm::make(const Scope& s, int64_t dim, double eps) {
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
-  return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps)
-      .to(x.scalar_type());
+  return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
 }
 
 Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta) {
@@ -70,7 +69,7 @@ Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta) {
   at::Tensor inv_freq =
       torch::pow(theta, torch::arange(0, half, torch::kDouble).mul(-2.0 / head_dim));
   at::Tensor angle = positions.to(torch::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, half]
-  angle = torch::cat({angle, angle}, -1).unsqueeze(2);                          // [B, S, 1, D]
+  angle = torch::cat({angle, angle}, -1).unsqueeze(2);                       // [B, S, 1, D]
   return {angle.cos().to(torch::kFloat), angle.sin().to(torch::kFloat)};
 }
 

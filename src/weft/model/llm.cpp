@@ -16,7 +16,8 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec) {
     Scope b = s.sub("layers." + std::to_string(i));
     LlmBlock blk;
     blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
-    blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, false, out_std);
+    blk.attn =
+        Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, false, out_std);
     blk.norm2 = RmsNorm::make(b.sub("norm2"), spec.hidden, spec.norm_eps);
     blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
     m.blocks.push_back(blk);

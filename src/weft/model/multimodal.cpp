@@ -42,10 +42,10 @@ void MultimodalModel::set_trainable(const std::string& module, bool trainable) {
 at::Tensor MultimodalModel::embed(const Inputs& in) const {
   at::Tensor x = llm_.embed(in.tokens);
   const int64_t B = x.size(0), S = x.size(1), H = x.size(2);
-  WEFT_CHECK(in.encoder_inputs.size() == encoders_.size() &&
-                 in.encoder_rows.size() == encoders_.size(),
-             "model inputs carry ", in.encoder_inputs.size(), " encoder inputs; the model has ",
-             encoders_.size(), " encoders");
+  WEFT_CHECK(
+      in.encoder_inputs.size() == encoders_.size() && in.encoder_rows.size() == encoders_.size(),
+      "model inputs carry ", in.encoder_inputs.size(), " encoder inputs; the model has ",
+      encoders_.size(), " encoders");
   at::Tensor flat = x.reshape({B * S, H});
   for (size_t e = 0; e < encoders_.size(); ++e) {
     const at::Tensor& input = in.encoder_inputs[e];
@@ -53,9 +53,9 @@ at::Tensor MultimodalModel::embed(const Inputs& in) const {
     const int64_t items = input.defined() ? input.size(0) : 0;
     const int64_t per_item = spec_.encoders[e].tokens_per_item();
     const int64_t placeholders = rows.defined() ? rows.numel() : 0;
-    WEFT_CHECK(placeholders == items * per_item, "encoder '", spec_.encoders[e].name, "': ",
-               items, " items produce ", items * per_item, " features but the text has ",
-               placeholders, " placeholder tokens");
+    WEFT_CHECK(placeholders == items * per_item, "encoder '", spec_.encoders[e].name, "': ", items,
+               " items produce ", items * per_item, " features but the text has ", placeholders,
+               " placeholder tokens");
     if (items == 0) continue;
     at::Tensor features = projectors_[e]((*encoders_[e])(input));  // [N, T, H]
     flat = flat.index_copy(0, rows, features.reshape({items * per_item, H}).to(flat.dtype()));

@@ -29,8 +29,8 @@ struct Inputs {
   at::Tensor item;       // int32 [B, S]; -1 = text, else a modality item id unique in its row
   std::vector<at::Tensor> encoder_inputs;  // per encoder: [N_e, ...] or undefined when N_e = 0
   std::vector<at::Tensor> encoder_rows;    // per encoder: int64 [N_e * T_e] rows of B*S
-  at::Tensor target_rows;  // int64 [N]: rows of B*S whose next token is a target
-  at::Tensor targets;      // int64 [N]: the target token of each such row
+  at::Tensor target_rows;                  // int64 [N]: rows of B*S whose next token is a target
+  at::Tensor targets;                      // int64 [N]: the target token of each such row
 };
 
 class MultimodalModel {

@@ -28,10 +28,14 @@ double encoder_forward_flops(const EncoderSpec& e) {
   double stem = 0;
   if (e.kind == EncoderKind::kVit) {
     if (e.stem_channels > 0) {
-      const double half = static_cast<double>(e.image_size / 2);
       const double c = static_cast<double>(e.stem_channels);
-      stem = 2.0 * half * half * c * static_cast<double>(e.channels) * 9.0;
-      const double k = static_cast<double>(e.patch / 2);
+      double in = static_cast<double>(e.channels), side = static_cast<double>(e.image_size);
+      for (int64_t i = 0; i < e.stem_layers; ++i) {
+        side /= 2;
+        stem += 2.0 * side * side * c * in * 9.0;
+        in = c;
+      }
+      const double k = static_cast<double>(e.patch >> e.stem_layers);
       stem += 2.0 * T * c * k * k * h;
     } else {
       const double p = static_cast<double>(e.patch);
@@ -47,8 +51,7 @@ double encoder_forward_flops(const EncoderSpec& e) {
 double projector_forward_flops(const EncoderSpec& e, const LlmSpec& llm) {
   const double T = static_cast<double>(e.tokens_per_item());
   const double a = static_cast<double>(e.hidden), b = static_cast<double>(llm.hidden);
-  return e.projector.kind == ProjectorKind::kLinear ? 2.0 * T * a * b
-                                                    : 2.0 * T * (a * b + b * b);
+  return e.projector.kind == ProjectorKind::kLinear ? 2.0 * T * a * b : 2.0 * T * (a * b + b * b);
 }
 
 }  // namespace weft::plan

@@ -12,9 +12,9 @@ namespace weft::plan {
 
 // Token statistics of one batch for the LLM.
 struct LlmTokens {
-  int64_t tokens = 0;          // real (non-padding) tokens
-  int64_t logit_rows = 0;      // rows on which the output head runs (loss targets)
-  double sum_sq_doc_len = 0;   // Σ_i L_i² over documents (the causal attention term)
+  int64_t tokens = 0;         // real (non-padding) tokens
+  int64_t logit_rows = 0;     // rows on which the output head runs (loss targets)
+  double sum_sq_doc_len = 0;  // Σ_i L_i² over documents (the causal attention term)
 };
 
 double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t);

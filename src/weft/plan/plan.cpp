@@ -23,9 +23,12 @@ Layout layout_of(const Spec& spec, const std::string& name) {
 
 const char* role_name(ModuleRole r) {
   switch (r) {
-    case ModuleRole::kEncoder: return "encoder";
-    case ModuleRole::kProjector: return "projector";
-    case ModuleRole::kLlm: return "llm";
+    case ModuleRole::kEncoder:
+      return "encoder";
+    case ModuleRole::kProjector:
+      return "projector";
+    case ModuleRole::kLlm:
+      return "llm";
   }
   return "?";
 }
@@ -69,8 +72,8 @@ Plan make_plan(const Spec& spec) {
   plan.modules.push_back(llm);
 
   for (const auto& m : plan.modules) {
-    const std::string key = m.role == ModuleRole::kProjector ? m.name.substr(0, m.name.find('.'))
-                                                            : m.name;
+    const std::string key =
+        m.role == ModuleRole::kProjector ? m.name.substr(0, m.name.find('.')) : m.name;
     WEFT_CHECK(m.layout.size() == 1, spec.source, ": parallel.", key, " = {dp=", m.layout.dp,
                ", tp=", m.layout.tp, ", pp=", m.layout.pp, ", cp=", m.layout.cp,
                "}: this build runs single-process layouts only (every size 1); the distributed "
@@ -94,8 +97,8 @@ std::string to_json(const Plan& plan) {
     nlohmann::ordered_json mj;
     mj["name"] = m.name;
     mj["role"] = role_name(m.role);
-    mj["layout"] = {{"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp},
-                    {"cp", m.layout.cp}};
+    mj["layout"] = {
+        {"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp}, {"cp", m.layout.cp}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["stage_boundaries"] = m.stage_boundaries;
     mj["frozen"] = m.frozen;

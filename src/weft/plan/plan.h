@@ -24,7 +24,7 @@ struct ModulePlan {
   ModuleRole role = ModuleRole::kLlm;
   int encoder = -1;  // index into ModelSpec::encoders for encoders and projectors
   Layout layout;
-  int64_t first_rank = 0;  // ranks [first_rank, first_rank + layout.size())
+  int64_t first_rank = 0;                 // ranks [first_rank, first_rank + layout.size())
   std::vector<int64_t> stage_boundaries;  // first layer of each stage after the first (pp-1)
   bool frozen = false;
   // Backward work this module must do: weight grads iff trainable; input grads iff something

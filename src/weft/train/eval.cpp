@@ -64,8 +64,8 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
     while (end < samples.size() && samples[end].prompt_length == P &&
            static_cast<int64_t>(prompts.size()) < batch) {
       data::Sample p = samples[end];
-      WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(p.tokens.size()),
-                 "eval sample ", end, ": prompt length ", P, " out of range");
+      WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(p.tokens.size()), "eval sample ", end,
+                 ": prompt length ", P, " out of range");
       max_new = std::max<int64_t>(max_new, static_cast<int64_t>(p.tokens.size()) - P + 2);
       p.tokens.resize(P);
       p.is_target.assign(P, 0);
@@ -82,7 +82,8 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
     begin = end;
   }
   r.samples = static_cast<int64_t>(samples.size());
-  r.caption_accuracy = r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples) : 0;
+  r.caption_accuracy =
+      r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples) : 0;
   return r;
 }
 

@@ -6,6 +6,6 @@
 
 namespace weft::train {
 
-double measure_matmul_peak(at::ScalarType dtype, double seconds = 0.5, int64_t n = 1024);
+double measure_matmul_peak(at::ScalarType dtype, double seconds = 0.6, int64_t n = 2048);
 
 }  // namespace weft::train

@@ -116,8 +116,8 @@ struct Trainer::Impl {
       if (p.requires_grad()) trainable.emplace_back(name, p);
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
     optimizer = std::make_unique<AdamW>(trainable, ao);
-    run_dir = !opts.resume_dir.empty() ? fs::path(opts.resume_dir)
-              : !opts.out_dir.empty()  ? fs::path(opts.out_dir)
+    run_dir = !opts.resume_dir.empty()   ? fs::path(opts.resume_dir)
+              : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
                                          : fs::path(fresh_run_dir());
     if (!opts.resume_dir.empty()) resume();
@@ -302,7 +302,7 @@ Summary Trainer::run() {
       EvalResult r = run_eval();
       if (m.opts.progress)
         progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
-                       std::to_string(r.caption_accuracy));
+                         std::to_string(r.caption_accuracy));
     }
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);

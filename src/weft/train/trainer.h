@@ -29,7 +29,7 @@ struct Summary {
   double eval_caption_accuracy = -1;  // -1 when not evaluated
   double tokens_per_second = 0;
   double mfu = 0;
-  double wall_seconds = 0;   // training wall time of this and earlier (resumed) sessions
+  double wall_seconds = 0;  // training wall time of this and earlier (resumed) sessions
   std::string to_json() const;
 };
 
