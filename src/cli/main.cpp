@@ -9,6 +9,8 @@
 
 #include "weft/core/config.h"
 #include "weft/core/error.h"
+#include "weft/dist/comm.h"
+#include "weft/dist/launch.h"
 #include "weft/plan/plan.h"
 #include "weft/train/trainer.h"
 
@@ -25,13 +27,19 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   }
   WEFT_CHECK(!path.empty(), "weft train: give a CONFIG file (or --resume RUN_DIR)");
   weft::Spec spec = weft::load_spec(path, sets);
-  weft::plan::Plan plan = weft::plan::make_plan(spec);
+  const weft::dist::WorldInfo world = weft::dist::world_from_env();
+  weft::plan::Plan plan = weft::plan::make_plan(spec, world.world_size);
   weft::train::TrainerOptions opts;
+  opts.comm = weft::dist::Comm::connect(world, std::chrono::seconds(120));
+  if (world.world_size > 1)
+    std::fprintf(stderr, "weft: rank %d of %d connected (rendezvous %s:%d)\n", world.rank,
+                 world.world_size, world.master_addr.c_str(), world.master_port);
   opts.out_dir = out;
   opts.resume_dir = resume;
   opts.progress = !quiet;
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);
   weft::train::Summary s = trainer.run();
+  if (world.rank != 0) return 0;
   std::printf("steps %lld  loss %.4f -> %.4f  eval caption accuracy %.3f\n",
               static_cast<long long>(s.steps), s.loss_first, s.loss_last, s.eval_caption_accuracy);
   std::printf("%.0f tokens/s  MFU %.1f%%  wall %.1f s\n", s.tokens_per_second, 100.0 * s.mfu,
@@ -40,9 +48,9 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   return 0;
 }
 
-int cmd_plan(const std::string& config, const std::vector<std::string>& sets) {
+int cmd_plan(const std::string& config, const std::vector<std::string>& sets, int64_t world) {
   weft::Spec spec = weft::load_spec(config, sets);
-  std::printf("%s\n", weft::plan::to_json(weft::plan::make_plan(spec)).c_str());
+  std::printf("%s\n", weft::plan::to_json(weft::plan::make_plan(spec, world)).c_str());
   return 0;
 }
 
@@ -67,6 +75,20 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand("plan", "print the Plan a config resolves to (JSON)");
   plan->add_option("config", config, "config file (TOML)")->required();
   plan->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
+  int64_t plan_world = 1;
+  plan->add_option("--world-size", plan_world, "number of ranks to plan for")
+      ->check(CLI::PositiveNumber);
+
+  weft::dist::LaunchOptions launch_opts;
+  CLI::App* launch = app.add_subcommand(
+      "launch", "run N local ranks of a command: weft launch --nproc N -- weft train CONFIG");
+  launch->add_option("--nproc", launch_opts.nproc, "ranks to start")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  launch->add_option("--master-addr", launch_opts.master_addr, "rendezvous address (loopback)");
+  launch->add_option("--master-port", launch_opts.master_port, "rendezvous port (0 = free port)");
+  launch->add_option("command", launch_opts.command, "the command every rank runs (after --)")
+      ->required();
 
   try {
     app.parse(argc, argv);
@@ -75,7 +97,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train) return cmd_train(config, sets, out, resume, quiet);
-    if (*plan) return cmd_plan(config, sets);
+    if (*plan) return cmd_plan(config, sets, plan_world);
+    if (*launch) return weft::dist::launch(launch_opts);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\nweft: error: %s\n", e.what());

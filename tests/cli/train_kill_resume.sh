@@ -3,7 +3,7 @@
 # mid-training leaves its last checkpoint loadable, and --resume finishes the run from it.
 set -u
 weft=$1; src=$2
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"; kill -9 $pid 2>/dev/null' EXIT
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"; [ $pid -gt 0 ] && kill -9 $pid 2>/dev/null' EXIT
 pid=0
 small=(--set model.llm.layers=1 --set model.vision.layers=1 --set data.eval_samples=32)
 die() { echo "FAIL: $*"; exit 1; }

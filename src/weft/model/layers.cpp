@@ -1,5 +1,6 @@
 #include "weft/model/layers.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -31,8 +32,18 @@ at::Tensor to_compute(const at::Tensor& t) {
   return t.to(t_compute_dtype);
 }
 
+namespace {
+thread_local c10::optional<at::Generator> t_init_generator;
+}
+
+InitSeedGuard::InitSeedGuard(uint64_t seed) {
+  WEFT_ASSERT(!t_init_generator.has_value(), "nested InitSeedGuard");
+  t_init_generator = at::detail::createCPUGenerator(seed);
+}
+InitSeedGuard::~InitSeedGuard() { t_init_generator.reset(); }
+
 at::Tensor init_normal(at::IntArrayRef shape, double std) {
-  return torch::randn(shape, torch::kFloat).mul_(std);
+  return torch::randn(shape, t_init_generator, torch::kFloat).mul_(std);
 }
 
 Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double std) {

@@ -50,8 +50,19 @@ class ComputeDtypeGuard {
 // A floating tensor cast to the compute dtype (no-op when it already is).
 at::Tensor to_compute(const at::Tensor& t);
 
-// Initialisation: weights ~ N(0, std); the caller seeds the generator.
+// Initialisation: weights ~ N(0, std), drawn from the current thread's InitSeedGuard
+// generator if one is active, else from torch's global generator.
 at::Tensor init_normal(at::IntArrayRef shape, double std);
+
+// Gives this thread a private initialisation generator seeded with `seed` for the guard's
+// lifetime, so building a model is deterministic whatever other threads draw.
+class InitSeedGuard {
+ public:
+  explicit InitSeedGuard(uint64_t seed);
+  ~InitSeedGuard();
+  InitSeedGuard(const InitSeedGuard&) = delete;
+  InitSeedGuard& operator=(const InitSeedGuard&) = delete;
+};
 
 struct Linear {
   at::Tensor weight, bias;  // [out, in], [out] or undefined

@@ -7,7 +7,15 @@
 
 namespace weft::model {
 
-MultimodalModel::MultimodalModel(const ModelSpec& spec) : spec_(spec) {
+MultimodalModel::MultimodalModel(const ModelSpec& spec) : spec_(spec) { build(); }
+
+MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed) : spec_(spec) {
+  InitSeedGuard init(seed);
+  build();
+}
+
+void MultimodalModel::build() {
+  const ModelSpec& spec = spec_;
   for (const EncoderSpec& e : spec.encoders) {
     Scope s{&params_, e.name};
     encoders_.push_back(make_encoder(s, e));

@@ -37,6 +37,8 @@ class MultimodalModel {
  public:
   // Builds and initialises every parameter from the current torch generator state.
   explicit MultimodalModel(const ModelSpec& spec);
+  // Same, from a private generator seeded with `seed` (thread-independent; what runs use).
+  MultimodalModel(const ModelSpec& spec, uint64_t seed);
 
   const ModelSpec& spec() const { return spec_; }
   const NamedTensors& parameters() const { return params_.all(); }
@@ -54,6 +56,8 @@ class MultimodalModel {
   const Llm& llm() const { return llm_; }
 
  private:
+  void build();
+
   ModelSpec spec_;
   ParamSet params_;
   std::vector<std::unique_ptr<Encoder>> encoders_;

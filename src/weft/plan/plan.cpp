@@ -35,7 +35,8 @@ const char* role_name(ModuleRole r) {
 
 }  // namespace
 
-Plan make_plan(const Spec& spec) {
+Plan make_plan(const Spec& spec, int64_t world_size) {
+  WEFT_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   Plan plan;
   plan.global_batch = spec.train.batch;
   plan.microbatches = spec.train.microbatches;
@@ -71,15 +72,21 @@ Plan make_plan(const Spec& spec) {
   llm.input_grads = any_encoder_side_trains;
   plan.modules.push_back(llm);
 
-  for (const auto& m : plan.modules) {
+  for (auto& m : plan.modules) {
     const std::string key =
         m.role == ModuleRole::kProjector ? m.name.substr(0, m.name.find('.')) : m.name;
-    WEFT_CHECK(m.layout.size() == 1, spec.source, ": parallel.", key, " = {dp=", m.layout.dp,
-               ", tp=", m.layout.tp, ", pp=", m.layout.pp, ", cp=", m.layout.cp,
-               "}: this build runs single-process layouts only (every size 1); the distributed "
-               "runtime is not available yet");
+    if (m.layout.size() == 1) m.layout.dp = world_size;  // unset: data parallel over the world
+    const Layout& l = m.layout;
+    WEFT_CHECK(l.tp == 1 && l.pp == 1 && l.cp == 1, spec.source, ": parallel.", key,
+               " = {dp=", l.dp, ", tp=", l.tp, ", pp=", l.pp, ", cp=", l.cp,
+               "}: this build executes data parallelism only (tp, pp and cp must be 1)");
+    WEFT_CHECK(l.size() == world_size, spec.source, ": parallel.", key, ".dp = ", l.dp,
+               ": the job has ", world_size, " rank", world_size == 1 ? "" : "s",
+               " and modules are colocated, so dp*tp*pp*cp must equal ", world_size);
   }
-  plan.world_size = 1;
+  plan.world_size = world_size;
+  WEFT_CHECK(spec.train.batch % world_size == 0, spec.source, ": train.batch = ", spec.train.batch,
+             ": must be divisible by the data-parallel size ", world_size);
   return plan;
 }
 

@@ -47,9 +47,10 @@ struct Plan {
   const ModulePlan& module(const std::string& name) const;
 };
 
-// Builds the Plan a Spec asks for. Rejects layouts the runtime cannot execute yet with a
-// message naming the `parallel.<module>` key.
-Plan make_plan(const Spec& spec);
+// Builds the Plan a Spec asks for on `world_size` ranks (colocated: every module spans all
+// ranks). A module whose layout is left all-ones fills the world with data parallelism.
+// Rejects layouts the runtime cannot execute yet with a message naming `parallel.<module>`.
+Plan make_plan(const Spec& spec, int64_t world_size = 1);
 
 std::string to_json(const Plan& plan);
 

@@ -16,6 +16,7 @@
 #include "weft/data/collate.h"
 #include "weft/data/shapes.h"
 #include "weft/data/tokenizer.h"
+#include "weft/dist/data_parallel.h"
 #include "weft/io/checkpoint.h"
 #include "weft/plan/flops.h"
 #include "weft/train/eval.h"
@@ -110,8 +111,7 @@ struct Trainer::Impl {
     if (llm.vocab == 0) llm.vocab = tokenizer.vocab_size();
     dataset = std::make_unique<data::ShapesDataset>(spec, tokenizer);
     compute = spec.train.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
-    torch::manual_seed(spec.train.seed);
-    model = std::make_unique<model::MultimodalModel>(spec.model);
+    model = std::make_unique<model::MultimodalModel>(spec.model, spec.train.seed);
     for (const auto& [name, p] : model->parameters())
       if (p.requires_grad()) trainable.emplace_back(name, p);
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
@@ -201,25 +201,33 @@ Summary Trainer::run() {
   Impl& m = *impl_;
   const Spec& spec = m.spec;
   const TrainSpec& ts = spec.train;
-  WEFT_CHECK(m.plan.world_size == 1, "this build runs single-process plans only");
   at::set_num_threads(ts.threads > 0 ? static_cast<int>(ts.threads)
                                      : static_cast<int>(std::thread::hardware_concurrency()));
 
-  fs::create_directories(m.run_dir);
-  write_text(m.run_dir / "config.toml", spec_to_toml(spec));
-  write_text(m.run_dir / "plan.json", plan::to_json(m.plan));
-  const fs::path metrics_path = m.run_dir / "metrics.jsonl";
-  if (m.start_step > 0)
-    truncate_metrics(metrics_path, m.start_step);
-  else
-    std::ofstream(metrics_path, std::ios::trunc);
-  std::ofstream metrics(metrics_path, std::ios::app);
-  WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
+  const bool writer = m.opts.comm.rank() == 0;
+  std::ofstream metrics;
+  if (writer) {
+    fs::create_directories(m.run_dir);
+    write_text(m.run_dir / "config.toml", spec_to_toml(spec));
+    write_text(m.run_dir / "plan.json", plan::to_json(m.plan));
+    const fs::path metrics_path = m.run_dir / "metrics.jsonl";
+    if (m.start_step > 0)
+      truncate_metrics(metrics_path, m.start_step);
+    else
+      std::ofstream(metrics_path, std::ios::trunc);
+    metrics.open(metrics_path, std::ios::app);
+    WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
+  }
 
+  const dist::Comm& comm = m.opts.comm;
+  WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
+             " ranks but the job has ", comm.size());
+  dist::GradSync grad_sync(comm, m.trainable);
+  dist::GradSync::broadcast_parameters(comm, m.model->parameters());
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops : measure_matmul_peak(m.compute);
-  Progress progress(m.start_step, ts.steps, ts.log_every,
-                    m.opts.progress && Progress::stderr_is_tty());
-  if (m.opts.progress)
+  const bool show = m.opts.progress && writer;
+  Progress progress(m.start_step, ts.steps, ts.log_every, show && Progress::stderr_is_tty());
+  if (show)
     progress.message("weft: training " + std::to_string(ts.steps) + " steps, run directory " +
                      m.run_dir.string());
   data::CollateOptions copts;
@@ -247,10 +255,17 @@ Summary Trainer::run() {
     const double t0 = now_seconds();
     std::vector<data::Microbatch> mbs;
     int64_t targets = 0;
-    for (const auto& part : data::split(m.dataset->train_batch(step, ts.batch), ts.microbatches)) {
+    // This rank's slice of the global batch (data parallel), then its microbatches.
+    const std::vector<data::Sample> local =
+        data::split(m.dataset->train_batch(step, ts.batch), comm.size())[comm.rank()];
+    for (const auto& part : data::split(local, ts.microbatches)) {
       mbs.push_back(data::collate(part, copts));
       targets += mbs.back().targets.numel();
     }
+    // The loss is a mean over the global batch's targets, so every rank divides by their total.
+    at::Tensor counts = torch::tensor({targets}, torch::kLong);
+    comm.all_reduce_sum(counts);
+    targets = counts.item<int64_t>();
     WEFT_CHECK(targets > 0, "step ", step + 1, ": the batch has no target tokens");
     double loss = 0;
     {
@@ -261,6 +276,10 @@ Summary Trainer::run() {
         loss += l.item<double>();
       }
     }
+    grad_sync.sync();
+    at::Tensor loss_sum = torch::tensor({loss}, torch::kDouble);
+    comm.all_reduce_sum(loss_sum);
+    loss = loss_sum.item<double>();
     WEFT_CHECK(std::isfinite(loss), "step ", step + 1, ": loss is ", loss,
                "; training diverged (lower train.lr, keep train.grad_clip > 0, or try "
                "train.precision = \"fp32\")");
@@ -273,9 +292,16 @@ Summary Trainer::run() {
     for (auto& [name, p] : m.trainable) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
 
-    int64_t tokens = 0;
-    for (const auto& mb : mbs) tokens += mb.real_tokens;
-    const auto [flops, llm_flops] = m.step_flops(mbs);
+    int64_t local_tokens = 0;
+    for (const auto& mb : mbs) local_tokens += mb.real_tokens;
+    const auto [local_flops, local_llm_flops] = m.step_flops(mbs);
+    at::Tensor stats = torch::tensor(
+        {static_cast<double>(local_tokens), local_flops, local_llm_flops}, torch::kDouble);
+    comm.all_reduce_sum(stats);
+    const int64_t tokens = static_cast<int64_t>(stats[0].item<double>());
+    // MFU is per device: the job's FLOPs over (seconds x devices x peak).
+    const double flops = stats[1].item<double>() / comm.size();
+    const double llm_flops = stats[2].item<double>() / comm.size();
     train_seconds += step_seconds;
     total_flops += flops;
     total_llm_flops += llm_flops;
@@ -292,23 +318,24 @@ Summary Trainer::run() {
     line["step_seconds"] = step_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
-    metrics << line.dump() << "\n";
-    metrics.flush();
-    if (m.opts.progress)
-      progress.update(step + 1, loss, static_cast<double>(tokens) / step_seconds, lr);
+    if (writer) {
+      metrics << line.dump() << "\n";
+      metrics.flush();
+    }
+    if (show) progress.update(step + 1, loss, static_cast<double>(tokens) / step_seconds, lr);
 
     const bool last = step + 1 == ts.steps;
-    if (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0 && !last) {
+    if (writer && m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0 && !last) {
       EvalResult r = run_eval();
-      if (m.opts.progress)
+      if (show)
         progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
                          std::to_string(r.caption_accuracy));
     }
-    if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
+    if (writer && (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0)))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
   }
   progress.finish();
-  if (m.opts.eval) run_eval();
+  if (writer && m.opts.eval) run_eval();
 
   Summary s;
   s.run_dir = m.run_dir.string();
@@ -327,9 +354,10 @@ Summary Trainer::run() {
   j["train_seconds"] = train_seconds;
   j["resumed_from_step"] = m.start_step;
   j["eval_examples"] = json::array();
+  j["world_size"] = comm.size();
   for (const auto& [gen, ref] : examples)
     j["eval_examples"].push_back({{"generated", gen}, {"reference", ref}});
-  write_text(m.run_dir / "summary.json", j.dump(2));
+  if (writer) write_text(m.run_dir / "summary.json", j.dump(2));
   return s;
 }
 

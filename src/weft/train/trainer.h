@@ -9,6 +9,7 @@
 #include <string>
 
 #include "weft/core/spec.h"
+#include "weft/dist/comm.h"
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 
@@ -20,6 +21,9 @@ struct TrainerOptions {
   bool progress = true;    // progress bar / log lines on stderr
   double peak_flops = 0;   // MFU denominator; 0 = measure the matmul peak at start
   bool eval = true;        // caption evaluation at eval_every and at the end
+  // The job's ranks (default: this process alone). Its size must equal the plan's world size.
+  // Rank 0 writes the run directory and evaluates; every rank trains.
+  dist::Comm comm;
 };
 
 struct Summary {

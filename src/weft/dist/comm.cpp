@@ -1,0 +1,240 @@
+#include "weft/dist/comm.h"
+
+#include <torch/torch.h>
+
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "weft/core/error.h"
+
+namespace weft::dist {
+
+namespace {
+
+int env_int(const char* name, int fallback, int min_value) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  WEFT_CHECK(end && *end == '\0' && x >= min_value && x <= 1 << 30, "environment variable ", name,
+             "='", v, "': expected an integer >= ", min_value);
+  return static_cast<int>(x);
+}
+
+bool has_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v;
+}
+
+std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master_addr) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (master_addr == "127.0.0.1" || master_addr == "localhost")
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+WorldInfo world_from_env() {
+  WorldInfo w;
+  if (has_env("RANK") || has_env("WORLD_SIZE")) {
+    w.rank = env_int("RANK", 0, 0);
+    w.world_size = env_int("WORLD_SIZE", 1, 1);
+    w.local_rank = env_int("LOCAL_RANK", w.rank, 0);
+  } else if (has_env("OMPI_COMM_WORLD_SIZE")) {
+    w.rank = env_int("OMPI_COMM_WORLD_RANK", 0, 0);
+    w.world_size = env_int("OMPI_COMM_WORLD_SIZE", 1, 1);
+    w.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", w.rank, 0);
+  } else if (has_env("SLURM_NTASKS")) {
+    w.rank = env_int("SLURM_PROCID", 0, 0);
+    w.world_size = env_int("SLURM_NTASKS", 1, 1);
+    w.local_rank = env_int("SLURM_LOCALID", w.rank, 0);
+  }
+  WEFT_CHECK(w.rank < w.world_size, "rank ", w.rank, " is not below the world size ", w.world_size,
+             " (check RANK / WORLD_SIZE)");
+  if (const char* a = std::getenv("MASTER_ADDR"); a && *a) w.master_addr = a;
+  w.master_port = env_int("MASTER_PORT", w.master_port, 1);
+  WEFT_CHECK(w.master_port < 65536, "MASTER_PORT=", w.master_port, ": expected a port < 65536");
+  return w;
+}
+
+struct Comm::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;  // null for the single-rank group
+  int rank = 0, size = 1;
+  std::string master_addr = "127.0.0.1";
+  std::chrono::milliseconds timeout{60000};
+  mutable int64_t subgroups_made = 0;
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      WEFT_FAIL("rank ", rank, " of ", size, ": ", op,
+                " failed (a peer died, hung or timed out "
+                "after ",
+                timeout.count() / 1000.0, " s): ", e.what());
+    }
+  }
+};
+
+namespace {
+std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                       const std::string& master_addr,
+                                       std::chrono::milliseconds timeout) {
+  auto impl = std::make_shared<Comm::Impl>();
+  impl->store = store;
+  impl->rank = rank;
+  impl->size = size;
+  impl->master_addr = master_addr;
+  impl->timeout = timeout;
+  if (size > 1) {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(make_device(master_addr));
+    try {
+      impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    } catch (const std::exception& e) {
+      WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", e.what());
+    }
+  }
+  return impl;
+}
+}  // namespace
+
+Comm::Comm() : impl_(std::make_shared<Impl>()) {}
+
+Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout) {
+  Comm c;
+  if (world.world_size == 1) return c;
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(world.master_port);
+  opts.isServer = world.rank == 0;
+  opts.numWorkers = world.world_size;
+  opts.waitWorkers = true;
+  opts.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, opts);
+  } catch (const std::exception& e) {
+    WEFT_FAIL("rank ", world.rank, " of ", world.world_size, ": rendezvous at ", world.master_addr,
+              ":", world.master_port, " failed within ", timeout.count() / 1000.0,
+              " s (did every rank start?): ", e.what());
+  }
+  c.impl_ = make_group(store, world.rank, world.world_size, world.master_addr, timeout);
+  return c;
+}
+
+Comm Comm::in_memory(const std::string& store_key, int rank, int size,
+                     std::chrono::milliseconds timeout) {
+  static std::mutex mu;
+  static std::map<std::string, c10::intrusive_ptr<c10d::Store>> stores;
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& s = stores[store_key];
+    if (!s) s = c10::make_intrusive<c10d::HashStore>();
+    store = s;
+  }
+  Comm c;
+  c.impl_ = make_group(store, rank, size, "127.0.0.1", timeout);
+  return c;
+}
+
+int Comm::rank() const { return impl_->rank; }
+int Comm::size() const { return impl_->size; }
+
+Comm Comm::subgroup(const std::vector<int>& ranks) const {
+  WEFT_CHECK(!ranks.empty(), "subgroup: empty rank list");
+  for (size_t i = 0; i < ranks.size(); ++i)
+    WEFT_CHECK(ranks[i] >= 0 && ranks[i] < size() && (i == 0 || ranks[i] > ranks[i - 1]),
+               "subgroup: ranks must be ascending, unique and below ", size());
+  const int64_t id = impl_->subgroups_made++;  // same count on every rank: all ranks call
+  Comm c;
+  auto it = std::find(ranks.begin(), ranks.end(), rank());
+  if (it == ranks.end() || ranks.size() == 1) return c;
+  std::string prefix = "weft/subgroup/" + std::to_string(id);
+  for (int r : ranks) prefix += "_" + std::to_string(r);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
+  c.impl_ = make_group(store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
+                       impl_->master_addr, impl_->timeout);
+  return c;
+}
+
+namespace {
+// Gloo on LibTorch 1.13 cannot reduce bf16: reduce in fp32 and copy back.
+bool needs_fp32(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+}  // namespace
+
+void Comm::all_reduce_sum(at::Tensor& t) const {
+  if (size() == 1) return;
+  WEFT_CHECK(t.is_contiguous(), "all_reduce_sum: tensor must be contiguous");
+  if (needs_fp32(t)) {
+    at::Tensor f = t.to(at::kFloat);
+    all_reduce_sum(f);
+    t.copy_(f);
+    return;
+  }
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  impl_->wait(impl_->pg->allreduce(v, opts), "all_reduce_sum");
+}
+
+void Comm::all_reduce_max(at::Tensor& t) const {
+  if (size() == 1) return;
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  impl_->wait(impl_->pg->allreduce(v, opts), "all_reduce_max");
+}
+
+void Comm::broadcast(at::Tensor& t, int root) const {
+  if (size() == 1) return;
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  impl_->wait(impl_->pg->broadcast(v, opts), "broadcast");
+}
+
+at::Tensor Comm::all_gather(const at::Tensor& t) const {
+  if (size() == 1) return t.clone();
+  std::vector<at::Tensor> in{t.contiguous()};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
+  impl_->wait(impl_->pg->allgather(out, in), "all_gather");
+  return torch::cat(out[0], 0);
+}
+
+at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
+  WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
+             t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
+  if (size() == 1) return t.clone();
+  // Gloo on 1.13 has no reduce_scatter: an all-to-all brings chunk r of every rank to rank r,
+  // which sums them locally (the same bytes on the wire as a ring reduce-scatter).
+  at::Tensor in = needs_fp32(t) ? t.to(at::kFloat).contiguous() : t.contiguous();
+  at::Tensor out = torch::empty_like(in);
+  std::vector<int64_t> splits;  // even splits
+  impl_->wait(impl_->pg->alltoall_base(out, in, splits, splits), "reduce_scatter_sum");
+  std::vector<int64_t> shape = out.sizes().vec();
+  shape[0] /= size();
+  shape.insert(shape.begin(), size());
+  return out.view(shape).sum(0).to(t.scalar_type());
+}
+
+void Comm::barrier() const {
+  if (size() == 1) return;
+  impl_->wait(impl_->pg->barrier(), "barrier");
+}
+
+}  // namespace weft::dist

@@ -1,0 +1,67 @@
+// Comm: one thin wrapper over a c10d process group (Gloo on CPU), hiding the LibTorch 1.13 /
+// 2.x differences and the 1.13 Gloo gaps (bf16 is reduced in fp32; reduce-scatter is emulated).
+//
+// Contract (as c10d's): every rank of a group calls its collectives in the same order with
+// tensors of the same shape and dtype; calls block until the collective completes or the
+// group's timeout expires, which throws weft::Error naming the operation. Comm objects are
+// cheap handles; copies share the group. A default-constructed Comm is the trivial group of
+// one rank (every collective is the identity), so single-process code needs no special case.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace weft::dist {
+
+// Where this process sits in the job, read from the launcher's environment: RANK, WORLD_SIZE,
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun / weft launch); else OMPI_COMM_WORLD_RANK,
+// OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK (mpirun); else SLURM_PROCID, SLURM_NTASKS,
+// SLURM_LOCALID (srun). Absent variables mean a single process. Malformed values are errors
+// naming the variable.
+struct WorldInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+};
+WorldInfo world_from_env();
+
+class Comm {
+ public:
+  Comm();  // the single-rank group
+
+  // Rendezvous over a TCP store hosted by rank 0 at master_addr:master_port. A rank that does
+  // not arrive within `timeout` ends every waiting rank with an error.
+  static Comm connect(const WorldInfo& world, std::chrono::milliseconds timeout);
+  // In-process groups for tests: one thread per rank, all calling with the same `store_key`.
+  static Comm in_memory(const std::string& store_key, int rank, int size,
+                        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  int rank() const;
+  int size() const;
+
+  // A group of the given ranks of this group (ascending, unique). Collective over *this* group:
+  // every rank calls it with the same list; non-members get the single-rank group back.
+  Comm subgroup(const std::vector<int>& ranks) const;
+
+  void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous CPU tensor
+  void all_reduce_max(at::Tensor& t) const;
+  void broadcast(at::Tensor& t, int root) const;  // in place
+  // Concatenation of every rank's tensor along dim 0 (same shape on every rank).
+  at::Tensor all_gather(const at::Tensor& t) const;
+  // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()).
+  at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
+  void barrier() const;
+
+  struct Impl;  // defined in comm.cpp (holds the c10d store and process group)
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace weft::dist

@@ -1,0 +1,24 @@
+// `weft launch`: starts N local ranks of a command with RANK / WORLD_SIZE / LOCAL_RANK /
+// MASTER_ADDR / MASTER_PORT set, prefixes every output line with its rank, and propagates
+// failure: when a rank exits non-zero or is killed, the others get SIGTERM, then SIGKILL after
+// the grace period, and launch returns non-zero naming the rank. Ranks die with the launcher
+// (PR_SET_PDEATHSIG), so no orphan is left behind. Not thread-safe; call from main().
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace weft::dist {
+
+struct LaunchOptions {
+  int nproc = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0 = a free port chosen by the launcher
+  double grace_seconds = 10;
+  std::vector<std::string> command;  // argv of every rank
+};
+
+// Runs the job to completion; returns the launcher's exit status (0 when every rank succeeded).
+int launch(const LaunchOptions& opts);
+
+}  // namespace weft::dist

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `weft launch` with real processes over c10d/Gloo: a DP2 run matches the single-process losses,
+# and a rank killed with SIGKILL mid-training ends the whole job quickly, naming that rank.
+set -u
+weft=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"; [ $lpid -gt 0 ] && kill -9 $lpid 2>/dev/null' EXIT
+lpid=0
+die() { echo "FAIL: $*"; exit 1; }
+small=(--set model.llm.layers=1 --set model.vision.layers=1 --set data.eval_samples=16
+       --set train.precision=fp32 --set train.steps=3 --set train.warmup=1 --set train.batch=8)
+
+"$weft" train "$src/configs/tiny-vlm.toml" "${small[@]}" --out "$tmp/single" --quiet \
+  || die "single-process run failed"
+"$weft" launch --nproc 2 -- "$weft" train "$src/configs/tiny-vlm.toml" "${small[@]}" \
+  --out "$tmp/dp2" > "$tmp/dp2.log" 2>&1 || { cat "$tmp/dp2.log"; die "DP2 launch failed"; }
+grep -q '^\[rank 1\]' "$tmp/dp2.log" || { cat "$tmp/dp2.log"; die "rank 1 output not prefixed"; }
+grep -q '"world_size": 2' "$tmp/dp2/summary.json" || die "summary does not record world_size 2"
+python3 - "$tmp/single/metrics.jsonl" "$tmp/dp2/metrics.jsonl" <<'PY' || die "DP2 losses differ"
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+assert len(a) == len(b) == 3, (a, b)
+for x, y in zip(a, b):
+    assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+print("DP2 losses match single process:", a, b)
+PY
+
+# A long DP2 run; kill -9 rank 1 once training is under way.
+"$weft" launch --nproc 2 -- "$weft" train "$src/configs/tiny-vlm.toml" --set train.steps=100000 \
+  --out "$tmp/kill" > "$tmp/kill.log" 2>&1 &
+lpid=$!
+for _ in $(seq 300); do
+  [ -s "$tmp/kill/metrics.jsonl" ] && break
+  sleep 0.2
+done
+[ -s "$tmp/kill/metrics.jsonl" ] || { cat "$tmp/kill.log"; die "training did not start"; }
+victim=$(pgrep -f -- "weft train .*--out $tmp/kill" | while read p; do
+  grep -qz '^RANK=1$' /proc/$p/environ 2>/dev/null && echo $p; done | head -1)
+[ -n "$victim" ] || die "could not find rank 1"
+start=$(date +%s)
+kill -9 "$victim"
+wait $lpid; rc=$?
+elapsed=$(( $(date +%s) - start ))
+[ $rc -ne 0 ] || die "launch exited 0 after a rank was killed"
+[ $elapsed -le 10 ] || die "job took ${elapsed}s to stop (limit 10 s)"
+grep -q "rank 1 was killed by signal 9" "$tmp/kill.log" || { tail -5 "$tmp/kill.log"; die "message does not name rank 1"; }
+sleep 0.5
+pgrep -f -- "--out $tmp/kill" >/dev/null && die "orphan ranks left behind"
+echo "killed rank 1: job ended in ${elapsed}s: $(grep 'weft launch: error' "$tmp/kill.log")"
