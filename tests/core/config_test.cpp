@@ -738,6 +738,8 @@ TEST(Config, EncoderShapes) {
       {"model.vision.patch = 8: must be divisible by 16", "each of the 4 stem layers halves"}));
   EXPECT_TRUE(
       set_fails_with("model.vision.stem_layers=0", {"model.vision.stem_layers = 0: must be > 0"}));
+  EXPECT_TRUE(
+      set_fails_with("train.zero_stage=2", {"train.zero_stage = 2: must be 0", "or 1 (sharded"}));
   EXPECT_TRUE(set_fails_with("model.audio.stem_layers=2", {"model.audio.stem_layers"}));
 }
 

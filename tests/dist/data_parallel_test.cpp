@@ -140,6 +140,56 @@ TEST(DataParallel, Dp2WithFrozenVisionEncoderMatchesSingleProcess) {
   expect_equivalent({"model.vision.frozen=true"}, "dp2_frozen");
 }
 
+TEST(DataParallel, Dp2ZeroOneMatchesSingleProcess) {
+  expect_equivalent({"train.zero_stage=1"}, "dp2_zero1");
+}
+
+// Overlap: gradients produced by the armed backward are reduced bucket by bucket during it; a
+// parameter without a gradient joins its bucket with zeros; every rank ends with the sum.
+TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
+  static std::atomic<int> groups{0};
+  const std::string key = "dp_overlap_" + std::to_string(groups++);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(2);
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        model::ParamSet ps;
+        at::Tensor a = ps.add("a", torch::full({300}, 1.0));
+        at::Tensor b = ps.add("b", torch::full({300}, 2.0));
+        at::Tensor unused = ps.add("unused", torch::ones({10}));
+        GradSync sync(Comm::in_memory(key, r, 2), ps.all(), /*bucket_bytes=*/1000);
+        ASSERT_EQ(sync.bucket_count(), 2);  // [unused, b], [a]
+        // Two microbatches: the first accumulates normally, the second is armed.
+        ((a * b).sum() * (r + 1)).backward();
+        sync.arm();
+        ((a * a).sum() * (r + 1)).backward();
+        sync.finish();
+        // d/da: rank-weighted (b + 2a) summed over ranks (1 + 2) = 3 * (2 + 2) = 12.
+        EXPECT_TRUE(torch::allclose(a.grad(), torch::full({300}, 12.0))) << a.grad()[0];
+        EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, 3.0)));  // 3 * a
+        ASSERT_TRUE(unused.grad().defined());
+        EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
+        EXPECT_EQ(sync.buckets_overlapped(), 1);  // [a] filled during backward; [unused, b] not
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+TEST(DataParallel, ZeroOnePartitionIsBalancedAndComplete) {
+  model::ParamSet ps;
+  for (int i = 0; i < 7; ++i) ps.add("p" + std::to_string(i), torch::zeros({100 * (i + 1)}));
+  const std::vector<int> owner = partition_parameters(ps.all(), 2);
+  int64_t load[2] = {0, 0};
+  for (size_t k = 0; k < owner.size(); ++k) load[owner[k]] += ps.all()[k].second.numel();
+  EXPECT_EQ(load[0] + load[1], 2800);
+  EXPECT_LE(std::abs(load[0] - load[1]), 100);
+}
+
 TEST(DataParallel, BucketsCoverEveryParameterOnce) {
   model::ParamSet ps;
   ps.add("a", torch::zeros({1000}));

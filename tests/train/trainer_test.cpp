@@ -131,9 +131,9 @@ TEST(Trainer, FrozenModulesGetNoOptimizerState) {
   EXPECT_TRUE(projector_state);  // the projector after the frozen encoder still trains
 }
 
-// fp32: 12 straight steps == 6 steps, a crash, and a resume for the remaining 6 — bitwise.
+// fp32: 20 straight steps == 10 steps, a crash, and a resume for the remaining 10 — bitwise.
 TEST(Trainer, ResumeIsBitwiseExact) {
-  const std::vector<std::string> sets = {"train.steps=12", "train.checkpoint_every=6"};
+  const std::vector<std::string> sets = {"train.steps=20", "train.checkpoint_every=10"};
   const fs::path straight = temp_dir("straight"), resumed = temp_dir("resumed");
   Spec spec = tiny_spec(sets);
   Trainer a(spec, plan::make_plan(spec), quiet_options(straight));
@@ -142,7 +142,7 @@ TEST(Trainer, ResumeIsBitwiseExact) {
   {
     Trainer b(spec, plan::make_plan(spec), quiet_options(resumed));
     b.after_backward = [](int64_t step) {
-      if (step == 8) throw std::runtime_error("simulated crash");
+      if (step == 13) throw std::runtime_error("simulated crash");
     };
     EXPECT_THROW(b.run(), std::runtime_error);
   }
@@ -157,8 +157,8 @@ TEST(Trainer, ResumeIsBitwiseExact) {
     EXPECT_TRUE(torch::equal(pa, c.model().parameters()[i].second)) << name;
   }
   const std::vector<double> la = losses(straight), lc = losses(resumed);
-  ASSERT_EQ(la.size(), 12u);
-  ASSERT_EQ(lc.size(), 12u);  // metrics after the checkpoint were rewritten, not duplicated
+  ASSERT_EQ(la.size(), 20u);
+  ASSERT_EQ(lc.size(), 20u);  // metrics after the checkpoint were rewritten, not duplicated
   for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
 }
 

@@ -103,6 +103,7 @@ struct TrainSpec {
   int64_t eval_every = 0;        // 0 = only at the end
   int64_t checkpoint_every = 0;  // 0 = only at the end
   int64_t threads = 0;           // 0 = all cores
+  int64_t zero_stage = 0;        // 1 = ZeRO-1: optimizer state sharded over data parallel
 };
 
 struct OutputSpec {

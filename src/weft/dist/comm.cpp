@@ -191,6 +191,19 @@ void Comm::all_reduce_sum(at::Tensor& t) const {
   impl_->wait(impl_->pg->allreduce(v, opts), "all_reduce_sum");
 }
 
+Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
+  if (size() == 1) return {};
+  WEFT_CHECK(t.is_contiguous() && !needs_fp32(t),
+             "all_reduce_sum_async: tensor must be a "
+             "contiguous fp32/int64 tensor");
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  c10::intrusive_ptr<c10d::Work> work = impl_->pg->allreduce(v, opts);
+  std::shared_ptr<Impl> impl = impl_;
+  return Pending([impl, work] { impl->wait(work, "all_reduce_sum_async"); });
+}
+
 void Comm::all_reduce_max(at::Tensor& t) const {
   if (size() == 1) return;
   std::vector<at::Tensor> v{t};

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,20 @@ struct WorldInfo {
 };
 WorldInfo world_from_env();
 
+// A collective in flight (from an *_async call). wait() blocks until it completes and throws
+// like the blocking calls; it must be called exactly once, before the tensor is read.
+class Pending {
+ public:
+  Pending() = default;
+  explicit Pending(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (wait_) std::exchange(wait_, nullptr)();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
 class Comm {
  public:
   Comm();  // the single-rank group
@@ -50,6 +65,8 @@ class Comm {
   Comm subgroup(const std::vector<int>& ranks) const;
 
   void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous CPU tensor
+  // Non-blocking variant for fp32 / int64 tensors (overlapping communication with compute).
+  Pending all_reduce_sum_async(at::Tensor& t) const;
   void all_reduce_max(at::Tensor& t) const;
   void broadcast(at::Tensor& t, int root) const;  // in place
   // Concatenation of every rank's tensor along dim 0 (same shape on every rank).

@@ -8,11 +8,14 @@
 
 namespace weft::train {
 
-AdamW::AdamW(model::NamedTensors params, AdamWOptions opts)
-    : params_(std::move(params)), opts_(opts) {
-  for (const auto& [name, p] : params_) {
-    exp_avg_.push_back(torch::zeros_like(p));
-    exp_avg_sq_.push_back(torch::zeros_like(p));
+AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned)
+    : params_(std::move(params)), owned_(std::move(owned)), opts_(opts) {
+  if (owned_.empty()) owned_.assign(params_.size(), true);
+  WEFT_ASSERT(owned_.size() == params_.size());
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const at::Tensor& p = params_[k].second;
+    exp_avg_.push_back(owned_[k] ? torch::zeros_like(p) : at::Tensor());
+    exp_avg_sq_.push_back(owned_[k] ? torch::zeros_like(p) : at::Tensor());
   }
 }
 
@@ -24,7 +27,7 @@ void AdamW::step(double lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
+    if (!g.defined() || !owned_[i]) continue;
     if (opts_.weight_decay > 0 && p.dim() >= 2) p.mul_(1.0 - lr * opts_.weight_decay);
     exp_avg_[i].mul_(opts_.beta1).add_(g, 1.0 - opts_.beta1);
     exp_avg_sq_[i].mul_(opts_.beta2).addcmul_(g, g, 1.0 - opts_.beta2);
@@ -36,8 +39,24 @@ void AdamW::step(double lr) {
 model::NamedTensors AdamW::state() const {
   model::NamedTensors out;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned_[i]) continue;
     out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
     out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+model::NamedTensors AdamW::gather_state(const dist::Comm& group,
+                                        const std::vector<int>& owner) const {
+  if (std::all_of(owned_.begin(), owned_.end(), [](bool o) { return o; })) return state();
+  model::NamedTensors out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor m = owned_[i] ? exp_avg_[i].clone() : torch::zeros_like(params_[i].second);
+    at::Tensor v = owned_[i] ? exp_avg_sq_[i].clone() : torch::zeros_like(params_[i].second);
+    group.broadcast(m, owner[i]);
+    group.broadcast(v, owner[i]);
+    out.emplace_back("exp_avg." + params_[i].first, m);
+    out.emplace_back("exp_avg_sq." + params_[i].first, v);
   }
   return out;
 }
@@ -53,8 +72,13 @@ void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
     by_name.erase(it);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
-    take("exp_avg." + params_[i].first, exp_avg_[i]);
-    take("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+    if (owned_[i]) {
+      take("exp_avg." + params_[i].first, exp_avg_[i]);
+      take("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+    } else {  // another rank's shard
+      by_name.erase("exp_avg." + params_[i].first);
+      by_name.erase("exp_avg_sq." + params_[i].first);
+    }
   }
   WEFT_CHECK(by_name.empty(), "optimizer state: unexpected tensor '",
              by_name.empty() ? "" : by_name.begin()->first,

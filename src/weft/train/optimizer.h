@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "weft/core/spec.h"
+#include "weft/dist/comm.h"
 #include "weft/model/layers.h"
 
 namespace weft::train {
@@ -18,17 +19,27 @@ struct AdamWOptions {
 // Owns the moment estimates of `params` (parameters that require grad). Weight decay applies
 // to matrices only (dim >= 2), not to norms and biases. A parameter without a grad this step is
 // left untouched (its moments too).
+//
+// ZeRO-1: with `owned` given, only parameters with owned[k] have state and are stepped here;
+// the others are stepped by their owner rank (see dist::partition_parameters).
 class AdamW {
  public:
-  AdamW(model::NamedTensors params, AdamWOptions opts);
+  AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned = {});
   void step(double lr);
   int64_t steps() const { return steps_; }
-  // State as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>") for checkpoints.
+  bool owns(size_t k) const { return owned_[k]; }
+  // State of the owned parameters as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>").
   model::NamedTensors state() const;
+  // Full state of every parameter: collective over `group` (owners broadcast their shards) when
+  // the state is sharded; what a checkpoint stores, whatever the sharding.
+  model::NamedTensors gather_state(const dist::Comm& group, const std::vector<int>& owner) const;
+  // Takes the owned parameters' state from a full (or owned-only) state; a tensor that names no
+  // parameter of this optimizer, or a missing owned one, is an error.
   void load_state(const model::NamedTensors& state, int64_t steps);
 
  private:
   model::NamedTensors params_;
+  std::vector<bool> owned_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   AdamWOptions opts_;
   int64_t steps_ = 0;

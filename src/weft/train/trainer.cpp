@@ -91,6 +91,7 @@ struct Trainer::Impl {
   std::unique_ptr<model::MultimodalModel> model;
   model::NamedTensors trainable;
   std::unique_ptr<AdamW> optimizer;
+  std::vector<int> owner;  // ZeRO-1: DP rank that steps each trainable parameter (else empty)
   at::ScalarType compute = at::kBFloat16;
   fs::path run_dir;
 
@@ -115,7 +116,12 @@ struct Trainer::Impl {
     for (const auto& [name, p] : model->parameters())
       if (p.requires_grad()) trainable.emplace_back(name, p);
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
-    optimizer = std::make_unique<AdamW>(trainable, ao);
+    std::vector<bool> owned(trainable.size(), true);
+    if (spec.train.zero_stage == 1 && opts.comm.size() > 1) {
+      owner = dist::partition_parameters(trainable, opts.comm.size());
+      for (size_t k = 0; k < owned.size(); ++k) owned[k] = owner[k] == opts.comm.rank();
+    }
+    optimizer = std::make_unique<AdamW>(trainable, ao, owned);
     run_dir = !opts.resume_dir.empty()   ? fs::path(opts.resume_dir)
               : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
@@ -150,14 +156,17 @@ struct Trainer::Impl {
                ", beyond train.steps = ", spec.train.steps, " (raise it with --set train.steps=N)");
   }
 
+  // Collective when the optimizer state is sharded (every rank calls); rank 0 writes.
   void save(int64_t step, double wall_seconds) {
+    model::NamedTensors optim_state = optimizer->gather_state(opts.comm, owner);
+    if (opts.comm.rank() != 0) return;
     json state;
     state["step"] = step;
     state["optimizer_steps"] = optimizer->steps();
     state["loss_first"] = loss_first;
     state["wall_seconds"] = wall_seconds;
     state["next_sample"] = step * spec.train.batch;  // data position: the stream is indexed
-    io::Checkpoint ckpt{model->parameters(), optimizer->state(), state.dump(2)};
+    io::Checkpoint ckpt{model->parameters(), optim_state, state.dump(2)};
     io::save_checkpoint(run_dir.string(), step, ckpt, spec.output.keep_checkpoints);
   }
 
@@ -271,12 +280,13 @@ Summary Trainer::run() {
     {
       model::ComputeDtypeGuard dtype(m.compute);
       for (const data::Microbatch& mb : mbs) {
+        if (&mb == &mbs.back()) grad_sync.arm();  // reduce buckets while this backward runs
         at::Tensor l = m.model->loss_sum(to_inputs(mb)) / static_cast<double>(targets);
         l.backward();
         loss += l.item<double>();
       }
     }
-    grad_sync.sync();
+    grad_sync.finish();
     at::Tensor loss_sum = torch::tensor({loss}, torch::kDouble);
     comm.all_reduce_sum(loss_sum);
     loss = loss_sum.item<double>();
@@ -289,6 +299,7 @@ Summary Trainer::run() {
                " — non-finite gradient in module '", m.non_finite_grad_module());
     const double lr = lr_at(ts, step);
     m.optimizer->step(lr);
+    if (!m.owner.empty()) dist::broadcast_from_owners(comm, m.trainable, m.owner);
     for (auto& [name, p] : m.trainable) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
 
@@ -331,7 +342,7 @@ Summary Trainer::run() {
         progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
                          std::to_string(r.caption_accuracy));
     }
-    if (writer && (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0)))
+    if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
   }
   progress.finish();
