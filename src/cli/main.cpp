@@ -1,12 +1,12 @@
-// The weft command line: `weft train`, `weft plan`. Errors from anywhere below end up here:
-// printed as "weft: error: ..." with a non-zero exit status.
-#include <torch/torch.h>
+// The weft command line: `weft train`, `plan`, `launch`, `inspect`. Errors from anywhere below end
+// up here: printed as "weft: error: ..." with a non-zero exit status.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 
+#include "cli/inspect.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/dist/comm.h"
@@ -90,6 +90,8 @@ int main(int argc, char** argv) {
   launch->add_option("command", launch_opts.command, "the command every rank runs (after --)")
       ->required();
 
+  std::function<int()> run_inspect = weft::cli::add_inspect(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -99,6 +101,7 @@ int main(int argc, char** argv) {
     if (*train) return cmd_train(config, sets, out, resume, quiet);
     if (*plan) return cmd_plan(config, sets, plan_world);
     if (*launch) return weft::dist::launch(launch_opts);
+    if (app.got_subcommand("inspect")) return run_inspect();
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\nweft: error: %s\n", e.what());

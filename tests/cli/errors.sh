@@ -31,5 +31,12 @@ expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tm
 expect_error resume-missing "not a run directory" "$weft" train --resume "$tmp/none"
 out=$("$weft" plan "$src/configs/tiny-vlm.toml") || { echo "FAIL plan: exit $?"; fail=1; }
 grep -q '"name": "vision.projector"' <<<"$out" || { echo "FAIL plan output: $out"; fail=1; }
+out=$("$weft" inspect cp-split --length 1000 --span 10:266 --span 600:856 --cp 4) \
+  || { echo "FAIL inspect cp-split: exit $?"; fail=1; }
+for p in contiguous zigzag lpt balanced; do
+  grep -q "\"$p\"" <<<"$out" || { echo "FAIL inspect cp-split lacks $p"; fail=1; }
+done
+expect_error cp-split-span "--span 5-9: expected BEGIN:END" "$weft" inspect cp-split --length 100 --span 5-9
+expect_error cp-split-overlap "overlap" "$weft" inspect cp-split --length 100 --span 5:20 --span 10:30
 [ $fail -eq 0 ] && echo "all CLI error cases passed"
 exit $fail

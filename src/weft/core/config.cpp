@@ -47,11 +47,11 @@ constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
 constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
 constexpr std::string_view kTrainKeys[] = {
-    "steps",   "batch",     "microbatches", "lr",
-    "min_lr",  "warmup",    "weight_decay", "beta1",
-    "beta2",   "eps",       "grad_clip",    "precision",
-    "seed",    "log_every", "eval_every",   "checkpoint_every",
-    "threads", "zero_stage"};
+    "steps",   "batch",      "microbatches",       "lr",
+    "min_lr",  "warmup",     "weight_decay",       "beta1",
+    "beta2",   "eps",        "grad_clip",          "precision",
+    "seed",    "log_every",  "eval_every",         "checkpoint_every",
+    "threads", "zero_stage", "overlap_grad_reduce"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp"};
 
@@ -447,6 +447,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
   s.count("threads", &t->threads, /*positive=*/false);
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
+  s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -668,6 +669,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("checkpoint_every", t.checkpoint_every);
   w.put("threads", t.threads);
   w.put("zero_stage", t.zero_stage);
+  w.put("overlap_grad_reduce", t.overlap_grad_reduce);
 
   w.header("output");
   w.put("dir", spec.output.dir);

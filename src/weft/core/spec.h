@@ -100,10 +100,11 @@ struct TrainSpec {
   Precision precision = Precision::kBf16;
   uint64_t seed = 0;  // parameter init seed
   int64_t log_every = 10;
-  int64_t eval_every = 0;        // 0 = only at the end
-  int64_t checkpoint_every = 0;  // 0 = only at the end
-  int64_t threads = 0;           // 0 = all cores
-  int64_t zero_stage = 0;        // 1 = ZeRO-1: optimizer state sharded over data parallel
+  int64_t eval_every = 0;           // 0 = only at the end
+  int64_t checkpoint_every = 0;     // 0 = only at the end
+  int64_t threads = 0;              // 0 = all cores
+  int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
+  bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
 };
 
 struct OutputSpec {

@@ -280,13 +280,16 @@ Summary Trainer::run() {
     {
       model::ComputeDtypeGuard dtype(m.compute);
       for (const data::Microbatch& mb : mbs) {
-        if (&mb == &mbs.back()) grad_sync.arm();  // reduce buckets while this backward runs
+        // Reduce gradient buckets while the last backward of the step runs.
+        if (&mb == &mbs.back() && ts.overlap_grad_reduce) grad_sync.arm();
         at::Tensor l = m.model->loss_sum(to_inputs(mb)) / static_cast<double>(targets);
         l.backward();
         loss += l.item<double>();
       }
     }
+    const double sync_start = now_seconds();
     grad_sync.finish();
+    const double grad_sync_seconds = now_seconds() - sync_start;
     at::Tensor loss_sum = torch::tensor({loss}, torch::kDouble);
     comm.all_reduce_sum(loss_sum);
     loss = loss_sum.item<double>();
@@ -329,6 +332,10 @@ Summary Trainer::run() {
     line["step_seconds"] = step_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
+    if (comm.size() > 1) {
+      line["grad_sync_seconds"] = grad_sync_seconds;  // exposed (not overlapped) reduction time
+      line["grad_buckets_overlapped"] = grad_sync.buckets_overlapped();
+    }
     if (writer) {
       metrics << line.dump() << "\n";
       metrics.flush();

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Data-parallel communication on this machine: for a DP2 run of tiny-vlm (2 local ranks over
+# Gloo, one intra-op thread each), the fraction of step time spent in exposed gradient
+# reduction, and how much of it the overlap with backward hides. All runs happen here, in one
+# invocation, so the ratios compare like with like.
+#   usage: bench/dp_comm.sh [BUILD_DIR] [STEPS]
+set -euo pipefail
+build=${1:-build}; steps=${2:-60}
+src=$(cd "$(dirname "$0")/.." && pwd)
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+common=(--set train.steps=$steps --set train.warmup=5 --set train.threads=1
+        --set train.microbatches=2 --set train.checkpoint_every=0 --set data.eval_samples=16)
+
+run() {  # name, launch args...
+  local name=$1; shift
+  "$@" "$build/weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" --out "$tmp/$name" \
+    --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+}
+run single env
+run dp2_overlap "$build/weft" launch --nproc 2 --
+"$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" \
+  --set train.overlap_grad_reduce=false --out "$tmp/dp2_no_overlap" --quiet \
+  > "$tmp/dp2_no_overlap.log" 2>&1 || { cat "$tmp/dp2_no_overlap.log"; exit 1; }
+
+python3 - "$tmp" "$steps" <<'PY'
+import json, statistics, sys
+tmp, steps = sys.argv[1], int(sys.argv[2])
+def load(name):
+    rows = [json.loads(l) for l in open(f"{tmp}/{name}/metrics.jsonl")]
+    return rows[len(rows) // 5:]  # skip warm-up steps
+def med(rows, key): return statistics.median(r[key] for r in rows)
+single, on, off = load("single"), load("dp2_overlap"), load("dp2_no_overlap")
+s_step, on_step, off_step = med(single, "step_seconds"), med(on, "step_seconds"), med(off, "step_seconds")
+on_sync, off_sync = med(on, "grad_sync_seconds"), med(off, "grad_sync_seconds")
+print(f"median step seconds: single {s_step:.4f}  DP2 overlap {on_step:.4f}  DP2 no-overlap {off_step:.4f}")
+print(f"exposed gradient reduction per step: overlap {on_sync:.4f} s, no-overlap {off_sync:.4f} s")
+print(f"fraction of DP2 step time in exposed gradient reduction: no-overlap {off_sync / off_step:.3f}, overlap {on_sync / on_step:.3f}")
+print(f"share of the reduction hidden behind backward: {1 - on_sync / off_sync:.3f}")
+print(f"buckets started during backward (overlap run, median): {med(on, 'grad_buckets_overlapped'):.0f}")
+print(f"DP2 throughput vs single process (same global batch, 2 ranks on 2 cores): {s_step / on_step:.3f}x")
+PY
