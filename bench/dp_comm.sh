@@ -3,13 +3,15 @@
 # Gloo, one intra-op thread each), the fraction of step time spent in exposed gradient
 # reduction, and how much of it the overlap with backward hides. All runs happen here, in one
 # invocation, so the ratios compare like with like.
-#   usage: bench/dp_comm.sh [BUILD_DIR] [STEPS]
+#   usage: bench/dp_comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
 build=${1:-build}; steps=${2:-60}
 src=$(cd "$(dirname "$0")/.." && pwd)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+bucket_mb=${3:-0.5}  # ~0.8M-parameter model: 0.5 MiB buckets give several buckets to overlap
 common=(--set train.steps=$steps --set train.warmup=5 --set train.threads=1
-        --set train.microbatches=2 --set train.checkpoint_every=0 --set data.eval_samples=16)
+        --set train.microbatches=2 --set train.checkpoint_every=0 --set data.eval_samples=16
+        --set train.grad_bucket_mb=$bucket_mb)
 
 run() {  # name, launch args...
   local name=$1; shift

@@ -51,7 +51,7 @@ constexpr std::string_view kTrainKeys[] = {
     "min_lr",  "warmup",     "weight_decay",       "beta1",
     "beta2",   "eps",        "grad_clip",          "precision",
     "seed",    "log_every",  "eval_every",         "checkpoint_every",
-    "threads", "zero_stage", "overlap_grad_reduce"};
+    "threads", "zero_stage", "overlap_grad_reduce", "grad_bucket_mb"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp"};
 
@@ -448,6 +448,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("threads", &t->threads, /*positive=*/false);
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
+  s.amount("grad_bucket_mb", &t->grad_bucket_mb);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -670,6 +671,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("threads", t.threads);
   w.put("zero_stage", t.zero_stage);
   w.put("overlap_grad_reduce", t.overlap_grad_reduce);
+  w.put("grad_bucket_mb", t.grad_bucket_mb);
 
   w.header("output");
   w.put("dir", spec.output.dir);

@@ -105,6 +105,7 @@ struct TrainSpec {
   int64_t threads = 0;              // 0 = all cores
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
+  double grad_bucket_mb = 4.0;      // DP: gradient bucket size (MiB of fp32)
 };
 
 struct OutputSpec {

@@ -41,7 +41,10 @@ GradSync::~GradSync() {
   for (size_t k = 0; k < hooks_.size(); ++k) params_[k].second.remove_hook(hooks_[k]);
 }
 
-void GradSync::arm() { armed_ = group_.size() > 1; }
+void GradSync::arm() {
+  armed_ = group_.size() > 1;
+  overlapped_ = 0;
+}
 
 void GradSync::on_grad(size_t k, const at::Tensor& incoming) {
   torch::NoGradGuard no_grad;
@@ -71,7 +74,7 @@ void GradSync::launch(Bucket& b) {
 void GradSync::finish() {
   if (group_.size() == 1) return;
   torch::NoGradGuard no_grad;
-  if (!armed_) overlapped_ = 0;
+  if (!armed_) overlapped_ = 0;  // nothing could start during backward
   for (Bucket& b : buckets_) {
     if (b.launched) continue;
     for (size_t slot = 0; slot < b.params.size(); ++slot) {
@@ -100,7 +103,6 @@ void GradSync::finish() {
     b.launched = false;
   }
   std::fill(filled_.begin(), filled_.end(), 0);
-  if (!armed_) overlapped_ = 0;
   armed_ = false;
 }
 
