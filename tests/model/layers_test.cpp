@@ -2,6 +2,7 @@
 // helpers they test): RMSNorm, RoPE, grouped-query attention with an arbitrary mask, SwiGLU,
 // GELU MLP; and bf16 compute with fp32 master weights.
 #include "weft/model/layers.h"
+#include "weft/model/torch_compat.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -372,6 +373,35 @@ TEST(Layers, Bf16ComputeIsCloseToFp32AndGradsStayFp32) {
     EXPECT_EQ(p.grad().scalar_type(), torch::kFloat) << n;
     EXPECT_LT(rel_err(p.grad(), g32[i]), 5e-2) << n;
     ++i;
+  }
+}
+
+}  // namespace
+}  // namespace weft::model
+
+namespace weft::model {
+namespace {
+
+// LibTorch 1.13's GELU backward is wrong for a non-contiguous incoming gradient (as in the
+// Whisper front end, where it arrives through a transpose): zeros in fp32, NaN in bf16.
+// compat::gelu must match GELU'(x) * g computed from the closed form, in both dtypes.
+TEST(Layers, GeluBackwardThroughTransposeIsExact) {
+  torch::manual_seed(3);
+  at::Tensor x = torch::randn({8, 96, 16});
+  at::Tensor g = torch::randn({8, 16, 96});
+  // d/dx [x Φ(x)] = Φ(x) + x φ(x)
+  at::Tensor cdf = 0.5 * (1 + torch::erf(x / std::sqrt(2.0)));
+  at::Tensor pdf = torch::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
+  at::Tensor expected = (cdf + x * pdf) * g.transpose(1, 2);
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    at::Tensor xd = x.to(dtype).requires_grad_(true);
+    at::Tensor got =
+        torch::autograd::grad({compat::gelu(xd).transpose(1, 2)}, {xd}, {g.to(dtype)})[0];
+    ASSERT_TRUE(torch::isfinite(got).all().item<bool>()) << dtype;
+    const double tol = dtype == torch::kFloat ? 1e-5 : 0.03;
+    EXPECT_LT((got.to(torch::kFloat) - expected).abs().max().item<double>(),
+              tol * expected.abs().max().item<double>())
+        << dtype;
   }
 }
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <string>
 
+#include "weft/model/torch_compat.h"
+
 namespace weft::model {
 
 namespace {
@@ -40,7 +42,7 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec) : spec_(sp
 at::Tensor VisionEncoder::operator()(const at::Tensor& images) const {
   at::Tensor x = to_compute(images);
   for (size_t i = 0; i < stem_w_.size(); ++i)
-    x = at::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
+    x = compat::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
   const int64_t k = patch_w_.size(-1);
   x = at::conv2d(x, to_compute(patch_w_), to_compute(patch_b_), k);  // [N, h, g, g]
   x = x.flatten(2).transpose(1, 2) + to_compute(pos_);               // [N, T, h]
@@ -72,8 +74,8 @@ AudioEncoder::AudioEncoder(const Scope& s, const EncoderSpec& spec) : spec_(spec
 
 at::Tensor AudioEncoder::operator()(const at::Tensor& mels) const {
   at::Tensor x = to_compute(mels);
-  x = at::gelu(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
-  x = at::gelu(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
+  x = compat::gelu(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
+  x = compat::gelu(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
   x = x.transpose(1, 2) + to_compute(pos_);  // [N, T, h]
   const int64_t used = spec_.layers_used();
   for (int64_t i = 0; i < used; ++i) x = blocks_[i](x);

@@ -141,7 +141,7 @@ GeluMlp GeluMlp::make(const Scope& s, int64_t in, int64_t ffn, int64_t out, doub
           Linear::make(s.sub("fc2"), ffn, out, true, out_std)};
 }
 
-at::Tensor GeluMlp::operator()(const at::Tensor& x) const { return fc2(at::gelu(fc1(x))); }
+at::Tensor GeluMlp::operator()(const at::Tensor& x) const { return fc2(compat::gelu(fc1(x))); }
 
 EncoderBlock EncoderBlock::make(const Scope& s, int64_t hidden, int64_t heads, int64_t ffn,
                                 double eps, int64_t layers) {

@@ -28,4 +28,17 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
 #endif
 }
 
+// GELU. LibTorch 1.13's CPU GELU backward is wrong when the incoming gradient is not contiguous
+// (it arrives through a transpose, as in the Whisper front end): all zeros in fp32, NaN in bf16.
+// A hook hands it a contiguous gradient (a copy only when needed), which is exact.
+inline at::Tensor gelu(const at::Tensor& x) {
+  at::Tensor y = at::gelu(x);
+#if TORCH_VERSION_MAJOR < 2
+  if (y.requires_grad())
+    y.register_hook(
+        [](const at::Tensor& g) { return g.is_contiguous() ? at::Tensor() : g.contiguous(); });
+#endif
+  return y;
+}
+
 }  // namespace weft::compat
