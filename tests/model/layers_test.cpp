@@ -2,7 +2,6 @@
 // helpers they test): RMSNorm, RoPE, grouped-query attention with an arbitrary mask, SwiGLU,
 // GELU MLP; and bf16 compute with fp32 master weights.
 #include "weft/model/layers.h"
-#include "weft/model/torch_compat.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -10,6 +9,8 @@
 #include <cmath>
 #include <string>
 #include <vector>
+
+#include "weft/model/torch_compat.h"
 
 namespace weft::model {
 namespace {

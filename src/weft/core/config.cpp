@@ -47,10 +47,10 @@ constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
 constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
 constexpr std::string_view kTrainKeys[] = {
-    "steps",   "batch",      "microbatches",       "lr",
-    "min_lr",  "warmup",     "weight_decay",       "beta1",
-    "beta2",   "eps",        "grad_clip",          "precision",
-    "seed",    "log_every",  "eval_every",         "checkpoint_every",
+    "steps",   "batch",      "microbatches",        "lr",
+    "min_lr",  "warmup",     "weight_decay",        "beta1",
+    "beta2",   "eps",        "grad_clip",           "precision",
+    "seed",    "log_every",  "eval_every",          "checkpoint_every",
     "threads", "zero_stage", "overlap_grad_reduce", "grad_bucket_mb"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp"};

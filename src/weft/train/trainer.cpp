@@ -231,8 +231,7 @@ Summary Trainer::run() {
   const dist::Comm& comm = m.opts.comm;
   WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
              " ranks but the job has ", comm.size());
-  dist::GradSync grad_sync(comm, m.trainable,
-                          static_cast<int64_t>(ts.grad_bucket_mb * (1 << 20)));
+  dist::GradSync grad_sync(comm, m.trainable, static_cast<int64_t>(ts.grad_bucket_mb * (1 << 20)));
   dist::GradSync::broadcast_parameters(comm, m.model->parameters());
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops : measure_matmul_peak(m.compute);
   const bool show = m.opts.progress && writer;
