@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/plan/plan.h"
 #include "weft/train/trainer.h"
@@ -19,34 +20,6 @@ namespace fs = std::filesystem;
 
 namespace weft::dist {
 namespace {
-
-constexpr const char* kTiny = R"(
-[model.llm]
-hidden = 32
-layers = 2
-heads = 4
-kv_heads = 2
-ffn = 64
-max_seq = 32
-[model.vision]
-kind = "vit"
-image_size = 32
-patch = 8
-stem_channels = 8
-hidden = 32
-layers = 2
-heads = 2
-ffn = 64
-[data]
-eval_samples = 8
-[train]
-steps = 3
-batch = 8
-microbatches = 2
-warmup = 1
-lr = 3e-3
-precision = "fp32"
-)";
 
 double rel_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
@@ -75,24 +48,16 @@ RunResult train(const Spec& spec, const Comm& comm, const fs::path& out) {
   };
   t.run();
   for (const auto& [name, p] : t.model().parameters()) r.params[name] = p.detach().clone();
-  if (comm.rank() == 0) {
-    std::ifstream in(out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line))
-      r.losses.push_back(std::stod(line.substr(line.find("\"loss\":") + 7)));
-  }
+  if (comm.rank() == 0) r.losses = weft::testing::run_losses(out);
   return r;
 }
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d =
-      fs::temp_directory_path() / ("weft_dp_test_" + std::to_string(::getpid()) + "_" + name);
-  fs::remove_all(d);
-  return d;
-}
+using weft::testing::temp_dir;
 
 void expect_equivalent(const std::vector<std::string>& sets, const std::string& tag) {
-  const Spec spec = parse_spec(kTiny, "tiny", sets);
+  std::vector<std::string> all = {"train.steps=3", "train.warmup=1"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  const Spec spec = parse_spec(weft::testing::kTinyVlm, "tiny", all);
   const RunResult ref = train(spec, Comm(), temp_dir(tag + "_single"));
   std::vector<RunResult> ranks(2);
   std::vector<std::exception_ptr> errors(2);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 
+#include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/io/checkpoint.h"
@@ -18,44 +19,11 @@ namespace fs = std::filesystem;
 namespace weft::train {
 namespace {
 
-constexpr const char* kTiny = R"(
-[model.llm]
-hidden = 32
-layers = 2
-heads = 4
-kv_heads = 2
-ffn = 64
-max_seq = 32
-[model.vision]
-kind = "vit"
-image_size = 32
-patch = 8
-stem_channels = 8
-hidden = 32
-layers = 2
-heads = 2
-ffn = 64
-[data]
-eval_samples = 16
-[train]
-steps = 6
-batch = 8
-microbatches = 2
-warmup = 2
-lr = 3e-3
-precision = "fp32"
-log_every = 1
-)";
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d =
-      fs::temp_directory_path() / ("weft_trainer_test_" + std::to_string(::getpid()) + "_" + name);
-  fs::remove_all(d);
-  return d;
-}
+using weft::testing::run_losses;
+using weft::testing::temp_dir;
 
 Spec tiny_spec(const std::vector<std::string>& sets = {}) {
-  return parse_spec(kTiny, "tiny", sets);
+  return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
 }
 
 TrainerOptions quiet_options(const fs::path& out) {
@@ -73,16 +41,6 @@ std::map<std::string, at::Tensor> snapshot(model::MultimodalModel& m) {
   return out;
 }
 
-std::vector<double> losses(const fs::path& run) {
-  std::vector<double> out;
-  std::ifstream in(run / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto at = line.find("\"loss\":");
-    out.push_back(std::stod(line.substr(at + 7)));
-  }
-  return out;
-}
 
 // Runs a spec and checks which modules changed: frozen ones must be bit-identical and hold no
 // gradient storage; all others must have moved.
@@ -156,7 +114,7 @@ TEST(Trainer, ResumeIsBitwiseExact) {
     const auto& [name, pa] = a.model().parameters()[i];
     EXPECT_TRUE(torch::equal(pa, c.model().parameters()[i].second)) << name;
   }
-  const std::vector<double> la = losses(straight), lc = losses(resumed);
+  const std::vector<double> la = run_losses(straight), lc = run_losses(resumed);
   ASSERT_EQ(la.size(), 20u);
   ASSERT_EQ(lc.size(), 20u);  // metrics after the checkpoint were rewritten, not duplicated
   for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
@@ -204,7 +162,7 @@ TEST(Trainer, WritesRunDirectory) {
   EXPECT_GT(s.tokens_per_second, 0.0);
   for (const char* f : {"config.toml", "plan.json", "metrics.jsonl", "summary.json"})
     EXPECT_TRUE(fs::exists(out / f)) << f;
-  EXPECT_EQ(losses(out).size(), 3u);
+  EXPECT_EQ(run_losses(out).size(), 3u);
   // keep-last-2: steps 2 and 3 remain.
   EXPECT_FALSE(fs::exists(out / "checkpoints/step_00000001"));
   EXPECT_TRUE(fs::exists(out / "checkpoints/step_00000002/model.safetensors"));

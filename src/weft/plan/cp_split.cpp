@@ -166,18 +166,23 @@ Assignment zigzag(int64_t n, int64_t cp) {
   return a;
 }
 
+// Block indices by work, largest first (ties keep index order).
+std::vector<size_t> by_work_descending(const std::vector<double>& work) {
+  std::vector<size_t> order(work.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return work[x] > work[y]; });
+  return order;
+}
+
 Assignment lpt(const std::vector<double>& work, int64_t cp) {
-  std::vector<int64_t> order(work.size());
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return work[static_cast<size_t>(x)] > work[static_cast<size_t>(y)];
-  });
+  const std::vector<size_t> order = by_work_descending(work);
   Assignment a(work.size());
   std::vector<double> load(static_cast<size_t>(cp), 0.0);
-  for (int64_t b : order) {
+  for (size_t b : order) {
     const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    a[static_cast<size_t>(b)] = static_cast<int64_t>(r);
-    load[r] += work[static_cast<size_t>(b)];
+    a[b] = static_cast<int64_t>(r);
+    load[r] += work[b];
   }
   return a;
 }
@@ -229,10 +234,7 @@ void improve(const std::vector<double>& work, int64_t cp, Assignment& a) {
 // first of them is tried; stops at the lower bound max(max work, total/cp).
 void exact(const std::vector<double>& work, int64_t cp, Assignment& a) {
   const size_t n = work.size();
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t x, size_t y) { return work[x] > work[y]; });
+  const std::vector<size_t> order = by_work_descending(work);
   const double total = std::accumulate(work.begin(), work.end(), 0.0);
   const double lower = std::max(work[order[0]], total / static_cast<double>(cp));
   double best = makespan_of(work, a, cp);
@@ -287,10 +289,7 @@ void exact(const std::vector<double>& work, int64_t cp, Assignment& a) {
 // decreasing packs all blocks into cp bins; returns the best packing found (empty if none).
 Assignment multifit(const std::vector<double>& work, int64_t cp) {
   const size_t n = work.size();
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t x, size_t y) { return work[x] > work[y]; });
+  const std::vector<size_t> order = by_work_descending(work);
   const double total = std::accumulate(work.begin(), work.end(), 0.0);
   double lo = std::max(work[order[0]], total / static_cast<double>(cp));
   double hi = std::max(work[order[0]], 2.0 * total / static_cast<double>(cp));
