@@ -41,7 +41,6 @@ std::map<std::string, at::Tensor> snapshot(model::MultimodalModel& m) {
   return out;
 }
 
-
 // Runs a spec and checks which modules changed: frozen ones must be bit-identical and hold no
 // gradient storage; all others must have moved.
 void check_frozen(const std::vector<std::string>& sets, const std::vector<std::string>& frozen) {
