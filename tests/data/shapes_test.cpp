@@ -208,6 +208,21 @@ TEST(Shapes, BatchesAndStreams) {
   EXPECT_THROW(ds.train_batch(0, 0), Error);
 }
 
+// A data-parallel rank generates only its part; the parts, in order, are the global batch.
+TEST(Shapes, BatchPartsConcatenateToTheBatch) {
+  const ShapesDataset ds = make(vision_spec());
+  const auto whole = ds.train_batch(5, 7);
+  std::vector<Sample> joined;
+  for (int64_t part = 0; part < 3; ++part) {
+    const auto p = ds.train_batch(5, 7, part, 3);
+    EXPECT_EQ(p.size(), part == 0 ? 3u : 2u);  // 7 = 3 + 2 + 2, as data::split
+    joined.insert(joined.end(), p.begin(), p.end());
+  }
+  ASSERT_EQ(joined.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(joined[i].tokens, whole[i].tokens) << i;
+  EXPECT_THROW(ds.train_batch(5, 7, 3, 3), Error);
+}
+
 TEST(Shapes, SequenceLayout) {
   const Spec spec = av_spec();
   const Tokenizer tok = Tokenizer::for_shapes(spec.model);

@@ -90,15 +90,20 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
   return mb;
 }
 
+std::pair<int64_t, int64_t> part_range(int64_t n, int64_t parts, int64_t part) {
+  WEFT_CHECK(parts > 0 && part >= 0 && part < parts, "part ", part, " of ", parts,
+             ": expected 0 <= part < parts");
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t begin = part * base + std::min(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
+
 std::vector<std::vector<Sample>> split(const std::vector<Sample>& samples, int64_t parts) {
   WEFT_CHECK(parts > 0, "split: parts must be positive");
   std::vector<std::vector<Sample>> out(static_cast<size_t>(parts));
-  const size_t n = samples.size(), p = static_cast<size_t>(parts);
-  size_t at = 0;
-  for (size_t i = 0; i < p; ++i) {
-    const size_t take = n / p + (i < n % p ? 1 : 0);
-    out[i].assign(samples.begin() + at, samples.begin() + at + take);
-    at += take;
+  for (int64_t i = 0; i < parts; ++i) {
+    const auto [begin, end] = part_range(static_cast<int64_t>(samples.size()), parts, i);
+    out[static_cast<size_t>(i)].assign(samples.begin() + begin, samples.begin() + end);
   }
   return out;
 }

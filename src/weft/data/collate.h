@@ -38,4 +38,7 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
 // most one).
 std::vector<std::vector<Sample>> split(const std::vector<Sample>& samples, int64_t parts);
 
+// The [begin, end) of part `part` when n items are split as split() does.
+std::pair<int64_t, int64_t> part_range(int64_t n, int64_t parts, int64_t part);
+
 }  // namespace weft::data

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "weft/core/error.h"
+#include "weft/data/collate.h"
 
 namespace weft::data {
 
@@ -345,12 +346,18 @@ Sample ShapesDataset::sample(uint64_t stream, uint64_t index) const {
 }
 
 std::vector<Sample> ShapesDataset::train_batch(int64_t step, int64_t batch) const {
+  return train_batch(step, batch, 0, 1);
+}
+
+std::vector<Sample> ShapesDataset::train_batch(int64_t step, int64_t batch, int64_t part,
+                                               int64_t parts) const {
   WEFT_CHECK(step >= 0, "shapes dataset: step must be >= 0, got ", step);
   WEFT_CHECK(batch >= 1, "shapes dataset: batch must be >= 1, got ", batch);
+  const auto [begin, end] = part_range(batch, parts, part);
   std::vector<Sample> out;
-  out.reserve(static_cast<size_t>(batch));
+  out.reserve(static_cast<size_t>(end - begin));
   const auto first = static_cast<uint64_t>(step) * static_cast<uint64_t>(batch);
-  for (int64_t i = 0; i < batch; ++i)
+  for (int64_t i = begin; i < end; ++i)
     out.push_back(sample(kTrainStream, first + static_cast<uint64_t>(i)));
   return out;
 }

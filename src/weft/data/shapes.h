@@ -36,6 +36,9 @@ class ShapesDataset {
   Sample sample(uint64_t stream, uint64_t index) const;
   // Stream 0, indices [step * batch, step * batch + batch).
   std::vector<Sample> train_batch(int64_t step, int64_t batch) const;
+  // Only part `part` of `parts` of that batch (split as data::split does): what one data-
+  // parallel rank trains on, without generating the other ranks' samples.
+  std::vector<Sample> train_batch(int64_t step, int64_t batch, int64_t part, int64_t parts) const;
   // data.eval_samples samples from stream 1, indices 0.. in order.
   std::vector<Sample> eval_set() const;
 

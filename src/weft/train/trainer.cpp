@@ -213,7 +213,10 @@ Summary Trainer::run() {
   at::set_num_threads(ts.threads > 0 ? static_cast<int>(ts.threads)
                                      : static_cast<int>(std::thread::hardware_concurrency()));
 
-  const bool writer = m.opts.comm.rank() == 0;
+  const dist::Comm& comm = m.opts.comm;
+  WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
+             " ranks but the job has ", comm.size());
+  const bool writer = comm.rank() == 0;
   std::ofstream metrics;
   if (writer) {
     fs::create_directories(m.run_dir);
@@ -228,9 +231,6 @@ Summary Trainer::run() {
     WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
   }
 
-  const dist::Comm& comm = m.opts.comm;
-  WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
-             " ranks but the job has ", comm.size());
   dist::GradSync grad_sync(comm, m.trainable, static_cast<int64_t>(ts.grad_bucket_mb * (1 << 20)));
   dist::GradSync::broadcast_parameters(comm, m.model->parameters());
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops : measure_matmul_peak(m.compute);
@@ -266,7 +266,7 @@ Summary Trainer::run() {
     int64_t targets = 0;
     // This rank's slice of the global batch (data parallel), then its microbatches.
     const std::vector<data::Sample> local =
-        data::split(m.dataset->train_batch(step, ts.batch), comm.size())[comm.rank()];
+        m.dataset->train_batch(step, ts.batch, comm.rank(), comm.size());
     for (const auto& part : data::split(local, ts.microbatches)) {
       mbs.push_back(data::collate(part, copts));
       targets += mbs.back().targets.numel();
