@@ -4,33 +4,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <functional>
-#include <thread>
 
+#include "support/ranks.h"
 #include "weft/core/error.h"
 
 namespace weft::dist {
 namespace {
 
-// Runs fn(comm) on `size` threads, each a rank of one group; rethrows the first failure.
-void run_ranks(int size, const std::function<void(const Comm&)>& fn) {
-  static std::atomic<int> groups{0};
-  const std::string key = "comm_test_" + std::to_string(groups++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(Comm::in_memory(key, r, size));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using weft::testing::run_ranks;
 
 TEST(Comm, SingleRankIsTheIdentity) {
   Comm c;

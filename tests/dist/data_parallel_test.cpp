@@ -5,12 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <thread>
 
+#include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/plan/plan.h"
@@ -60,21 +59,8 @@ void expect_equivalent(const std::vector<std::string>& sets, const std::string& 
   const Spec spec = parse_spec(weft::testing::kTinyVlm, "tiny", all);
   const RunResult ref = train(spec, Comm(), temp_dir(tag + "_single"));
   std::vector<RunResult> ranks(2);
-  std::vector<std::exception_ptr> errors(2);
-  static std::atomic<int> groups{0};
-  const std::string key = "dp_test_" + std::to_string(groups++);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ranks[r] = train(spec, Comm::in_memory(key, r, 2), temp_dir(tag + "_dp2"));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  testing::run_ranks(
+      2, [&](const Comm& comm) { ranks[comm.rank()] = train(spec, comm, temp_dir(tag + "_dp2")); });
 
   ASSERT_EQ(ref.losses.size(), 3u);
   ASSERT_EQ(ranks[0].losses.size(), 3u);
@@ -112,37 +98,26 @@ TEST(DataParallel, Dp2ZeroOneMatchesSingleProcess) {
 // Overlap: gradients produced by the armed backward are reduced bucket by bucket during it; a
 // parameter without a gradient joins its bucket with zeros; every rank ends with the sum.
 TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
-  static std::atomic<int> groups{0};
-  const std::string key = "dp_overlap_" + std::to_string(groups++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(2);
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        model::ParamSet ps;
-        at::Tensor a = ps.add("a", torch::full({300}, 1.0));
-        at::Tensor b = ps.add("b", torch::full({300}, 2.0));
-        at::Tensor unused = ps.add("unused", torch::ones({10}));
-        GradSync sync(Comm::in_memory(key, r, 2), ps.all(), /*bucket_bytes=*/1000);
-        ASSERT_EQ(sync.bucket_count(), 2);  // [unused, b], [a]
-        // Two microbatches: the first accumulates normally, the second is armed.
-        ((a * b).sum() * (r + 1)).backward();
-        sync.arm();
-        ((a * a).sum() * (r + 1)).backward();
-        sync.finish();
-        // d/da: rank-weighted (b + 2a) summed over ranks (1 + 2) = 3 * (2 + 2) = 12.
-        EXPECT_TRUE(torch::allclose(a.grad(), torch::full({300}, 12.0))) << a.grad()[0];
-        EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, 3.0)));  // 3 * a
-        ASSERT_TRUE(unused.grad().defined());
-        EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
-        EXPECT_EQ(sync.buckets_overlapped(), 1);  // [a] filled during backward; [unused, b] not
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  testing::run_ranks(2, [](const Comm& comm) {
+    const int r = comm.rank();
+    model::ParamSet ps;
+    at::Tensor a = ps.add("a", torch::full({300}, 1.0));
+    at::Tensor b = ps.add("b", torch::full({300}, 2.0));
+    at::Tensor unused = ps.add("unused", torch::ones({10}));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/1000);
+    ASSERT_EQ(sync.bucket_count(), 2);  // [unused, b], [a]
+    // Two microbatches: the first accumulates normally, the second is armed.
+    ((a * b).sum() * (r + 1)).backward();
+    sync.arm();
+    ((a * a).sum() * (r + 1)).backward();
+    sync.finish();
+    // d/da: rank-weighted (b + 2a) summed over ranks (1 + 2) = 3 * (2 + 2) = 12.
+    EXPECT_TRUE(torch::allclose(a.grad(), torch::full({300}, 12.0))) << a.grad()[0];
+    EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, 3.0)));  // 3 * a
+    ASSERT_TRUE(unused.grad().defined());
+    EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
+    EXPECT_EQ(sync.buckets_overlapped(), 1);  // [a] filled during backward; [unused, b] not
+  });
 }
 
 TEST(DataParallel, ZeroOnePartitionIsBalancedAndComplete) {
