@@ -17,7 +17,8 @@
 namespace {
 
 int cmd_train(const std::string& config, const std::vector<std::string>& sets,
-              const std::string& out, const std::string& resume, bool quiet) {
+              const std::string& out, const std::string& resume, bool quiet,
+              double timeout_seconds) {
   std::string path = config;
   if (!resume.empty()) {
     WEFT_CHECK(std::filesystem::is_directory(resume), "--resume ", resume, ": not a run directory");
@@ -30,7 +31,8 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   const weft::dist::WorldInfo world = weft::dist::world_from_env();
   weft::plan::Plan plan = weft::plan::make_plan(spec, world.world_size);
   weft::train::TrainerOptions opts;
-  opts.comm = weft::dist::Comm::connect(world, std::chrono::seconds(120));
+  opts.comm = weft::dist::Comm::connect(
+      world, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   if (world.world_size > 1)
     std::fprintf(stderr, "weft: rank %d of %d connected (rendezvous %s:%d)\n", world.rank,
                  world.world_size, world.master_addr.c_str(), world.master_port);
@@ -71,6 +73,11 @@ int main(int argc, char** argv) {
                     "continue the run in this directory from its newest "
                     "checkpoint");
   train->add_flag("--quiet", quiet, "no progress output");
+  double timeout_seconds = 120;
+  train
+      ->add_option("--timeout", timeout_seconds,
+                   "seconds to wait for the other ranks at rendezvous and in any collective")
+      ->check(CLI::PositiveNumber);
 
   CLI::App* plan = app.add_subcommand("plan", "print the Plan a config resolves to (JSON)");
   plan->add_option("config", config, "config file (TOML)")->required();
@@ -98,7 +105,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    if (*train) return cmd_train(config, sets, out, resume, quiet);
+    if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
     if (*plan) return cmd_plan(config, sets, plan_world);
     if (*launch) return weft::dist::launch(launch_opts);
     if (app.got_subcommand("inspect")) return run_inspect();

@@ -47,3 +47,14 @@ grep -q "rank 1 was killed by signal 9" "$tmp/kill.log" || { tail -5 "$tmp/kill.
 sleep 0.5
 pgrep -f -- "--out $tmp/kill" >/dev/null && die "orphan ranks left behind"
 echo "killed rank 1: job ended in ${elapsed}s: $(grep 'weft launch: error' "$tmp/kill.log")"
+
+# A rank that never arrives: rank 0 of 2 alone ends with a clear timeout error, not a hang.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+start=$(date +%s)
+RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 \
+  "$weft" train "$src/configs/tiny-vlm.toml" --timeout 3 --out "$tmp/alone" > "$tmp/alone.log" 2>&1
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$tmp/alone.log"; die "lone rank: exit $rc (124 = hung)"; }
+grep -q "only 1 of 2 ranks arrived" "$tmp/alone.log" || { cat "$tmp/alone.log"; die "no rendezvous timeout message"; }
+echo "lone rank ended after ${elapsed}s: $(grep -o 'only 1 of 2.*' "$tmp/alone.log" | head -1)"

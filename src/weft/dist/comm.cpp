@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -119,7 +120,7 @@ Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout) {
   opts.port = static_cast<uint16_t>(world.master_port);
   opts.isServer = world.rank == 0;
   opts.numWorkers = world.world_size;
-  opts.waitWorkers = true;
+  opts.waitWorkers = false;  // 1.13's server wait ignores the timeout: we wait ourselves below
   opts.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
@@ -128,6 +129,19 @@ Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout) {
     WEFT_FAIL("rank ", world.rank, " of ", world.world_size, ": rendezvous at ", world.master_addr,
               ":", world.master_port, " failed within ", timeout.count() / 1000.0,
               " s (did every rank start?): ", e.what());
+  }
+  // Check in, then wait for every rank until the deadline.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string key = "weft/rendezvous/arrived";
+  int64_t arrived = store->add(key, 1);
+  while (arrived < world.world_size) {
+    WEFT_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", world.rank, " of ",
+               world.world_size, ": only ", arrived, " of ", world.world_size,
+               " ranks arrived at the rendezvous ", world.master_addr, ":", world.master_port,
+               " within ", timeout.count() / 1000.0,
+               " s (did every rank start, with the same MASTER_ADDR and MASTER_PORT?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    arrived = store->add(key, 0);
   }
   c.impl_ = make_group(store, world.rank, world.world_size, world.master_addr, timeout);
   return c;
