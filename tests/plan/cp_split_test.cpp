@@ -166,15 +166,18 @@ TEST(CpSplit, MakeSequenceLayout) {
   for (size_t p = 0; p < 12; ++p) EXPECT_EQ(t.tokens[p].doc, docs[p]) << p;
 }
 
+// The weft::Error message f() throws, or "no error".
+template <typename F>
+std::string message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 TEST(CpSplit, MakeSequenceErrors) {
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(message([] { make_sequence(0, {}); }).find("length must be >= 1"), std::string::npos);
   EXPECT_NE(message([] {
               make_sequence(10, {{8, 12}});
@@ -399,14 +402,6 @@ TEST(CpSplit, CostModelReusesFlops) {
 }
 
 TEST(CpSplit, ErrorMessages) {
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   const SequenceDesc seq = make_sequence(64, {});
   CpSplitOptions o;
   EXPECT_EQ(message([] { parse_cp_policy("ring"); }),
