@@ -88,9 +88,15 @@ threads = 4
 dir = "runs/test"
 keep_checkpoints = 3
 
+[parallel]
+placement = "separate"
+cp_split = "contiguous"
+
 [parallel.llm]
 dp = 2
 tp = 1
+pp = 2
+stages = [2]
 
 [parallel.vision]
 pp = 1
@@ -219,6 +225,11 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(s.parallel.modules.at("llm").tp, 1);
   EXPECT_EQ(s.parallel.modules.at("vision").dp, 1);
   EXPECT_EQ(s.parallel.modules.at("audio").cp, 1);
+  EXPECT_EQ(s.parallel.placement, "separate");
+  EXPECT_EQ(s.parallel.cp_split, "contiguous");
+  EXPECT_EQ(s.parallel.modules.at("llm").pp, 2);
+  EXPECT_EQ(s.parallel.modules.at("llm").stages, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(s.parallel.modules.at("vision").stages.empty());
 }
 
 TEST(Config, DefaultsApplyWhenKeysAreOmitted) {
@@ -264,6 +275,11 @@ TEST(Config, DefaultsApplyWhenKeysAreOmitted) {
   ASSERT_EQ(s.parallel.modules.size(), 1u);
   const LayoutSpec& l = s.parallel.modules.at("llm");
   EXPECT_EQ(l.dp * l.tp * l.pp * l.cp, 1);
+  EXPECT_TRUE(l.stages.empty());
+  EXPECT_EQ(s.parallel.placement, d.parallel.placement);
+  EXPECT_EQ(s.parallel.placement, "colocated");
+  EXPECT_EQ(s.parallel.cp_split, d.parallel.cp_split);
+  EXPECT_EQ(s.parallel.cp_split, "zigzag");
 }
 
 TEST(Config, EncoderDefaultsAndKindSpecificDefaults) {
@@ -347,6 +363,14 @@ TEST(Config, RoundTripFullConfig) {
   EXPECT_EQ(b.train.lr, a.train.lr);
   EXPECT_EQ(b.data.noise, a.data.noise);
   EXPECT_EQ(b.parallel.modules.at("llm").dp, 2);
+  EXPECT_EQ(b.parallel.placement, "separate");
+  EXPECT_EQ(b.parallel.cp_split, "contiguous");
+  EXPECT_EQ(b.parallel.modules.at("llm").stages, (std::vector<int64_t>{2}));
+  EXPECT_NE(dumped.find("[parallel]\nplacement = \"separate\"\ncp_split = \"contiguous\"\n"),
+            std::string::npos)
+      << dumped;
+  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nstages = [2]\n"), std::string::npos) << dumped;
+  EXPECT_NE(dumped.find("stages = []\n"), std::string::npos) << dumped;
   // Kind-specific keys are written only for their kind (the reparse would reject them anyway).
   EXPECT_NE(dumped.find("stem_channels = 16"), std::string::npos);
   EXPECT_NE(dumped.find("mels = 20"), std::string::npos);
@@ -357,6 +381,17 @@ TEST(Config, RoundTripDefaults) {
   const Spec a = parse_spec(kMinimal, "cfg.toml");
   const std::string dumped = spec_to_toml(a);
   EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
+}
+
+TEST(Config, RoundTripParallel) {
+  Spec a = parse_spec(kFull, "cfg.toml");
+  a.parallel.placement = "colocated";
+  a.parallel.modules.at("audio").stages = {1, 5, 9};
+  const Spec b = parse_spec(spec_to_toml(a), "dump.toml");
+  EXPECT_EQ(b.parallel.placement, "colocated");
+  EXPECT_EQ(b.parallel.modules.at("audio").stages, (std::vector<int64_t>{1, 5, 9}));
+  EXPECT_EQ(b.parallel.modules.at("llm").stages, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(b.parallel.modules.at("vision").stages.empty());
 }
 
 TEST(Config, RoundTripIsExactForAwkwardValues) {
@@ -415,6 +450,22 @@ TEST(Config, SetOverridesValues) {
   EXPECT_EQ(s.model.encoders[0].projector.kind, ProjectorKind::kMlp);
   EXPECT_EQ(s.parallel.modules.at("audio").tp, 2);
   EXPECT_EQ(s.train.seed, 2u);  // the last override wins
+}
+
+TEST(Config, SetParallel) {
+  const Spec s =
+      parse_spec(kFull, "cfg.toml",
+                 {"parallel.placement=colocated", "parallel.cp_split=zigzag", "parallel.llm.tp=2",
+                  "parallel.vision.stages=[1, 3]", "parallel.llm.stages=[]"});
+  EXPECT_EQ(s.parallel.placement, "colocated");
+  EXPECT_EQ(s.parallel.cp_split, "zigzag");
+  EXPECT_EQ(s.parallel.modules.at("llm").tp, 2);
+  EXPECT_TRUE(s.parallel.modules.at("llm").stages.empty());
+  EXPECT_EQ(s.parallel.modules.at("vision").stages, (std::vector<int64_t>{1, 3}));
+  // Into a config without a [parallel] table.
+  const Spec m = parse_spec(kMinimal, "cfg.toml", {"parallel.placement=separate"});
+  EXPECT_EQ(m.parallel.placement, "separate");
+  EXPECT_EQ(m.parallel.modules.size(), 1u);
 }
 
 TEST(Config, SetCreatesTables) {
@@ -566,8 +617,8 @@ TEST(Config, UnknownKeysInEverySection) {
       set_fails_with("train.stepz=1", {"train.stepz = 1: unknown key", "allowed: steps, batch"}));
   EXPECT_TRUE(set_fails_with("output.foo=1",
                              {"output.foo = 1: unknown key", "(allowed: dir, keep_checkpoints)"}));
-  EXPECT_TRUE(set_fails_with("parallel.llm.ep=2",
-                             {"parallel.llm.ep = 2: unknown key", "(allowed: dp, tp, pp, cp)"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.ep=2", {"parallel.llm.ep = 2: unknown key",
+                                                   "(allowed: dp, tp, pp, cp, stages)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",
                          {"train.sched: unknown table", "allowed: steps"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[model.llm.sub]\n",
@@ -596,6 +647,8 @@ TEST(Config, TableExpected) {
   EXPECT_TRUE(
       fails_with("parallel = 1\n" + std::string(kMinimal), {"parallel = 1: expected a table"}));
   EXPECT_TRUE(set_fails_with("parallel.llm=1", {"parallel.llm = 1: expected a table"}));
+  EXPECT_TRUE(fails_with(std::string(kMinimal) + "[parallel.placement]\n",
+                         {"parallel.placement: expected a string"}));
 }
 
 TEST(Config, WrongTypes) {
@@ -624,6 +677,18 @@ TEST(Config, WrongTypes) {
   EXPECT_TRUE(set_fails_with("data.kind=3", {"data.kind = 3: expected a string"}));
   EXPECT_TRUE(set_fails_with("model.vision.kind=1", {"model.vision.kind = 1: expected a string"}));
   EXPECT_TRUE(set_fails_with("train.precision=16", {"train.precision = 16: expected a string"}));
+  EXPECT_TRUE(
+      set_fails_with("parallel.placement=1", {"parallel.placement = 1: expected a string"}));
+  EXPECT_TRUE(
+      set_fails_with("parallel.cp_split=true", {"parallel.cp_split = true: expected a string"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.stages=2",
+                             {"parallel.llm.stages = 2: expected an array of integers"}));
+  EXPECT_TRUE(
+      set_fails_with("parallel.llm.stages=[1, 1.5]",
+                     {"parallel.llm.stages = [...]: expected an array of integers, not 1.5"}));
+  EXPECT_TRUE(set_fails_with("parallel.vision.stages=[\"a\"]",
+                             {"parallel.vision.stages = [...]: expected an array of integers, not "
+                              "\"a\""}));
   EXPECT_TRUE(set_fails_with("model.llm.vocab=1979-05-27",
                              {"model.llm.vocab = 1979-05-27: expected an integer"}));
 }
@@ -638,6 +703,12 @@ TEST(Config, Choices) {
   EXPECT_TRUE(set_fails_with("data.kind=text", {"data.kind = \"text\": must be \"shapes\""}));
   EXPECT_TRUE(set_fails_with("train.precision=fp16",
                              {"train.precision = \"fp16\": must be one of \"bf16\", \"fp32\""}));
+  EXPECT_TRUE(set_fails_with("parallel.placement=apart",
+                             {"cfg.toml: parallel.placement = \"apart\": must be one of "
+                              "\"colocated\", \"separate\""}));
+  EXPECT_TRUE(set_fails_with("parallel.cp_split=striped",
+                             {"parallel.cp_split = \"striped\": must be one of \"zigzag\", "
+                              "\"contiguous\""}));
 }
 
 // --- errors: ranges -------------------------------------------------------------------------
@@ -695,6 +766,8 @@ TEST(Config, Ranges) {
       {"parallel.vision.tp=0", "parallel.vision.tp = 0: must be >= 1"},
       {"parallel.audio.pp=-1", "parallel.audio.pp = -1: must be >= 1"},
       {"parallel.llm.cp=0", "parallel.llm.cp = 0: must be >= 1"},
+      {"parallel.llm.stages=[0, 2]", "parallel.llm.stages = [0, 2]: entries must be >= 1"},
+      {"parallel.audio.stages=[3, -1]", "parallel.audio.stages = [3, -1]: entries must be >= 1"},
   };
   for (const RangeCase& c : cases)
     EXPECT_TRUE(set_fails_with(c.override_text, {c.expected})) << c.override_text;
@@ -768,8 +841,14 @@ TEST(Config, TrainShapes) {
 TEST(Config, ParallelUnknownModule) {
   EXPECT_TRUE(set_fails_with("parallel.vison.dp=1",
                              {"parallel.vison: unknown module (modules: llm, vision, audio)"}));
-  EXPECT_TRUE(fails_with(std::string(kMinimal) + "[parallel.vision]\ndp = 1\n",
-                         {"parallel.vision: unknown module (modules: llm)"}));
+  EXPECT_TRUE(
+      fails_with(std::string(kMinimal) + "[parallel.vision]\ndp = 1\n",
+                 {"parallel.vision: unknown module (modules: llm)", "placement, cp_split"}));
+}
+
+TEST(Config, ParallelKeysAreNotEncoderNames) {
+  EXPECT_TRUE(set_fails_with("model.placement.kind=vit", {"model.placement", "reserved"}));
+  EXPECT_TRUE(set_fails_with("model.cp_split.kind=vit", {"model.cp_split", "reserved"}));
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
-// make_plan (frozen-aware backward flags, layout validation, JSON) and the FLOP model, against
+// make_plan (frozen-aware backward flags, placement, layout validation, stages, JSON), the
+// module rank grid (coordinates, groups) and the FLOP model, against
 // numbers worked out by hand from REFERENCES.md.
 #include "weft/plan/plan.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weft/core/error.h"
@@ -110,36 +113,391 @@ TEST(Plan, LlmInputGradsIffSomethingUpstreamTrains) {
   ASSERT_EQ(make_plan(text_only).modules.size(), 1u);
 }
 
-std::string layout_error(const std::string& module, LayoutSpec l) {
-  Spec s = two_encoder_spec();
-  s.parallel.modules[module] = l;
+LayoutSpec layout(int64_t dp, int64_t tp, int64_t pp = 1, int64_t cp = 1,
+                  std::vector<int64_t> stages = {}) {
+  LayoutSpec l;
+  l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.stages = std::move(stages);
+  return l;
+}
+
+// The message make_plan throws, or a note that it threw none.
+std::string plan_error(const Spec& s, int64_t world_size) {
   try {
-    make_plan(s);
+    make_plan(s, world_size);
   } catch (const Error& e) {
     return e.what();
   }
   return "(no weft::Error thrown)";
 }
 
-TEST(Plan, NonUnitLayoutRejectedNamingTheKey) {
-  LayoutSpec dp2;
-  dp2.dp = 2;
-  LayoutSpec tp2;
-  tp2.tp = 2;
-  LayoutSpec cp4;
-  cp4.cp = 4;
-  const std::string llm = layout_error("llm", tp2);
-  EXPECT_NE(llm.find("parallel.llm"), std::string::npos) << llm;
-  EXPECT_NE(llm.find("tp=2"), std::string::npos) << llm;
-  EXPECT_NE(llm.find("test.toml"), std::string::npos) << llm;
-  const std::string audio = layout_error("audio", cp4);
-  EXPECT_NE(audio.find("parallel.audio"), std::string::npos) << audio;
-  EXPECT_EQ(audio.find("parallel.audio.projector"), std::string::npos) << audio;
-  EXPECT_NE(layout_error("vision", dp2).find("parallel.vision"), std::string::npos);
-  // An explicit all-ones layout is fine.
+std::string layout_error(const std::string& module, LayoutSpec l, int64_t world_size = 1) {
+  Spec s = two_encoder_spec();
+  s.parallel.modules[module] = l;
+  return plan_error(s, world_size);
+}
+
+bool has(const std::string& message, const std::string& needle) {
+  return message.find(needle) != std::string::npos;
+}
+
+TEST(Plan, ColocatedLayoutMustFillTheWorld) {
+  const std::string llm = layout_error("llm", layout(1, 2));
+  EXPECT_TRUE(has(llm, "test.toml: parallel.llm = {dp=1, tp=2, pp=1, cp=1}")) << llm;
+  EXPECT_TRUE(has(llm, "dp*tp*pp*cp = 2 but the job has 1 rank and")) << llm;
+  EXPECT_TRUE(has(llm, "colocated")) << llm;
+  const std::string vision = layout_error("vision", layout(2, 1), 4);
+  EXPECT_TRUE(has(vision, "parallel.vision = {dp=2,")) << vision;
+  EXPECT_TRUE(has(vision, "the job has 4 ranks")) << vision;
+  EXPECT_FALSE(has(vision, "projector")) << vision;
+  // An explicit all-ones layout is fine: it fills the world like an unset one.
   Spec s = two_encoder_spec();
   s.parallel.modules["llm"] = LayoutSpec{};
   EXPECT_NO_THROW(make_plan(s));
+  EXPECT_EQ(make_plan(s, 4).module("llm").layout.dp, 4);
+}
+
+TEST(Plan, ColocatedModulesShareTheWorld) {
+  Spec s = two_encoder_spec();
+  s.parallel.modules["llm"] = layout(1, 2, 2, 2);
+  s.parallel.modules["vision"] = layout(2, 2, 2);
+  const Plan p = make_plan(s, 8);
+  EXPECT_EQ(p.placement, "colocated");
+  EXPECT_EQ(p.cp_split, "zigzag");
+  for (const auto& m : p.modules) {
+    EXPECT_EQ(m.first_rank, 0) << m.name;
+    EXPECT_EQ(m.layout.size(), 8) << m.name;
+  }
+  EXPECT_EQ(p.module("audio").layout.dp, 8);  // unset: data parallel over the world
+  EXPECT_EQ(p.module("audio.projector").layout.dp, 8);
+  EXPECT_EQ(p.module("vision.projector").layout.tp, 2);
+  EXPECT_EQ(p.module("llm").layout.cp, 2);
+  EXPECT_EQ(p.schedule, "1f1b");
+}
+
+TEST(Plan, SeparatePlacementTilesTheWorld) {
+  Spec s = two_encoder_spec();
+  s.parallel.placement = "separate";
+  s.parallel.cp_split = "contiguous";
+  s.parallel.modules["llm"] = layout(1, 1, 2);
+  const Plan p = make_plan(s, 4);
+  EXPECT_EQ(p.placement, "separate");
+  EXPECT_EQ(p.cp_split, "contiguous");
+  EXPECT_EQ(p.schedule, "1f1b");
+  const std::pair<const char*, int64_t> first[] = {
+      {"vision", 0}, {"vision.projector", 0}, {"audio", 1}, {"audio.projector", 1}, {"llm", 2}};
+  for (const auto& [name, rank] : first) EXPECT_EQ(p.module(name).first_rank, rank) << name;
+  EXPECT_EQ(p.module("vision").layout.size(), 1);  // unset: one rank, not the world
+  EXPECT_EQ(p.module("audio.projector").layout.size(), 1);
+  EXPECT_EQ(p.module("llm").layout.dp, 1);
+  EXPECT_EQ(p.module("llm").layout.pp, 2);
+  EXPECT_FALSE(p.module("llm").hosts(1));
+  EXPECT_TRUE(p.module("llm").hosts(3));
+  EXPECT_EQ(p.module("llm").group(2, {Axis::kPp}), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(p.module("llm").stage_boundaries, (std::vector<int64_t>{1}));
+
+  const auto j = nlohmann::json::parse(to_json(p));
+  EXPECT_EQ(j.at("placement"), "separate");
+  EXPECT_EQ(j.at("modules")[2].at("ranks"), (nlohmann::json{1, 2}));
+  EXPECT_EQ(j.at("modules")[4].at("ranks"), (nlohmann::json{2, 4}));
+
+  // Spans follow spec order, whatever their sizes.
+  s.parallel.modules["vision"] = layout(2, 1);
+  const Plan q = make_plan(s, 5);
+  EXPECT_EQ(q.module("audio").first_rank, 2);
+  EXPECT_EQ(q.module("llm").first_rank, 3);
+
+  const std::string e = plan_error(s, 6);
+  EXPECT_TRUE(has(e,
+                  "test.toml: parallel.placement = \"separate\": the modules need 2 (vision) + "
+                  "1 (audio) + 2 (llm) = 5 ranks but the job has 6"))
+      << e;
+  Spec text_only;
+  text_only.parallel.placement = "separate";
+  text_only.train.batch = 4;
+  EXPECT_EQ(make_plan(text_only).module("llm").layout.size(), 1);
+  const std::string t = plan_error(text_only, 2);
+  EXPECT_TRUE(has(t, "the modules need 1 (llm) ranks but the job has 2")) << t;
+}
+
+// A grid with unequal sides, so a stride mix-up shows.
+ModulePlan grid(int64_t tp, int64_t cp, int64_t dp, int64_t pp, int64_t first_rank) {
+  ModulePlan m;
+  m.name = "m";
+  m.layout.tp = tp, m.layout.cp = cp, m.layout.dp = dp, m.layout.pp = pp;
+  m.first_rank = first_rank;
+  return m;
+}
+
+TEST(Grid, CoordinatesRoundTrip) {
+  const ModulePlan m = grid(2, 3, 2, 2, 5);  // ranks [5, 29)
+  EXPECT_FALSE(m.hosts(4));
+  EXPECT_TRUE(m.hosts(5));
+  EXPECT_TRUE(m.hosts(28));
+  EXPECT_FALSE(m.hosts(29));
+  // rank = 5 + tp + 2 * (cp + 3 * (dp + 2 * pp))
+  EXPECT_EQ(m.rank_of({1, 2, 1, 1}), 5 + 1 + 2 * (2 + 3 * (1 + 2 * 1)));
+  EXPECT_EQ(m.rank_of({0, 0, 0, 0}), 5);
+  EXPECT_EQ(m.rank_of({0, 1, 0, 0}), 7);
+  EXPECT_EQ(m.rank_of({0, 0, 1, 0}), 11);
+  EXPECT_EQ(m.rank_of({0, 0, 0, 1}), 17);
+  for (int64_t r = 5; r < 29; ++r) {
+    const Coord c = m.coord(r);
+    EXPECT_EQ(m.rank_of(c), r);
+    EXPECT_TRUE(c.tp < 2 && c.cp < 3 && c.dp < 2 && c.pp < 2) << r;
+  }
+  const Coord c = m.coord(28);
+  EXPECT_EQ(c.tp, 1);
+  EXPECT_EQ(c.cp, 2);
+  EXPECT_EQ(c.dp, 1);
+  EXPECT_EQ(c.pp, 1);
+  EXPECT_THROW(m.coord(4), Error);
+  EXPECT_THROW(m.rank_of({2, 0, 0, 0}), Error);
+}
+
+using Groups = std::vector<std::vector<int64_t>>;
+
+TEST(Grid, GroupsOfATwoByTwoByTwoGrid) {
+  const ModulePlan m = grid(2, 1, 2, 2, 4);  // ranks [4, 12): rank = 4 + tp + 2 * (dp + 2 * pp)
+  EXPECT_EQ(m.groups({Axis::kTp}), (Groups{{4, 5}, {6, 7}, {8, 9}, {10, 11}}));
+  EXPECT_EQ(m.groups({Axis::kDp}), (Groups{{4, 6}, {5, 7}, {8, 10}, {9, 11}}));
+  EXPECT_EQ(m.groups({Axis::kPp}), (Groups{{4, 8}, {5, 9}, {6, 10}, {7, 11}}));
+  EXPECT_EQ(m.groups({Axis::kCp}), (Groups{{4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}}));
+  EXPECT_EQ(m.groups({}), m.groups({Axis::kCp}));
+  EXPECT_EQ(m.groups({Axis::kTp, Axis::kDp}), (Groups{{4, 5, 6, 7}, {8, 9, 10, 11}}));
+  EXPECT_EQ(m.groups({Axis::kDp, Axis::kPp}), (Groups{{4, 6, 8, 10}, {5, 7, 9, 11}}));
+  EXPECT_EQ(m.groups({Axis::kPp, Axis::kTp}), (Groups{{4, 5, 8, 9}, {6, 7, 10, 11}}));
+  EXPECT_EQ(m.groups({Axis::kTp, Axis::kCp, Axis::kDp, Axis::kPp}),
+            (Groups{{4, 5, 6, 7, 8, 9, 10, 11}}));
+  EXPECT_EQ(m.group(7, {Axis::kTp}), (std::vector<int64_t>{6, 7}));
+  EXPECT_EQ(m.group(9, {Axis::kPp, Axis::kTp}), (std::vector<int64_t>{4, 5, 8, 9}));
+  EXPECT_EQ(m.group(10, {Axis::kDp}), (std::vector<int64_t>{8, 10}));
+  EXPECT_EQ(m.group(10, {}), (std::vector<int64_t>{10}));
+  EXPECT_THROW(m.group(12, {Axis::kTp}), Error);
+}
+
+// Calls f with the axes whose bit is set in `mask` (bit i = Axis i), as an initializer_list.
+template <typename F>
+auto with_axes(int mask, F f) {
+  std::vector<Axis> a;
+  for (int i = 0; i < 4; ++i)
+    if (mask & (1 << i)) a.push_back(static_cast<Axis>(i));
+  switch (a.size()) {
+    case 0:
+      return f({});
+    case 1:
+      return f({a[0]});
+    case 2:
+      return f({a[0], a[1]});
+    case 3:
+      return f({a[0], a[1], a[2]});
+    default:
+      return f({a[0], a[1], a[2], a[3]});
+  }
+}
+
+TEST(Grid, GroupsPartitionTheModuleForEveryAxisSet) {
+  const ModulePlan m = grid(2, 3, 2, 2, 3);  // ranks [3, 27)
+  const int64_t side[] = {2, 3, 2, 2};
+  const auto at = [](const Coord& c, int i) {
+    return i == 0 ? c.tp : i == 1 ? c.cp : i == 2 ? c.dp : c.pp;
+  };
+  for (int mask = 0; mask < 16; ++mask) {
+    int64_t size = 1;
+    for (int i = 0; i < 4; ++i) size *= (mask & (1 << i)) ? side[i] : 1;
+    const Groups gs = with_axes(mask, [&](std::initializer_list<Axis> a) { return m.groups(a); });
+    EXPECT_EQ(static_cast<int64_t>(gs.size()) * size, 24) << mask;
+    std::vector<int> seen(24, 0);
+    for (size_t g = 0; g < gs.size(); ++g) {
+      const std::vector<int64_t>& ranks = gs[g];
+      ASSERT_EQ(static_cast<int64_t>(ranks.size()), size) << mask;
+      EXPECT_TRUE(std::is_sorted(ranks.begin(), ranks.end())) << mask;
+      if (g > 0) {
+        EXPECT_LT(gs[g - 1].front(), ranks.front()) << mask;
+      }
+      for (int64_t r : ranks) {
+        ++seen[r - 3];
+        for (int i = 0; i < 4; ++i) {  // coordinates off the group's axes agree
+          if (!(mask & (1 << i))) {
+            EXPECT_EQ(at(m.coord(r), i), at(m.coord(ranks[0]), i)) << mask;
+          }
+        }
+        EXPECT_EQ(with_axes(mask, [&](std::initializer_list<Axis> a) { return m.group(r, a); }),
+                  ranks)
+            << mask << " " << r;
+      }
+    }
+    for (int n : seen) EXPECT_EQ(n, 1) << mask;
+  }
+}
+
+TEST(Plan, StageLayers) {
+  Spec s = two_encoder_spec();
+  s.model.llm.layers = 10;
+  s.model.encoders[0].feature_layer = -2;  // vision runs 2 of its 3 blocks
+  s.parallel.modules["llm"] = layout(1, 1, 4);
+  s.parallel.modules["vision"] = layout(2, 1, 2);
+  Plan p = make_plan(s, 4);
+  const ModulePlan& llm = p.module("llm");
+  EXPECT_EQ(llm.layers, 10);
+  EXPECT_EQ(llm.stage_boundaries, (std::vector<int64_t>{2, 5, 7}));  // floor(s * 10 / 4)
+  const std::pair<int64_t, int64_t> even[] = {{0, 2}, {2, 5}, {5, 7}, {7, 10}};
+  for (int64_t st = 0; st < 4; ++st) EXPECT_EQ(llm.stage_layers(st), even[st]) << st;
+  EXPECT_THROW(llm.stage_layers(4), Error);
+  const ModulePlan& vision = p.module("vision");
+  EXPECT_EQ(vision.layers, 2);
+  EXPECT_EQ(vision.stage_boundaries, (std::vector<int64_t>{1}));
+  EXPECT_EQ(vision.stage_layers(1), (std::pair<int64_t, int64_t>{1, 2}));
+  const ModulePlan& proj = p.module("vision.projector");
+  EXPECT_EQ(proj.layers, 0);
+  EXPECT_EQ(proj.layout.pp, 2);
+  EXPECT_EQ(proj.stage_boundaries, vision.stage_boundaries);
+  EXPECT_EQ(proj.stage_layers(1), (std::pair<int64_t, int64_t>{0, 0}));
+  EXPECT_EQ(p.module("audio").layers, 3);
+  EXPECT_TRUE(p.module("audio").stage_boundaries.empty());
+  EXPECT_EQ(p.module("audio").stage_layers(0), (std::pair<int64_t, int64_t>{0, 3}));
+
+  s.parallel.modules["llm"].stages = {1, 8, 9};
+  p = make_plan(s, 4);
+  const std::pair<int64_t, int64_t> given[] = {{0, 1}, {1, 8}, {8, 9}, {9, 10}};
+  for (int64_t st = 0; st < 4; ++st) EXPECT_EQ(p.module("llm").stage_layers(st), given[st]) << st;
+  const auto j = nlohmann::json::parse(to_json(p));
+  EXPECT_EQ(j.at("modules")[4].at("layers"), 10);
+  EXPECT_EQ(j.at("modules")[4].at("stage_boundaries"), (nlohmann::json{1, 8, 9}));
+  EXPECT_EQ(j.at("schedule"), "1f1b");
+}
+
+TEST(Plan, ScheduleIsSequentialWithoutPipelines) {
+  Spec s = two_encoder_spec();
+  s.parallel.modules["llm"] = layout(1, 2, 1, 2);
+  EXPECT_EQ(make_plan(s, 4).schedule, "sequential");
+  s.parallel.modules["audio"] = layout(2, 1, 2);  // any module's pipeline turns on 1f1b
+  EXPECT_EQ(make_plan(s, 4).schedule, "1f1b");
+}
+
+struct ErrorCase {
+  const char* what;
+  Spec spec;
+  int64_t world_size;
+  std::vector<std::string> needles;
+};
+
+TEST(Plan, LayoutValidationNamesTheKey) {
+  std::vector<ErrorCase> cases;
+  const auto with = [](const std::string& module, LayoutSpec l) {
+    Spec s = two_encoder_spec();
+    s.parallel.modules[module] = l;
+    return s;
+  };
+  cases.push_back({"llm tp vs heads",
+                   with("llm", layout(1, 3)),
+                   3,
+                   {"test.toml: parallel.llm.tp = 3: must divide model.llm.heads = 4"}});
+  cases.push_back({"llm tp vs kv_heads",
+                   with("llm", layout(1, 4)),
+                   4,
+                   {"parallel.llm.tp = 4: must divide model.llm.kv_heads = 2"}});
+  Spec s = with("llm", layout(1, 2));
+  s.model.llm.ffn = 385;
+  cases.push_back(
+      {"llm tp vs ffn", s, 2, {"parallel.llm.tp = 2: must divide model.llm.ffn = 385"}});
+  s = with("llm", layout(1, 2));
+  s.model.llm.vocab = 101;
+  cases.push_back(
+      {"llm tp vs vocab", s, 2, {"parallel.llm.tp = 2: must divide model.llm.vocab = 101"}});
+  cases.push_back({"encoder tp vs heads",
+                   with("vision", layout(1, 3)),
+                   3,
+                   {"parallel.vision.tp = 3: must divide model.vision.heads = 4"}});
+  s = with("audio", layout(1, 2));
+  s.model.encoders[1].ffn = 511;
+  cases.push_back(
+      {"encoder tp vs ffn", s, 2, {"parallel.audio.tp = 2: must divide model.audio.ffn = 511"}});
+  s = with("vision", layout(1, 8));
+  s.model.encoders[0].heads = 8;
+  s.model.llm.hidden = 132;
+  cases.push_back(
+      {"encoder tp vs mlp projector",
+       s,
+       8,
+       {"parallel.vision.tp = 8: must divide model.llm.hidden", "= 132", "mlp projector"}});
+  cases.push_back({"encoder cp",
+                   with("audio", layout(1, 1, 1, 2)),
+                   2,
+                   {"parallel.audio.cp = 2: must be 1", "applies to the LLM only"}});
+  cases.push_back(
+      {"llm pp vs layers",
+       with("llm", layout(1, 1, 3)),
+       3,
+       {"parallel.llm.pp = 3: more pipeline stages than blocks (model.llm.layers = 2)"}});
+  s = with("vision", layout(1, 1, 3));
+  s.model.encoders[0].feature_layer = -2;
+  cases.push_back({"encoder pp vs layers used",
+                   s,
+                   3,
+                   {"parallel.vision.pp = 3: more pipeline stages than blocks",
+                    "model.vision.layers = 3 with feature_layer = -2 runs 2 blocks"}});
+  cases.push_back(
+      {"pp zero", with("llm", layout(1, 1, 0)), 1, {"parallel.llm.pp = 0: must be >= 1"}});
+  cases.push_back(
+      {"dp negative", with("audio", layout(-2, 1)), 1, {"parallel.audio.dp = -2: must be >= 1"}});
+  s = with("llm", layout(1, 1, 2, 1, {1, 2}));
+  s.model.llm.layers = 4;
+  cases.push_back(
+      {"stage count", s, 2, {"parallel.llm.stages = [1, 2]: needs pp - 1 = 1 entries", "got 2"}});
+  s = with("llm", layout(1, 1, 3, 1, {2, 2}));
+  s.model.llm.layers = 4;
+  cases.push_back({"stages not increasing",
+                   s,
+                   3,
+                   {"parallel.llm.stages = [2, 2]: must be strictly increasing", "in [1, 3]"}});
+  s = with("llm", layout(1, 1, 3, 1, {1, 4}));
+  s.model.llm.layers = 4;
+  cases.push_back({"stage past the end", s, 3, {"parallel.llm.stages = [1, 4]", "in [1, 3]"}});
+  s = with("llm", layout(1, 1, 2, 1, {0}));
+  cases.push_back({"stage zero", s, 2, {"parallel.llm.stages = [0]", "in [1, 1]"}});
+  s = with("vision", layout(1, 1, 1, 1, {1}));
+  cases.push_back({"stages without pp", s, 1, {"parallel.vision.stages = [1]: needs pp - 1 = 0"}});
+  cases.push_back({"batch vs llm dp",
+                   with("llm", layout(3, 1)),
+                   3,
+                   {"test.toml: train.batch = 32: must be divisible by the LLM's data-parallel "
+                    "size (parallel.llm.dp = 3)"}});
+  cases.push_back({"batch vs unset dp", two_encoder_spec(), 3, {"train.batch = 32", "dp = 3"}});
+  cases.push_back({"microbatches per rank",
+                   two_encoder_spec(),
+                   16,
+                   {"train.microbatches = 4", "32 / 16 = 2 samples", "lower train.microbatches"}});
+  s = two_encoder_spec();
+  s.parallel.placement = "apart";
+  cases.push_back(
+      {"placement", s, 1, {"parallel.placement = \"apart\": must be \"colocated\" or"}});
+  s = two_encoder_spec();
+  s.parallel.cp_split = "lpt";
+  cases.push_back({"cp_split", s, 1, {"parallel.cp_split = \"lpt\": must be \"zigzag\" or"}});
+  cases.push_back({"world", two_encoder_spec(), 0, {"world size must be >= 1, got 0"}});
+  for (const ErrorCase& c : cases) {
+    const std::string e = plan_error(c.spec, c.world_size);
+    for (const std::string& needle : c.needles) EXPECT_TRUE(has(e, needle)) << c.what << ": " << e;
+  }
+}
+
+TEST(Plan, ValidLayoutsPass) {
+  Spec s = two_encoder_spec();
+  s.model.llm.vocab = 100;
+  s.parallel.modules["llm"] = layout(1, 2, 2, 2);  // tp 2 divides heads 4, kv 2, ffn 384, vocab 100
+  EXPECT_NO_THROW(make_plan(s, 8));
+  s.model.encoders[0].projector.kind = ProjectorKind::kLinear;  // no llm.hidden constraint
+  s.model.encoders[0].heads = 8;
+  s.model.llm.hidden = 132;
+  s.parallel.modules["vision"] = layout(1, 8);
+  EXPECT_NO_THROW(make_plan(s, 8));
+  s.model.llm.vocab = 0;  // taken from the tokenizer: not checked here
+  s.parallel.modules["llm"] = layout(1, 4, 2);
+  s.model.llm.kv_heads = 4;
+  EXPECT_NO_THROW(make_plan(s, 8));
+  // batch / dp == microbatches is the smallest that works.
+  Spec b = two_encoder_spec();
+  EXPECT_NO_THROW(make_plan(b, 8));
 }
 
 TEST(Plan, JsonListsEveryModule) {
@@ -164,6 +522,11 @@ TEST(Plan, JsonListsEveryModule) {
   EXPECT_EQ(mods[4].at("input_grads"), true);
   EXPECT_EQ(mods[4].at("layout").at("tp"), 1);
   EXPECT_EQ(mods[4].at("ranks"), (nlohmann::json{0, 1}));
+  EXPECT_EQ(mods[4].at("layers"), 2);
+  EXPECT_EQ(mods[0].at("layers"), 3);
+  EXPECT_EQ(mods[1].at("layers"), 0);
+  EXPECT_EQ(j.at("schedule"), "sequential");
+  EXPECT_EQ(j.at("cp_split"), "zigzag");
 }
 
 // h = 64, 4 heads (head_dim 16, q = 64), 2 kv heads (kv = 32), F = 128, L = 2, V = 100;

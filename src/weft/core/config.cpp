@@ -53,7 +53,10 @@ constexpr std::string_view kTrainKeys[] = {
     "seed",    "log_every",  "eval_every",          "checkpoint_every",
     "threads", "zero_stage", "overlap_grad_reduce", "grad_bucket_mb"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
-constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp"};
+constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "stages"};
+constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
+constexpr std::string_view kPlacements[] = {"colocated", "separate"};
+constexpr std::string_view kCpSplits[] = {"zigzag", "contiguous"};
 
 template <typename Range>
 std::string join(const Range& items) {
@@ -65,8 +68,16 @@ std::string join(const Range& items) {
   return out;
 }
 
-bool contains(const Keys& keys, std::string_view key) {
-  return std::find(keys.begin(), keys.end(), key) != keys.end();
+template <typename Range>
+bool contains(const Range& keys, std::string_view key) {
+  return std::find(std::begin(keys), std::end(keys), key) != std::end(keys);
+}
+
+// "[1, 2, 3]".
+std::string format_list(const std::vector<int64_t>& values) {
+  std::string out;
+  for (int64_t v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return "[" + out + "]";
 }
 
 // Shortest decimal text that reads back to exactly `v`, always in TOML float syntax.
@@ -240,6 +251,19 @@ class Section {
     }
     fail(key, "expected a string");
   }
+  bool read(std::string_view key, std::vector<int64_t>* out) const {
+    const toml::node* n = find(key);
+    if (!n) return false;
+    const toml::array* a = n->as_array();
+    if (!a) fail(key, "expected an array of integers");
+    std::vector<int64_t> values;
+    for (const toml::node& e : *a) {
+      if (!e.is_integer()) fail(key, "expected an array of integers, not " + describe(e));
+      values.push_back(e.as_integer()->get());
+    }
+    *out = std::move(values);
+    return true;
+  }
   // A sub-table, or null when absent.
   const toml::table* table(std::string_view key) const {
     const toml::node* n = find(key);
@@ -274,6 +298,15 @@ class Section {
       names.push_back(quote(to_string(e)));
     }
     fail(key, "must be one of " + join(names));
+  }
+  // Reads a string that must be one of `options`.
+  void choice(std::string_view key, const Keys& options, std::string* out) const {
+    std::string text;
+    if (!read(key, &text)) return;
+    std::vector<std::string> names;
+    for (std::string_view o : options) names.push_back(quote(o));
+    if (!contains(options, text)) fail(key, "must be one of " + join(names));
+    *out = text;
   }
 
  private:
@@ -393,6 +426,9 @@ void read_encoders(const Section& model, std::vector<EncoderSpec>* encoders) {
   for (auto&& [key, node] : model.table()) {
     const std::string name(key.str());
     if (name == "llm") continue;
+    if (contains(kParallelKeys, name))
+      model.fail(name,
+                 "\"" + name + "\" is reserved (a key of [parallel]) and cannot name an encoder");
     if (!is_identifier(name))
       model.fail(name,
                  "encoder name must match [a-z][a-z0-9_]* (every table under [model] "
@@ -476,10 +512,14 @@ void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
   for (const EncoderSpec& e : model.encoders) modules.push_back(e.name);
   for (const std::string& m : modules) p->modules[m] = LayoutSpec{};
   if (!s) return;
+  s->choice("placement", keys(kPlacements), &p->placement);
+  s->choice("cp_split", keys(kCpSplits), &p->cp_split);
   for (auto&& [key, node] : s->table()) {
     const std::string name(key.str());
+    if (contains(kParallelKeys, name)) continue;
     if (std::find(modules.begin(), modules.end(), name) == modules.end())
-      s->fail(name, "unknown module (modules: " + join(modules) + ")");
+      s->fail(name, "unknown module (modules: " + join(modules) +
+                        "); the other keys of [parallel] are " + join(kParallelKeys));
     const Section ls(s->source(), *s->table(name), s->path(name));
     ls.only(keys(kLayoutKeys));
     LayoutSpec& l = p->modules[name];
@@ -489,6 +529,13 @@ void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
       ls.read(k, v);
       if (*v < 1) ls.fail_value(k, std::to_string(*v), "must be >= 1");
     }
+    ls.read("stages", &l.stages);  // ranges against the layer count: plan::make_plan
+    for (int64_t first : l.stages)
+      if (first < 1)
+        ls.fail_value("stages", format_list(l.stages),
+                      "entries must be >= 1 (the first block of each pipeline stage after the "
+                      "first), got " +
+                          std::to_string(first));
   }
 }
 
@@ -538,6 +585,9 @@ class Writer {
   void put(const char* key, double v) { os_ << key << " = " << format_double(v) << "\n"; }
   void put(const char* key, bool v) { os_ << key << " = " << (v ? "true" : "false") << "\n"; }
   void put(const char* key, const std::string& v) { os_ << key << " = " << quote(v) << "\n"; }
+  void put(const char* key, const std::vector<int64_t>& v) {
+    os_ << key << " = " << format_list(v) << "\n";
+  }
   void put(const char* key, const char* v) = delete;  // would silently pick the bool overload
   std::string str() const { return os_.str(); }
 
@@ -677,12 +727,16 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("dir", spec.output.dir);
   w.put("keep_checkpoints", spec.output.keep_checkpoints);
 
+  w.header("parallel");
+  w.put("placement", spec.parallel.placement);
+  w.put("cp_split", spec.parallel.cp_split);
   for (const auto& [name, layout] : spec.parallel.modules) {
     w.header("parallel." + name);
     w.put("dp", layout.dp);
     w.put("tp", layout.tp);
     w.put("pp", layout.pp);
     w.put("cp", layout.cp);
+    w.put("stages", layout.stages);
   }
   return w.str();
 }

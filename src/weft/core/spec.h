@@ -113,13 +113,19 @@ struct OutputSpec {
   int64_t keep_checkpoints = 2;
 };
 
-// Per-module parallel layout. Only all-ones is runnable until the distributed runtime lands;
-// the Plan carries it so single-process is just the Plan with every size 1.
+// Per-module parallel layout: the module's ranks form a grid [tp, cp, dp, pp], tp fastest
+// (plan/plan.h). Shapes are checked against the model in plan::make_plan; single-process is
+// every size 1.
 struct LayoutSpec {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1;
+  std::vector<int64_t> stages;  // first layer of each pipeline stage after the first (pp-1
+                                // entries); empty = even split
 };
 
 struct ParallelSpec {
+  std::string placement = "colocated";  // or "separate" (each module on its own ranks)
+  std::string cp_split = "zigzag";      // how the LLM sequence is split over CP ranks: "zigzag"
+                                        // or "contiguous"
   std::map<std::string, LayoutSpec> modules;  // "llm", encoder names
 };
 

@@ -236,6 +236,7 @@ void Comm::broadcast(at::Tensor& t, int root) const {
 
 at::Tensor Comm::all_gather(const at::Tensor& t) const {
   if (size() == 1) return t.clone();
+  if (needs_fp32(t)) return all_gather(t.to(at::kFloat)).to(t.scalar_type());
   std::vector<at::Tensor> in{t.contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
@@ -257,6 +258,23 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   shape[0] /= size();
   shape.insert(shape.begin(), size());
   return out.view(shape).sum(0).to(t.scalar_type());
+}
+
+Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
+  WEFT_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", rank(),
+             " cannot send to rank ", dst, " of a group of ", size());
+  std::vector<at::Tensor> v{t.contiguous()};
+  c10::intrusive_ptr<c10d::Work> work = impl_->pg->send(v, dst, tag);
+  std::shared_ptr<Impl> impl = impl_;
+  return Pending([impl, work, v] { impl->wait(work, "send"); });
+}
+
+void Comm::recv(at::Tensor& t, int src, int tag) const {
+  WEFT_CHECK(src >= 0 && src < size() && src != rank(), "recv: rank ", rank(),
+             " cannot receive from rank ", src, " of a group of ", size());
+  WEFT_CHECK(t.is_contiguous(), "recv: tensor must be contiguous");
+  std::vector<at::Tensor> v{t};
+  impl_->wait(impl_->pg->recv(v, src, tag), "recv");
 }
 
 void Comm::barrier() const {

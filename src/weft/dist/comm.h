@@ -75,6 +75,13 @@ class Comm {
   at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
   void barrier() const;
 
+  // Point-to-point between ranks of this group. send() does not block: the Pending holds the
+  // tensor and must be waited (before the job's next step at the latest). recv() blocks until a
+  // matching send (same tag) from `src` fills `t`, which must be contiguous and of the sent
+  // shape and dtype. Messages with the same (src, tag) arrive in order.
+  Pending send(const at::Tensor& t, int dst, int tag) const;
+  void recv(at::Tensor& t, int src, int tag) const;
+
   struct Impl;  // defined in comm.cpp (holds the c10d store and process group)
 
  private:

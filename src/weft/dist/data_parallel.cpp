@@ -106,15 +106,6 @@ void GradSync::finish() {
   armed_ = false;
 }
 
-void GradSync::broadcast_parameters(const Comm& group, const model::NamedTensors& params) {
-  if (group.size() == 1) return;
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, p] : params) {
-    at::Tensor t = p.detach();
-    group.broadcast(t, 0);
-  }
-}
-
 std::vector<int> partition_parameters(const model::NamedTensors& params, int ranks) {
   WEFT_CHECK(ranks >= 1, "partition_parameters: ranks must be >= 1");
   std::vector<size_t> order(params.size());

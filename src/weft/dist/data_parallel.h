@@ -33,9 +33,6 @@ class GradSync {
   // Buckets whose all-reduce started during backward in the last step (overlap achieved).
   int64_t buckets_overlapped() const { return overlapped_; }
 
-  // Makes every rank's parameters equal to rank 0's (start of training).
-  static void broadcast_parameters(const Comm& group, const model::NamedTensors& params);
-
  private:
   struct Bucket {
     std::vector<size_t> params;  // indices into params_

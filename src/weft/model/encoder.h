@@ -9,6 +9,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/model/layers.h"
+#include "weft/model/llm.h"
 
 namespace weft::model {
 
@@ -19,16 +20,22 @@ class Encoder {
   virtual at::Tensor operator()(const at::Tensor& inputs) const = 0;
 };
 
+// A pipeline stage of an encoder builds its blocks of `range` (the first stage also the front
+// end: stem, patch embedding, positions; the last stage the back end and any unused blocks past
+// feature_layer, so the parameter set of all stages is the single-process one). A later
+// stage's input is the previous stage's output [N, T, hidden].
+//
 // ViT (CLIP/SigLIP-like): optional conv stem (stem_layers 3x3 stride-2 convs + GELU), conv patch
 // embedding (kernel = stride = patch / 2^stem_layers), learned positions,
 // pre-LN, pre-LN GELU blocks; features from block `feature_layer` (LLaVA takes -2).
 class VisionEncoder final : public Encoder {
  public:
-  VisionEncoder(const Scope& s, const EncoderSpec& spec);
+  VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange range = {});
   at::Tensor operator()(const at::Tensor& images) const override;
 
  private:
   EncoderSpec spec_;
+  StageRange range_;
   std::vector<at::Tensor> stem_w_, stem_b_;
   at::Tensor patch_w_, patch_b_, pos_;
   LayerNorm pre_ln_;
@@ -39,19 +46,21 @@ class VisionEncoder final : public Encoder {
 // pre-LN GELU blocks, final LayerNorm.
 class AudioEncoder final : public Encoder {
  public:
-  AudioEncoder(const Scope& s, const EncoderSpec& spec);
+  AudioEncoder(const Scope& s, const EncoderSpec& spec, StageRange range = {});
   at::Tensor operator()(const at::Tensor& mels) const override;
 
  private:
   EncoderSpec spec_;
+  StageRange range_;
   at::Tensor conv1_w_, conv1_b_, conv2_w_, conv2_b_, pos_;
   std::vector<EncoderBlock> blocks_;
   LayerNorm final_ln_;
 };
 
-std::unique_ptr<Encoder> make_encoder(const Scope& s, const EncoderSpec& spec);
+std::unique_ptr<Encoder> make_encoder(const Scope& s, const EncoderSpec& spec,
+                                      StageRange range = {});
 
-// Linear, or 2-layer MLP with GELU (LLaVA-1.5).
+// Linear (replicated under TP), or 2-layer MLP with GELU (LLaVA-1.5; column then row parallel).
 struct Projector {
   ProjectorKind kind = ProjectorKind::kMlp;
   Linear linear;

@@ -6,15 +6,64 @@
 #include <cmath>
 
 #include "weft/core/error.h"
+#include "weft/dist/collectives.h"
 #include "weft/model/torch_compat.h"
 
 namespace weft::model {
 
-at::Tensor ParamSet::add(const std::string& name, at::Tensor value) {
+at::Tensor take_shard(const at::Tensor& full, const Split& split) {
+  if (!split.sharded()) return full;
+  const int64_t dim = split.dim;
+  std::vector<int64_t> segs = split.segments;
+  if (segs.empty()) segs = {full.size(dim)};
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (int64_t seg : segs) {
+    WEFT_ASSERT(seg % split.size == 0, "segment of ", seg, " does not split over ", split.size);
+    const int64_t chunk = seg / split.size;
+    parts.push_back(full.narrow(dim, offset + split.rank * chunk, chunk));
+    offset += seg;
+  }
+  WEFT_ASSERT(offset == full.size(dim), "segments do not cover dim ", dim);
+  return parts.size() == 1 ? parts[0] : torch::cat(parts, dim);
+}
+
+at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split) {
+  WEFT_ASSERT(static_cast<int64_t>(shards.size()) == split.size, "join_shards: ", shards.size(),
+              " shards for a split over ", split.size);
+  if (!split.sharded()) return shards[0];
+  const int64_t dim = split.dim;
+  const int64_t local = shards[0].size(dim);
+  std::vector<int64_t> segs = split.segments;
+  if (segs.empty()) segs = {local * split.size};
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;  // within each shard
+  for (int64_t seg : segs) {
+    const int64_t chunk = seg / split.size;
+    for (const at::Tensor& s : shards) parts.push_back(s.narrow(dim, offset, chunk));
+    offset += chunk;
+  }
+  return torch::cat(parts, dim);
+}
+
+at::Tensor ParamSet::add(const std::string& name, at::Tensor value, Split split) {
   for (const auto& [n, _] : params_) WEFT_ASSERT(n != name, "duplicate parameter ", name);
-  at::Tensor p = value.to(at::kFloat).contiguous().detach().set_requires_grad(true);
+  at::Tensor p =
+      take_shard(value, split).to(at::kFloat).contiguous().detach().clone().set_requires_grad(true);
   params_.emplace_back(name, p);
+  splits_.push_back(std::move(split));
   return p;
+}
+
+namespace {
+const Shard kNoShard;
+}
+
+const Shard& Scope::groups() const { return shard ? *shard : kNoShard; }
+
+at::Tensor Scope::normal(const std::string& name, at::IntArrayRef shape, double std,
+                         Split split) const {
+  return add(name, init_normal(prefix + "." + name, shape, std), std::move(split));
 }
 
 namespace {
@@ -33,27 +82,54 @@ at::Tensor to_compute(const at::Tensor& t) {
 }
 
 namespace {
-thread_local c10::optional<at::Generator> t_init_generator;
+thread_local uint64_t t_model_seed = 0;
+
+uint64_t fnv1a(const std::string& s, uint64_t h) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+}  // namespace
+
+InitSeedGuard::InitSeedGuard(uint64_t seed) : saved_(t_model_seed) { t_model_seed = seed; }
+InitSeedGuard::~InitSeedGuard() { t_model_seed = saved_; }
+
+at::Tensor init_normal(const std::string& name, at::IntArrayRef shape, double std) {
+  // splitmix64 of (seed, name) so nearby seeds and names give unrelated streams.
+  uint64_t z = fnv1a(name, 1469598103934665603ull) + t_model_seed * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  at::Generator gen = at::detail::createCPUGenerator(z);
+  return torch::randn(shape, gen, torch::kFloat).mul_(std);
 }
 
-InitSeedGuard::InitSeedGuard(uint64_t seed) {
-  WEFT_ASSERT(!t_init_generator.has_value(), "nested InitSeedGuard");
-  t_init_generator = at::detail::createCPUGenerator(seed);
-}
-InitSeedGuard::~InitSeedGuard() { t_init_generator.reset(); }
-
-at::Tensor init_normal(at::IntArrayRef shape, double std) {
-  return torch::randn(shape, t_init_generator, torch::kFloat).mul_(std);
-}
-
-Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double std) {
+Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double std, Par par,
+                    std::vector<int64_t> segments) {
   Linear l;
-  l.weight = s.add("weight", init_normal({out, in}, std));
-  if (bias) l.bias = s.add("bias", torch::zeros({out}));
+  l.par = par;
+  l.tp = s.groups().tp;
+  const Shard& g = s.groups();
+  if (par == Par::kColumn) {
+    l.weight = s.normal("weight", {out, in}, std, g.split(0, segments));
+    if (bias) l.bias = s.add("bias", torch::zeros({out}), g.split(0, segments));
+  } else {
+    l.weight = s.normal("weight", {out, in}, std, par == Par::kRow ? g.split(1) : Split{});
+    if (bias) l.bias = s.add("bias", torch::zeros({out}));
+  }
   return l;
 }
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
+  switch (par) {
+    case Par::kColumn:
+      return at::linear(dist::copy_to(x, tp), to_compute(weight), to_compute(bias));
+    case Par::kRow: {
+      at::Tensor y = dist::reduce_from(at::linear(x, to_compute(weight)), tp);
+      return bias.defined() ? y + to_compute(bias) : y;
+    }
+    case Par::kNone:
+      break;
+  }
   return at::linear(x, to_compute(weight), to_compute(bias));
 }
 
@@ -93,16 +169,22 @@ at::Tensor apply_rope(const at::Tensor& x, const Rope& rope) {
 
 Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
                           bool bias, double out_std) {
+  const int64_t tp = s.groups().tp.size();
+  WEFT_ASSERT(heads % tp == 0 && kv_heads % tp == 0, "heads ", heads, " and kv_heads ", kv_heads,
+              " must divide over tp ", tp);
   Attention a;
-  a.heads = heads;
-  a.kv_heads = kv_heads;
+  a.heads = heads / tp;
+  a.kv_heads = kv_heads / tp;
   a.head_dim = hidden / heads;
-  a.qkv = Linear::make(s.sub("qkv"), hidden, (heads + 2 * kv_heads) * a.head_dim, bias);
-  a.out = Linear::make(s.sub("out"), heads * a.head_dim, hidden, bias, out_std);
+  a.cp = s.groups().cp;
+  const int64_t D = a.head_dim;
+  a.qkv = Linear::make(s.sub("qkv"), hidden, (heads + 2 * kv_heads) * D, bias, 0.02, Par::kColumn,
+                       {heads * D, kv_heads * D, kv_heads * D});
+  a.out = Linear::make(s.sub("out"), heads * D, hidden, bias, out_std, Par::kRow);
   return a;
 }
 
-at::Tensor Attention::operator()(const at::Tensor& x, const at::Tensor& visible,
+at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
                                  const Rope* rope) const {
   const int64_t B = x.size(0), S = x.size(1), D = head_dim;
   at::Tensor qkv = this->qkv(x).view({B, S, heads + 2 * kv_heads, D});
@@ -113,21 +195,26 @@ at::Tensor Attention::operator()(const at::Tensor& x, const at::Tensor& visible,
     q = apply_rope(q, *rope);
     k = apply_rope(k, *rope);
   }
+  if (cp.size() > 1) {  // every rank's keys, in original token order
+    k = dist::gather_along(k, cp, 1).index_select(1, mask.kv_order);
+    v = dist::gather_along(v, cp, 1).index_select(1, mask.kv_order);
+  }
+  const int64_t Sk = k.size(1);
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
   if (kv_heads != heads) {  // grouped-query: each K/V head serves heads/kv_heads query heads
     const int64_t rep = heads / kv_heads;
-    k = k.unsqueeze(2).expand({B, kv_heads, rep, S, D}).reshape({B, heads, S, D});
-    v = v.unsqueeze(2).expand({B, kv_heads, rep, S, D}).reshape({B, heads, S, D});
+    k = k.unsqueeze(2).expand({B, kv_heads, rep, Sk, D}).reshape({B, heads, Sk, D});
+    v = v.unsqueeze(2).expand({B, kv_heads, rep, Sk, D}).reshape({B, heads, Sk, D});
   }
-  at::Tensor o = compat::attention(q, k, v, visible, 1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor o = compat::attention(q, k, v, mask.visible, 1.0 / std::sqrt(static_cast<double>(D)));
   return out(o.transpose(1, 2).reshape({B, S, heads * D}));
 }
 
 SwiGlu SwiGlu::make(const Scope& s, int64_t hidden, int64_t ffn, double out_std) {
-  return {Linear::make(s.sub("gate_up"), hidden, 2 * ffn, false),
-          Linear::make(s.sub("down"), ffn, hidden, false, out_std)};
+  return {Linear::make(s.sub("gate_up"), hidden, 2 * ffn, false, 0.02, Par::kColumn, {ffn, ffn}),
+          Linear::make(s.sub("down"), ffn, hidden, false, out_std, Par::kRow)};
 }
 
 at::Tensor SwiGlu::operator()(const at::Tensor& x) const {
@@ -137,8 +224,8 @@ at::Tensor SwiGlu::operator()(const at::Tensor& x) const {
 }
 
 GeluMlp GeluMlp::make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std) {
-  return {Linear::make(s.sub("fc1"), in, ffn, true),
-          Linear::make(s.sub("fc2"), ffn, out, true, out_std)};
+  return {Linear::make(s.sub("fc1"), in, ffn, true, 0.02, Par::kColumn),
+          Linear::make(s.sub("fc2"), ffn, out, true, out_std, Par::kRow)};
 }
 
 at::Tensor GeluMlp::operator()(const at::Tensor& x) const { return fc2(compat::gelu(fc1(x))); }
@@ -155,7 +242,7 @@ EncoderBlock EncoderBlock::make(const Scope& s, int64_t hidden, int64_t heads, i
 }
 
 at::Tensor EncoderBlock::operator()(const at::Tensor& x) const {
-  at::Tensor h = x + attn(ln1(x), at::Tensor(), nullptr);
+  at::Tensor h = x + attn(ln1(x), {}, nullptr);
   return h + mlp(ln2(h));
 }
 

@@ -1,6 +1,13 @@
 // Building blocks shared by the LLM and the encoders. Parameters are fp32 leaves held in a
 // ParamSet; forward passes cast them to the thread's compute dtype on use (bf16 compute with
 // fp32 master weights), so gradients land on the fp32 masters in fp32.
+//
+// Tensor parallelism (Megatron): a Scope may carry a Shard (this rank's tensor- and context-
+// parallel groups). Column-parallel linears keep a slice of the output features, row-parallel
+// ones a slice of the input features and all-reduce their partial outputs; attention keeps
+// heads/tp query heads and kv_heads/tp K/V heads. Every parameter is initialised from its full
+// shape with a generator seeded by (model seed, parameter name), then sliced: any layout holds
+// exactly the values of the single-process model, whichever parameters a rank builds.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,30 +16,63 @@
 #include <utility>
 #include <vector>
 
+#include "weft/dist/comm.h"
+
 namespace weft::model {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// How a tensor-parallel rank holds a parameter: along `dim` the full tensor is the concatenation
+// of `segments` (sizes; empty = one segment, the whole dim), each split evenly over `size`
+// ranks, and this rank keeps chunk `rank` of every segment (a fused QKV keeps its share of Q,
+// of K and of V). size == 1: the whole tensor.
+struct Split {
+  int64_t dim = 0;
+  std::vector<int64_t> segments;
+  int64_t rank = 0, size = 1;
+  bool sharded() const { return size > 1; }
+};
+at::Tensor take_shard(const at::Tensor& full, const Split& split);
+// The full tensor from every rank's shard, in rank order (the inverse of take_shard).
+at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split);
+
 // Owns the parameters of a model, in creation order, with hierarchical names
-// ("llm.layers.0.attn.qkv.weight"). Not thread-safe while being built.
+// ("llm.layers.0.attn.qkv.weight"), and how each is split. Not thread-safe while being built.
 class ParamSet {
  public:
-  // Registers `value` (made fp32, contiguous, requires_grad) under `name`; returns it.
-  at::Tensor add(const std::string& name, at::Tensor value);
+  // Registers this rank's shard of the full `value` (made fp32, contiguous, requires_grad)
+  // under `name`; returns it.
+  at::Tensor add(const std::string& name, at::Tensor value, Split split = {});
   const NamedTensors& all() const { return params_; }
+  const Split& split(size_t k) const { return splits_[k]; }
 
  private:
   NamedTensors params_;
+  std::vector<Split> splits_;
 };
 
-// Builder context: parameters go into `params`, named under `prefix`.
+// This rank's groups for the module being built (default: one rank each, no parallelism).
+struct Shard {
+  dist::Comm tp;  // tensor parallel: heads, MLP features and vocabulary are split over it
+  dist::Comm cp;  // context parallel (LLM): the sequence is split over it
+  Split split(int64_t dim, std::vector<int64_t> segments = {}) const {
+    return {dim, std::move(segments), tp.rank(), tp.size()};
+  }
+};
+
+// Builder context: parameters go into `params`, named under `prefix`, sharded per `shard`.
 struct Scope {
   ParamSet* params;
   std::string prefix;
-  Scope sub(const std::string& name) const { return {params, prefix + "." + name}; }
-  at::Tensor add(const std::string& name, at::Tensor v) const {
-    return params->add(prefix + "." + name, std::move(v));
+  const Shard* shard = nullptr;  // null = unsharded
+  Scope sub(const std::string& name) const { return {params, prefix + "." + name, shard}; }
+  at::Tensor add(const std::string& name, at::Tensor v, Split split = {}) const {
+    return params->add(prefix + "." + name, std::move(v), std::move(split));
   }
+  // A parameter ~ N(0, std) of full shape `shape` (see init_normal), this rank's shard of it.
+  at::Tensor normal(const std::string& name, at::IntArrayRef shape, double std,
+                    Split split = {}) const;
+  const Shard& groups() const;
 };
 
 // The dtype forward passes compute in on this thread (kFloat or kBFloat16).
@@ -50,23 +90,34 @@ class ComputeDtypeGuard {
 // A floating tensor cast to the compute dtype (no-op when it already is).
 at::Tensor to_compute(const at::Tensor& t);
 
-// Initialisation: weights ~ N(0, std), drawn from the current thread's InitSeedGuard
-// generator if one is active, else from torch's global generator.
-at::Tensor init_normal(at::IntArrayRef shape, double std);
+// Initialisation: the full tensor ~ N(0, std), drawn from a generator seeded by this thread's
+// model seed (InitSeedGuard; 0 without one) and `name`: deterministic, independent of other
+// threads and of which other parameters were built.
+at::Tensor init_normal(const std::string& name, at::IntArrayRef shape, double std);
 
-// Gives this thread a private initialisation generator seeded with `seed` for the guard's
-// lifetime, so building a model is deterministic whatever other threads draw.
+// Sets this thread's model seed for the guard's lifetime.
 class InitSeedGuard {
  public:
   explicit InitSeedGuard(uint64_t seed);
   ~InitSeedGuard();
   InitSeedGuard(const InitSeedGuard&) = delete;
   InitSeedGuard& operator=(const InitSeedGuard&) = delete;
+
+ private:
+  uint64_t saved_;
 };
 
+// Column-parallel: output features split over TP (input enters through copy_to); row-parallel:
+// input features split, partial outputs all-reduced, bias added once after.
+enum class Par { kNone, kColumn, kRow };
+
 struct Linear {
-  at::Tensor weight, bias;  // [out, in], [out] or undefined
-  static Linear make(const Scope& s, int64_t in, int64_t out, bool bias, double std = 0.02);
+  at::Tensor weight, bias;  // [out, in], [out] or undefined (this rank's shards)
+  Par par = Par::kNone;
+  dist::Comm tp;
+  // `segments`: the fused output blocks of a column-parallel weight (each split on its own).
+  static Linear make(const Scope& s, int64_t in, int64_t out, bool bias, double std = 0.02,
+                     Par par = Par::kNone, std::vector<int64_t> segments = {});
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
@@ -93,24 +144,38 @@ struct Rope {
 // x: [B, S, H, D].
 at::Tensor apply_rope(const at::Tensor& x, const Rope& rope);
 
-// Multi-head self-attention with grouped K/V heads and one fused QKV projection.
-// `visible` is the boolean mask [B, 1, S, S] (true = may attend); rope may be null.
-struct Attention {
-  Linear qkv, out;
-  int64_t heads = 1, kv_heads = 1, head_dim = 1;
-  static Attention make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads, bool bias,
-                        double out_std);
-  at::Tensor operator()(const at::Tensor& x, const at::Tensor& visible, const Rope* rope) const;
+// Context parallelism: this rank holds S_local of the sequence's S tokens. Attention gathers
+// K/V from every CP rank (dK/dV return to their owners) and reorders them with `kv_order`
+// (int64 [S]: for each original position, its index in the rank-order concatenation of every
+// rank's local tokens), so `visible` [B, 1, S_local, S] addresses keys by original position.
+struct AttentionMask {
+  AttentionMask() = default;
+  AttentionMask(at::Tensor visible, at::Tensor kv_order = {})  // NOLINT: implicit by design
+      : visible(std::move(visible)), kv_order(std::move(kv_order)) {}
+  at::Tensor visible;   // bool [B, 1, S_q, S_k], true = may attend; undefined = all visible
+  at::Tensor kv_order;  // undefined without context parallelism
 };
 
-// SwiGLU MLP (fused gate/up): down(silu(gate(x)) * up(x)).
+// Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-
+// parallel; heads and kv_heads split over TP) and a row-parallel output projection.
+struct Attention {
+  Linear qkv, out;
+  int64_t heads = 1, kv_heads = 1, head_dim = 1;  // heads and kv_heads on this rank
+  dist::Comm cp;
+  static Attention make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads, bool bias,
+                        double out_std);
+  // rope may be null.
+  at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope* rope) const;
+};
+
+// SwiGLU MLP (fused gate/up, column-parallel; down row-parallel): down(silu(gate(x)) * up(x)).
 struct SwiGlu {
   Linear gate_up, down;
   static SwiGlu make(const Scope& s, int64_t hidden, int64_t ffn, double out_std);
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// GELU MLP: fc2(gelu(fc1(x))).
+// GELU MLP: fc2(gelu(fc1(x))); fc1 column-parallel, fc2 row-parallel.
 struct GeluMlp {
   Linear fc1, fc2;
   static GeluMlp make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std);

@@ -5,14 +5,22 @@
 #include <cmath>
 #include <string>
 
+#include "weft/core/error.h"
+#include "weft/dist/collectives.h"
+
 namespace weft::model {
 
-Llm Llm::make(const Scope& s, const LlmSpec& spec) {
+Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
   Llm m;
   m.spec = spec;
-  m.embedding = s.add("embedding", init_normal({spec.vocab, spec.hidden}, 0.02));
+  if (range.last_layer < 0) range.last_layer = spec.layers;
+  m.range = range;
+  m.tp = s.groups().tp;
+  const Split vocab_split = s.groups().split(0);
+  if (range.first_stage || (range.last_stage && spec.tie_embeddings))
+    m.embedding = s.normal("embedding", {spec.vocab, spec.hidden}, 0.02, vocab_split);
   const double out_std = 0.02 / std::sqrt(2.0 * static_cast<double>(spec.layers));
-  for (int64_t i = 0; i < spec.layers; ++i) {
+  for (int64_t i = range.first_layer; i < range.last_layer; ++i) {
     Scope b = s.sub("layers." + std::to_string(i));
     LlmBlock blk;
     blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
@@ -22,29 +30,65 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec) {
     blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
     m.blocks.push_back(blk);
   }
-  m.final_norm = RmsNorm::make(s.sub("final_norm"), spec.hidden, spec.norm_eps);
-  if (!spec.tie_embeddings) m.head = s.add("head", init_normal({spec.vocab, spec.hidden}, 0.02));
+  if (range.last_stage) {
+    m.final_norm = RmsNorm::make(s.sub("final_norm"), spec.hidden, spec.norm_eps);
+    if (!spec.tie_embeddings)
+      m.head = s.normal("head", {spec.vocab, spec.hidden}, 0.02, vocab_split);
+  }
   return m;
 }
 
 at::Tensor Llm::embed(const at::Tensor& tokens) const {
-  return to_compute(at::embedding(embedding, tokens));
+  if (tp.size() == 1) return to_compute(at::embedding(embedding, tokens));
+  // Vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros elsewhere,
+  // and the sum over TP assembles every embedding.
+  const int64_t per = embedding.size(0), first = tp.rank() * per;
+  at::Tensor outside = (tokens < first).logical_or(tokens >= first + per);
+  at::Tensor local = (tokens - first).masked_fill(outside, 0);
+  at::Tensor e = at::embedding(embedding, local).masked_fill(outside.unsqueeze(-1), 0);
+  return dist::reduce_from(to_compute(e), tp);
 }
 
-at::Tensor Llm::forward(const at::Tensor& x_in, const at::Tensor& positions,
-                        const at::Tensor& visible) const {
+at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
+                               const AttentionMask& mask) const {
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta);
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
-    x = x + b.attn(b.norm1(x), visible, &rope);
+    x = x + b.attn(b.norm1(x), mask, &rope);
     x = x + b.mlp(b.norm2(x));
   }
-  return final_norm(x);
+  return x;
+}
+
+at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions,
+                        const AttentionMask& mask) const {
+  at::Tensor h = blocks_forward(x, positions, mask);
+  return range.last_stage ? final_norm(h) : h;
 }
 
 at::Tensor Llm::logits(const at::Tensor& rows) const {
+  WEFT_ASSERT(tp.size() == 1, "Llm::logits needs the whole vocabulary on one rank");
   const at::Tensor& w = head.defined() ? head : embedding;
   return at::linear(rows, to_compute(w)).to(at::kFloat);
+}
+
+at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets) const {
+  const at::Tensor& w = head.defined() ? head : embedding;
+  if (tp.size() == 1)
+    return at::cross_entropy_loss(at::linear(rows, to_compute(w)).to(at::kFloat), targets, {},
+                                  at::Reduction::Sum);
+  // Vocab-parallel cross-entropy: log Σ_v exp(l_v) − l_target with the max, the sum of
+  // exponentials and the target logit each combined over TP; no rank sees the whole vocabulary.
+  at::Tensor logits = at::linear(dist::copy_to(rows, tp), to_compute(w)).to(at::kFloat);
+  at::Tensor max = std::get<0>(logits.detach().max(-1));
+  tp.all_reduce_max(max);
+  at::Tensor sum_exp = dist::reduce_from((logits - max.unsqueeze(-1)).exp().sum(-1), tp);
+  const int64_t per = w.size(0), first = tp.rank() * per;
+  at::Tensor outside = (targets < first).logical_or(targets >= first + per);
+  at::Tensor local = (targets - first).masked_fill(outside, 0);
+  at::Tensor target_logit = dist::reduce_from(
+      logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0), tp);
+  return (sum_exp.log() + max - target_logit).sum();
 }
 
 }  // namespace weft::model

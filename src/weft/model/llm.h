@@ -1,5 +1,10 @@
 // Decoder LLM, Llama-style: token embedding, pre-RMSNorm blocks with RoPE grouped-query
 // attention and a SwiGLU MLP, final RMSNorm, output head (optionally tied to the embedding).
+//
+// A pipeline stage builds only its blocks: the first stage the embedding, the last the final
+// norm and the head (a tied head is a copy of the embedding on the last stage, whose gradient
+// the runtime sums with the first stage's). Under tensor parallelism the embedding and the
+// head are split over the vocabulary and the loss is a vocab-parallel cross-entropy.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,21 +22,35 @@ struct LlmBlock {
   SwiGlu mlp;
 };
 
+// Which part of the LLM a rank builds.
+struct StageRange {
+  int64_t first_layer = 0, last_layer = -1;  // blocks [first, last); -1 = to the end
+  bool first_stage = true, last_stage = true;
+};
+
 struct Llm {
   LlmSpec spec;
-  at::Tensor embedding;  // [vocab, hidden]
+  StageRange range;
+  dist::Comm tp;
+  at::Tensor embedding;  // [vocab/tp, hidden] (first stage; last stage too when tied)
   std::vector<LlmBlock> blocks;
   RmsNorm final_norm;
-  at::Tensor head;  // [vocab, hidden]; undefined when tied to the embedding
+  at::Tensor head;  // [vocab/tp, hidden]; undefined when tied to the embedding
 
-  static Llm make(const Scope& s, const LlmSpec& spec);
-  // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype.
+  static Llm make(const Scope& s, const LlmSpec& spec, StageRange range = {});
+  // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype (first stage).
   at::Tensor embed(const at::Tensor& tokens) const;
-  // x [B, S, hidden] → final-normed hidden states; positions [B, S] drive RoPE.
+  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE.
+  at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
+                            const AttentionMask& mask) const;
+  // Blocks, then the final norm when this is the last stage.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions,
-                     const at::Tensor& visible) const;
-  // rows [N, hidden] → logits [N, vocab] in fp32.
+                     const AttentionMask& mask) const;
+  // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
+  // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar),
+  // vocab-parallel under TP.
+  at::Tensor loss_sum(const at::Tensor& rows, const at::Tensor& targets) const;
 };
 
 }  // namespace weft::model

@@ -7,27 +7,33 @@
 
 namespace weft::model {
 
-MultimodalModel::MultimodalModel(const ModelSpec& spec) : spec_(spec) { build(); }
-
-MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed) : spec_(spec) {
+MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting hosting)
+    : spec_(spec), hosting_(std::move(hosting)) {
+  if (hosting_.encoders.empty()) hosting_.encoders.resize(spec.encoders.size());
+  WEFT_ASSERT(hosting_.encoders.size() == spec.encoders.size(), "hosting covers ",
+              hosting_.encoders.size(), " encoders; the model has ", spec.encoders.size());
   InitSeedGuard init(seed);
-  build();
+  for (size_t i = 0; i < spec.encoders.size(); ++i) {
+    const EncoderSpec& e = spec.encoders[i];
+    const ModuleHosting& h = hosting_.encoders[i];
+    Scope s{&params_, e.name, &h.shard};
+    const bool projector = h.hosted && h.range.last_stage;
+    encoders_.push_back(h.hosted ? make_encoder(s, e, h.range) : nullptr);
+    projectors_.push_back(
+        projector ? Projector::make(s.sub("projector"), e.projector, e.hidden, spec.llm.hidden)
+                  : Projector{});
+    has_projector_.push_back(projector);
+    if (h.hosted) set_trainable(e.name, !e.frozen);
+    if (projector) set_trainable(e.name + ".projector", !e.projector.frozen);
+  }
+  if (hosting_.llm.hosted) {
+    llm_ = Llm::make(Scope{&params_, "llm", &hosting_.llm.shard}, spec.llm, hosting_.llm.range);
+    set_trainable("llm", !spec.llm.frozen);
+  }
 }
 
-void MultimodalModel::build() {
-  const ModelSpec& spec = spec_;
-  for (const EncoderSpec& e : spec.encoders) {
-    Scope s{&params_, e.name};
-    encoders_.push_back(make_encoder(s, e));
-    projectors_.push_back(
-        Projector::make(s.sub("projector"), e.projector, e.hidden, spec.llm.hidden));
-  }
-  llm_ = Llm::make(Scope{&params_, "llm"}, spec.llm);
-  for (const EncoderSpec& e : spec.encoders) {
-    set_trainable(e.name, !e.frozen);
-    set_trainable(e.name + ".projector", !e.projector.frozen);
-  }
-  set_trainable("llm", !spec.llm.frozen);
+const Projector* MultimodalModel::projector(size_t e) const {
+  return has_projector_[e] ? &projectors_[e] : nullptr;
 }
 
 std::string MultimodalModel::module_of(const std::string& name) {
@@ -47,39 +53,52 @@ void MultimodalModel::set_trainable(const std::string& module, bool trainable) {
   WEFT_CHECK(found, "no parameters belong to module '", module, "'");
 }
 
-at::Tensor MultimodalModel::embed(const Inputs& in) const {
-  at::Tensor x = llm_.embed(in.tokens);
+at::Tensor MultimodalModel::embed_with(const at::Tensor& tokens,
+                                       const std::vector<at::Tensor>& features,
+                                       const std::vector<at::Tensor>& encoder_rows) const {
+  at::Tensor x = llm_.embed(tokens);
   const int64_t B = x.size(0), S = x.size(1), H = x.size(2);
-  WEFT_CHECK(
-      in.encoder_inputs.size() == encoders_.size() && in.encoder_rows.size() == encoders_.size(),
-      "model inputs carry ", in.encoder_inputs.size(), " encoder inputs; the model has ",
-      encoders_.size(), " encoders");
   at::Tensor flat = x.reshape({B * S, H});
-  for (size_t e = 0; e < encoders_.size(); ++e) {
-    const at::Tensor& input = in.encoder_inputs[e];
-    const at::Tensor& rows = in.encoder_rows[e];
-    const int64_t items = input.defined() ? input.size(0) : 0;
-    const int64_t per_item = spec_.encoders[e].tokens_per_item();
+  for (size_t e = 0; e < features.size(); ++e) {
+    const at::Tensor& rows = encoder_rows[e];
+    const int64_t n = features[e].defined() ? features[e].size(0) : 0;
     const int64_t placeholders = rows.defined() ? rows.numel() : 0;
-    WEFT_CHECK(placeholders == items * per_item, "encoder '", spec_.encoders[e].name, "': ", items,
-               " items produce ", items * per_item, " features but the text has ", placeholders,
-               " placeholder tokens");
-    if (items == 0) continue;
-    at::Tensor features = projectors_[e]((*encoders_[e])(input));  // [N, T, H]
-    flat = flat.index_copy(0, rows, features.reshape({items * per_item, H}).to(flat.dtype()));
+    WEFT_CHECK(placeholders == n, "encoder '", spec_.encoders[e].name, "': ", n, " features for ",
+               placeholders, " placeholder tokens");
+    if (n > 0) flat = flat.index_copy(0, rows, features[e].to(flat.dtype()));
   }
   return flat.view({B, S, H});
 }
 
+at::Tensor MultimodalModel::embed(const Inputs& in) const {
+  WEFT_CHECK(
+      in.encoder_inputs.size() == encoders_.size() && in.encoder_rows.size() == encoders_.size(),
+      "model inputs carry ", in.encoder_inputs.size(), " encoder inputs; the model has ",
+      encoders_.size(), " encoders");
+  std::vector<at::Tensor> features(encoders_.size());
+  for (size_t e = 0; e < encoders_.size(); ++e) {
+    const at::Tensor& input = in.encoder_inputs[e];
+    const int64_t items = input.defined() ? input.size(0) : 0;
+    const int64_t per_item = spec_.encoders[e].tokens_per_item();
+    const int64_t placeholders = in.encoder_rows[e].defined() ? in.encoder_rows[e].numel() : 0;
+    WEFT_CHECK(placeholders == items * per_item, "encoder '", spec_.encoders[e].name, "': ", items,
+               " items produce ", items * per_item, " features but the text has ", placeholders,
+               " placeholder tokens");
+    if (items == 0) continue;
+    WEFT_ASSERT(encoders_[e] && has_projector_[e], "embed needs every encoder on this rank");
+    features[e] = projectors_[e]((*encoders_[e])(input)).reshape({items * per_item, -1});
+  }
+  return embed_with(in.tokens, features, in.encoder_rows);
+}
+
 at::Tensor MultimodalModel::hidden(const at::Tensor& x, const Inputs& in) const {
-  return llm_.forward(x, in.positions, visible_mask(in.doc, in.item));
+  return llm_.forward(x, in.positions, {visible_mask(in.doc, in.item)});
 }
 
 at::Tensor MultimodalModel::loss_sum(const Inputs& in) const {
   at::Tensor h = hidden(embed(in), in);
   at::Tensor rows = h.reshape({-1, h.size(-1)}).index_select(0, in.target_rows);
-  at::Tensor logits = llm_.logits(rows);
-  return at::cross_entropy_loss(logits, in.targets, {}, at::Reduction::Sum);
+  return llm_.loss_sum(rows, in.targets);
 }
 
 }  // namespace weft::model

@@ -33,21 +33,45 @@ struct Inputs {
   at::Tensor targets;                      // int64 [N]: the target token of each such row
 };
 
+// What of one module this rank builds: its pipeline stage's range and its TP/CP groups.
+struct ModuleHosting {
+  bool hosted = true;
+  StageRange range;
+  Shard shard;
+};
+// Per encoder (its projector lives on the encoder's last stage) and for the LLM. An empty
+// `encoders` hosts every encoder whole.
+struct Hosting {
+  std::vector<ModuleHosting> encoders;
+  ModuleHosting llm;
+};
+
 class MultimodalModel {
  public:
-  // Builds and initialises every parameter from the current torch generator state.
-  explicit MultimodalModel(const ModelSpec& spec);
-  // Same, from a private generator seeded with `seed` (thread-independent; what runs use).
-  MultimodalModel(const ModelSpec& spec, uint64_t seed);
+  // Builds this rank's part of the model (default: all of it), every parameter initialised
+  // from (`seed`, its name) — the same values whichever layout builds it.
+  explicit MultimodalModel(const ModelSpec& spec, uint64_t seed = 0, Hosting hosting = {});
 
   const ModelSpec& spec() const { return spec_; }
   const NamedTensors& parameters() const { return params_.all(); }
+  const ParamSet& param_set() const { return params_; }
   // Module a parameter belongs to: "llm", "<encoder>" or "<encoder>.projector".
   static std::string module_of(const std::string& param_name);
   // Sets requires_grad on every parameter of `module` (frozen = false).
   void set_trainable(const std::string& module, bool trainable);
 
-  // Embeddings [B, S, hidden] with encoder features scattered into placeholder rows.
+  // Modules this rank built (null when not hosted / not on this stage).
+  const Encoder* encoder(size_t e) const { return encoders_[e].get(); }
+  const Projector* projector(size_t e) const;
+  bool hosts_llm() const { return hosting_.llm.hosted; }
+  const Hosting& hosting() const { return hosting_; }
+
+  // Token embeddings [B, S, hidden] with features[e] ([N_e * T_e, hidden] or undefined when
+  // N_e = 0) copied into the rows encoder_rows[e] of B*S (first LLM stage).
+  at::Tensor embed_with(const at::Tensor& tokens, const std::vector<at::Tensor>& features,
+                        const std::vector<at::Tensor>& encoder_rows) const;
+  // Embeddings [B, S, hidden] with encoder features scattered into placeholder rows (a model
+  // built whole on one rank).
   at::Tensor embed(const Inputs& in) const;
   // Final hidden states of the LLM for embeddings x.
   at::Tensor hidden(const at::Tensor& x, const Inputs& in) const;
@@ -56,12 +80,12 @@ class MultimodalModel {
   const Llm& llm() const { return llm_; }
 
  private:
-  void build();
-
   ModelSpec spec_;
+  Hosting hosting_;
   ParamSet params_;
   std::vector<std::unique_ptr<Encoder>> encoders_;
   std::vector<Projector> projectors_;
+  std::vector<bool> has_projector_;
   Llm llm_;
 };
 

@@ -12,13 +12,119 @@ const ModulePlan& Plan::module(const std::string& name) const {
   WEFT_FAIL("plan has no module named '", name, "'");
 }
 
+Coord ModulePlan::coord(int64_t rank) const {
+  WEFT_ASSERT(hosts(rank), "rank ", rank, " is not a rank of module ", name);
+  int64_t r = rank - first_rank;
+  Coord c;
+  c.tp = r % layout.tp, r /= layout.tp;
+  c.cp = r % layout.cp, r /= layout.cp;
+  c.dp = r % layout.dp, c.pp = r / layout.dp;
+  return c;
+}
+
+int64_t ModulePlan::rank_of(const Coord& c) const {
+  WEFT_ASSERT(c.tp >= 0 && c.tp < layout.tp && c.cp >= 0 && c.cp < layout.cp && c.dp >= 0 &&
+                  c.dp < layout.dp && c.pp >= 0 && c.pp < layout.pp,
+              "coordinate outside the grid of module ", name);
+  return first_rank + c.tp + layout.tp * (c.cp + layout.cp * (c.dp + layout.dp * c.pp));
+}
+
 namespace {
 
-Layout layout_of(const Spec& spec, const std::string& name) {
-  auto it = spec.parallel.modules.find(name);
-  if (it == spec.parallel.modules.end()) return {};
-  const LayoutSpec& l = it->second;
-  return {l.dp, l.tp, l.pp, l.cp};
+// Ranks of the grid box lo <= coordinate < hi (indexed by Axis), ascending.
+std::vector<int64_t> box(const ModulePlan& m, const int64_t (&lo)[4], const int64_t (&hi)[4]) {
+  std::vector<int64_t> ranks;
+  for (int64_t pp = lo[3]; pp < hi[3]; ++pp)
+    for (int64_t dp = lo[2]; dp < hi[2]; ++dp)
+      for (int64_t cp = lo[1]; cp < hi[1]; ++cp)
+        for (int64_t tp = lo[0]; tp < hi[0]; ++tp) ranks.push_back(m.rank_of({tp, cp, dp, pp}));
+  return ranks;
+}
+
+}  // namespace
+
+std::vector<int64_t> ModulePlan::group(int64_t rank, std::initializer_list<Axis> axes) const {
+  const Coord c = coord(rank);
+  const int64_t size[4] = {layout.tp, layout.cp, layout.dp, layout.pp};
+  int64_t lo[4] = {c.tp, c.cp, c.dp, c.pp}, hi[4];
+  for (int i = 0; i < 4; ++i) hi[i] = lo[i] + 1;
+  for (Axis a : axes)
+    lo[static_cast<int>(a)] = 0, hi[static_cast<int>(a)] = size[static_cast<int>(a)];
+  return box(*this, lo, hi);
+}
+
+std::vector<std::vector<int64_t>> ModulePlan::groups(std::initializer_list<Axis> axes) const {
+  // One group per grid point whose coordinates along `axes` are 0 (the group's first rank).
+  int64_t lo[4] = {0, 0, 0, 0}, hi[4] = {layout.tp, layout.cp, layout.dp, layout.pp};
+  for (Axis a : axes) hi[static_cast<int>(a)] = 1;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t first : box(*this, lo, hi)) out.push_back(group(first, axes));
+  return out;
+}
+
+std::pair<int64_t, int64_t> ModulePlan::stage_layers(int64_t stage) const {
+  WEFT_ASSERT(stage >= 0 && stage < layout.pp, "stage ", stage, " of module ", name);
+  if (layers == 0) return {0, 0};
+  const auto& b = stage_boundaries;
+  WEFT_ASSERT(static_cast<int64_t>(b.size()) == layout.pp - 1, "stage boundaries of ", name);
+  return {stage == 0 ? 0 : b[stage - 1], stage == layout.pp - 1 ? layers : b[stage]};
+}
+
+namespace {
+
+std::string format_list(const std::vector<int64_t>& values) {
+  std::string out;
+  for (int64_t v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return "[" + out + "]";
+}
+
+// Checks a module's layout against its model shape and fills its stage boundaries.
+void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePlan* m) {
+  const Layout& l = m->layout;
+  const std::string at = spec.source + ": parallel." + m->name + ".";
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"cp", l.cp}};
+  for (const auto& [key, v] : sizes) WEFT_CHECK(v >= 1, at, key, " = ", v, ": must be >= 1");
+  const auto divides = [&](const std::string& field, int64_t n) {
+    WEFT_CHECK(n % l.tp == 0, at, "tp = ", l.tp, ": must divide ", field, " = ", n);
+  };
+  std::string blocks;  // where `layers` comes from, for messages
+  if (m->role == ModuleRole::kLlm) {
+    const LlmSpec& x = spec.model.llm;
+    divides("model.llm.heads", x.heads);
+    divides("model.llm.kv_heads", x.kv_heads);
+    divides("model.llm.ffn", x.ffn);
+    if (x.vocab > 0) divides("model.llm.vocab", x.vocab);
+    blocks = "model.llm.layers = " + std::to_string(x.layers);
+  } else {
+    const EncoderSpec& e = spec.model.encoders[m->encoder];
+    const std::string model = "model." + e.name;
+    divides(model + ".heads", e.heads);
+    divides(model + ".ffn", e.ffn);
+    if (e.projector.kind == ProjectorKind::kMlp)
+      divides("model.llm.hidden (the inner width of the mlp projector)", spec.model.llm.hidden);
+    WEFT_CHECK(l.cp == 1, at, "cp = ", l.cp,
+               ": must be 1 (context parallelism applies to the LLM only in this build)");
+    blocks = model + ".layers = " + std::to_string(e.layers) +
+             " with feature_layer = " + std::to_string(e.feature_layer) + " runs " +
+             std::to_string(m->layers) + " blocks";
+  }
+  WEFT_CHECK(l.pp <= m->layers, at, "pp = ", l.pp, ": more pipeline stages than blocks (", blocks,
+             ")");
+  m->stage_boundaries.clear();
+  if (stages.empty()) {  // even split
+    for (int64_t s = 1; s < l.pp; ++s) m->stage_boundaries.push_back(s * m->layers / l.pp);
+    return;
+  }
+  WEFT_CHECK(static_cast<int64_t>(stages.size()) == l.pp - 1, at, "stages = ", format_list(stages),
+             ": needs pp - 1 = ", l.pp - 1,
+             " entries (the first block of each stage after the first), got ", stages.size());
+  for (size_t i = 0; i < stages.size(); ++i)
+    WEFT_CHECK(
+        stages[i] >= 1 && stages[i] <= m->layers - 1 && (i == 0 || stages[i] > stages[i - 1]), at,
+        "stages = ", format_list(stages), ": must be strictly increasing block indices in [1, ",
+        m->layers - 1, "] (", blocks, ")");
+  m->stage_boundaries = stages;
 }
 
 const char* role_name(ModuleRole r) {
@@ -33,11 +139,32 @@ const char* role_name(ModuleRole r) {
   return "?";
 }
 
+const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
+  static const LayoutSpec kUnset;
+  auto it = spec.parallel.modules.find(name);
+  return it == spec.parallel.modules.end() ? kUnset : it->second;
+}
+
+Layout layout_of(const Spec& spec, const std::string& name) {
+  const LayoutSpec& l = layout_spec(spec, name);
+  return {l.dp, l.tp, l.pp, l.cp};
+}
+
 }  // namespace
 
 Plan make_plan(const Spec& spec, int64_t world_size) {
   WEFT_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  const ParallelSpec& par = spec.parallel;
+  WEFT_CHECK(par.placement == "colocated" || par.placement == "separate", spec.source,
+             ": parallel.placement = \"", par.placement,
+             "\": must be \"colocated\" or \"separate\"");
+  WEFT_CHECK(par.cp_split == "zigzag" || par.cp_split == "contiguous", spec.source,
+             ": parallel.cp_split = \"", par.cp_split, "\": must be \"zigzag\" or \"contiguous\"");
+  const bool separate = par.placement == "separate";
   Plan plan;
+  plan.world_size = world_size;
+  plan.placement = par.placement;
+  plan.cp_split = par.cp_split;
   plan.global_batch = spec.train.batch;
   plan.microbatches = spec.train.microbatches;
   bool any_encoder_side_trains = false;
@@ -48,6 +175,7 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
     enc.role = ModuleRole::kEncoder;
     enc.encoder = static_cast<int>(i);
     enc.layout = layout_of(spec, e.name);
+    enc.layers = e.layers_used();
     enc.frozen = e.frozen;
     enc.weight_grads = !e.frozen;
     enc.input_grads = false;  // inputs are data
@@ -55,7 +183,6 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
     proj.name = e.name + ".projector";
     proj.role = ModuleRole::kProjector;
     proj.encoder = static_cast<int>(i);
-    proj.layout = enc.layout;
     proj.frozen = e.projector.frozen;
     proj.weight_grads = !e.projector.frozen;
     proj.input_grads = enc.weight_grads;
@@ -67,26 +194,55 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
   llm.name = "llm";
   llm.role = ModuleRole::kLlm;
   llm.layout = layout_of(spec, "llm");
+  llm.layers = spec.model.llm.layers;
   llm.frozen = spec.model.llm.frozen;
   llm.weight_grads = !llm.frozen;
   llm.input_grads = any_encoder_side_trains;
   plan.modules.push_back(llm);
 
-  for (auto& m : plan.modules) {
-    const std::string key =
-        m.role == ModuleRole::kProjector ? m.name.substr(0, m.name.find('.')) : m.name;
-    if (m.layout.size() == 1) m.layout.dp = world_size;  // unset: data parallel over the world
+  // Layouts and rank spans of encoders and the LLM; a projector copies its encoder's (just
+  // before it in the list).
+  int64_t next_rank = 0, spans = 0;
+  std::string needs;  // "1 (vision) + 2 (llm)"
+  for (size_t i = 0; i < plan.modules.size(); ++i) {
+    ModulePlan& m = plan.modules[i];
+    if (m.role == ModuleRole::kProjector) {
+      const ModulePlan& enc = plan.modules[i - 1];
+      m.layout = enc.layout;
+      m.first_rank = enc.first_rank;
+      m.stage_boundaries = enc.stage_boundaries;
+      continue;
+    }
+    if (!separate && m.layout.size() == 1) m.layout.dp = world_size;  // unset: fill the world
+    check_layout(spec, layout_spec(spec, m.name).stages, &m);
     const Layout& l = m.layout;
-    WEFT_CHECK(l.tp == 1 && l.pp == 1 && l.cp == 1, spec.source, ": parallel.", key,
-               " = {dp=", l.dp, ", tp=", l.tp, ", pp=", l.pp, ", cp=", l.cp,
-               "}: this build executes data parallelism only (tp, pp and cp must be 1)");
-    WEFT_CHECK(l.size() == world_size, spec.source, ": parallel.", key, ".dp = ", l.dp,
-               ": the job has ", world_size, " rank", world_size == 1 ? "" : "s",
-               " and modules are colocated, so dp*tp*pp*cp must equal ", world_size);
+    if (separate) {
+      m.first_rank = next_rank;
+      next_rank += l.size();
+      needs += (spans++ ? " + " : "") + std::to_string(l.size()) + " (" + m.name + ")";
+      continue;
+    }
+    WEFT_CHECK(l.size() == world_size, spec.source, ": parallel.", m.name, " = {dp=", l.dp,
+               ", tp=", l.tp, ", pp=", l.pp, ", cp=", l.cp, "}: dp*tp*pp*cp = ", l.size(),
+               " but the job has ", world_size, " rank", world_size == 1 ? "" : "s",
+               " and parallel.placement = \"colocated\" puts every module on all of them");
   }
-  plan.world_size = world_size;
-  WEFT_CHECK(spec.train.batch % world_size == 0, spec.source, ": train.batch = ", spec.train.batch,
-             ": must be divisible by the data-parallel size ", world_size);
+  WEFT_CHECK(!separate || next_rank == world_size, spec.source,
+             ": parallel.placement = \"separate\": the modules need ", needs,
+             spans > 1 ? " = " + std::to_string(next_rank) : "", " ranks but the job has ",
+             world_size);
+
+  for (const auto& m : plan.modules)
+    if (m.layout.pp > 1) plan.schedule = "1f1b";
+  const TrainSpec& t = spec.train;
+  const int64_t dp = plan.modules.back().layout.dp;  // the LLM's
+  WEFT_CHECK(t.batch % dp == 0, spec.source, ": train.batch = ", t.batch,
+             ": must be divisible by the LLM's data-parallel size (parallel.llm.dp = ", dp, ")");
+  WEFT_CHECK(t.batch / dp >= t.microbatches, spec.source, ": train.microbatches = ", t.microbatches,
+             ": each LLM data-parallel rank gets train.batch / parallel.llm.dp = ", t.batch, " / ",
+             dp, " = ", t.batch / dp,
+             " samples, fewer than its microbatches; lower train.microbatches or raise "
+             "train.batch");
   return plan;
 }
 
@@ -107,6 +263,7 @@ std::string to_json(const Plan& plan) {
     mj["layout"] = {
         {"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp}, {"cp", m.layout.cp}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
+    mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;
     mj["frozen"] = m.frozen;
     mj["weight_grads"] = m.weight_grads;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weft/core/spec.h"
@@ -19,6 +21,14 @@ struct Layout {
 
 enum class ModuleRole { kEncoder, kProjector, kLlm };
 
+// Axes of a module's rank grid, fastest first.
+enum class Axis { kTp, kCp, kDp, kPp };
+
+// A rank's position in its module's grid.
+struct Coord {
+  int64_t tp = 0, cp = 0, dp = 0, pp = 0;
+};
+
 struct ModulePlan {
   std::string name;  // "llm", "<encoder>", "<encoder>.projector"
   ModuleRole role = ModuleRole::kLlm;
@@ -26,12 +36,28 @@ struct ModulePlan {
   Layout layout;
   int64_t first_rank = 0;                 // ranks [first_rank, first_rank + layout.size())
   std::vector<int64_t> stage_boundaries;  // first layer of each stage after the first (pp-1)
+  int64_t layers = 0;  // blocks this module runs: LLM layers, encoder layers_used(), projector 0
   bool frozen = false;
   // Backward work this module must do: weight grads iff trainable; input grads iff something
   // upstream trains. A module with neither runs forward only and keeps no activations.
   bool weight_grads = true;
   bool input_grads = false;
   bool needs_backward() const { return weight_grads || input_grads; }
+
+  // The module's ranks form a grid [tp, cp, dp, pp], tp fastest:
+  //   rank = first_rank + tp + layout.tp * (cp + layout.cp * (dp + layout.dp * pp)).
+  bool hosts(int64_t rank) const { return rank >= first_rank && rank < first_rank + layout.size(); }
+  Coord coord(int64_t rank) const;  // rank must be hosted
+  int64_t rank_of(const Coord& c) const;
+  // Ranks of the group through `rank` that vary along `axes` (other coordinates fixed),
+  // ascending. {} is {rank}; {kTp, kCp, kDp, kPp} is every rank of the module.
+  std::vector<int64_t> group(int64_t rank, std::initializer_list<Axis> axes) const;
+  // Every distinct such group of this module, ordered by first rank: every process can create
+  // its communicators by walking this list, in the same order on all ranks.
+  std::vector<std::vector<int64_t>> groups(std::initializer_list<Axis> axes) const;
+  // Blocks [begin, end) that pipeline stage `stage` (0 <= stage < pp) runs; {0, 0} for a
+  // projector (no blocks; it runs on its encoder's last stage).
+  std::pair<int64_t, int64_t> stage_layers(int64_t stage) const;
 };
 
 struct Plan {
@@ -40,16 +66,18 @@ struct Plan {
   std::vector<ModulePlan> modules;  // encoders and their projectors in spec order, then "llm"
   int64_t global_batch = 1;
   int64_t microbatches = 1;
-  std::string schedule = "sequential";  // microbatch schedule; 1f1b arrives with pp > 1
-  std::string cp_split = "contiguous";
-  std::string balance = "in_order";  // how samples are assigned to microbatches
+  std::string schedule = "sequential";  // microbatch schedule: "1f1b" when any module has pp > 1
+  std::string cp_split = "zigzag";      // LLM sequence split over CP ranks (ParallelSpec)
+  std::string balance = "in_order";     // how samples are assigned to microbatches
 
   const ModulePlan& module(const std::string& name) const;
 };
 
-// Builds the Plan a Spec asks for on `world_size` ranks (colocated: every module spans all
-// ranks). A module whose layout is left all-ones fills the world with data parallelism.
-// Rejects layouts the runtime cannot execute yet with a message naming `parallel.<module>`.
+// Builds the Plan a Spec asks for on `world_size` ranks. Colocated: every module spans all
+// ranks, and a layout left all-ones fills them with data parallelism. Separate: encoders in spec
+// order, then the LLM, tile [0, world_size) with disjoint spans (an all-ones layout is 1 rank);
+// projectors share their encoder's ranks. Rejects layouts that do not fit the model, the world
+// or the batch with a message naming the config, `parallel.<module>.<key>` and the numbers.
 Plan make_plan(const Spec& spec, int64_t world_size = 1);
 
 std::string to_json(const Plan& plan);

@@ -46,21 +46,6 @@ model::NamedTensors AdamW::state() const {
   return out;
 }
 
-model::NamedTensors AdamW::gather_state(const dist::Comm& group,
-                                        const std::vector<int>& owner) const {
-  if (std::all_of(owned_.begin(), owned_.end(), [](bool o) { return o; })) return state();
-  model::NamedTensors out;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor m = owned_[i] ? exp_avg_[i].clone() : torch::zeros_like(params_[i].second);
-    at::Tensor v = owned_[i] ? exp_avg_sq_[i].clone() : torch::zeros_like(params_[i].second);
-    group.broadcast(m, owner[i]);
-    group.broadcast(v, owner[i]);
-    out.emplace_back("exp_avg." + params_[i].first, m);
-    out.emplace_back("exp_avg_sq." + params_[i].first, v);
-  }
-  return out;
-}
-
 void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   auto take = [&](const std::string& key, at::Tensor& dst) {

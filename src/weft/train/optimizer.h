@@ -30,12 +30,12 @@ class AdamW {
   bool owns(size_t k) const { return owned_[k]; }
   // State of the owned parameters as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>").
   model::NamedTensors state() const;
-  // Full state of every parameter: collective over `group` (owners broadcast their shards) when
-  // the state is sharded; what a checkpoint stores, whatever the sharding.
-  model::NamedTensors gather_state(const dist::Comm& group, const std::vector<int>& owner) const;
   // Takes the owned parameters' state from a full (or owned-only) state; a tensor that names no
   // parameter of this optimizer, or a missing owned one, is an error.
   void load_state(const model::NamedTensors& state, int64_t steps);
+  // The moments per parameter (undefined where not owned).
+  const std::vector<at::Tensor>& exp_avg() const { return exp_avg_; }
+  const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
 
  private:
   model::NamedTensors params_;

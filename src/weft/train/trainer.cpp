@@ -16,7 +16,7 @@
 #include "weft/data/collate.h"
 #include "weft/data/shapes.h"
 #include "weft/data/tokenizer.h"
-#include "weft/dist/data_parallel.h"
+#include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/plan/flops.h"
 #include "weft/train/eval.h"
@@ -88,10 +88,10 @@ struct Trainer::Impl {
   TrainerOptions opts;
   data::Tokenizer tokenizer;
   std::unique_ptr<data::ShapesDataset> dataset;
-  std::unique_ptr<model::MultimodalModel> model;
-  model::NamedTensors trainable;
+  std::unique_ptr<dist::Runtime> runtime;
   std::unique_ptr<AdamW> optimizer;
-  std::vector<int> owner;  // ZeRO-1: DP rank that steps each trainable parameter (else empty)
+  // Rank 0's whole model for evaluation when its own part is not the whole model.
+  std::unique_ptr<model::MultimodalModel> eval_model;
   at::ScalarType compute = at::kBFloat16;
   fs::path run_dir;
 
@@ -109,19 +109,21 @@ struct Trainer::Impl {
     WEFT_CHECK(llm.vocab == 0 || llm.vocab >= tokenizer.vocab_size(), spec.source,
                ": model.llm.vocab = ", llm.vocab, " is smaller than the tokenizer's ",
                tokenizer.vocab_size(), " tokens (use 0 to take the tokenizer's size)");
+    const int64_t tp = plan.module("llm").layout.tp;
     if (llm.vocab == 0) llm.vocab = tokenizer.vocab_size();
+    WEFT_CHECK(llm.vocab % tp == 0, spec.source, ": model.llm.vocab = ", llm.vocab,
+               " (the tokenizer's size when 0) must be divisible by parallel.llm.tp = ", tp,
+               " for the vocab-parallel embedding: set model.llm.vocab to a multiple of ", tp,
+               " no smaller than ", tokenizer.vocab_size());
     dataset = std::make_unique<data::ShapesDataset>(spec, tokenizer);
     compute = spec.train.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
-    model = std::make_unique<model::MultimodalModel>(spec.model, spec.train.seed);
-    for (const auto& [name, p] : model->parameters())
-      if (p.requires_grad()) trainable.emplace_back(name, p);
+    dist::RuntimeOptions ro;
+    ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
+    ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
+    ro.zero1 = spec.train.zero_stage == 1;
+    runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
-    std::vector<bool> owned(trainable.size(), true);
-    if (spec.train.zero_stage == 1 && opts.comm.size() > 1) {
-      owner = dist::partition_parameters(trainable, opts.comm.size());
-      for (size_t k = 0; k < owned.size(); ++k) owned[k] = owner[k] == opts.comm.rank();
-    }
-    optimizer = std::make_unique<AdamW>(trainable, ao, owned);
+    optimizer = std::make_unique<AdamW>(runtime->trainable(), ao, runtime->owned());
     run_dir = !opts.resume_dir.empty()   ? fs::path(opts.resume_dir)
               : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
@@ -129,36 +131,83 @@ struct Trainer::Impl {
     if (!opts.resume_dir.empty()) resume();
   }
 
+  model::MultimodalModel& model() { return runtime->model(); }
+
+  // Every module whole on every rank (data parallelism only): rank 0 can evaluate its own model.
+  bool whole_model() const {
+    for (const auto& m : plan.modules)
+      if (m.layout.tp != 1 || m.layout.pp != 1 || m.layout.cp != 1 || m.first_rank != 0)
+        return false;
+    return true;
+  }
+
+  // Loads the newest checkpoint: each rank takes its shards of the full tensors, so a run saved
+  // under one layout resumes under another.
   void resume() {
     const std::string dir = io::latest_checkpoint(run_dir.string());
     WEFT_CHECK(!dir.empty(), run_dir.string(), ": no complete checkpoint to resume from");
     io::Checkpoint ckpt = io::load_checkpoint(dir);
     std::map<std::string, at::Tensor> by_name(ckpt.model.begin(), ckpt.model.end());
     torch::NoGradGuard no_grad;
-    for (const auto& [name, p] : model->parameters()) {
+    const model::NamedTensors& params = model().parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& [name, p] = params[k];
       auto it = by_name.find(name);
       WEFT_CHECK(it != by_name.end(), dir, "/model.safetensors: missing tensor '", name, "'");
-      WEFT_CHECK(it->second.sizes() == p.sizes(), dir, "/model.safetensors: tensor '", name,
-                 "' has shape ", it->second.sizes(), ", the model expects ", p.sizes());
-      p.copy_(it->second);
+      const at::Tensor shard = runtime->shard_of(k, it->second);
+      WEFT_CHECK(shard.sizes() == p.sizes(), dir, "/model.safetensors: tensor '", name,
+                 "' has shape ", it->second.sizes(), ", which does not fit the model (", p.sizes(),
+                 " on this rank)");
+      p.copy_(shard);
       by_name.erase(it);
     }
-    WEFT_CHECK(by_name.empty(), dir, "/model.safetensors: tensor '",
-               by_name.empty() ? "" : by_name.begin()->first, "' does not belong to this model");
+    if (opts.comm.size() == 1)
+      WEFT_CHECK(by_name.empty(), dir, "/model.safetensors: tensor '",
+                 by_name.empty() ? "" : by_name.begin()->first, "' does not belong to this model");
     json state = json::parse(ckpt.state_json, nullptr, false);
     WEFT_CHECK(!state.is_discarded() && state.contains("step"), dir,
                "/state.json: not valid trainer state");
     start_step = state["step"].get<int64_t>();
     loss_first = state.value("loss_first", NAN);
     prior_wall_seconds = state.value("wall_seconds", 0.0);
-    optimizer->load_state(ckpt.optimizer, state.value("optimizer_steps", start_step));
+    // This rank's shards of its own parameters' moments.
+    std::map<std::string, at::Tensor> moments(ckpt.optimizer.begin(), ckpt.optimizer.end());
+    model::NamedTensors mine;
+    const model::NamedTensors& trainable = runtime->trainable();
+    for (size_t t = 0; t < trainable.size(); ++t)
+      for (const char* kind : {"exp_avg.", "exp_avg_sq."}) {
+        const std::string key = kind + trainable[t].first;
+        auto it = moments.find(key);
+        WEFT_CHECK(it != moments.end(), dir, "/optimizer.safetensors: missing tensor '", key, "'");
+        mine.emplace_back(key, runtime->shard_of(runtime->param_index(t), it->second));
+        moments.erase(it);
+      }
+    if (opts.comm.size() == 1)
+      WEFT_CHECK(moments.empty(), dir, "/optimizer.safetensors: unexpected tensor '",
+                 moments.empty() ? "" : moments.begin()->first,
+                 "' (a checkpoint of another model or freezing setup?)");
+    optimizer->load_state(mine, state.value("optimizer_steps", start_step));
     WEFT_CHECK(start_step <= spec.train.steps, dir, ": checkpoint is at step ", start_step,
                ", beyond train.steps = ", spec.train.steps, " (raise it with --set train.steps=N)");
   }
 
-  // Collective when the optimizer state is sharded (every rank calls); rank 0 writes.
+  // Full model and optimizer state, gathered to rank 0 (collective).
+  std::pair<model::NamedTensors, model::NamedTensors> gather_state() const {
+    const model::NamedTensors& params = runtime->model().parameters();
+    std::vector<at::Tensor> values;
+    for (const auto& [name, p] : params) values.push_back(p.detach());
+    model::NamedTensors full = runtime->gather_full(values);
+    model::NamedTensors optim;
+    for (const auto& [prefix, moments] :
+         {std::pair{"exp_avg.", &optimizer->exp_avg()}, {"exp_avg_sq.", &optimizer->exp_avg_sq()}})
+      for (auto& [name, t] : runtime->gather_trainable(*moments))
+        optim.emplace_back(prefix + name, t);
+    return {full, optim};
+  }
+
+  // Collective (every rank calls); rank 0 writes.
   void save(int64_t step, double wall_seconds) {
-    model::NamedTensors optim_state = optimizer->gather_state(opts.comm, owner);
+    auto [full, optim] = gather_state();
     if (opts.comm.rank() != 0) return;
     json state;
     state["step"] = step;
@@ -166,8 +215,23 @@ struct Trainer::Impl {
     state["loss_first"] = loss_first;
     state["wall_seconds"] = wall_seconds;
     state["next_sample"] = step * spec.train.batch;  // data position: the stream is indexed
-    io::Checkpoint ckpt{model->parameters(), optim_state, state.dump(2)};
+    io::Checkpoint ckpt{full, optim, state.dump(2)};
     io::save_checkpoint(run_dir.string(), step, ckpt, spec.output.keep_checkpoints);
+  }
+
+  // The model rank 0 evaluates (collective: gathers the parameters when they are spread).
+  const model::MultimodalModel* model_for_eval() {
+    if (whole_model()) return &model();
+    const model::NamedTensors& params = runtime->model().parameters();
+    std::vector<at::Tensor> values;
+    for (const auto& [name, p] : params) values.push_back(p.detach());
+    model::NamedTensors full = runtime->gather_full(values);
+    if (opts.comm.rank() != 0) return nullptr;
+    if (!eval_model) eval_model = std::make_unique<model::MultimodalModel>(spec.model);
+    std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : eval_model->parameters()) p.copy_(by_name.at(name));
+    return eval_model.get();
   }
 
   // FLOPs of one step, all modules and LLM only (Megatron accounting, frozen-aware).
@@ -194,7 +258,7 @@ struct Trainer::Impl {
 
   // Module whose gradient holds a NaN/Inf, for the error message.
   std::string non_finite_grad_module() const {
-    for (const auto& [name, p] : trainable)
+    for (const auto& [name, p] : runtime->trainable())
       if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>())
         return model::MultimodalModel::module_of(name) + "' (parameter " + name + ")";
     return "?'";
@@ -204,7 +268,7 @@ struct Trainer::Impl {
 Trainer::Trainer(Spec spec, plan::Plan plan, TrainerOptions options)
     : impl_(std::make_unique<Impl>(std::move(spec), std::move(plan), std::move(options))) {}
 Trainer::~Trainer() = default;
-model::MultimodalModel& Trainer::model() { return *impl_->model; }
+model::MultimodalModel& Trainer::model() { return impl_->model(); }
 
 Summary Trainer::run() {
   Impl& m = *impl_;
@@ -231,8 +295,6 @@ Summary Trainer::run() {
     WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
   }
 
-  dist::GradSync grad_sync(comm, m.trainable, static_cast<int64_t>(ts.grad_bucket_mb * (1 << 20)));
-  dist::GradSync::broadcast_parameters(comm, m.model->parameters());
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops : measure_matmul_peak(m.compute);
   const bool show = m.opts.progress && writer;
   Progress progress(m.start_step, ts.steps, ts.log_every, show && Progress::stderr_is_tty());
@@ -250,72 +312,64 @@ Summary Trainer::run() {
   double loss_last = NAN;
   double accuracy = -1;
   std::vector<std::pair<std::string, std::string>> examples;
+  int64_t eval_step = 0;
+  bool last_eval = false;
   const double wall_start = now_seconds();
 
+  // Collective: the model may need gathering; rank 0 evaluates.
   auto run_eval = [&]() {
-    EvalResult r = evaluate_captions(*m.model, m.dataset->eval_set(), m.tokenizer,
+    const model::MultimodalModel* eval_model = m.model_for_eval();
+    if (!writer) return;
+    EvalResult r = evaluate_captions(*eval_model, m.dataset->eval_set(), m.tokenizer,
                                      std::max<int64_t>(ts.batch, 64), m.compute);
     accuracy = r.caption_accuracy;
     examples = r.examples;
-    return r;
+    if (show && !last_eval)
+      progress.message("step " + std::to_string(eval_step) + ": eval caption accuracy " +
+                       std::to_string(r.caption_accuracy));
   };
 
+  const int64_t replicas = m.plan.module("llm").layout.dp;
   for (int64_t step = m.start_step; step < ts.steps; ++step) {
     const double t0 = now_seconds();
+    // The global batch (every rank sees it: encoders and LLM split it differently), as each
+    // LLM data-parallel replica's microbatches.
     std::vector<data::Microbatch> mbs;
+    std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
     int64_t targets = 0;
-    // This rank's slice of the global batch (data parallel), then its microbatches.
-    const std::vector<data::Sample> local =
-        m.dataset->train_batch(step, ts.batch, comm.rank(), comm.size());
-    for (const auto& part : data::split(local, ts.microbatches)) {
-      mbs.push_back(data::collate(part, copts));
-      targets += mbs.back().targets.numel();
-    }
-    // The loss is a mean over the global batch's targets, so every rank divides by their total.
-    at::Tensor counts = torch::tensor({targets}, torch::kLong);
-    comm.all_reduce_sum(counts);
-    targets = counts.item<int64_t>();
+    for (int64_t d = 0; d < replicas; ++d)
+      for (const auto& part :
+           data::split(m.dataset->train_batch(step, ts.batch, d, replicas), ts.microbatches)) {
+        mbs.push_back(data::collate(part, copts));
+        batch[d].push_back(to_inputs(mbs.back()));
+        targets += mbs.back().targets.numel();
+      }
+    // The loss is a mean over the global batch's targets.
     WEFT_CHECK(targets > 0, "step ", step + 1, ": the batch has no target tokens");
     double loss = 0;
     {
       model::ComputeDtypeGuard dtype(m.compute);
-      for (const data::Microbatch& mb : mbs) {
-        // Reduce gradient buckets while the last backward of the step runs.
-        if (&mb == &mbs.back() && ts.overlap_grad_reduce) grad_sync.arm();
-        at::Tensor l = m.model->loss_sum(to_inputs(mb)) / static_cast<double>(targets);
-        l.backward();
-        loss += l.item<double>();
-      }
+      loss = m.runtime->step(batch, targets);
     }
-    const double sync_start = now_seconds();
-    grad_sync.finish();
-    const double grad_sync_seconds = now_seconds() - sync_start;
-    at::Tensor loss_sum = torch::tensor({loss}, torch::kDouble);
-    comm.all_reduce_sum(loss_sum);
-    loss = loss_sum.item<double>();
+    const dist::StepTimes& times = m.runtime->times();
     WEFT_CHECK(std::isfinite(loss), "step ", step + 1, ": loss is ", loss,
                "; training diverged (lower train.lr, keep train.grad_clip > 0, or try "
                "train.precision = \"fp32\")");
     if (after_backward) after_backward(step);
-    const double grad_norm = clip_grad_norm(m.trainable, ts.grad_clip);
+    const double grad_norm = m.runtime->clip_grad_norm(ts.grad_clip);
     WEFT_CHECK(std::isfinite(grad_norm), "step ", step + 1, ": gradient norm is ", grad_norm,
                " — non-finite gradient in module '", m.non_finite_grad_module());
     const double lr = lr_at(ts, step);
     m.optimizer->step(lr);
-    if (!m.owner.empty()) dist::broadcast_from_owners(comm, m.trainable, m.owner);
-    for (auto& [name, p] : m.trainable) p.mutable_grad().reset();
+    m.runtime->after_optimizer_step();
+    for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
 
-    int64_t local_tokens = 0;
-    for (const auto& mb : mbs) local_tokens += mb.real_tokens;
-    const auto [local_flops, local_llm_flops] = m.step_flops(mbs);
-    at::Tensor stats = torch::tensor(
-        {static_cast<double>(local_tokens), local_flops, local_llm_flops}, torch::kDouble);
-    comm.all_reduce_sum(stats);
-    const int64_t tokens = static_cast<int64_t>(stats[0].item<double>());
+    int64_t tokens = 0;
+    for (const auto& mb : mbs) tokens += mb.real_tokens;
     // MFU is per device: the job's FLOPs over (seconds x devices x peak).
-    const double flops = stats[1].item<double>() / comm.size();
-    const double llm_flops = stats[2].item<double>() / comm.size();
+    const auto [job_flops, job_llm_flops] = m.step_flops(mbs);
+    const double flops = job_flops / comm.size(), llm_flops = job_llm_flops / comm.size();
     train_seconds += step_seconds;
     total_flops += flops;
     total_llm_flops += llm_flops;
@@ -333,8 +387,9 @@ Summary Trainer::run() {
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
     if (comm.size() > 1) {
-      line["grad_sync_seconds"] = grad_sync_seconds;  // exposed (not overlapped) reduction time
-      line["grad_buckets_overlapped"] = grad_sync.buckets_overlapped();
+      line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
+      line["grad_buckets_overlapped"] = times.buckets_overlapped;
+      line["p2p_wait_seconds"] = times.p2p_wait_seconds;
     }
     if (writer) {
       metrics << line.dump() << "\n";
@@ -343,17 +398,16 @@ Summary Trainer::run() {
     if (show) progress.update(step + 1, loss, static_cast<double>(tokens) / step_seconds, lr);
 
     const bool last = step + 1 == ts.steps;
-    if (writer && m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0 && !last) {
-      EvalResult r = run_eval();
-      if (show)
-        progress.message("step " + std::to_string(step + 1) + ": eval caption accuracy " +
-                         std::to_string(r.caption_accuracy));
+    if (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0 && !last) {
+      eval_step = step + 1;
+      run_eval();
     }
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
   }
   progress.finish();
-  if (writer && m.opts.eval) run_eval();
+  last_eval = true;
+  if (m.opts.eval) run_eval();
 
   Summary s;
   s.run_dir = m.run_dir.string();

@@ -1,0 +1,89 @@
+#include "weft/dist/collectives.h"
+
+#include <torch/torch.h>
+
+namespace weft::dist {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(Comm g) : group(std::move(g)) {}
+  Comm group;
+};
+
+void save_group(AutogradContext* ctx, const Comm& group) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+}
+const Comm& saved_group(AutogradContext* ctx) {
+  auto holder = ctx->saved_data["group"].toCapsule();
+  return static_cast<GroupHolder*>(holder.get())->group;
+}
+
+at::Tensor all_reduced(const at::Tensor& x, const Comm& group) {
+  at::Tensor y = x.contiguous().clone();
+  group.all_reduce_sum(y);
+  return y;
+}
+
+// all-gather / reduce-scatter along `dim` (the Comm primitives work along dim 0).
+at::Tensor gathered(const at::Tensor& x, const Comm& group, int64_t dim) {
+  return group.all_gather(x.transpose(0, dim).contiguous()).transpose(0, dim);
+}
+at::Tensor scattered(const at::Tensor& x, const Comm& group, int64_t dim) {
+  return group.reduce_scatter_sum(x.transpose(0, dim).contiguous()).transpose(0, dim);
+}
+
+struct CopyTo : torch::autograd::Function<CopyTo> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group) {
+    save_group(ctx, group);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {all_reduced(g[0], saved_group(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, const Comm& group) {
+    return all_reduced(x, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
+};
+
+struct GatherAlong : torch::autograd::Function<GatherAlong> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
+                            int64_t dim) {
+    save_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    return gathered(x, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {scattered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor copy_to(const at::Tensor& x, const Comm& group) {
+  if (group.size() == 1 || !x.requires_grad()) return x;
+  return CopyTo::apply(x, group);
+}
+
+at::Tensor reduce_from(const at::Tensor& x, const Comm& group) {
+  if (group.size() == 1) return x;
+  if (!x.requires_grad()) return all_reduced(x, group);
+  return ReduceFrom::apply(x, group);
+}
+
+at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  dim = dim < 0 ? dim + x.dim() : dim;
+  if (!x.requires_grad()) return gathered(x, group, dim);
+  return GatherAlong::apply(x, group, dim);
+}
+
+}  // namespace weft::dist

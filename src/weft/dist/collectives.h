@@ -1,0 +1,25 @@
+// Collectives as autograd functions (Megatron's mappings): each backward is the adjoint of its
+// forward, so tensor- and context-parallel layers differentiate exactly like one process.
+// A group of one rank makes each of them the identity (no autograd node is added).
+//
+// Every rank of the group must call the same functions in the same order, in forward and in
+// backward (as with any c10d collective). The group is held by the autograd graph.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "weft/dist/comm.h"
+
+namespace weft::dist {
+
+// Forward identity, backward all-reduce (sum): a replicated tensor enters a parallel region.
+at::Tensor copy_to(const at::Tensor& x, const Comm& group);
+// Forward all-reduce (sum), backward identity: partial sums leave a row-parallel region.
+at::Tensor reduce_from(const at::Tensor& x, const Comm& group);
+// Forward all-gather along `dim` (rank order), backward reduce-scatter (sum, own chunk back):
+// context parallelism's K/V exchange, whose dK/dV return to the ranks that own the tokens.
+at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim);
+
+}  // namespace weft::dist

@@ -1,0 +1,737 @@
+#include "weft/dist/runtime.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "weft/core/error.h"
+#include "weft/dist/data_parallel.h"
+#include "weft/model/mask.h"
+
+namespace weft::dist {
+
+namespace {
+
+using plan::Axis;
+using plan::Coord;
+using plan::ModulePlan;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// [begin, end) of part `part` when n things are split into `parts` (sizes differ by at most one,
+// larger parts first).
+std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t begin = part * base + std::min(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
+
+// Message tags: kind | module | microbatch | stage, unique per (sender, receiver) within a step.
+enum Kind { kEncAct = 1, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
+int tag_of(Kind kind, int64_t module, int64_t mb, int64_t stage) {
+  WEFT_ASSERT(module < 16 && mb < 4096 && stage < 4096, "tag space exceeded");
+  return static_cast<int>((kind << 28) | (module << 24) | (mb << 12) | stage);
+}
+
+std::vector<int> to_int(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
+
+// This rank's coordinates in a module's grid, if it hosts it.
+struct Role {
+  bool hosted = false;
+  Coord c;
+  bool first = false, last = false;  // pipeline stage
+};
+
+Role role_of(const ModulePlan& m, int64_t rank) {
+  Role r;
+  if (!m.hosts(rank)) return r;
+  r.hosted = true;
+  r.c = m.coord(rank);
+  r.first = r.c.pp == 0;
+  r.last = r.c.pp == m.layout.pp - 1;
+  return r;
+}
+
+}  // namespace
+
+struct Runtime::Impl {
+  ModelSpec spec;
+  plan::Plan plan;
+  Comm world, p2p;
+  RuntimeOptions opts;
+  int64_t rank = 0;
+  std::unique_ptr<model::MultimodalModel> model;
+
+  // Per encoder e: its plan (encoder and projector), this rank's role, groups.
+  std::vector<const ModulePlan*> enc_plan, proj_plan;
+  std::vector<Role> enc_role;
+  const ModulePlan* llm_plan = nullptr;
+  Role llm_role;
+
+  // Gradient synchronisation: one group (data x context parallel ranks) per hosted module.
+  struct SyncGroup {
+    Comm group;
+    std::vector<size_t> params;  // indices into trainable
+    std::unique_ptr<GradSync> sync;
+    std::vector<int> owner;  // ZeRO-1: owner (group rank) of each of `params`
+  };
+  std::vector<SyncGroup> enc_sync;  // per encoder (with its projector)
+  SyncGroup llm_sync;
+  Comm tied;  // first and last LLM stage with the same (tp, cp, dp): the tied embedding's copies
+  int64_t tied_index = -1;  // index into trainable of this rank's embedding, when tied over PP
+
+  model::NamedTensors trainable;
+  std::vector<size_t> trainable_param;  // index into model->parameters()
+  std::vector<bool> counted;  // per trainable: counts toward norms (one copy of each value)
+  std::vector<bool> owned;
+  // Per model parameter: the TP group that splits or replicates it; canonical = the copy that
+  // represents it in checkpoints (dp = cp = 0, not the tied copy).
+  std::vector<Comm> param_tp;
+  std::vector<bool> param_canonical;
+
+  StepTimes times;
+  std::map<int, at::Tensor> mailbox;  // self-addressed messages (colocated encoder → LLM)
+  std::vector<Pending> sends;
+
+  // ---- set-up -------------------------------------------------------------------------------
+
+  // A c10d group of these world ranks (every rank calls with the same lists in the same order).
+  // Each use gets its own group, so a bucket all-reduce in flight never shares a Gloo context
+  // with another module's collectives.
+  Comm group(const std::vector<int64_t>& ranks) { return world.subgroup(to_int(ranks)); }
+  // This rank's group along `axes` of module m (built for every group of m, on every rank).
+  Comm module_group(const ModulePlan& m, std::initializer_list<Axis> axes) {
+    Comm mine;
+    for (const auto& ranks : m.groups(axes)) {
+      Comm g = group(ranks);
+      if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) mine = g;
+    }
+    return mine;
+  }
+
+  Impl(const ModelSpec& s, uint64_t seed, const plan::Plan& p, Comm w, RuntimeOptions o)
+      : spec(s), plan(p), world(std::move(w)), opts(o), rank(world.rank()) {
+    WEFT_CHECK(world.size() == plan.world_size, "the plan is for ", plan.world_size,
+               " ranks but the job has ", world.size());
+    std::vector<int64_t> all(static_cast<size_t>(world.size()));
+    for (int64_t r = 0; r < world.size(); ++r) all[r] = r;
+    p2p = group(all);
+
+    model::Hosting hosting;
+    for (size_t e = 0; e < spec.encoders.size(); ++e) {
+      const ModulePlan& m = plan.module(spec.encoders[e].name);
+      enc_plan.push_back(&m);
+      proj_plan.push_back(&plan.module(spec.encoders[e].name + ".projector"));
+      enc_role.push_back(role_of(m, rank));
+      model::ModuleHosting h;
+      h.shard.tp = module_group(m, {Axis::kTp});
+      enc_sync.push_back({module_group(m, {Axis::kCp, Axis::kDp}), {}, nullptr, {}});
+      h.hosted = enc_role[e].hosted;
+      if (h.hosted) {
+        const auto [b, end] = m.stage_layers(enc_role[e].c.pp);
+        h.range = {b, end, enc_role[e].first, enc_role[e].last};
+      }
+      hosting.encoders.push_back(h);
+    }
+    llm_plan = &plan.module("llm");
+    llm_role = role_of(*llm_plan, rank);
+    hosting.llm.shard.tp = module_group(*llm_plan, {Axis::kTp});
+    hosting.llm.shard.cp = module_group(*llm_plan, {Axis::kCp});
+    llm_sync.group = module_group(*llm_plan, {Axis::kCp, Axis::kDp});
+    hosting.llm.hosted = llm_role.hosted;
+    if (llm_role.hosted) {
+      const auto [b, end] = llm_plan->stage_layers(llm_role.c.pp);
+      hosting.llm.range = {b, end, llm_role.first, llm_role.last};
+    }
+    const bool tied_pp = spec.llm.tie_embeddings && llm_plan->layout.pp > 1;
+    if (tied_pp) {  // pairs (first stage, last stage) of equal (tp, cp, dp)
+      const plan::Layout& l = llm_plan->layout;
+      for (int64_t dp = 0; dp < l.dp; ++dp)
+        for (int64_t cp = 0; cp < l.cp; ++cp)
+          for (int64_t tp = 0; tp < l.tp; ++tp) {
+            const std::vector<int64_t> pair = {llm_plan->rank_of({tp, cp, dp, 0}),
+                                               llm_plan->rank_of({tp, cp, dp, l.pp - 1})};
+            Comm g = group(pair);
+            if (pair[0] == rank || pair[1] == rank) tied = g;
+          }
+    }
+    model = std::make_unique<model::MultimodalModel>(spec, seed, hosting);
+
+    // Parameters: TP group, canonical copy, trainable list, sync groups.
+    const model::NamedTensors& params = model->parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const std::string& name = params[k].first;
+      const std::string module = model::MultimodalModel::module_of(name);
+      const bool is_llm = module == "llm";
+      size_t e = 0;
+      while (!is_llm && spec.encoders[e].name != module.substr(0, module.find('.'))) ++e;
+      const Role& role = is_llm ? llm_role : enc_role[e];
+      const Comm& tp = is_llm ? hosting.llm.shard.tp : hosting.encoders[e].shard.tp;
+      const bool tied_copy = is_llm && tied_pp && name == "llm.embedding" && !role.first;
+      const bool canonical = role.c.dp == 0 && role.c.cp == 0 && !tied_copy;
+      param_tp.push_back(tp);
+      param_canonical.push_back(canonical);
+      if (!params[k].second.requires_grad()) continue;
+      const size_t t = trainable.size();
+      trainable.push_back(params[k]);
+      trainable_param.push_back(k);
+      counted.push_back(canonical && (model->param_set().split(k).sharded() || tp.rank() == 0));
+      (is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
+      if (is_llm && tied_pp && name == "llm.embedding") tied_index = static_cast<int64_t>(t);
+    }
+    owned.assign(trainable.size(), true);
+    auto make_sync = [&](SyncGroup& g) {
+      model::NamedTensors ps;
+      for (size_t t : g.params) ps.push_back(trainable[t]);
+      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes);
+      if (opts.zero1 && g.group.size() > 1) {
+        g.owner = partition_parameters(ps, g.group.size());
+        for (size_t i = 0; i < g.params.size(); ++i)
+          owned[g.params[i]] = g.owner[i] == g.group.rank();
+      }
+    };
+    for (auto& g : enc_sync) make_sync(g);
+    make_sync(llm_sync);
+  }
+
+  // ---- messages -----------------------------------------------------------------------------
+
+  void send(const at::Tensor& t, int64_t dst, int tag) {
+    if (dst == rank) {
+      mailbox[tag] = t;
+      return;
+    }
+    sends.push_back(p2p.send(t.contiguous(), static_cast<int>(dst), tag));
+  }
+  at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
+    if (src == rank) {
+      auto it = mailbox.find(tag);
+      WEFT_ASSERT(it != mailbox.end(), "self message ", tag, " missing");
+      at::Tensor t = it->second;
+      mailbox.erase(it);
+      return t;
+    }
+    at::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
+    const double t0 = now();
+    p2p.recv(t, static_cast<int>(src), tag);
+    times.p2p_wait_seconds += now() - t0;
+    return t;
+  }
+
+  // ---- the step -----------------------------------------------------------------------------
+
+  // Items of encoder e in global microbatch m: per replica d its count, and offsets.
+  struct ItemLayout {
+    std::vector<int64_t> count, offset;
+    int64_t total = 0;
+  };
+  static ItemLayout items_of(const std::vector<std::vector<model::Inputs>>& batch, size_t e,
+                             int64_t m) {
+    ItemLayout l;
+    for (const auto& replica : batch) {
+      const at::Tensor& in = replica[m].encoder_inputs[e];
+      l.offset.push_back(l.total);
+      l.count.push_back(in.defined() ? in.size(0) : 0);
+      l.total += l.count.back();
+    }
+    return l;
+  }
+
+  // Per encoder and microbatch: what backward needs.
+  struct EncoderSaved {
+    at::Tensor input, output;  // input requires grad on later stages when the encoder trains
+  };
+
+  int64_t enc_tokens(size_t e) const { return spec.encoders[e].tokens_per_item(); }
+
+  // The global items [begin, end) of microbatch m that encoder e's data-parallel rank i runs.
+  // When one DP size divides the other, whole replicas map to encoder ranks (fan-in) or a
+  // replica's items split over several (fan-out), so equal DP exchanges nothing; otherwise
+  // the items are split evenly.
+  std::pair<int64_t, int64_t> encoder_range(const ItemLayout& items, size_t e, int64_t i) const {
+    const int64_t edp = enc_plan[e]->layout.dp, D = static_cast<int64_t>(items.count.size());
+    if (D % edp == 0) {
+      const int64_t k = D / edp;
+      return {items.offset[i * k], items.offset[(i + 1) * k - 1] + items.count[(i + 1) * k - 1]};
+    }
+    if (edp % D == 0) {
+      const int64_t k = edp / D, d = i / k;
+      const auto [a, b] = even_part(items.count[d], k, i % k);
+      return {items.offset[d] + a, items.offset[d] + b};
+    }
+    return even_part(items.total, edp, i);
+  }
+
+  // Forward of encoder e's stage on this rank for microbatch m.
+  EncoderSaved encoder_forward(size_t e, int64_t m,
+                               const std::vector<std::vector<model::Inputs>>& batch) {
+    const ModulePlan& mp = *enc_plan[e];
+    const ModulePlan& pp = *proj_plan[e];
+    const Role& role = enc_role[e];
+    const ItemLayout items = items_of(batch, e, m);
+    const auto [a, b] = encoder_range(items, e, role.c.dp);
+    EncoderSaved saved;
+    if (a == b) return saved;
+    const int64_t T = enc_tokens(e), h = spec.encoders[e].hidden;
+    at::Tensor x;
+    if (role.first) {
+      std::vector<at::Tensor> parts;
+      for (const auto& replica : batch)
+        if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
+      x = torch::cat(parts, 0).narrow(0, a, b - a);
+    } else {
+      x = recv({b - a, T, h}, model::compute_dtype(),
+               mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp - 1}),
+               tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp));
+      if (mp.weight_grads) x.set_requires_grad(true);
+    }
+    at::Tensor y;
+    {
+      torch::AutoGradMode grad(mp.weight_grads);
+      y = (*model->encoder(e))(x);
+    }
+    if (role.last) {
+      torch::AutoGradMode grad(pp.needs_backward());
+      y = (*model->projector(e))(y);
+    }
+    saved.input = x;
+    saved.output = y;
+    if (!role.last) {
+      send(y, mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp + 1}),
+           tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp + 1));
+    } else if (role.c.tp == 0) {  // bridge: each replica's items to its first LLM stage
+      const at::Tensor flat = y.reshape({(b - a) * T, spec.llm.hidden});
+      for (size_t d = 0; d < items.count.size(); ++d) {
+        const int64_t lo = std::max(a, items.offset[d]);
+        const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+        if (lo >= hi) continue;
+        const at::Tensor part = flat.narrow(0, (lo - a) * T, (hi - lo) * T).detach();
+        for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp)
+          for (int64_t tp = 0; tp < llm_plan->layout.tp; ++tp)
+            send(part, llm_plan->rank_of({tp, cp, static_cast<int64_t>(d), 0}),
+                 tag_of(kBridge, static_cast<int64_t>(e), m, 0));
+      }
+    }
+    return saved;
+  }
+
+  // Backward of encoder e's stage for microbatch m.
+  void encoder_backward(size_t e, int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
+                        EncoderSaved& saved) {
+    const ModulePlan& mp = *enc_plan[e];
+    const Role& role = enc_role[e];
+    const ItemLayout items = items_of(batch, e, m);
+    const auto [a, b] = encoder_range(items, e, role.c.dp);
+    if (a == b) return;
+    const int64_t T = enc_tokens(e);
+    at::Tensor grad;
+    if (role.last) {  // from the first LLM stage: tp-rank 0 of every CP rank, summed
+      std::vector<at::Tensor> parts;
+      for (size_t d = 0; d < items.count.size(); ++d) {
+        const int64_t lo = std::max(a, items.offset[d]);
+        const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+        if (lo >= hi) continue;
+        at::Tensor sum;
+        for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp) {
+          at::Tensor g = recv({(hi - lo) * T, spec.llm.hidden}, saved.output.scalar_type(),
+                              llm_plan->rank_of({0, cp, static_cast<int64_t>(d), 0}),
+                              tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
+          sum = sum.defined() ? sum + g : g;
+        }
+        parts.push_back(sum);
+      }
+      grad = torch::cat(parts, 0).view(saved.output.sizes());
+    } else {
+      grad = recv(saved.output.sizes(), saved.output.scalar_type(),
+                  mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp + 1}),
+                  tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp));
+    }
+    if (saved.output.requires_grad()) saved.output.backward(grad);
+    if (!role.first && mp.weight_grads) {
+      at::Tensor g = saved.input.grad();
+      if (!g.defined()) g = torch::zeros_like(saved.input);
+      send(g, mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp - 1}),
+           tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp - 1));
+    }
+    saved = {};
+  }
+
+  // The LLM's view of one microbatch on this CP rank.
+  struct LlmSaved {
+    at::Tensor input;                  // received activations (later stages) or undefined
+    std::vector<at::Tensor> features;  // first stage: per encoder, received features (leaves)
+    at::Tensor output;                 // activations sent on, or the loss on the last stage
+  };
+
+  // Token indices this CP rank owns of a sequence padded to `S`, and for every original
+  // position its index in the rank-order concatenation of all ranks' tokens.
+  std::pair<at::Tensor, at::Tensor> cp_tokens(int64_t S) const {
+    const int64_t cp = llm_plan->layout.cp;
+    const bool zigzag = plan.cp_split == "zigzag";
+    const int64_t chunks = zigzag ? 2 * cp : cp, chunk = S / chunks;
+    std::vector<at::Tensor> per_rank;
+    for (int64_t r = 0; r < cp; ++r) {
+      std::vector<at::Tensor> own = {torch::arange(r * chunk, (r + 1) * chunk, torch::kLong)};
+      if (zigzag) {
+        const int64_t c = chunks - 1 - r;
+        own.push_back(torch::arange(c * chunk, (c + 1) * chunk, torch::kLong));
+      }
+      per_rank.push_back(torch::cat(own));
+    }
+    at::Tensor order = torch::argsort(torch::cat(per_rank));
+    return {per_rank[llm_role.c.cp], order};
+  }
+
+  // Pads a microbatch's token dimension to `S` (padding tokens see only themselves).
+  static model::Inputs padded(const model::Inputs& in, int64_t S) {
+    const int64_t s = in.tokens.size(1);
+    if (s == S) return in;
+    model::Inputs out = in;
+    auto pad = [&](const at::Tensor& t, int64_t v) {
+      return torch::constant_pad_nd(t, {0, S - s}, static_cast<double>(v));
+    };
+    out.tokens = pad(in.tokens, 0);
+    out.positions = pad(in.positions, 0);
+    out.doc = pad(in.doc, -1);
+    out.item = pad(in.item, -1);
+    const int64_t B = in.tokens.size(0);
+    auto remap = [&](const at::Tensor& rows) {  // b*s + j → b*S + j
+      return rows.defined() ? (rows.div(s, "floor") * S + rows.remainder(s)) : rows;
+    };
+    for (auto& r : out.encoder_rows) r = remap(r);
+    out.target_rows = remap(in.target_rows);
+    (void)B;
+    return out;
+  }
+
+  LlmSaved llm_forward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
+                       int64_t targets, double* loss_out) {
+    const ModulePlan& lp = *llm_plan;
+    const Role& role = llm_role;
+    const int64_t d = role.c.dp, cp = lp.layout.cp;
+    const int64_t multiple = cp == 1 ? 1 : (plan.cp_split == "zigzag" ? 2 * cp : cp);
+    const int64_t S0 = batch[d][m].tokens.size(1);
+    const int64_t S = (S0 + multiple - 1) / multiple * multiple;
+    const model::Inputs in = padded(batch[d][m], S);
+    const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
+    model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
+    at::Tensor positions = in.positions;
+    at::Tensor own;
+    if (cp > 1) {
+      auto [tokens, order] = cp_tokens(S);
+      own = tokens;
+      mask.visible = mask.visible.index_select(2, own);
+      mask.kv_order = order;
+      positions = positions.index_select(1, own);
+    }
+    const int64_t Sl = own.defined() ? own.numel() : S;
+    torch::AutoGradMode grad(lp.needs_backward());
+    LlmSaved saved;
+    at::Tensor x;
+    if (role.first) {
+      std::vector<at::Tensor> rows = in.encoder_rows;
+      for (size_t e = 0; e < spec.encoders.size(); ++e) {
+        const ItemLayout items = items_of(batch, e, m);
+        const int64_t n = items.count[d];
+        saved.features.emplace_back();
+        if (n == 0) continue;
+        // From every encoder DP rank holding some of replica d's items, in order.
+        const ModulePlan& mp = *enc_plan[e];
+        std::vector<at::Tensor> parts;
+        for (int64_t i = 0; i < mp.layout.dp; ++i) {
+          const auto [a, b] = encoder_range(items, e, i);
+          const int64_t lo = std::max(a, items.offset[d]);
+          const int64_t hi = std::min(b, items.offset[d] + n);
+          if (lo >= hi) continue;
+          parts.push_back(recv({(hi - lo) * enc_tokens(e), H}, model::compute_dtype(),
+                               mp.rank_of({0, 0, i, mp.layout.pp - 1}),
+                               tag_of(kBridge, static_cast<int64_t>(e), m, 0)));
+        }
+        at::Tensor f = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
+        if (proj_plan[e]->needs_backward()) f = f.detach().set_requires_grad(true);
+        saved.features.back() = f;
+      }
+      x = model->embed_with(in.tokens, saved.features, rows);
+      if (own.defined()) x = x.index_select(1, own);
+    } else {
+      x = recv({B, Sl, H}, model::compute_dtype(),
+               lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
+               tag_of(kLlmAct, 0, m, role.c.pp));
+      if (lp.needs_backward()) x.set_requires_grad(true);
+      saved.input = x;
+    }
+    at::Tensor h = model->llm().forward(x, positions, mask);
+    if (!role.last) {
+      send(h, lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp + 1}),
+           tag_of(kLlmAct, 0, m, role.c.pp + 1));
+      saved.output = h;
+      return saved;
+    }
+    // Loss on this rank's own target rows.
+    at::Tensor rows = in.target_rows, tgt = in.targets;
+    if (own.defined()) {
+      at::Tensor local = torch::full({S}, -1, torch::kLong);
+      local.index_put_({own}, torch::arange(Sl, torch::kLong));
+      at::Tensor pos = local.index_select(0, rows.remainder(S));
+      at::Tensor keep = pos >= 0;
+      rows = (rows.div(S, "floor") * Sl + pos).masked_select(keep);
+      tgt = tgt.masked_select(keep);
+    }
+    at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
+    at::Tensor loss = model->llm().loss_sum(flat, tgt) / static_cast<double>(targets);
+    if (role.c.tp == 0) *loss_out += loss.item<double>();
+    saved.output = loss;
+    return saved;
+  }
+
+  void llm_backward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
+                    LlmSaved& saved) {
+    const ModulePlan& lp = *llm_plan;
+    const Role& role = llm_role;
+    const int64_t d = role.c.dp;
+    if (role.last) {
+      if (saved.output.requires_grad()) saved.output.backward();
+    } else {
+      at::Tensor g = recv(saved.output.sizes(), saved.output.scalar_type(),
+                          lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp + 1}),
+                          tag_of(kLlmGrad, 0, m, role.c.pp));
+      if (saved.output.requires_grad()) saved.output.backward(g);
+    }
+    if (!role.first) {
+      at::Tensor g = saved.input.grad();
+      if (!g.defined()) g = torch::zeros_like(saved.input);
+      send(g, lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
+           tag_of(kLlmGrad, 0, m, role.c.pp - 1));
+    } else if (role.c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
+      for (size_t e = 0; e < spec.encoders.size(); ++e) {
+        const at::Tensor& f = saved.features[e];
+        if (!f.defined() || !f.requires_grad()) continue;
+        at::Tensor g = f.grad().defined() ? f.grad() : torch::zeros_like(f);
+        const ItemLayout items = items_of(batch, e, m);
+        const ModulePlan& mp = *enc_plan[e];
+        const int64_t T = enc_tokens(e);
+        for (int64_t i = 0; i < mp.layout.dp; ++i) {
+          const auto [a, b] = encoder_range(items, e, i);
+          const int64_t lo = std::max(a, items.offset[d]);
+          const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+          if (lo >= hi) continue;
+          const at::Tensor part = g.narrow(0, (lo - items.offset[d]) * T, (hi - lo) * T);
+          for (int64_t tp = 0; tp < mp.layout.tp; ++tp)
+            send(part, mp.rank_of({tp, 0, i, mp.layout.pp - 1}),
+                 tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
+        }
+      }
+    }
+    saved = {};
+  }
+
+  double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
+    const int64_t M = static_cast<int64_t>(batch.at(0).size());
+    WEFT_CHECK(static_cast<int64_t>(batch.size()) == llm_plan->layout.dp, "step: ", batch.size(),
+               " data-parallel parts for an LLM with dp = ", llm_plan->layout.dp);
+    times = {};
+    double loss = 0;
+    const size_t E = spec.encoders.size();
+    // 1. Encoders forward (every microbatch), features over the bridge.
+    std::vector<std::vector<EncoderSaved>> enc_saved(E);
+    for (size_t e = 0; e < E; ++e) {
+      if (!enc_role[e].hosted) continue;
+      for (int64_t m = 0; m < M; ++m) enc_saved[e].push_back(encoder_forward(e, m, batch));
+    }
+    // 2. LLM: 1F1B over its stages.
+    if (llm_role.hosted) {
+      const int64_t P = llm_plan->layout.pp, s = llm_role.c.pp;
+      const bool backward = llm_plan->needs_backward();
+      std::vector<LlmSaved> saved(static_cast<size_t>(M));
+      int64_t nf = 0, nb = 0;
+      auto fwd = [&] {
+        saved[nf] = llm_forward(nf, batch, targets, &loss);
+        ++nf;
+      };
+      auto bwd = [&] {
+        if (nb == M - 1 && opts.overlap_grad_reduce) llm_sync.sync->arm();
+        llm_backward(nb, batch, saved[nb]);
+        ++nb;
+      };
+      if (!backward) {
+        while (nf < M) fwd();
+      } else {
+        const int64_t warmup = std::min(P - 1 - s, M);
+        while (nf < warmup) fwd();
+        while (nf < M) {
+          fwd();
+          bwd();
+        }
+        while (nb < M) bwd();
+      }
+    }
+    // 3. Encoders backward, in microbatch order.
+    for (size_t e = 0; e < E; ++e) {
+      // The last stage gets gradients when the projector needs backward; earlier stages only
+      // when the encoder itself trains.
+      const bool backward =
+          enc_role[e].last ? proj_plan[e]->needs_backward() : enc_plan[e]->weight_grads;
+      if (!enc_role[e].hosted || !backward) continue;
+      for (int64_t m = 0; m < M; ++m) {
+        if (m == M - 1 && opts.overlap_grad_reduce) enc_sync[e].sync->arm();
+        encoder_backward(e, m, batch, enc_saved[e][m]);
+      }
+    }
+    for (Pending& p : sends) p.wait();
+    sends.clear();
+    WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
+    // 4. Gradients: data x context parallel sums per module, then tied embedding copies.
+    const double t0 = now();
+    for (auto& g : enc_sync) {
+      g.sync->finish();
+      times.buckets_overlapped += g.sync->buckets_overlapped();
+    }
+    llm_sync.sync->finish();
+    times.buckets_overlapped += llm_sync.sync->buckets_overlapped();
+    if (tied_index >= 0) {
+      at::Tensor& g = trainable[tied_index].second.mutable_grad();
+      if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
+      tied.all_reduce_sum(g);
+    }
+    times.grad_sync_seconds = now() - t0;
+    at::Tensor total = torch::tensor({loss}, torch::kDouble);
+    world.all_reduce_sum(total);
+    return total.item<double>();
+  }
+
+  double clip_grad_norm(double max_norm) {
+    torch::NoGradGuard no_grad;
+    double sq = 0;
+    for (size_t t = 0; t < trainable.size(); ++t) {
+      const at::Tensor& g = trainable[t].second.grad();
+      if (counted[t] && g.defined()) sq += g.to(torch::kDouble).pow(2).sum().item<double>();
+    }
+    at::Tensor total = torch::tensor({sq}, torch::kDouble);
+    world.all_reduce_sum(total);
+    const double norm = std::sqrt(total.item<double>());
+    if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
+      const double scale = max_norm / (norm + 1e-6);
+      for (const auto& [name, p] : trainable)
+        if (p.grad().defined()) p.grad().mul_(scale);
+    }
+    return norm;
+  }
+
+  void after_optimizer_step() {
+    auto bcast = [&](SyncGroup& g) {
+      if (g.owner.empty()) return;
+      model::NamedTensors ps;
+      for (size_t t : g.params) ps.push_back(trainable[t]);
+      broadcast_from_owners(g.group, ps, g.owner);
+    };
+    for (auto& g : enc_sync) bcast(g);
+    bcast(llm_sync);
+  }
+
+  model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root) const {
+    const model::NamedTensors& params = model->parameters();
+    WEFT_ASSERT(local.size() == params.size(), "gather_full: ", local.size(), " tensors for ",
+                params.size(), " parameters");
+    // 1. Canonical copies assembled over TP (every TP rank of a canonical group takes part).
+    model::NamedTensors mine;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (!param_canonical[k] || !local[k].defined()) continue;
+      const model::Split& split = model->param_set().split(k);
+      at::Tensor full = local[k];
+      if (split.sharded()) {
+        at::Tensor all = param_tp[k].all_gather(local[k].contiguous().unsqueeze(0));
+        std::vector<at::Tensor> shards;
+        for (int64_t r = 0; r < split.size; ++r) shards.push_back(all[r]);
+        full = model::join_shards(shards, split);
+      }
+      if (local[k].defined() && param_tp[k].rank() == 0)
+        mine.emplace_back(params[k].first, full.contiguous());
+    }
+    // 2. Names and shapes to everyone, then tensors to the root.
+    std::ostringstream header;
+    for (const auto& [name, t] : mine) {
+      header << name << ' ' << static_cast<int>(t.scalar_type()) << ' ' << t.dim();
+      for (int64_t s : t.sizes()) header << ' ' << s;
+      header << '\n';
+    }
+    const std::string text = header.str();
+    at::Tensor len = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+    at::Tensor lens = world.all_gather(len);
+    const int64_t max_len = lens.max().item<int64_t>();
+    at::Tensor bytes = torch::zeros({max_len}, torch::kByte);
+    std::memcpy(bytes.data_ptr(), text.data(), text.size());
+    at::Tensor all = world.all_gather(bytes).view({world.size(), max_len});
+    model::NamedTensors out;
+    for (int r = 0; r < world.size(); ++r) {
+      const int64_t n = lens[r].item<int64_t>();
+      std::istringstream in(std::string(static_cast<const char*>(all[r].data_ptr()), n));
+      std::string name;
+      int dtype = 0, dim = 0;
+      for (size_t i = 0; in >> name >> dtype >> dim; ++i) {
+        std::vector<int64_t> shape(static_cast<size_t>(dim));
+        for (auto& s : shape) in >> s;
+        const int tag = static_cast<int>(i);
+        if (r == rank && r == root) {
+          out.emplace_back(name, mine[i].second);
+        } else if (r == rank) {
+          p2p.send(mine[i].second, root, tag).wait();
+        } else if (rank == root) {
+          at::Tensor t =
+              torch::empty(shape, torch::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+          p2p.recv(t, r, tag);
+          out.emplace_back(name, t);
+        }
+      }
+    }
+    return out;
+  }
+};
+
+model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_trainable,
+                                              int root) const {
+  Impl& m = *impl_;
+  WEFT_ASSERT(per_trainable.size() == m.trainable.size());
+  auto from_owners = [&](const Impl::SyncGroup& g) {
+    for (size_t i = 0; i < g.params.size() && !g.owner.empty(); ++i) {
+      at::Tensor& t = per_trainable[g.params[i]];
+      if (!t.defined()) t = torch::zeros_like(m.trainable[g.params[i]].second);
+      t = t.contiguous();
+      g.group.broadcast(t, g.owner[i]);
+    }
+  };
+  for (const auto& g : m.enc_sync) from_owners(g);
+  from_owners(m.llm_sync);
+  std::vector<at::Tensor> local(m.model->parameters().size());
+  for (size_t t = 0; t < per_trainable.size(); ++t) local[m.trainable_param[t]] = per_trainable[t];
+  return m.gather_full(local, root);
+}
+
+size_t Runtime::param_index(size_t t) const { return impl_->trainable_param[t]; }
+
+Runtime::Runtime(const ModelSpec& model, uint64_t seed, const plan::Plan& plan, Comm world,
+                 RuntimeOptions options)
+    : impl_(std::make_unique<Impl>(model, seed, plan, std::move(world), options)) {}
+Runtime::~Runtime() = default;
+model::MultimodalModel& Runtime::model() { return *impl_->model; }
+const Comm& Runtime::world() const { return impl_->world; }
+const model::NamedTensors& Runtime::trainable() const { return impl_->trainable; }
+const std::vector<bool>& Runtime::owned() const { return impl_->owned; }
+double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
+  return impl_->step(batch, targets);
+}
+const StepTimes& Runtime::times() const { return impl_->times; }
+double Runtime::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
+void Runtime::after_optimizer_step() { impl_->after_optimizer_step(); }
+model::NamedTensors Runtime::gather_full(const std::vector<at::Tensor>& local, int root) const {
+  return impl_->gather_full(local, root);
+}
+at::Tensor Runtime::shard_of(size_t k, const at::Tensor& full) const {
+  return model::take_shard(full, impl_->model->param_set().split(k));
+}
+
+}  // namespace weft::dist

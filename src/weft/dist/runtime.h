@@ -1,0 +1,96 @@
+// Runtime: executes a Plan on this rank — every module with its own layout.
+//
+// From the Plan it derives what this rank holds of each module (pipeline stage, tensor- and
+// context-parallel shard), builds the c10d groups (created in the same order on every rank),
+// and runs a training step:
+//
+//  1. encoders, forward: each encoder's ranks split the items of global microbatch m (every LLM
+//     replica's m-th microbatch) evenly over its data-parallel ranks and run its stages, passing
+//     activations by point-to-point sends; the last stage applies the projector;
+//  2. bridge: encoder tp-rank 0 sends each item's features to the first-stage LLM ranks of the
+//     replica whose sample holds it (every TP and CP rank: TP replicates them, each CP rank
+//     keeps the placeholder rows it owns) — fan-in, fan-out or equal DP, colocated or separate;
+//  3. LLM: a 1F1B schedule over its stages; under CP each rank holds its token blocks
+//     (contiguous or zigzag) with original positions, attention gathers K/V, the loss is summed
+//     over each rank's own targets;
+//  4. bridge, backward: feature gradients go back the reverse way (from LLM tp-rank 0; CP ranks'
+//     partial gradients summed at the encoder), then the encoders' backward in stage order.
+//
+// A module with nothing to train (frozen, nothing trainable upstream) runs forward only and
+// keeps no activations; frozen modules send no gradients back. Gradients are then summed over
+// each module's data- and context-parallel ranks (bucketed, overlapped with its last backward)
+// and a tied embedding's two copies (first and last LLM stage) are summed.
+//
+// Sends never block (they are waited at the end of the step) and receives follow a fixed order
+// on every rank, so any Plan runs without deadlock; a dead peer ends the step with an error.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "weft/core/spec.h"
+#include "weft/dist/comm.h"
+#include "weft/model/multimodal.h"
+#include "weft/plan/plan.h"
+
+namespace weft::dist {
+
+struct RuntimeOptions {
+  int64_t bucket_bytes = 4 << 20;  // gradient all-reduce bucket size
+  bool overlap_grad_reduce = true;
+  bool zero1 = false;  // optimizer state sharded over each module's data-parallel ranks
+};
+
+struct StepTimes {
+  double grad_sync_seconds = 0;  // exposed (not overlapped) gradient reduction
+  int64_t buckets_overlapped = 0;
+  double p2p_wait_seconds = 0;  // time blocked in receives (pipeline bubbles + transfers)
+};
+
+class Runtime {
+ public:
+  Runtime(const ModelSpec& model, uint64_t seed, const plan::Plan& plan, Comm world,
+          RuntimeOptions options = {});
+  ~Runtime();
+
+  model::MultimodalModel& model();
+  const Comm& world() const;
+  // This rank's trainable parameters (the optimizer's list), and for ZeRO-1 which of them this
+  // rank steps (empty = all).
+  const model::NamedTensors& trainable() const;
+  const std::vector<bool>& owned() const;
+
+  // Forward and backward of one step. batch[d][m] is LLM data-parallel replica d's microbatch m;
+  // every rank passes the whole global batch. Gradients of (Σ loss over targets) / `targets`
+  // end up summed and synchronised on this rank's parameters. Returns the step's loss, the same
+  // on every rank.
+  double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
+  const StepTimes& times() const;
+
+  // ‖g‖ over every trainable parameter of the model (each counted once however it is
+  // replicated or split), all ranks together; scales gradients to `max_norm` when above it
+  // (max_norm > 0). Collective.
+  double clip_grad_norm(double max_norm);
+  // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values.
+  void after_optimizer_step();
+
+  // Full (unsharded) tensors of the whole model on `root`, by parameter name: for each of this
+  // rank's parameters k, local[k] is a tensor shaped like it (the parameter, its gradient, an
+  // optimizer moment). Collective; other ranks get an empty list.
+  model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root = 0) const;
+  // Same for tensors shaped like the trainable parameters (optimizer moments): per_trainable[t]
+  // may be undefined where ZeRO-1 gave another rank that state; it is taken from its owner.
+  model::NamedTensors gather_trainable(std::vector<at::Tensor> per_trainable, int root = 0) const;
+  // Index into the model's parameters of trainable parameter t.
+  size_t param_index(size_t t) const;
+  // This rank's shard of a full tensor of parameter k.
+  at::Tensor shard_of(size_t k, const at::Tensor& full) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weft::dist
