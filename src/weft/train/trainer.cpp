@@ -269,6 +269,7 @@ Trainer::Trainer(Spec spec, plan::Plan plan, TrainerOptions options)
     : impl_(std::make_unique<Impl>(std::move(spec), std::move(plan), std::move(options))) {}
 Trainer::~Trainer() = default;
 model::MultimodalModel& Trainer::model() { return impl_->model(); }
+dist::Runtime& Trainer::runtime() { return *impl_->runtime; }
 
 Summary Trainer::run() {
   Impl& m = *impl_;

@@ -13,6 +13,10 @@
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 
+namespace weft::dist {
+class Runtime;
+}
+
 namespace weft::train {
 
 struct TrainerOptions {
@@ -45,6 +49,8 @@ class Trainer {
 
   // The model being trained (initialised, or loaded from the resumed checkpoint).
   model::MultimodalModel& model();
+  // This rank's share of the Plan (gathering full tensors, groups).
+  dist::Runtime& runtime();
   // Called after the gradients of a step are accumulated, before clipping and the optimizer
   // (tests use it to inspect or poison gradients).
   std::function<void(int64_t step)> after_backward;
