@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Data-parallel communication on this machine: for a DP2 run of tiny-vlm (2 local ranks over
-# Gloo, one intra-op thread each), the fraction of step time spent in exposed gradient
-# reduction, and how much of it the overlap with backward hides. All runs happen here, in one
-# invocation, so the ratios compare like with like.
-#   usage: bench/dp_comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
+# Communication on this machine, for tiny-vlm on 2 local ranks over Gloo (one intra-op thread
+# each):
+#  - DP2: the fraction of step time spent in exposed gradient reduction, and how much of it the
+#    overlap with backward hides;
+#  - PP2 (LLM in two pipeline stages, vision encoder data-parallel over both ranks, 4
+#    microbatches, 1F1B): the fraction of step time spent blocked in point-to-point receives
+#    (transfers plus pipeline bubbles) and in exposed gradient reduction.
+# All runs happen here, in one invocation, so the ratios compare like with like.
+#   usage: bench/comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
 build=${1:-build}; steps=${2:-60}
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +28,10 @@ run dp2_overlap "$build/weft" launch --nproc 2 --
   --set train.overlap_grad_reduce=false --out "$tmp/dp2_no_overlap" --quiet \
   > "$tmp/dp2_no_overlap.log" 2>&1 || { cat "$tmp/dp2_no_overlap.log"; exit 1; }
 
+"$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" \
+  --set train.microbatches=4 --set parallel.llm.pp=2 --out "$tmp/pp2" --quiet \
+  > "$tmp/pp2.log" 2>&1 || { cat "$tmp/pp2.log"; exit 1; }
+
 python3 - "$tmp" "$steps" <<'PY'
 import json, statistics, sys
 tmp, steps = sys.argv[1], int(sys.argv[2])
@@ -40,4 +48,11 @@ print(f"fraction of DP2 step time in exposed gradient reduction: no-overlap {off
 print(f"share of the reduction hidden behind backward: {1 - on_sync / off_sync:.3f}")
 print(f"buckets started during backward (overlap run, median): {med(on, 'grad_buckets_overlapped'):.0f}")
 print(f"DP2 throughput vs single process (same global batch, 2 ranks on 2 cores): {s_step / on_step:.3f}x")
+pp = load("pp2")
+pp_step, pp_wait, pp_sync = med(pp, "step_seconds"), med(pp, "p2p_wait_seconds"), med(pp, "grad_sync_seconds")
+print(f"PP2 (4 microbatches, 1F1B) median step seconds {pp_step:.4f}: "
+      f"blocked in p2p receives {pp_wait / pp_step:.3f} of the step (transfers + bubbles), "
+      f"exposed gradient reduction {pp_sync / pp_step:.3f}")
+print(f"PP2 throughput vs single process: {s_step / pp_step:.3f}x; "
+      f"textbook 1F1B bubble for p=2, m=4: {1 / 5:.3f}")
 PY

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `weft launch --nproc 4` with real processes trains configs/tiny-vlm.toml under a mixed layout —
+# the vision encoder data-parallel over 4 ranks feeding an LLM with tp=2 x pp=2 — and matches
+# the single-process loss curve (fp32).
+set -u
+weft=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+die() { echo "FAIL: $*"; exit 1; }
+common=(--set data.eval_samples=16 --set train.precision=fp32 --set train.steps=4
+        --set train.warmup=1 --set train.batch=16 --set train.microbatches=2
+        --set train.threads=1 --set model.llm.vocab=64)
+layout=(--set parallel.vision.dp=4 --set parallel.llm.tp=2 --set parallel.llm.pp=2)
+
+"$weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" --out "$tmp/single" --quiet \
+  || die "single-process run failed"
+"$weft" launch --nproc 4 -- "$weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" \
+  "${layout[@]}" --out "$tmp/mixed" > "$tmp/mixed.log" 2>&1 \
+  || { cat "$tmp/mixed.log"; die "4-rank mixed-layout launch failed"; }
+grep -q '"world_size": 4' "$tmp/mixed/summary.json" || die "summary does not record world_size 4"
+grep -q '"tp": 2' "$tmp/mixed/plan.json" || die "plan.json does not record the layout"
+python3 - "$tmp/single/metrics.jsonl" "$tmp/mixed/metrics.jsonl" <<'PY' || die "losses differ"
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+assert len(a) == len(b) == 4, (a, b)
+for x, y in zip(a, b):
+    assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+print("vision dp4 -> llm tp2 x pp2 on 4 processes matches one process:", a, b)
+PY
