@@ -8,7 +8,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 die() { echo "FAIL: $*"; exit 1; }
 common=(--set data.eval_samples=16 --set train.precision=fp32 --set train.steps=4
         --set train.warmup=1 --set train.batch=16 --set train.microbatches=2
-        --set train.threads=1 --set model.llm.vocab=64)
+        --set train.threads=1)
 layout=(--set parallel.vision.dp=4 --set parallel.llm.tp=2 --set parallel.llm.pp=2)
 
 "$weft" train "$src/configs/tiny-vlm.toml" "${common[@]}" --out "$tmp/single" --quiet \

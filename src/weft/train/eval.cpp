@@ -29,7 +29,9 @@ std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
     if (in.item.size(1) < len)
       in.item = torch::cat({in.item, torch::full({B, len - in.item.size(1)}, -1, torch::kInt)}, 1);
     at::Tensor h = model.hidden(x, in);
-    at::Tensor next = model.llm().logits(h.select(1, len - 1)).argmax(-1);  // [B]
+    // Only the tokenizer's ids: the vocabulary may be padded past them.
+    at::Tensor next =
+        model.llm().logits(h.select(1, len - 1)).narrow(-1, 0, tok.vocab_size()).argmax(-1);  // [B]
     bool all_done = true;
     auto acc = next.accessor<int64_t, 1>();
     for (int64_t b = 0; b < B; ++b) {

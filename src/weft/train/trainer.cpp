@@ -109,10 +109,12 @@ struct Trainer::Impl {
     WEFT_CHECK(llm.vocab == 0 || llm.vocab >= tokenizer.vocab_size(), spec.source,
                ": model.llm.vocab = ", llm.vocab, " is smaller than the tokenizer's ",
                tokenizer.vocab_size(), " tokens (use 0 to take the tokenizer's size)");
+    // vocab = 0: the tokenizer's size padded to a multiple of 64, so every usual TP size splits
+    // it and every layout builds the same model.
     const int64_t tp = plan.module("llm").layout.tp;
-    if (llm.vocab == 0) llm.vocab = tokenizer.vocab_size();
+    if (llm.vocab == 0) llm.vocab = (tokenizer.vocab_size() + 63) / 64 * 64;
     WEFT_CHECK(llm.vocab % tp == 0, spec.source, ": model.llm.vocab = ", llm.vocab,
-               " (the tokenizer's size when 0) must be divisible by parallel.llm.tp = ", tp,
+               " must be divisible by parallel.llm.tp = ", tp,
                " for the vocab-parallel embedding: set model.llm.vocab to a multiple of ", tp,
                " no smaller than ", tokenizer.vocab_size());
     dataset = std::make_unique<data::ShapesDataset>(spec, tokenizer);
