@@ -31,9 +31,9 @@ struct RunResult {
   std::map<std::string, at::Tensor> params, grads;  // full tensors (rank 0)
 };
 
-RunResult train(const Spec& spec, const Comm& comm, const fs::path& out) {
+RunResult train(const Spec& spec, const Comm& comm, const fs::path& out, bool resume = false) {
   train::TrainerOptions o;
-  o.out_dir = out.string();
+  (resume ? o.resume_dir : o.out_dir) = out.string();
   o.progress = false;
   o.peak_flops = 1e12;
   o.eval = false;
@@ -166,6 +166,40 @@ TEST(Layouts, EncoderTp2AndLlmTp2Pp2OnEightRanks) {
                     {"parallel.vision.tp=2", "parallel.vision.dp=4", "parallel.llm.tp=2",
                      "parallel.llm.pp=2", "parallel.llm.dp=2"},
                     "vision_tp2_dp4_llm_tp2_pp2_dp2");
+}
+
+TEST(Layouts, ZeroOneShardsStateWithinEachModulesDataParallelGroup) {
+  expect_equivalent(
+      4, {"parallel.vision.dp=4", "parallel.llm.tp=2", "parallel.llm.dp=2", "train.zero_stage=1"},
+      "zero1_vision_dp4_llm_tp2_dp2");
+}
+
+// A checkpoint holds full tensors: a run saved under DP2 resumes under LLM TP2 x vision TP2
+// and continues with the losses and parameters of an uninterrupted single-process run.
+TEST(Layouts, ResumesUnderAnotherLayout) {
+  // Constant learning rate after warm-up, so a 2-step run is the first half of a 4-step one.
+  const std::vector<std::string> base = {"train.warmup=1", "train.min_lr=3e-3",
+                                         "model.llm.vocab=64"};
+  auto spec_with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), base.begin(), base.end());
+    return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
+  };
+  const RunResult ref =
+      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("reshard_single"));
+  const fs::path out = weft::testing::temp_dir("reshard");
+  const Spec first = spec_with({"train.steps=2"});
+  testing::run_ranks(2, [&](const Comm& comm) { train(first, comm, out); });
+  const Spec second = spec_with({"train.steps=4", "parallel.llm.tp=2", "parallel.vision.tp=2"});
+  std::vector<RunResult> ranks(2);
+  testing::run_ranks(
+      2, [&](const Comm& comm) { ranks[comm.rank()] = train(second, comm, out, /*resume=*/true); });
+  const RunResult& got = ranks[0];
+  ASSERT_EQ(ref.losses.size(), 4u);
+  ASSERT_EQ(got.losses.size(), 4u);  // steps 1-2 kept from the DP2 run, 3-4 under TP2
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << "step " << i + 1;
+  for (const auto& [name, p] : ref.params)
+    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
 }
 
 }  // namespace
