@@ -135,6 +135,18 @@ TEST(Layouts, EncoderDp2ToLlmCp2Contiguous) {
                     "vision_dp2_llm_cp2");
 }
 
+TEST(Layouts, EncoderDp4ToLlmCp2Tp2) {
+  expect_equivalent(4, {"parallel.vision.dp=4", "parallel.llm.cp=2", "parallel.llm.tp=2"},
+                    "vision_dp4_llm_cp2_tp2");
+}
+
+// One encoder rank fans out to two LLM replicas, each split over two CP ranks.
+TEST(Layouts, SeparateEncoderFansOutToLlmCp2Dp2) {
+  expect_equivalent(5,
+                    {"parallel.placement=\"separate\"", "parallel.llm.cp=2", "parallel.llm.dp=2"},
+                    "separate_vision_llm_cp2_dp2");
+}
+
 TEST(Layouts, LlmTp2Pp2) {
   expect_equivalent(4, {"parallel.llm.tp=2", "parallel.llm.pp=2"}, "llm_tp2_pp2");
 }

@@ -201,7 +201,9 @@ struct Runtime::Impl {
 
   // ---- messages -----------------------------------------------------------------------------
 
+  // Empty messages are skipped on both sides (both know the shape).
   void send(const at::Tensor& t, int64_t dst, int tag) {
+    if (t.numel() == 0) return;
     if (dst == rank) {
       mailbox[tag] = t;
       return;
@@ -209,6 +211,8 @@ struct Runtime::Impl {
     sends.push_back(p2p.send(t.contiguous(), static_cast<int>(dst), tag));
   }
   at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
+    if (c10::multiply_integers(shape) == 0)
+      return torch::empty(shape, torch::TensorOptions().dtype(dtype));
     if (src == rank) {
       auto it = mailbox.find(tag);
       WEFT_ASSERT(it != mailbox.end(), "self message ", tag, " missing");
@@ -240,6 +244,39 @@ struct Runtime::Impl {
       l.total += l.count.back();
     }
     return l;
+  }
+
+  // The LLM's sequence length for a microbatch: padded to a multiple of the CP chunk count.
+  int64_t llm_seq(const model::Inputs& in) const {
+    const int64_t cp = llm_plan->layout.cp;
+    const int64_t multiple = cp == 1 ? 1 : (plan.cp_split == "zigzag" ? 2 * cp : cp);
+    return (in.tokens.size(1) + multiple - 1) / multiple * multiple;
+  }
+
+  // CP rank owning token position j of a sequence padded to S (the cp_tokens split).
+  int64_t cp_owner(int64_t j, int64_t S) const {
+    const int64_t cp = llm_plan->layout.cp;
+    const bool zigzag = plan.cp_split == "zigzag";
+    const int64_t chunks = zigzag ? 2 * cp : cp, k = j / (S / chunks);
+    return k < cp ? k : chunks - 1 - k;
+  }
+
+  // Under CP the bridge sends each LLM CP rank only the features of the placeholder positions
+  // it owns: of feature rows [r0, r1) of encoder e in `in` (one replica's microbatch), the
+  // indices (relative to r0) that CP rank c owns. Undefined without CP (every row).
+  at::Tensor bridge_rows(const model::Inputs& in, size_t e, int64_t r0, int64_t r1,
+                         int64_t c) const {
+    if (llm_plan->layout.cp == 1) return {};
+    const int64_t S0 = in.tokens.size(1), S = llm_seq(in);
+    const at::Tensor rows = in.encoder_rows[e].narrow(0, r0, r1 - r0);
+    const auto acc = rows.accessor<int64_t, 1>();
+    std::vector<int64_t> keep;
+    for (int64_t r = 0; r < rows.numel(); ++r)
+      if (cp_owner(acc[r] % S0, S) == c) keep.push_back(r);
+    return torch::tensor(keep, torch::kLong);
+  }
+  static at::Tensor select_rows(const at::Tensor& t, const at::Tensor& idx) {
+    return idx.defined() ? t.index_select(0, idx) : t;
   }
 
   // Per encoder and microbatch: what backward needs.
@@ -311,10 +348,13 @@ struct Runtime::Impl {
         const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
         if (lo >= hi) continue;
         const at::Tensor part = flat.narrow(0, (lo - a) * T, (hi - lo) * T).detach();
-        for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp)
+        const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
+        for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp) {
+          const at::Tensor mine = select_rows(part, bridge_rows(batch[d][m], e, r0, r1, cp));
           for (int64_t tp = 0; tp < llm_plan->layout.tp; ++tp)
-            send(part, llm_plan->rank_of({tp, cp, static_cast<int64_t>(d), 0}),
+            send(mine, llm_plan->rank_of({tp, cp, static_cast<int64_t>(d), 0}),
                  tag_of(kBridge, static_cast<int64_t>(e), m, 0));
+        }
       }
     }
     return saved;
@@ -330,20 +370,28 @@ struct Runtime::Impl {
     if (a == b) return;
     const int64_t T = enc_tokens(e);
     at::Tensor grad;
-    if (role.last) {  // from the first LLM stage: tp-rank 0 of every CP rank, summed
+    if (role.last) {  // from the first LLM stage: tp-rank 0 of each CP rank, its own rows
       std::vector<at::Tensor> parts;
       for (size_t d = 0; d < items.count.size(); ++d) {
         const int64_t lo = std::max(a, items.offset[d]);
         const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
         if (lo >= hi) continue;
-        at::Tensor sum;
+        const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
+        at::Tensor part;
         for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp) {
-          at::Tensor g = recv({(hi - lo) * T, spec.llm.hidden}, saved.output.scalar_type(),
+          const at::Tensor idx = bridge_rows(batch[d][m], e, r0, r1, cp);
+          const int64_t n = idx.defined() ? idx.numel() : r1 - r0;
+          at::Tensor g = recv({n, spec.llm.hidden}, saved.output.scalar_type(),
                               llm_plan->rank_of({0, cp, static_cast<int64_t>(d), 0}),
                               tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
-          sum = sum.defined() ? sum + g : g;
+          if (!idx.defined()) {
+            part = g;
+          } else {
+            if (!part.defined()) part = torch::zeros({r1 - r0, spec.llm.hidden}, g.options());
+            part.index_copy_(0, idx, g);
+          }
         }
-        parts.push_back(sum);
+        parts.push_back(part);
       }
       grad = torch::cat(parts, 0).view(saved.output.sizes());
     } else {
@@ -414,9 +462,7 @@ struct Runtime::Impl {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
     const int64_t d = role.c.dp, cp = lp.layout.cp;
-    const int64_t multiple = cp == 1 ? 1 : (plan.cp_split == "zigzag" ? 2 * cp : cp);
-    const int64_t S0 = batch[d][m].tokens.size(1);
-    const int64_t S = (S0 + multiple - 1) / multiple * multiple;
+    const int64_t S = llm_seq(batch[d][m]);
     const model::Inputs in = padded(batch[d][m], S);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
@@ -437,21 +483,26 @@ struct Runtime::Impl {
       std::vector<at::Tensor> rows = in.encoder_rows;
       for (size_t e = 0; e < spec.encoders.size(); ++e) {
         const ItemLayout items = items_of(batch, e, m);
-        const int64_t n = items.count[d];
+        const int64_t n = items.count[d], T = enc_tokens(e);
         saved.features.emplace_back();
         if (n == 0) continue;
-        // From every encoder DP rank holding some of replica d's items, in order.
+        // From every encoder DP rank holding some of replica d's items, in order: under CP only
+        // the rows of the placeholders this rank owns.
         const ModulePlan& mp = *enc_plan[e];
-        std::vector<at::Tensor> parts;
+        std::vector<at::Tensor> parts, part_rows;
         for (int64_t i = 0; i < mp.layout.dp; ++i) {
           const auto [a, b] = encoder_range(items, e, i);
           const int64_t lo = std::max(a, items.offset[d]);
           const int64_t hi = std::min(b, items.offset[d] + n);
           if (lo >= hi) continue;
-          parts.push_back(recv({(hi - lo) * enc_tokens(e), H}, model::compute_dtype(),
+          const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
+          const at::Tensor idx = bridge_rows(batch[d][m], e, r0, r1, role.c.cp);
+          parts.push_back(recv({idx.defined() ? idx.numel() : r1 - r0, H}, model::compute_dtype(),
                                mp.rank_of({0, 0, i, mp.layout.pp - 1}),
                                tag_of(kBridge, static_cast<int64_t>(e), m, 0)));
+          part_rows.push_back(select_rows(rows[e].narrow(0, r0, r1 - r0), idx));
         }
+        rows[e] = torch::cat(part_rows, 0);
         at::Tensor f = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
         if (proj_plan[e]->needs_backward()) f = f.detach().set_requires_grad(true);
         saved.features.back() = f;
@@ -515,12 +566,17 @@ struct Runtime::Impl {
         const ItemLayout items = items_of(batch, e, m);
         const ModulePlan& mp = *enc_plan[e];
         const int64_t T = enc_tokens(e);
+        int64_t offset = 0;  // this rank's rows come in encoder-rank order
         for (int64_t i = 0; i < mp.layout.dp; ++i) {
           const auto [a, b] = encoder_range(items, e, i);
           const int64_t lo = std::max(a, items.offset[d]);
           const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
           if (lo >= hi) continue;
-          const at::Tensor part = g.narrow(0, (lo - items.offset[d]) * T, (hi - lo) * T);
+          const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
+          const at::Tensor idx = bridge_rows(batch[d][m], e, r0, r1, role.c.cp);
+          const int64_t n = idx.defined() ? idx.numel() : r1 - r0;
+          const at::Tensor part = g.narrow(0, offset, n);
+          offset += n;
           for (int64_t tp = 0; tp < mp.layout.tp; ++tp)
             send(part, mp.rank_of({tp, 0, i, mp.layout.pp - 1}),
                  tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
