@@ -279,7 +279,7 @@ TEST(Config, DefaultsApplyWhenKeysAreOmitted) {
   EXPECT_EQ(s.parallel.placement, d.parallel.placement);
   EXPECT_EQ(s.parallel.placement, "colocated");
   EXPECT_EQ(s.parallel.cp_split, d.parallel.cp_split);
-  EXPECT_EQ(s.parallel.cp_split, "zigzag");
+  EXPECT_EQ(s.parallel.cp_split, "balanced");
 }
 
 TEST(Config, EncoderDefaultsAndKindSpecificDefaults) {
@@ -707,8 +707,8 @@ TEST(Config, Choices) {
                              {"cfg.toml: parallel.placement = \"apart\": must be one of "
                               "\"colocated\", \"separate\""}));
   EXPECT_TRUE(set_fails_with("parallel.cp_split=striped",
-                             {"parallel.cp_split = \"striped\": must be one of \"zigzag\", "
-                              "\"contiguous\""}));
+                             {"parallel.cp_split = \"striped\": must be one of \"balanced\", "
+                              "\"zigzag\", \"contiguous\", \"lpt\""}));
 }
 
 // --- errors: ranges -------------------------------------------------------------------------

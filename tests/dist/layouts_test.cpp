@@ -126,8 +126,15 @@ TEST(Layouts, EncoderDp2ToLlmTp2Colocated) {
 
 TEST(Layouts, LlmPipelineParallel) { expect_equivalent(2, {"parallel.llm.pp=2"}, "llm_pp2"); }
 
+// The default split: the planner's balanced assignment of blocks by exact mask work, ranks
+// padded to equal token counts.
 TEST(Layouts, LlmContextParallelMultimodalMask) {
   expect_equivalent(2, {"parallel.llm.cp=2", "parallel.vision.pp=2"}, "llm_cp2_vision_pp2");
+}
+
+TEST(Layouts, LlmContextParallelZigzagAndLpt) {
+  expect_equivalent(2, {"parallel.llm.cp=2", "parallel.cp_split=\"zigzag\""}, "llm_cp2_zigzag");
+  expect_equivalent(2, {"parallel.llm.cp=2", "parallel.cp_split=\"lpt\""}, "llm_cp2_lpt");
 }
 
 TEST(Layouts, EncoderDp2ToLlmCp2Contiguous) {

@@ -162,7 +162,7 @@ TEST(Plan, ColocatedModulesShareTheWorld) {
   s.parallel.modules["vision"] = layout(2, 2, 2);
   const Plan p = make_plan(s, 8);
   EXPECT_EQ(p.placement, "colocated");
-  EXPECT_EQ(p.cp_split, "zigzag");
+  EXPECT_EQ(p.cp_split, "balanced");
   for (const auto& m : p.modules) {
     EXPECT_EQ(m.first_rank, 0) << m.name;
     EXPECT_EQ(m.layout.size(), 8) << m.name;
@@ -472,8 +472,9 @@ TEST(Plan, LayoutValidationNamesTheKey) {
   cases.push_back(
       {"placement", s, 1, {"parallel.placement = \"apart\": must be \"colocated\" or"}});
   s = two_encoder_spec();
-  s.parallel.cp_split = "lpt";
-  cases.push_back({"cp_split", s, 1, {"parallel.cp_split = \"lpt\": must be \"zigzag\" or"}});
+  s.parallel.cp_split = "striped";
+  cases.push_back(
+      {"cp_split", s, 1, {"parallel.cp_split = \"striped\": must be \"balanced\", \"zigzag\""}});
   cases.push_back({"world", two_encoder_spec(), 0, {"world size must be >= 1, got 0"}});
   for (const ErrorCase& c : cases) {
     const std::string e = plan_error(c.spec, c.world_size);
@@ -526,7 +527,7 @@ TEST(Plan, JsonListsEveryModule) {
   EXPECT_EQ(mods[0].at("layers"), 3);
   EXPECT_EQ(mods[1].at("layers"), 0);
   EXPECT_EQ(j.at("schedule"), "sequential");
-  EXPECT_EQ(j.at("cp_split"), "zigzag");
+  EXPECT_EQ(j.at("cp_split"), "balanced");
 }
 
 // h = 64, 4 heads (head_dim 16, q = 64), 2 kv heads (kv = 32), F = 128, L = 2, V = 100;

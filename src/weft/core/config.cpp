@@ -56,7 +56,7 @@ constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
 constexpr std::string_view kPlacements[] = {"colocated", "separate"};
-constexpr std::string_view kCpSplits[] = {"zigzag", "contiguous"};
+constexpr std::string_view kCpSplits[] = {"balanced", "zigzag", "contiguous", "lpt"};
 
 template <typename Range>
 std::string join(const Range& items) {

@@ -124,8 +124,9 @@ struct LayoutSpec {
 
 struct ParallelSpec {
   std::string placement = "colocated";  // or "separate" (each module on its own ranks)
-  std::string cp_split = "zigzag";      // how the LLM sequence is split over CP ranks: "zigzag"
-                                        // or "contiguous"
+  // How the LLM sequence is split over CP ranks: "balanced" (weft's: exact mask work, best of
+  // LPT/zigzag/MULTIFIT plus improvement), "zigzag", "contiguous" or "lpt".
+  std::string cp_split = "balanced";
   std::map<std::string, LayoutSpec> modules;  // "llm", encoder names
 };
 

@@ -10,6 +10,7 @@
 #include "weft/core/error.h"
 #include "weft/dist/data_parallel.h"
 #include "weft/model/mask.h"
+#include "weft/plan/cp_split.h"
 
 namespace weft::dist {
 
@@ -246,33 +247,73 @@ struct Runtime::Impl {
     return l;
   }
 
-  // The LLM's sequence length for a microbatch: padded to a multiple of the CP chunk count.
-  int64_t llm_seq(const model::Inputs& in) const {
-    const int64_t cp = llm_plan->layout.cp;
-    const int64_t multiple = cp == 1 ? 1 : (plan.cp_split == "zigzag" ? 2 * cp : cp);
-    return (in.tokens.size(1) + multiple - 1) / multiple * multiple;
-  }
+  // How the LLM's sequence of one microbatch is split over CP ranks. The planner's splitter
+  // (plan/cp_split) prices token blocks by their exact attention work under this microbatch's
+  // mask (summed over its rows) plus linear work, and assigns them with parallel.cp_split
+  // (contiguous and zigzag over 2·cp blocks; lpt and balanced over 4·cp). Ranks then hold
+  // equal token counts, topped up with padding positions appended after the sequence (a
+  // padding token sees only itself and nobody sees it, so this changes nothing).
+  struct CpLayout {
+    int64_t S = 0;                // sequence length with the padding positions
+    std::vector<at::Tensor> own;  // per CP rank: its token positions (equal counts)
+    std::vector<int64_t> owner;   // per position < S: its CP rank
+    at::Tensor order;             // per position: its index in the rank-order concatenation
+  };
+  std::map<const model::Inputs*, CpLayout> cp_layouts;  // this step's, per microbatch
 
-  // CP rank owning token position j of a sequence padded to S (the cp_tokens split).
-  int64_t cp_owner(int64_t j, int64_t S) const {
-    const int64_t cp = llm_plan->layout.cp;
-    const bool zigzag = plan.cp_split == "zigzag";
-    const int64_t chunks = zigzag ? 2 * cp : cp, k = j / (S / chunks);
-    return k < cp ? k : chunks - 1 - k;
+  const CpLayout& cp_layout(const model::Inputs& in) {
+    auto it = cp_layouts.find(&in);
+    if (it != cp_layouts.end()) return it->second;
+    const int64_t cp = llm_plan->layout.cp, S0 = in.tokens.size(1);
+    const plan::CpPolicy policy = plan::parse_cp_policy(plan.cp_split);
+    const bool simple = policy == plan::CpPolicy::kContiguous || policy == plan::CpPolicy::kZigzag;
+    const int64_t blocks = (simple ? 2 : 4) * cp,
+                  block = std::max<int64_t>(1, (S0 + blocks - 1) / blocks);
+    const plan::CpCostModel cost = plan::make_cp_cost_model(spec.llm);
+    std::vector<double> work;
+    const auto doc = in.doc.accessor<int32_t, 2>();
+    const auto item = in.item.accessor<int32_t, 2>();
+    for (int64_t b = 0; b < in.doc.size(0); ++b) {
+      plan::SequenceDesc seq;
+      for (int64_t j = 0; j < S0; ++j) seq.tokens.push_back({doc[b][j], item[b][j]});
+      const std::vector<double> w = plan::block_work(seq, block, cost);
+      if (work.empty()) work.assign(w.size(), 0.0);
+      for (size_t k = 0; k < w.size(); ++k) work[k] += w[k];
+    }
+    const auto assigned = plan::assign_blocks(work, cp, policy);
+    CpLayout l;
+    std::vector<std::vector<int64_t>> own(static_cast<size_t>(cp));
+    size_t most = 0;
+    for (int64_t r = 0; r < cp; ++r) {
+      for (int64_t k : assigned[r])
+        for (int64_t j = k * block; j < std::min((k + 1) * block, S0); ++j) own[r].push_back(j);
+      most = std::max(most, own[r].size());
+    }
+    int64_t next = S0;
+    for (auto& o : own)
+      while (o.size() < most) o.push_back(next++);
+    l.S = next;
+    l.owner.assign(static_cast<size_t>(l.S), 0);
+    for (int64_t r = 0; r < cp; ++r) {
+      for (int64_t j : own[r]) l.owner[j] = r;
+      l.own.push_back(torch::tensor(own[r], torch::kLong));
+    }
+    l.order = torch::argsort(torch::cat(l.own));
+    return cp_layouts.emplace(&in, std::move(l)).first->second;
   }
 
   // Under CP the bridge sends each LLM CP rank only the features of the placeholder positions
   // it owns: of feature rows [r0, r1) of encoder e in `in` (one replica's microbatch), the
   // indices (relative to r0) that CP rank c owns. Undefined without CP (every row).
-  at::Tensor bridge_rows(const model::Inputs& in, size_t e, int64_t r0, int64_t r1,
-                         int64_t c) const {
+  at::Tensor bridge_rows(const model::Inputs& in, size_t e, int64_t r0, int64_t r1, int64_t c) {
     if (llm_plan->layout.cp == 1) return {};
-    const int64_t S0 = in.tokens.size(1), S = llm_seq(in);
+    const int64_t S0 = in.tokens.size(1);
+    const CpLayout& layout = cp_layout(in);
     const at::Tensor rows = in.encoder_rows[e].narrow(0, r0, r1 - r0);
     const auto acc = rows.accessor<int64_t, 1>();
     std::vector<int64_t> keep;
     for (int64_t r = 0; r < rows.numel(); ++r)
-      if (cp_owner(acc[r] % S0, S) == c) keep.push_back(r);
+      if (layout.owner[acc[r] % S0] == c) keep.push_back(r);
     return torch::tensor(keep, torch::kLong);
   }
   static at::Tensor select_rows(const at::Tensor& t, const at::Tensor& idx) {
@@ -416,25 +457,6 @@ struct Runtime::Impl {
     at::Tensor output;                 // activations sent on, or the loss on the last stage
   };
 
-  // Token indices this CP rank owns of a sequence padded to `S`, and for every original
-  // position its index in the rank-order concatenation of all ranks' tokens.
-  std::pair<at::Tensor, at::Tensor> cp_tokens(int64_t S) const {
-    const int64_t cp = llm_plan->layout.cp;
-    const bool zigzag = plan.cp_split == "zigzag";
-    const int64_t chunks = zigzag ? 2 * cp : cp, chunk = S / chunks;
-    std::vector<at::Tensor> per_rank;
-    for (int64_t r = 0; r < cp; ++r) {
-      std::vector<at::Tensor> own = {torch::arange(r * chunk, (r + 1) * chunk, torch::kLong)};
-      if (zigzag) {
-        const int64_t c = chunks - 1 - r;
-        own.push_back(torch::arange(c * chunk, (c + 1) * chunk, torch::kLong));
-      }
-      per_rank.push_back(torch::cat(own));
-    }
-    at::Tensor order = torch::argsort(torch::cat(per_rank));
-    return {per_rank[llm_role.c.cp], order};
-  }
-
   // Pads a microbatch's token dimension to `S` (padding tokens see only themselves).
   static model::Inputs padded(const model::Inputs& in, int64_t S) {
     const int64_t s = in.tokens.size(1);
@@ -462,17 +484,17 @@ struct Runtime::Impl {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
     const int64_t d = role.c.dp, cp = lp.layout.cp;
-    const int64_t S = llm_seq(batch[d][m]);
+    const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
+    const int64_t S = layout ? layout->S : batch[d][m].tokens.size(1);
     const model::Inputs in = padded(batch[d][m], S);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
     at::Tensor positions = in.positions;
     at::Tensor own;
-    if (cp > 1) {
-      auto [tokens, order] = cp_tokens(S);
-      own = tokens;
+    if (layout) {
+      own = layout->own[role.c.cp];
       mask.visible = mask.visible.index_select(2, own);
-      mask.kv_order = order;
+      mask.kv_order = layout->order;
       positions = positions.index_select(1, own);
     }
     const int64_t Sl = own.defined() ? own.numel() : S;
@@ -591,6 +613,7 @@ struct Runtime::Impl {
     WEFT_CHECK(static_cast<int64_t>(batch.size()) == llm_plan->layout.dp, "step: ", batch.size(),
                " data-parallel parts for an LLM with dp = ", llm_plan->layout.dp);
     times = {};
+    cp_layouts.clear();
     double loss = 0;
     const size_t E = spec.encoders.size();
     // 1. Encoders forward (every microbatch), features over the bridge.

@@ -158,8 +158,10 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
   WEFT_CHECK(par.placement == "colocated" || par.placement == "separate", spec.source,
              ": parallel.placement = \"", par.placement,
              "\": must be \"colocated\" or \"separate\"");
-  WEFT_CHECK(par.cp_split == "zigzag" || par.cp_split == "contiguous", spec.source,
-             ": parallel.cp_split = \"", par.cp_split, "\": must be \"zigzag\" or \"contiguous\"");
+  WEFT_CHECK(par.cp_split == "balanced" || par.cp_split == "zigzag" ||
+                 par.cp_split == "contiguous" || par.cp_split == "lpt",
+             spec.source, ": parallel.cp_split = \"", par.cp_split,
+             "\": must be \"balanced\", \"zigzag\", \"contiguous\" or \"lpt\"");
   const bool separate = par.placement == "separate";
   Plan plan;
   plan.world_size = world_size;

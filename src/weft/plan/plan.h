@@ -67,7 +67,7 @@ struct Plan {
   int64_t global_batch = 1;
   int64_t microbatches = 1;
   std::string schedule = "sequential";  // microbatch schedule: "1f1b" when any module has pp > 1
-  std::string cp_split = "zigzag";      // LLM sequence split over CP ranks (ParallelSpec)
+  std::string cp_split = "balanced";    // LLM sequence split over CP ranks (ParallelSpec)
   std::string balance = "in_order";     // how samples are assigned to microbatches
 
   const ModulePlan& module(const std::string& name) const;
