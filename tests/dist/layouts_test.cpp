@@ -154,6 +154,19 @@ TEST(Layouts, SeparateEncoderFansOutToLlmCp2Dp2) {
                     "separate_vision_llm_cp2_dp2");
 }
 
+// Encoders use context parallelism too: each rank runs half of every item's tokens.
+TEST(Layouts, EncoderCp2ToLlmTp2) {
+  expect_equivalent(2, {"parallel.vision.cp=2", "parallel.llm.tp=2"}, "vision_cp2_llm_tp2");
+}
+
+TEST(Layouts, EncoderCp2Pp2AndAudioCp2ToLlmPp2) {
+  expect_equivalent(
+      4,
+      {"parallel.vision.cp=2", "parallel.vision.pp=2", "parallel.audio.cp=2", "parallel.audio.dp=2",
+       "parallel.llm.pp=2", "parallel.llm.dp=2", "model.llm.max_seq=48"},
+      "vision_cp2_pp2_audio_cp2_llm_pp2", kTinyValm);
+}
+
 TEST(Layouts, LlmTp2Pp2) {
   expect_equivalent(4, {"parallel.llm.tp=2", "parallel.llm.pp=2"}, "llm_tp2_pp2");
 }

@@ -66,6 +66,22 @@ struct GatherAlong : torch::autograd::Function<GatherAlong> {
   }
 };
 
+struct GatherReplicated : torch::autograd::Function<GatherReplicated> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
+                            int64_t dim) {
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["rank"] = static_cast<int64_t>(group.rank());
+    ctx->saved_data["size"] = static_cast<int64_t>(group.size());
+    return gathered(x, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const int64_t chunk = g[0].size(dim) / ctx->saved_data["size"].toInt();
+    return {g[0].narrow(dim, ctx->saved_data["rank"].toInt() * chunk, chunk), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor copy_to(const at::Tensor& x, const Comm& group) {
@@ -84,6 +100,13 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
   dim = dim < 0 ? dim + x.dim() : dim;
   if (!x.requires_grad()) return gathered(x, group, dim);
   return GatherAlong::apply(x, group, dim);
+}
+
+at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  dim = dim < 0 ? dim + x.dim() : dim;
+  if (!x.requires_grad()) return gathered(x, group, dim);
+  return GatherReplicated::apply(x, group, dim);
 }
 
 }  // namespace weft::dist

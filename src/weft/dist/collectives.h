@@ -22,4 +22,9 @@ at::Tensor reduce_from(const at::Tensor& x, const Comm& group);
 // context parallelism's K/V exchange, whose dK/dV return to the ranks that own the tokens.
 at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim);
 
+// Forward all-gather along `dim`, backward this rank's chunk of the gradient (no sum): for a
+// gathered tensor every rank then uses identically (replicated downstream), such as an
+// encoder's context-parallel output going on to the projector and the bridge.
+at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim);
+
 }  // namespace weft::dist

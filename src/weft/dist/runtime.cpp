@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "weft/core/error.h"
+#include "weft/dist/collectives.h"
 #include "weft/dist/data_parallel.h"
 #include "weft/model/mask.h"
 #include "weft/plan/cp_split.h"
@@ -131,6 +132,7 @@ struct Runtime::Impl {
       enc_role.push_back(role_of(m, rank));
       model::ModuleHosting h;
       h.shard.tp = module_group(m, {Axis::kTp});
+      h.shard.cp = module_group(m, {Axis::kCp});
       enc_sync.push_back({module_group(m, {Axis::kCp, Axis::kDp}), {}, nullptr, {}});
       h.hosted = enc_role[e].hosted;
       if (h.hosted) {
@@ -363,8 +365,8 @@ struct Runtime::Impl {
         if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
       x = torch::cat(parts, 0).narrow(0, a, b - a);
     } else {
-      x = recv({b - a, T, h}, model::compute_dtype(),
-               mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp - 1}),
+      x = recv({b - a, T / mp.layout.cp, h}, model::compute_dtype(),
+               mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
                tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp));
       if (mp.weight_grads) x.set_requires_grad(true);
     }
@@ -373,16 +375,16 @@ struct Runtime::Impl {
       torch::AutoGradMode grad(mp.weight_grads);
       y = (*model->encoder(e))(x);
     }
-    if (role.last) {
+    if (role.last) {  // projector per token, then every item's tokens from the CP ranks
       torch::AutoGradMode grad(pp.needs_backward());
-      y = (*model->projector(e))(y);
+      y = gather_replicated((*model->projector(e))(y), model->hosting().encoders[e].shard.cp, 1);
     }
     saved.input = x;
     saved.output = y;
     if (!role.last) {
-      send(y, mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp + 1}),
+      send(y, mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
            tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp + 1));
-    } else if (role.c.tp == 0) {  // bridge: each replica's items to its first LLM stage
+    } else if (role.c.tp == 0 && role.c.cp == 0) {  // bridge: items to their first LLM stage
       const at::Tensor flat = y.reshape({(b - a) * T, spec.llm.hidden});
       for (size_t d = 0; d < items.count.size(); ++d) {
         const int64_t lo = std::max(a, items.offset[d]);
@@ -437,14 +439,14 @@ struct Runtime::Impl {
       grad = torch::cat(parts, 0).view(saved.output.sizes());
     } else {
       grad = recv(saved.output.sizes(), saved.output.scalar_type(),
-                  mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp + 1}),
+                  mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
                   tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp));
     }
     if (saved.output.requires_grad()) saved.output.backward(grad);
     if (!role.first && mp.weight_grads) {
       at::Tensor g = saved.input.grad();
       if (!g.defined()) g = torch::zeros_like(saved.input);
-      send(g, mp.rank_of({role.c.tp, 0, role.c.dp, role.c.pp - 1}),
+      send(g, mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
            tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp - 1));
     }
     saved = {};
@@ -599,9 +601,10 @@ struct Runtime::Impl {
           const int64_t n = idx.defined() ? idx.numel() : r1 - r0;
           const at::Tensor part = g.narrow(0, offset, n);
           offset += n;
-          for (int64_t tp = 0; tp < mp.layout.tp; ++tp)
-            send(part, mp.rank_of({tp, 0, i, mp.layout.pp - 1}),
-                 tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
+          for (int64_t cp = 0; cp < mp.layout.cp; ++cp)
+            for (int64_t tp = 0; tp < mp.layout.tp; ++tp)
+              send(part, mp.rank_of({tp, cp, i, mp.layout.pp - 1}),
+                   tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
         }
       }
     }

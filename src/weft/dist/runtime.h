@@ -5,9 +5,11 @@
 // and runs a training step:
 //
 //  1. encoders, forward: each encoder's ranks split the items of global microbatch m (every LLM
-//     replica's m-th microbatch) evenly over its data-parallel ranks and run its stages, passing
-//     activations by point-to-point sends; the last stage applies the projector;
-//  2. bridge: encoder tp-rank 0 sends each item's features to the first-stage LLM ranks of the
+//     replica's m-th microbatch) over its data-parallel ranks and run its stages, passing
+//     activations by point-to-point sends (under CP each rank holds a contiguous share of every
+//     item's tokens, gathered back at the end); the last stage applies the projector;
+//  2. bridge: encoder tp- and cp-rank 0 sends each item's features to the first-stage LLM ranks of
+//  the
 //     replica whose sample holds it (every TP and CP rank: TP replicates them, each CP rank
 //     keeps the placeholder rows it owns) — fan-in, fan-out or equal DP, colocated or separate;
 //  3. LLM: a 1F1B schedule over its stages; under CP each rank holds its token blocks

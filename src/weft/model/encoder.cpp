@@ -30,10 +30,17 @@ at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange&
   for (int64_t i = 0; i < r.last_layer - r.first_layer; ++i) x = blocks[i](x);
   return x;
 }
+
+// Context parallelism: this rank's contiguous share of every item's tokens [N, T, h].
+at::Tensor own_tokens(const at::Tensor& x, const dist::Comm& cp) {
+  if (cp.size() == 1) return x;
+  const int64_t chunk = x.size(1) / cp.size();
+  return x.narrow(1, cp.rank() * chunk, chunk);
+}
 }  // namespace
 
 VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange range)
-    : spec_(spec), range_(resolve(range, spec)) {
+    : spec_(spec), range_(resolve(range, spec)), cp_(s.groups().cp) {
   if (range_.first_stage) {
     int64_t in_ch = spec.channels, kernel = spec.patch;
     for (int64_t i = 0; spec.stem_channels > 0 && i < spec.stem_layers; ++i) {
@@ -55,15 +62,19 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange
   blocks_ = make_blocks(s, spec, range_);
 }
 
-at::Tensor VisionEncoder::operator()(const at::Tensor& images) const {
-  if (!range_.first_stage) return run_blocks(blocks_, range_, images);
+at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
+  at::Tensor x = range_.first_stage ? own_tokens(front(input), cp_) : input;
+  return run_blocks(blocks_, range_, x);
+}
+
+at::Tensor VisionEncoder::front(const at::Tensor& images) const {
   at::Tensor x = to_compute(images);
   for (size_t i = 0; i < stem_w_.size(); ++i)
     x = compat::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
   const int64_t k = patch_w_.size(-1);
   x = at::conv2d(x, to_compute(patch_w_), to_compute(patch_b_), k);  // [N, h, g, g]
   x = x.flatten(2).transpose(1, 2) + to_compute(pos_);               // [N, T, h]
-  return run_blocks(blocks_, range_, pre_ln_(x));
+  return pre_ln_(x);
 }
 
 at::Tensor sinusoids(int64_t length, int64_t dim) {
@@ -75,7 +86,7 @@ at::Tensor sinusoids(int64_t length, int64_t dim) {
 }
 
 AudioEncoder::AudioEncoder(const Scope& s, const EncoderSpec& spec, StageRange range)
-    : spec_(spec), range_(resolve(range, spec)) {
+    : spec_(spec), range_(resolve(range, spec)), cp_(s.groups().cp) {
   if (range_.first_stage) {
     const double std1 = 1.0 / std::sqrt(static_cast<double>(spec.mels * 3));
     const double std2 = 1.0 / std::sqrt(static_cast<double>(spec.hidden * 3));
@@ -94,7 +105,7 @@ at::Tensor AudioEncoder::operator()(const at::Tensor& input) const {
   if (range_.first_stage) {
     x = compat::gelu(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
     x = compat::gelu(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
-    x = x.transpose(1, 2) + to_compute(pos_);  // [N, T, h]
+    x = own_tokens(x.transpose(1, 2) + to_compute(pos_), cp_);  // [N, T/cp, h]
   }
   x = run_blocks(blocks_, range_, x);
   return range_.last_stage ? final_ln_(x) : x;

@@ -34,8 +34,11 @@ class VisionEncoder final : public Encoder {
   at::Tensor operator()(const at::Tensor& images) const override;
 
  private:
+  at::Tensor front(const at::Tensor& images) const;  // stem, patches, positions, pre-LN
+
   EncoderSpec spec_;
   StageRange range_;
+  dist::Comm cp_;
   std::vector<at::Tensor> stem_w_, stem_b_;
   at::Tensor patch_w_, patch_b_, pos_;
   LayerNorm pre_ln_;
@@ -52,6 +55,7 @@ class AudioEncoder final : public Encoder {
  private:
   EncoderSpec spec_;
   StageRange range_;
+  dist::Comm cp_;
   at::Tensor conv1_w_, conv1_b_, conv2_w_, conv2_b_, pos_;
   std::vector<EncoderBlock> blocks_;
   LayerNorm final_ln_;

@@ -196,8 +196,12 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
     k = apply_rope(k, *rope);
   }
   if (cp.size() > 1) {  // every rank's keys, in original token order
-    k = dist::gather_along(k, cp, 1).index_select(1, mask.kv_order);
-    v = dist::gather_along(v, cp, 1).index_select(1, mask.kv_order);
+    k = dist::gather_along(k, cp, 1);
+    v = dist::gather_along(v, cp, 1);
+    if (mask.kv_order.defined()) {  // undefined: the ranks hold contiguous chunks in order
+      k = k.index_select(1, mask.kv_order);
+      v = v.index_select(1, mask.kv_order);
+    }
   }
   const int64_t Sk = k.size(1);
   q = q.transpose(1, 2);  // [B, H, S, D]

@@ -147,7 +147,8 @@ at::Tensor apply_rope(const at::Tensor& x, const Rope& rope);
 // Context parallelism: this rank holds S_local of the sequence's S tokens. Attention gathers
 // K/V from every CP rank (dK/dV return to their owners) and reorders them with `kv_order`
 // (int64 [S]: for each original position, its index in the rank-order concatenation of every
-// rank's local tokens), so `visible` [B, 1, S_local, S] addresses keys by original position.
+// rank's local tokens; undefined when that concatenation is already in order), so `visible`
+// [B, 1, S_local, S] addresses keys by original position.
 struct AttentionMask {
   AttentionMask() = default;
   AttentionMask(at::Tensor visible, at::Tensor kv_order = {})  // NOLINT: implicit by design
