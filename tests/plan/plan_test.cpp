@@ -339,9 +339,11 @@ TEST(Plan, StageLayers) {
   Plan p = make_plan(s, 4);
   const ModulePlan& llm = p.module("llm");
   EXPECT_EQ(llm.layers, 10);
-  EXPECT_EQ(llm.stage_boundaries, (std::vector<int64_t>{2, 5, 7}));  // floor(s * 10 / 4)
-  const std::pair<int64_t, int64_t> even[] = {{0, 2}, {2, 5}, {5, 7}, {7, 10}};
-  for (int64_t st = 0; st < 4; ++st) EXPECT_EQ(llm.stage_layers(st), even[st]) << st;
+  // The partitioner's default (vocab 0: a free head, equal blocks): at most 3 blocks per stage,
+  // ties broken toward the earliest cuts (partition.h).
+  EXPECT_EQ(llm.stage_boundaries, (std::vector<int64_t>{1, 4, 7}));
+  const std::pair<int64_t, int64_t> balanced[] = {{0, 1}, {1, 4}, {4, 7}, {7, 10}};
+  for (int64_t st = 0; st < 4; ++st) EXPECT_EQ(llm.stage_layers(st), balanced[st]) << st;
   EXPECT_THROW(llm.stage_layers(4), Error);
   const ModulePlan& vision = p.module("vision");
   EXPECT_EQ(vision.layers, 2);
@@ -421,9 +423,9 @@ TEST(Plan, LayoutValidationNamesTheKey) {
        8,
        {"parallel.vision.tp = 8: must divide model.llm.hidden", "= 132", "mlp projector"}});
   cases.push_back({"encoder cp",
-                   with("audio", layout(1, 1, 1, 2)),
-                   2,
-                   {"parallel.audio.cp = 2: must be 1", "applies to the LLM only"}});
+                   with("audio", layout(1, 1, 1, 3)),
+                   3,
+                   {"parallel.audio.cp = 3: must divide the 32 tokens of each audio item"}});
   cases.push_back(
       {"llm pp vs layers",
        with("llm", layout(1, 1, 3)),

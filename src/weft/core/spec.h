@@ -118,8 +118,9 @@ struct OutputSpec {
 // every size 1.
 struct LayoutSpec {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1;
-  std::vector<int64_t> stages;  // first layer of each pipeline stage after the first (pp-1
-                                // entries); empty = even split
+  // First layer of each pipeline stage after the first (pp-1 entries); empty = chosen by the
+  // frozen-aware partitioner (plan/partition.h).
+  std::vector<int64_t> stages;
 };
 
 struct ParallelSpec {

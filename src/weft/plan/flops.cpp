@@ -2,17 +2,25 @@
 
 namespace weft::plan {
 
-double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
+double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
   const double h = static_cast<double>(llm.hidden);
   const double q = static_cast<double>(llm.head_dim() * llm.heads);
   const double kv = static_cast<double>(llm.head_dim() * llm.kv_heads);
-  const double f = 3.0, F = static_cast<double>(llm.ffn), L = static_cast<double>(llm.layers);
-  const double per_token = L * (h * (q + 2 * kv) + q * h + f * h * F);
-  const double linear = 2.0 * static_cast<double>(t.tokens) * per_token;
-  const double head = 2.0 * static_cast<double>(t.logit_rows) * h * static_cast<double>(llm.vocab);
-  // QK^T and PV are 2·q·S² each in full; the causal mask halves them: 2·q·L·ΣL_i².
-  const double attention = 2.0 * q * L * t.sum_sq_doc_len;
-  return linear + head + attention;
+  const double f = 3.0, F = static_cast<double>(llm.ffn);
+  const double linear =
+      2.0 * static_cast<double>(t.tokens) * (h * (q + 2 * kv) + q * h + f * h * F);
+  // QK^T and PV are 2·q·S² each in full; the causal mask halves them: 2·q·ΣL_i².
+  return linear + 2.0 * q * t.sum_sq_doc_len;
+}
+
+double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
+  return 2.0 * static_cast<double>(t.logit_rows) * static_cast<double>(llm.hidden) *
+         static_cast<double>(llm.vocab);
+}
+
+double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
+  return static_cast<double>(llm.layers) * llm_block_forward_flops(llm, t) +
+         llm_head_forward_flops(llm, t);
 }
 
 namespace {
@@ -22,30 +30,37 @@ double block_flops(double T, double h, double F) {
 }
 }  // namespace
 
-double encoder_forward_flops(const EncoderSpec& e) {
-  const double h = static_cast<double>(e.hidden), F = static_cast<double>(e.ffn);
+double encoder_front_forward_flops(const EncoderSpec& e) {
+  const double h = static_cast<double>(e.hidden);
   const double T = static_cast<double>(e.tokens_per_item());
-  double stem = 0;
-  if (e.kind == EncoderKind::kVit) {
-    if (e.stem_channels > 0) {
-      const double c = static_cast<double>(e.stem_channels);
-      double in = static_cast<double>(e.channels), side = static_cast<double>(e.image_size);
-      for (int64_t i = 0; i < e.stem_layers; ++i) {
-        side /= 2;
-        stem += 2.0 * side * side * c * in * 9.0;
-        in = c;
-      }
-      const double k = static_cast<double>(e.patch >> e.stem_layers);
-      stem += 2.0 * T * c * k * k * h;
-    } else {
-      const double p = static_cast<double>(e.patch);
-      stem = 2.0 * T * static_cast<double>(e.channels) * p * p * h;
-    }
-  } else {
+  if (e.kind == EncoderKind::kWhisper) {
     const double frames = static_cast<double>(e.frames);
-    stem = 2.0 * frames * static_cast<double>(e.mels) * h * 3.0 + 2.0 * T * h * h * 3.0;
+    return 2.0 * frames * static_cast<double>(e.mels) * h * 3.0 + 2.0 * T * h * h * 3.0;
   }
-  return stem + static_cast<double>(e.layers_used()) * block_flops(T, h, F);
+  if (e.stem_channels <= 0) {
+    const double p = static_cast<double>(e.patch);
+    return 2.0 * T * static_cast<double>(e.channels) * p * p * h;
+  }
+  const double c = static_cast<double>(e.stem_channels);
+  double in = static_cast<double>(e.channels), side = static_cast<double>(e.image_size);
+  double stem = 0;
+  for (int64_t i = 0; i < e.stem_layers; ++i) {
+    side /= 2;
+    stem += 2.0 * side * side * c * in * 9.0;
+    in = c;
+  }
+  const double k = static_cast<double>(e.patch >> e.stem_layers);
+  return stem + 2.0 * T * c * k * k * h;
+}
+
+double encoder_block_forward_flops(const EncoderSpec& e) {
+  return block_flops(static_cast<double>(e.tokens_per_item()), static_cast<double>(e.hidden),
+                     static_cast<double>(e.ffn));
+}
+
+double encoder_forward_flops(const EncoderSpec& e) {
+  return encoder_front_forward_flops(e) +
+         static_cast<double>(e.layers_used()) * encoder_block_forward_flops(e);
 }
 
 double projector_forward_flops(const EncoderSpec& e, const LlmSpec& llm) {

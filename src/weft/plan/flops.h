@@ -20,6 +20,17 @@ struct LlmTokens {
 double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t);
 // Forward FLOPs of one item (an image or a clip) through the encoder, up to its feature layer.
 double encoder_forward_flops(const EncoderSpec& enc);
+
+// The per-layer pieces of the two totals above (the pipeline partitioner's cost model):
+//   llm_forward_flops = layers · llm_block_forward_flops + llm_head_forward_flops
+//   encoder_forward_flops = encoder_front_forward_flops
+//                           + layers_used() · encoder_block_forward_flops
+// The LLM embedding is a lookup (0 FLOPs); its final norm is counted as 0 too.
+double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t);  // linear + causal attn
+double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t);   // on t.logit_rows
+// Patch embedding (and conv stem) of a ViT, the two convolutions of a Whisper front end.
+double encoder_front_forward_flops(const EncoderSpec& enc);
+double encoder_block_forward_flops(const EncoderSpec& enc);
 // Forward FLOPs of the projector on one item.
 double projector_forward_flops(const EncoderSpec& enc, const LlmSpec& llm);
 

@@ -1,8 +1,10 @@
 #include "weft/plan/plan.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "weft/core/error.h"
+#include "weft/plan/partition.h"
 
 namespace weft::plan {
 
@@ -103,8 +105,9 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     divides(model + ".ffn", e.ffn);
     if (e.projector.kind == ProjectorKind::kMlp)
       divides("model.llm.hidden (the inner width of the mlp projector)", spec.model.llm.hidden);
-    WEFT_CHECK(l.cp == 1, at, "cp = ", l.cp,
-               ": must be 1 (context parallelism applies to the LLM only in this build)");
+    WEFT_CHECK(e.tokens_per_item() % l.cp == 0, at, "cp = ", l.cp, ": must divide the ",
+               e.tokens_per_item(), " tokens of each ", e.name,
+               " item (context parallelism splits every item's tokens evenly)");
     blocks = model + ".layers = " + std::to_string(e.layers) +
              " with feature_layer = " + std::to_string(e.feature_layer) + " runs " +
              std::to_string(m->layers) + " blocks";
@@ -112,8 +115,13 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   WEFT_CHECK(l.pp <= m->layers, at, "pp = ", l.pp, ": more pipeline stages than blocks (", blocks,
              ")");
   m->stage_boundaries.clear();
-  if (stages.empty()) {  // even split
-    for (int64_t s = 1; s < l.pp; ++s) m->stage_boundaries.push_back(s * m->layers / l.pp);
+  if (stages.empty()) {  // the exact FLOP-balanced, frozen-aware split (partition.h)
+    if (l.pp == 1) return;
+    PartitionOptions o;
+    o.stages = l.pp;
+    o.microbatches = std::max<int64_t>(spec.train.microbatches, 1);
+    const MicrobatchShape shape = single_sample_microbatch(spec);
+    m->stage_boundaries = partition_stages(module_layer_costs(spec, *m, shape), o).boundaries;
     return;
   }
   WEFT_CHECK(static_cast<int64_t>(stages.size()) == l.pp - 1, at, "stages = ", format_list(stages),

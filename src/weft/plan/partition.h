@@ -1,0 +1,99 @@
+// Frozen-aware pipeline partition of one module: a per-layer cost model (forward, input-gradient
+// and weight-gradient work, activation and parameter memory) and an exact partitioner that cuts
+// the module's blocks into contiguous pipeline stages minimising the slowest stage (the 1F1B
+// steady state runs at the pace of the bottleneck stage) under a per-stage memory limit.
+//
+// Frozen rules (REFERENCES.md, "Pipelines with frozen modules"), per layer, from its module's
+// backward flags (plan.h ModulePlan):
+//   trainable (weight_grads)                 forward + input_grad + weight_grad, keeps activations,
+//                                            holds params + grads + optimizer state
+//   frozen, something trainable upstream     forward + input_grad, keeps activations, params only
+//   frozen, nothing trainable upstream       forward only, keeps no activations, params only
+// A partitioner that ignores them puts too few layers on frozen stages.
+//
+// Memory of stage s of P under 1F1B, which keeps in_flight(s) = min(P - s, microbatches)
+// microbatches alive on stage s:
+//   Σ (param_bytes + train_state_bytes) + in_flight(s) · Σ activation_bytes.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "weft/core/spec.h"
+#include "weft/plan/flops.h"
+#include "weft/plan/plan.h"
+
+namespace weft::plan {
+
+// Cost of one layer for one microbatch. Work is in any consistent unit (FLOPs from flops.h, or
+// seconds from a measured profile); memory in bytes.
+struct LayerCost {
+  std::string name;              // "llm.embed", "llm.layers.3", "llm.head", "vision.front", ...
+  double forward = 0;            // forward work
+  double input_grad = 0;         // backward work producing the input gradient
+  double weight_grad = 0;        // backward work producing the weight gradients
+  double activation_bytes = 0;   // kept from forward to backward
+  double param_bytes = 0;        // the parameters themselves (held frozen or not)
+  double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
+};
+
+// The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed.
+LayerCost apply_frozen_rules(LayerCost raw, bool weight_grads, bool input_grads);
+// Work per microbatch, and memory with `in_flight` microbatches alive, under the frozen rules.
+double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads);
+double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight);
+
+// One module as the partitioner sees it. `front` runs before block 0 and always sits on the first
+// stage (LLM embedding; encoder patch embedding / conv stem / Whisper convs); `back` runs after
+// the last block and sits on the last stage (LLM final norm + head; the encoder's projector).
+// Costs are those a layer really has under its frozen rules (apply_frozen_rules done).
+struct ModuleCosts {
+  std::string module;  // for messages
+  LayerCost front;
+  std::vector<LayerCost> blocks;  // block 0 first (ModulePlan block numbering)
+  LayerCost back;
+};
+
+// What one microbatch brings to a module.
+struct MicrobatchShape {
+  LlmTokens llm;     // the LLM's tokens (flops.h)
+  double items = 1;  // items (images / clips) of the encoder being costed
+};
+// One sample of model.llm.max_seq tokens (one document, loss on every token) and one item per
+// encoder. Partitions are scale-invariant in the batch, so make_plan partitions with this.
+MicrobatchShape single_sample_microbatch(const Spec& spec);
+
+// FLOP-based costs of an encoder or the LLM (a projector is costed as its encoder's `back`):
+// forward from flops.h; matmul layers cost 1x forward for input grads and 1x for weight grads
+// (Megatron's 3x), the embedding and the encoder front end have no input grad (their inputs are
+// ids / data). Memory: fp32 params (4 B), fp32 grads + AdamW moments (12 B) when trainable,
+// activations in the compute precision (bf16: 2 B) from the tensors autograd keeps (no S×S
+// attention scores). A tied LLM head holds its own copy of the embedding only when pipelined
+// (pp > 1). Numbers are for one microbatch of the whole module (tp = cp = 1); shard them for
+// per-rank figures. The encoder's projector takes its own flags from the spec (frozen projector,
+// input grads iff the encoder trains).
+ModuleCosts module_layer_costs(const Spec& spec, const ModulePlan& module,
+                               const MicrobatchShape& shape);
+
+struct PartitionOptions {
+  int64_t stages = 1;                                                   // P
+  int64_t microbatches = 1;                                             // per step, per pipeline
+  double memory_limit_bytes = std::numeric_limits<double>::infinity();  // per stage
+};
+
+struct StagePartition {
+  std::vector<int64_t> boundaries;  // first block of each stage after the first (P - 1 entries)
+  std::vector<double> stage_time, stage_memory;  // per stage, under the frozen rules
+  double bottleneck = 0;                         // max stage_time
+};
+
+// The exact contiguous partition (dynamic programming over blocks × stages, O(P · n²)) of the
+// module's n blocks into P non-empty stages with the smallest bottleneck whose every stage fits
+// the memory limit. Among equally good partitions it returns the lexicographically smallest
+// boundaries (earliest cuts). Throws weft::Error when P is outside [1, n] or no partition fits,
+// naming the module, the limit and the smallest peak stage memory any partition reaches.
+StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions& options);
+
+}  // namespace weft::plan
