@@ -167,6 +167,14 @@ TEST(Layouts, EncoderCp2Pp2AndAudioCp2ToLlmPp2) {
       "vision_cp2_pp2_audio_cp2_llm_pp2", kTinyValm);
 }
 
+// Encoder DP 3 against LLM DP 2: neither divides the other, so encoder ranks take even slices
+// of the global microbatch's items, some straddling two LLM replicas.
+TEST(Layouts, EncoderDp3Tp2ToLlmDp2Cp3) {
+  expect_equivalent(
+      6, {"parallel.vision.dp=3", "parallel.vision.tp=2", "parallel.llm.dp=2", "parallel.llm.cp=3"},
+      "vision_dp3_tp2_llm_dp2_cp3");
+}
+
 TEST(Layouts, LlmTp2Pp2) {
   expect_equivalent(4, {"parallel.llm.tp=2", "parallel.llm.pp=2"}, "llm_tp2_pp2");
 }
