@@ -150,6 +150,42 @@ TEST(Trainer, NonFiniteGradientNamesTheModule) {
   }
 }
 
+// train.nonfinite = "skip": a step with a non-finite gradient leaves the parameters and the
+// optimizer alone, is counted and marked, and training goes on.
+TEST(Trainer, NonFiniteStepIsSkippedWhenAsked) {
+  const fs::path out = temp_dir("nanskip");
+  Spec spec = tiny_spec({"train.steps=3", "train.nonfinite=\"skip\""});
+  Trainer t(spec, plan::make_plan(spec), quiet_options(out));
+  std::map<std::string, at::Tensor> before;
+  bool unchanged = false;
+  t.after_backward = [&](int64_t step) {
+    if (step == 1) {  // poison the second step's gradient
+      for (const auto& [name, p] : t.model().parameters()) {
+        before[name] = p.detach().clone();
+        if (name == "llm.layers.0.mlp.down.weight") p.mutable_grad().view(-1)[0] = NAN;
+      }
+    } else if (step == 2) {  // the skipped update changed nothing
+      unchanged = true;
+      for (const auto& [name, p] : t.model().parameters())
+        unchanged = unchanged && torch::equal(p.detach(), before.at(name));
+    }
+  };
+  const Summary s = t.run();
+  EXPECT_TRUE(unchanged);
+  EXPECT_EQ(s.steps, 3);
+  std::ifstream in(out / "metrics.jsonl");
+  std::string line;
+  std::vector<bool> skipped;
+  while (std::getline(in, line))
+    skipped.push_back(line.find("\"skipped\":true") != std::string::npos);
+  EXPECT_EQ(skipped, (std::vector<bool>{false, true, false}));
+  std::ifstream summary(out / "summary.json");
+  const std::string text((std::istreambuf_iterator<char>(summary)), {});
+  EXPECT_NE(text.find("\"skipped_steps\": 1"), std::string::npos) << text;
+  for (const auto& [name, p] : t.model().parameters())
+    EXPECT_TRUE(torch::isfinite(p).all().item<bool>()) << name;
+}
+
 TEST(Trainer, WritesRunDirectory) {
   const fs::path out = temp_dir("rundir");
   Spec spec = tiny_spec({"train.steps=3", "train.checkpoint_every=1", "output.keep_checkpoints=2"});

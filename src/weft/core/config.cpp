@@ -46,12 +46,27 @@ constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "ste
 constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
 constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
-constexpr std::string_view kTrainKeys[] = {
-    "steps",   "batch",      "microbatches",        "lr",
-    "min_lr",  "warmup",     "weight_decay",        "beta1",
-    "beta2",   "eps",        "grad_clip",           "precision",
-    "seed",    "log_every",  "eval_every",          "checkpoint_every",
-    "threads", "zero_stage", "overlap_grad_reduce", "grad_bucket_mb"};
+constexpr std::string_view kTrainKeys[] = {"steps",
+                                           "batch",
+                                           "microbatches",
+                                           "lr",
+                                           "min_lr",
+                                           "warmup",
+                                           "weight_decay",
+                                           "beta1",
+                                           "beta2",
+                                           "eps",
+                                           "grad_clip",
+                                           "precision",
+                                           "nonfinite",
+                                           "seed",
+                                           "log_every",
+                                           "eval_every",
+                                           "checkpoint_every",
+                                           "threads",
+                                           "zero_stage",
+                                           "overlap_grad_reduce",
+                                           "grad_bucket_mb"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
@@ -477,6 +492,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.amount("eps", &t->eps);
   s.amount("grad_clip", &t->grad_clip, /*positive=*/false);
   s.choice("precision", {Precision::kBf16, Precision::kFp32}, &t->precision);
+  s.choice("nonfinite", {NonFinite::kStop, NonFinite::kSkip}, &t->nonfinite);
   s.read("seed", &t->seed);
   s.count("log_every", &t->log_every);
   s.count("eval_every", &t->eval_every, /*positive=*/false);
@@ -714,6 +730,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("eps", t.eps);
   w.put("grad_clip", t.grad_clip);
   w.put("precision", std::string(to_string(t.precision)));
+  w.put("nonfinite", std::string(to_string(t.nonfinite)));
   w.put("seed", t.seed);
   w.put("log_every", t.log_every);
   w.put("eval_every", t.eval_every);

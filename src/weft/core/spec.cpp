@@ -23,6 +23,8 @@ const char* to_string(ProjectorKind k) {
   return "unknown";
 }
 
+const char* to_string(NonFinite n) { return n == NonFinite::kStop ? "stop" : "skip"; }
+
 const char* to_string(Precision p) {
   switch (p) {
     case Precision::kBf16:

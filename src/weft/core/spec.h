@@ -84,6 +84,9 @@ struct DataSpec {
 };
 
 enum class Precision { kBf16, kFp32 };
+// What a step with a NaN/Inf loss or gradient does: stop the run naming the step and module, or
+// skip the update (no optimizer step), count it, and go on.
+enum class NonFinite { kStop, kSkip };
 
 struct TrainSpec {
   int64_t steps = 600;
@@ -98,6 +101,7 @@ struct TrainSpec {
   double eps = 1e-8;
   double grad_clip = 1.0;  // 0 disables
   Precision precision = Precision::kBf16;
+  NonFinite nonfinite = NonFinite::kStop;
   uint64_t seed = 0;  // parameter init seed
   int64_t log_every = 10;
   int64_t eval_every = 0;           // 0 = only at the end
@@ -149,5 +153,6 @@ struct Spec {
 const char* to_string(EncoderKind k);
 const char* to_string(ProjectorKind k);
 const char* to_string(Precision p);
+const char* to_string(NonFinite n);
 
 }  // namespace weft

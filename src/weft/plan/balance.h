@@ -38,10 +38,10 @@ namespace weft::plan {
 
 // What one sample brings to the LLM and the encoders.
 struct SampleShape {
-  int64_t tokens = 0;           // LLM sequence length: text + modality placeholders
-  std::vector<int64_t> items;   // per encoder (spec order): images / clips; missing = 0
-  double sum_sq_doc_len = -1;   // Σ over its documents of length²; < 0: tokens² (one document)
-  int64_t targets = -1;         // tokens with a loss (output-head rows); < 0: all tokens
+  int64_t tokens = 0;          // LLM sequence length: text + modality placeholders
+  std::vector<int64_t> items;  // per encoder (spec order): images / clips; missing = 0
+  double sum_sq_doc_len = -1;  // Σ over its documents of length²; < 0: tokens² (one document)
+  int64_t targets = -1;        // tokens with a loss (output-head rows); < 0: all tokens
 };
 
 // Training work of a sample (or a set of samples: the sums) per module, in FLOPs: forward plus
@@ -141,14 +141,15 @@ BatchBalance evaluate_assignment(const std::vector<SampleWork>& samples, const B
 double one_f_one_b_makespan(const std::vector<double>& cost, int64_t stages,
                             double forward_fraction = 1.0 / 3);
 
-// A microbatch order (a permutation of 0..m-1) for 1F1B. The makespan is at least
-// (P − 1)·f_first + Σ_i (f_i + b_i)/… + (P − 1)·b_last: the first microbatch's forward must cross
-// the pipeline before the last stage starts, and the last one's backward must cross it back after
-// the last stage ends. So (DistTrain's inter-batch reordering, Entrain's "defer excess work to the
-// steady phase") the lightest microbatch goes first, the next lightest last, and the heavy ones
-// into the steady phase, alternating heavy and light so that a heavy forward meets a light
-// backward; then pairwise swaps while one_f_one_b_makespan strictly drops (bounded passes). The
-// result is the best of that and the given order: never worse than in-order. Ties → lower index.
+// A microbatch order (a permutation of 0..m-1) for 1F1B. With per-stage times f_i, b_i the
+// makespan is at least (P − 1)·f_first + Σ_i (f_i + b_i) + (P − 1)·b_last: the first
+// microbatch's forward must cross the pipeline before the last stage starts its work, and the
+// last one's backward must cross it back after the last stage ends. So (DistTrain's inter-batch
+// reordering, Entrain's "defer excess work to the steady phase") the lightest microbatch goes
+// first, the next lightest last, and the heavy ones into the steady phase, alternating heavy and
+// light so that a heavy forward meets a light backward; then pairwise swaps while
+// one_f_one_b_makespan strictly drops (bounded passes). The result is the best of that and the
+// given order: never worse than in-order. Ties → lower index.
 std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t stages,
                                     double forward_fraction = 1.0 / 3);
 
@@ -159,7 +160,7 @@ struct Spread {
 };
 Spread spread(const std::vector<double>& values);
 
-// {"policy", "in_order_fallback", "replicas", "microbatches_per_replica", "objective",
+// {"policy", "in_order_fallback", "replica_count", "microbatches_per_replica", "objective",
 //  "max_replica_cost", "max_makespan",
 //  "microbatch_spread": {"combined", "llm", "encoder", "<encoder name>"...: {"max_over_mean",
 //  "cv"}}, "replica_spread": {same keys},

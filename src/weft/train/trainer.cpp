@@ -263,7 +263,7 @@ struct Trainer::Impl {
     for (const auto& [name, p] : runtime->trainable())
       if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>())
         return model::MultimodalModel::module_of(name) + "' (parameter " + name + ")";
-    return "?'";
+    return "?' (on another rank)";
   }
 };
 
@@ -317,6 +317,7 @@ Summary Trainer::run() {
   std::vector<std::pair<std::string, std::string>> examples;
   int64_t eval_step = 0;
   bool last_eval = false;
+  int64_t skipped_steps = 0;
   const double wall_start = now_seconds();
 
   // Collective: the model may need gathering; rank 0 evaluates.
@@ -355,16 +356,29 @@ Summary Trainer::run() {
       loss = m.runtime->step(batch, targets);
     }
     const dist::StepTimes& times = m.runtime->times();
-    WEFT_CHECK(std::isfinite(loss), "step ", step + 1, ": loss is ", loss,
-               "; training diverged (lower train.lr, keep train.grad_clip > 0, or try "
-               "train.precision = \"fp32\")");
+    // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
+    const bool may_skip = ts.nonfinite == NonFinite::kSkip;
+    WEFT_CHECK(may_skip || std::isfinite(loss), "step ", step + 1, ": loss is ", loss,
+               "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
+               "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
     if (after_backward) after_backward(step);
-    const double grad_norm = m.runtime->clip_grad_norm(ts.grad_clip);
-    WEFT_CHECK(std::isfinite(grad_norm), "step ", step + 1, ": gradient norm is ", grad_norm,
-               " — non-finite gradient in module '", m.non_finite_grad_module());
+    const double grad_norm =
+        std::isfinite(loss) ? m.runtime->clip_grad_norm(ts.grad_clip) : static_cast<double>(NAN);
+    WEFT_CHECK(may_skip || std::isfinite(grad_norm), "step ", step + 1, ": gradient norm is ",
+               grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
+               " (skip such steps with train.nonfinite = \"skip\")");
+    const bool skipped = !std::isfinite(loss) || !std::isfinite(grad_norm);
     const double lr = lr_at(ts, step);
-    m.optimizer->step(lr);
-    m.runtime->after_optimizer_step();
+    if (!skipped) {
+      m.optimizer->step(lr);
+      m.runtime->after_optimizer_step();
+    } else {
+      ++skipped_steps;
+      if (show)
+        progress.message("step " + std::to_string(step + 1) + ": non-finite " +
+                         (std::isfinite(loss) ? "gradient" : "loss") +
+                         ", update skipped (train.nonfinite = \"skip\")");
+    }
     for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
 
@@ -377,7 +391,7 @@ Summary Trainer::run() {
     total_flops += flops;
     total_llm_flops += llm_flops;
     total_tokens += tokens;
-    if (std::isnan(m.loss_first)) m.loss_first = loss;
+    if (std::isnan(m.loss_first) && std::isfinite(loss)) m.loss_first = loss;
     loss_last = loss;
 
     json line;
@@ -389,6 +403,7 @@ Summary Trainer::run() {
     line["step_seconds"] = step_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
+    if (skipped) line["skipped"] = true;
     if (comm.size() > 1) {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
       line["grad_buckets_overlapped"] = times.buckets_overlapped;
@@ -428,6 +443,7 @@ Summary Trainer::run() {
   j["precision"] = to_string(ts.precision);
   j["train_seconds"] = train_seconds;
   j["resumed_from_step"] = m.start_step;
+  j["skipped_steps"] = skipped_steps;
   j["eval_examples"] = json::array();
   j["world_size"] = comm.size();
   for (const auto& [gen, ref] : examples)
