@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -11,6 +12,7 @@
 #include "weft/core/error.h"
 #include "weft/dist/comm.h"
 #include "weft/dist/launch.h"
+#include "weft/io/checkpoint.h"
 #include "weft/plan/plan.h"
 #include "weft/train/trainer.h"
 
@@ -38,6 +40,16 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
                  world.world_size, world.master_addr.c_str(), world.master_port);
   opts.out_dir = out;
   opts.resume_dir = resume;
+  // Restarted by `weft launch --max-restarts`: continue the run from its last checkpoint.
+  if (const char* r = std::getenv("WEFT_RESTART"); r && std::atoi(r) > 0) {
+    opts.restart = std::atoi(r);
+    const std::string dir = !out.empty() ? out : spec.output.dir;
+    if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir).empty())
+      opts.resume_dir = dir;
+    else if (resume.empty() && world.rank == 0)
+      std::fprintf(stderr, "weft: restart %d: no checkpoint in %s; starting over\n", opts.restart,
+                   dir.empty() ? "(no --out)" : dir.c_str());
+  }
   opts.progress = !quiet;
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);
   weft::train::Summary s = trainer.run();
@@ -94,6 +106,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   launch->add_option("--master-addr", launch_opts.master_addr, "rendezvous address (loopback)");
   launch->add_option("--master-port", launch_opts.master_port, "rendezvous port (0 = free port)");
+  launch
+      ->add_option("--max-restarts", launch_opts.max_restarts,
+                   "after a failure, start the job again up to this many times (weft train "
+                   "resumes from its --out directory's last checkpoint)")
+      ->check(CLI::NonNegativeNumber);
   launch->add_option("command", launch_opts.command, "the command every rank runs (after --)")
       ->required();
 

@@ -48,6 +48,34 @@ sleep 0.5
 pgrep -f -- "--out $tmp/kill" >/dev/null && die "orphan ranks left behind"
 echo "killed rank 1: job ended in ${elapsed}s: $(grep 'weft launch: error' "$tmp/kill.log")"
 
+# --max-restarts: kill -9 rank 1 after the first checkpoint; the launcher starts the job again,
+# training resumes from that checkpoint and finishes; metrics record the restart.
+"$weft" launch --nproc 2 --max-restarts 1 -- "$weft" train "$src/configs/tiny-vlm.toml" \
+  "${small[@]}" --set train.steps=300 --set train.checkpoint_every=20 --set train.threads=1 \
+  --out "$tmp/restart" > "$tmp/restart.log" 2>&1 &
+lpid=$!
+for _ in $(seq 300); do
+  [ -d "$tmp/restart/checkpoints/step_00000020" ] && break
+  sleep 0.1
+done
+victim=$(pgrep -f -- "weft train .*--out $tmp/restart" | while read p; do
+  grep -qz '^RANK=1$' /proc/$p/environ 2>/dev/null && echo $p; done | head -1)
+[ -n "$victim" ] || { cat "$tmp/restart.log"; die "restart: could not find rank 1"; }
+kill -9 "$victim"
+wait $lpid || { tail -20 "$tmp/restart.log"; die "restart: the job did not finish after a restart"; }
+lpid=0
+grep -q "restart 1 of 1" "$tmp/restart.log" || die "restart: no restart message"
+python3 - "$tmp/restart" <<'PY' || die "restart: metrics do not show one complete run with the restart"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl")]
+assert [r["step"] for r in rows] == list(range(1, 301)), [r["step"] for r in rows][:40]
+marked = [r["step"] for r in rows if r.get("restart") == 1]
+assert len(marked) == 1 and marked[0] > 20 and (marked[0] - 1) % 20 == 0, marked
+s = json.load(open(sys.argv[1] + "/summary.json"))
+assert s["restarts"] == 1 and s["steps"] == 300, s
+print("restarted once, resumed at step", marked[0], "and finished 300 steps")
+PY
+
 # A rank that never arrives: rank 0 of 2 alone ends with a clear timeout error, not a hang.
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 start=$(date +%s)

@@ -71,11 +71,10 @@ void emit(int rank, Rank& r, const char* data, size_t n) {
 
 }  // namespace
 
-int launch(const LaunchOptions& opts) {
-  WEFT_CHECK(opts.nproc >= 1, "weft launch: --nproc must be >= 1, got ", opts.nproc);
-  WEFT_CHECK(!opts.command.empty(),
-             "weft launch: no command (usage: weft launch --nproc N -- "
-             "weft train CONFIG ...)");
+namespace {
+
+// One attempt of the job: every rank started, run to completion or first failure.
+int run_once(const LaunchOptions& opts, int attempt) {
   const int port = opts.master_port > 0 ? opts.master_port : free_port();
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -100,6 +99,7 @@ int launch(const LaunchOptions& opts) {
       ::setenv("WORLD_SIZE", std::to_string(opts.nproc).c_str(), 1);
       ::setenv("MASTER_ADDR", opts.master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("WEFT_RESTART", std::to_string(attempt).c_str(), 1);
       std::vector<char*> argv;
       for (const auto& a : opts.command) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -187,6 +187,25 @@ int launch(const LaunchOptions& opts) {
     return 130;
   }
   return 0;
+}
+
+}  // namespace
+
+int launch(const LaunchOptions& opts) {
+  WEFT_CHECK(opts.nproc >= 1, "weft launch: --nproc must be >= 1, got ", opts.nproc);
+  WEFT_CHECK(opts.max_restarts >= 0, "weft launch: --max-restarts must be >= 0, got ",
+             opts.max_restarts);
+  WEFT_CHECK(!opts.command.empty(),
+             "weft launch: no command (usage: weft launch --nproc N -- "
+             "weft train CONFIG ...)");
+  for (int attempt = 0;; ++attempt) {
+    const int rc = run_once(opts, attempt);
+    if (rc == 0 || g_interrupted || attempt >= opts.max_restarts) return rc;
+    std::fprintf(stderr,
+                 "weft launch: restart %d of %d: starting every rank again (weft train "
+                 "continues from the run's last complete checkpoint)\n",
+                 attempt + 1, opts.max_restarts);
+  }
 }
 
 }  // namespace weft::dist

@@ -2,7 +2,10 @@
 // MASTER_ADDR / MASTER_PORT set, prefixes every output line with its rank, and propagates
 // failure: when a rank exits non-zero or is killed, the others get SIGTERM, then SIGKILL after
 // the grace period, and launch returns non-zero naming the rank. Ranks die with the launcher
-// (PR_SET_PDEATHSIG), so no orphan is left behind. Not thread-safe; call from main().
+// (PR_SET_PDEATHSIG), so no orphan is left behind. With max_restarts = K, a failed job is
+// started again, up to K times, with WEFT_RESTART=<attempt> in every rank's environment
+// (`weft train --out DIR` then resumes from DIR's last complete checkpoint). Not thread-safe;
+// call from main().
 #pragma once
 
 #include <string>
@@ -15,6 +18,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0 = a free port chosen by the launcher
   double grace_seconds = 10;
+  int max_restarts = 0;
   std::vector<std::string> command;  // argv of every rank
 };
 

@@ -199,45 +199,49 @@ std::vector<std::vector<int64_t>> lpt(const Flat& f, const std::vector<int64_t>&
   return out;
 }
 
-// Moves and swaps between the most loaded bin and the others (cheapest first) while the pair's
-// maximum strictly drops below the old maximum; a move only from a larger bin to a smaller one,
-// so sizes keep differing by at most one. Stops when no single move or swap lowers the most
-// loaded bin, or after a bounded number of rounds.
-void improve(const Flat& f, Bins& bins) {
+// One descent on `score` (a function of a bin's load vector): moves and swaps between the bin with
+// the highest score and the others (lowest score first) while the pair's highest score strictly
+// drops below the old highest, and neither bin's combined cost exceeds `cap`. A move goes only from
+// a larger bin to a smaller one, so sizes keep differing by at most one. Stops when no single move
+// or swap lowers the top bin, when `budget` (candidate moves priced) runs out, or after a bounded
+// number of rounds. Returns whether it changed anything.
+template <typename Score>
+bool descend(const Flat& f, Bins& bins, Score score, double cap, int64_t& budget) {
   const size_t B = bins.items.size(), dims = f.K + 1;
-  if (B < 2) return;
   size_t n = 0;
   for (const auto& b : bins.items) n += b.size();
-  std::vector<double> na(dims), nb(dims);
+  std::vector<double> na(dims), nb(dims), scores(B);
   std::vector<size_t> others(B);
-  for (size_t round = 0; round < 20 * n + 100; ++round) {
-    const size_t a = static_cast<size_t>(std::max_element(bins.cost.begin(), bins.cost.end()) -
-                                         bins.cost.begin());
-    const double top = bins.cost[a], tol = 1e-12 * std::abs(top);
+  bool changed = false;
+  for (size_t round = 0; B > 1 && round < 20 * n + 100; ++round) {
+    for (size_t b = 0; b < B; ++b) scores[b] = score(bins.load[b].data());
+    const size_t a =
+        static_cast<size_t>(std::max_element(scores.begin(), scores.end()) - scores.begin());
+    const double top = scores[a], tol = 1e-12 * std::abs(top);
     std::iota(others.begin(), others.end(), 0);
     std::stable_sort(others.begin(), others.end(),
-                     [&](size_t x, size_t y) { return bins.cost[x] < bins.cost[y]; });
+                     [&](size_t x, size_t y) { return scores[x] < scores[y]; });
     bool applied = false;
     for (size_t b : others) {
-      if (b == a) continue;
+      if (b == a || budget <= 0) continue;
       auto& A = bins.items[a];
       auto& Bv = bins.items[b];
-      double best = top - tol, best_a = 0, best_b = 0;
-      size_t bi = A.size(), bj = Bv.size() + 1;  // bj == Bv.size(): a move
-      const bool can_move = A.size() > Bv.size();
+      budget -= static_cast<int64_t>(A.size() * (Bv.size() + 1));
+      double best = top - tol;
+      size_t bi = A.size(), bj = 0;  // bj == Bv.size(): move A[bi] to b
       for (size_t i = 0; i < A.size(); ++i) {
         const double* wi = f.row(A[i]);
         for (size_t j = 0; j <= Bv.size(); ++j) {
-          if (j == Bv.size() && !can_move) break;
+          if (j == Bv.size() && A.size() <= Bv.size()) break;
           const double* wj = j < Bv.size() ? f.row(Bv[j]) : nullptr;
           for (size_t d = 0; d < dims; ++d) {
             const double x = wj ? wj[d] : 0.0;
             na[d] = bins.load[a][d] - wi[d] + x;
             nb[d] = bins.load[b][d] + wi[d] - x;
           }
-          const double ca = f.combine(na.data()), cb = f.combine(nb.data());
-          if (std::max(ca, cb) < best)
-            best = std::max(ca, cb), best_a = ca, best_b = cb, bi = i, bj = j;
+          const double m = std::max(score(na.data()), score(nb.data()));
+          if (m < best && f.combine(na.data()) <= cap && f.combine(nb.data()) <= cap)
+            best = m, bi = i, bj = j;
         }
       }
       if (bi == A.size()) continue;
@@ -254,11 +258,96 @@ void improve(const Flat& f, Bins& bins) {
         A.erase(A.begin() + static_cast<std::ptrdiff_t>(bi));
         Bv.push_back(s);
       }
-      bins.cost[a] = best_a, bins.cost[b] = best_b;
-      applied = true;
+      bins.cost[a] = f.combine(bins.load[a].data());
+      bins.cost[b] = f.combine(bins.load[b].data());
+      applied = changed = true;
       break;
     }
-    if (!applied) return;
+    if (!applied) break;
+  }
+  return changed;
+}
+
+// Applies the single move or swap between bins a and b that lowers Σ over the pair of
+// Σ_d (load_d · inv_mean_d)² the most, keeping both bins' combined cost <= cap. Returns whether
+// there was one.
+bool smooth_pair(const Flat& f, Bins& bins, size_t a, size_t b, const std::vector<double>& inv_mean,
+                 double cap, int64_t& budget) {
+  if (budget <= 0) return false;
+  const size_t dims = f.K + 1;
+  const auto sq = [&](const double* load) {
+    double t = 0;
+    for (size_t d = 0; d < dims; ++d) t += (load[d] * inv_mean[d]) * (load[d] * inv_mean[d]);
+    return t;
+  };
+  if (bins.items[a].size() < bins.items[b].size()) std::swap(a, b);  // moves go a -> b
+  auto& A = bins.items[a];
+  auto& Bv = bins.items[b];
+  budget -= static_cast<int64_t>(A.size() * (Bv.size() + 1));
+  const double before = sq(bins.load[a].data()) + sq(bins.load[b].data());
+  double best = before * (1 - 1e-12);
+  size_t bi = A.size(), bj = 0;
+  std::vector<double> na(dims), nb(dims);
+  for (size_t i = 0; i < A.size(); ++i)
+    for (size_t j = 0; j <= Bv.size(); ++j) {
+      if (j == Bv.size() && A.size() <= Bv.size()) break;
+      const double* wi = f.row(A[i]);
+      const double* wj = j < Bv.size() ? f.row(Bv[j]) : nullptr;
+      for (size_t d = 0; d < dims; ++d) {
+        const double x = wj ? wj[d] : 0.0;
+        na[d] = bins.load[a][d] - wi[d] + x;
+        nb[d] = bins.load[b][d] + wi[d] - x;
+      }
+      const double t = sq(na.data()) + sq(nb.data());
+      if (t < best && f.combine(na.data()) <= cap && f.combine(nb.data()) <= cap)
+        best = t, bi = i, bj = j;
+    }
+  if (bi == A.size()) return false;
+  const int64_t s = A[bi];
+  for (size_t d = 0; d < dims; ++d) {
+    const double x = bj < Bv.size() ? f.row(Bv[bj])[d] : 0.0;
+    bins.load[a][d] += x - f.row(s)[d];
+    bins.load[b][d] += f.row(s)[d] - x;
+  }
+  if (bj < Bv.size()) {
+    A[bi] = Bv[bj];
+    Bv[bj] = s;
+  } else {
+    A.erase(A.begin() + static_cast<std::ptrdiff_t>(bi));
+    Bv.push_back(s);
+  }
+  bins.cost[a] = f.combine(bins.load[a].data());
+  bins.cost[b] = f.combine(bins.load[b].data());
+  return true;
+}
+
+// Lowers the most loaded bin's combined cost (descend); then, never letting a bin exceed that
+// cost, evens out every module's own work at once (pairwise moves and swaps lowering the sum over
+// bins of Σ_module (work / the module's mean per bin)²: Entrain's "encoders and LLM both
+// balanced"), which can open new moves for the descent; a few alternations.
+void improve(const Flat& f, Bins& bins, int64_t budget) {
+  const size_t dims = f.K + 1, B = bins.items.size();
+  std::vector<double> inv_mean(dims, 0.0);
+  for (size_t d = 0; d < dims; ++d) {
+    double total = 0;
+    for (const auto& l : bins.load) total += l[d];
+    if (total > 0) inv_mean[d] = static_cast<double>(B) / total;
+  }
+  const auto combined = [&](const double* load) { return f.combine(load); };
+  constexpr double kNoCap = std::numeric_limits<double>::infinity();
+  descend(f, bins, combined, kNoCap, budget);
+  for (int round = 0; round < 8; ++round) {
+    const double cap = *std::max_element(bins.cost.begin(), bins.cost.end());
+    bool smoothed = false;
+    for (int pass = 0; pass < 20; ++pass) {
+      bool any = false;
+      for (size_t a = 0; a < B; ++a)
+        for (size_t b = a + 1; b < B; ++b)
+          any = smooth_pair(f, bins, a, b, inv_mean, cap, budget) || any;
+      if (!any) break;
+      smoothed = true;
+    }
+    if (!smoothed || !descend(f, bins, combined, kNoCap, budget)) break;
   }
 }
 
@@ -270,11 +359,12 @@ std::pair<double, double> bins_key(const Bins& b) {
 }
 
 // The best of LPT and consecutive, each improved.
-Bins split_balanced(const Flat& f, const std::vector<int64_t>& items, int64_t parts) {
+Bins split_balanced(const Flat& f, const std::vector<int64_t>& items, int64_t parts,
+                    int64_t budget) {
   Bins from_lpt = make_bins(f, lpt(f, items, parts));
-  improve(f, from_lpt);
+  improve(f, from_lpt, budget);
   Bins from_order = make_bins(f, consecutive(items, parts));
-  improve(f, from_order);
+  improve(f, from_order, budget);
   return bins_key(from_order) < bins_key(from_lpt) ? from_order : from_lpt;
 }
 
@@ -392,13 +482,17 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
     return std::make_pair(b.max_microbatch_cost(), b.max_replica_cost());
   };
   bool fallback = true;
+  // Bounds on the candidate moves each improvement may price (~10 ns each): large batches stop
+  // early with what they reached, deterministically.
+  constexpr int64_t kReplicaBudget = 2'000'000;
+  const int64_t microbatch_budget = std::max<int64_t>(200'000, 4'000'000 / D);
   for (auto replicas : {lpt(f, all, D), consecutive(all, D)}) {
     Bins r = make_bins(f, std::move(replicas));
-    improve(f, r);
+    improve(f, r, kReplicaBudget);
     Assignment a;
     for (auto& items : r.items) {
       std::sort(items.begin(), items.end());
-      a.push_back(split_balanced(f, items, M).items);
+      a.push_back(split_balanced(f, items, M, microbatch_budget).items);
     }
     BatchBalance b =
         evaluate_assignment(samples, cost, std::move(a), o.pipeline_stages, o.forward_fraction);

@@ -404,6 +404,7 @@ Summary Trainer::run() {
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
     if (skipped) line["skipped"] = true;
+    if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
     if (comm.size() > 1) {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
       line["grad_buckets_overlapped"] = times.buckets_overlapped;
@@ -444,6 +445,7 @@ Summary Trainer::run() {
   j["train_seconds"] = train_seconds;
   j["resumed_from_step"] = m.start_step;
   j["skipped_steps"] = skipped_steps;
+  j["restarts"] = m.opts.restart;
   j["eval_examples"] = json::array();
   j["world_size"] = comm.size();
   for (const auto& [gen, ref] : examples)

@@ -25,6 +25,7 @@ struct TrainerOptions {
   bool progress = true;    // progress bar / log lines on stderr
   double peak_flops = 0;   // MFU denominator; 0 = measure the matmul peak at start
   bool eval = true;        // caption evaluation at eval_every and at the end
+  int restart = 0;         // how many times the launcher restarted this job (metrics record it)
   // The job's ranks (default: this process alone). Its size must equal the plan's world size.
   // Rank 0 writes the run directory and evaluates; every rank trains.
   dist::Comm comm;
