@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "weft/core/error.h"
@@ -20,6 +22,69 @@ namespace weft::io {
 namespace {
 
 constexpr const char* kStateFile = "state.json";
+constexpr const char* kManifestFile = "manifest.json";
+constexpr const char* kDataFiles[] = {"model.safetensors", "optimizer.safetensors"};
+
+// A 64-bit checksum of a file's bytes (8 bytes per step, multiply-xorshift mixing): detects
+// truncation and corruption; not a cryptographic hash.
+std::pair<uint64_t, uint64_t> checksum_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  WEFT_CHECK(in, "cannot read ", path.string());
+  std::vector<char> buf(1 << 20);
+  uint64_t h = 0x9e3779b97f4a7c15ull, bytes = 0;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const size_t n = static_cast<size_t>(in.gcount());
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, buf.data() + i, 8);
+      h = (h ^ w) * 0xff51afd7ed558ccdull;
+      h ^= h >> 32;
+    }
+    for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(buf[i])) * 0x100000001b3ull;
+    bytes += n;
+  }
+  h ^= bytes;
+  h = (h ^ (h >> 33)) * 0xc4ceb9fe1a85ec53ull;
+  return {h ^ (h >> 33), bytes};
+}
+
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// manifest.json: every data file's size and checksum, so a load can prove the files whole.
+std::string manifest_of(const fs::path& dir) {
+  nlohmann::ordered_json j;
+  for (const char* f : kDataFiles) {
+    const auto [sum, bytes] = checksum_file(dir / f);
+    j["files"][f] = {{"bytes", bytes}, {"checksum", hex(sum)}};
+  }
+  return j.dump(2);
+}
+
+void verify_manifest(const fs::path& dir) {
+  const fs::path path = dir / kManifestFile;
+  if (!fs::exists(path)) return;  // checkpoints from before manifests
+  std::ifstream in(path);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  WEFT_CHECK(!j.is_discarded() && j.contains("files"), path.string(), ": not a valid manifest");
+  for (const char* f : kDataFiles) {
+    WEFT_CHECK(j["files"].contains(f), path.string(), ": no entry for ", f);
+    const auto& e = j["files"][f];
+    WEFT_CHECK(fs::exists(dir / f), (dir / f).string(), ": missing (the manifest lists it)");
+    const auto [sum, bytes] = checksum_file(dir / f);
+    WEFT_CHECK(bytes == e.value("bytes", uint64_t{0}), (dir / f).string(), ": ", bytes,
+               " bytes, the manifest says ", e.value("bytes", uint64_t{0}),
+               " (truncated or overwritten)");
+    WEFT_CHECK(hex(sum) == e.value("checksum", std::string()), (dir / f).string(), ": checksum ",
+               hex(sum), " does not match the manifest's ", e.value("checksum", std::string()),
+               " (the file is damaged)");
+  }
+}
 
 void fsync_path(const fs::path& p) {
   const int fd = ::open(p.c_str(), O_RDONLY);
@@ -73,6 +138,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const Chec
   fs::create_directories(tmp);
   save_safetensors((tmp / "model.safetensors").string(), ckpt.model);
   save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+  write_file_synced(tmp / kManifestFile, manifest_of(tmp));
   write_file_synced(tmp / kStateFile, ckpt.state_json);  // written last: marks completeness
   fsync_path(tmp);
   if (fs::exists(final_dir)) {  // re-saving a step (after a resume): swap atomically-ish
@@ -99,6 +165,7 @@ std::string latest_checkpoint(const std::string& run_dir) {
 Checkpoint load_checkpoint(const std::string& dir) {
   const fs::path d(dir);
   WEFT_CHECK(fs::exists(d / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile, ")");
+  verify_manifest(d);
   Checkpoint c;
   c.model = load_safetensors((d / "model.safetensors").string()).tensors;
   c.optimizer = load_safetensors((d / "optimizer.safetensors").string()).tensors;

@@ -1,7 +1,9 @@
 // Run checkpoints: a directory per step under <run>/checkpoints/, holding model.safetensors
-// (fp32 master weights), optimizer.safetensors and state.json (trainer state). A checkpoint is
-// written under a temporary name and renamed only when complete, so a crash mid-save leaves
-// the previous checkpoints intact; only complete checkpoints are ever found or loaded.
+// (fp32 master weights), optimizer.safetensors, manifest.json (each file's size and 64-bit
+// checksum, verified on load) and state.json (trainer state). A checkpoint is written under a
+// temporary name and renamed only when complete, so a crash mid-save leaves the previous
+// checkpoints intact; only complete checkpoints are ever found or loaded, and a damaged or
+// truncated file is an error naming it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

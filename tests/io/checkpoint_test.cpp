@@ -1,0 +1,102 @@
+// Checkpoints: atomic step directories with a manifest of sizes and checksums. A damaged or
+// truncated file is a clear error naming it; a save that died midway leaves only a temporary
+// directory, never found, so the previous checkpoint stays the newest and loads verified.
+#include "weft/io/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "weft/core/error.h"
+
+namespace fs = std::filesystem;
+
+namespace weft::io {
+namespace {
+
+fs::path fresh(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("weft_ckpt_" + std::to_string(::getpid()) + "_" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+Checkpoint sample(float v) {
+  return {{{"w", torch::full({64, 64}, v)}, {"b", torch::arange(7).to(torch::kFloat)}},
+          {{"exp_avg.w", torch::full({64, 64}, v / 2)}},
+          "{\"step\": 1}"};
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Checkpoint, RoundTripWithManifest) {
+  const fs::path run = fresh("roundtrip");
+  const std::string dir = save_checkpoint(run.string(), 5, sample(1.5f), 2);
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "manifest.json"));
+  EXPECT_EQ(latest_checkpoint(run.string()), dir);
+  const Checkpoint c = load_checkpoint(dir);
+  ASSERT_EQ(c.model.size(), 2u);
+  EXPECT_TRUE(torch::equal(c.model[0].second, torch::full({64, 64}, 1.5f)));
+  EXPECT_EQ(c.state_json, "{\"step\": 1}");
+}
+
+TEST(Checkpoint, FlippedByteIsNamed) {
+  const fs::path run = fresh("flip");
+  const std::string dir = save_checkpoint(run.string(), 1, sample(2.0f), 2);
+  const fs::path f = fs::path(dir) / "model.safetensors";
+  {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
+    io.put('\x7f');
+  }
+  const std::string e = error_of([&] { load_checkpoint(dir); });
+  EXPECT_NE(e.find("model.safetensors: checksum"), std::string::npos) << e;
+  EXPECT_NE(e.find("damaged"), std::string::npos) << e;
+}
+
+TEST(Checkpoint, TruncatedFileIsNamed) {
+  const fs::path run = fresh("truncate");
+  const std::string dir = save_checkpoint(run.string(), 1, sample(2.0f), 2);
+  const fs::path f = fs::path(dir) / "optimizer.safetensors";
+  fs::resize_file(f, fs::file_size(f) / 2);
+  const std::string e = error_of([&] { load_checkpoint(dir); });
+  EXPECT_NE(e.find("optimizer.safetensors: "), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+}
+
+// What a kill -9 during a save leaves: a half-written temporary directory. It is never taken
+// for a checkpoint; the previous one is still the newest and verifies.
+TEST(Checkpoint, InterruptedSaveLeavesThePreviousCheckpoint) {
+  const fs::path run = fresh("interrupted");
+  const std::string good = save_checkpoint(run.string(), 10, sample(3.0f), 2);
+  const fs::path tmp = run / "checkpoints" / ".tmp-step_00000020";
+  fs::create_directories(tmp);
+  std::ofstream(tmp / "model.safetensors") << "partial";
+  EXPECT_EQ(latest_checkpoint(run.string()), good);
+  EXPECT_TRUE(torch::equal(load_checkpoint(good).model[0].second, torch::full({64, 64}, 3.0f)));
+  // The next save of step 20 replaces the leftover.
+  const std::string next = save_checkpoint(run.string(), 20, sample(4.0f), 2);
+  EXPECT_EQ(latest_checkpoint(run.string()), next);
+  EXPECT_FALSE(fs::exists(tmp));
+}
+
+TEST(Checkpoint, KeepsTheNewest) {
+  const fs::path run = fresh("keep");
+  for (int s = 1; s <= 4; ++s) save_checkpoint(run.string(), s, sample(1.0f * s), 2);
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(run / "checkpoints")) n += e.is_directory();
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(fs::path(latest_checkpoint(run.string())).filename(), "step_00000004");
+}
+
+}  // namespace
+}  // namespace weft::io
