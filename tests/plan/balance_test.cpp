@@ -244,6 +244,18 @@ TEST(Balance, ImageHeavySamplesAreSplitUp) {
   EXPECT_EQ(s.max_microbatch_cost(), 10.0);  // in_order: max(20, 10) = 20
 }
 
+TEST(Balance, TextOnlyModels) {
+  // No encoders: only the LLM's work; the two long samples go to different replicas.
+  std::vector<SampleWork> samples = {{{}, 9}, {{}, 9}, {{}, 1}, {{}, 1}, {{}, 1}, {{}, 1}};
+  BalanceOptions o;
+  o.replicas = 2;
+  const BatchBalance b = balance_batch(samples, BalanceCost{}, o);
+  expect_shape(b, 6, 2, 1);
+  EXPECT_FALSE(b.in_order_fallback);
+  EXPECT_EQ(b.replica_cost, (std::vector<double>{11.0, 11.0}));  // in_order: 19 and 3
+  EXPECT_EQ(balance_json(b)["microbatch_spread"].size(), 3u);    // combined, llm, encoder
+}
+
 TEST(Balance, RejectsBadShapes) {
   std::vector<SampleWork> samples(6, SampleWork{{1.0}, 1.0});
   BalanceOptions o;

@@ -150,10 +150,11 @@ double one_f_one_b_makespan(const std::vector<double>& cost, int64_t stages,
 // microbatch's forward must cross the pipeline before the last stage starts its work, and the
 // last one's backward must cross it back after the last stage ends. So (DistTrain's inter-batch
 // reordering, Entrain's "defer excess work to the steady phase") the lightest microbatch goes
-// first, the next lightest last, and the heavy ones into the steady phase, alternating heavy and
-// light so that a heavy forward meets a light backward; then pairwise swaps while
-// one_f_one_b_makespan strictly drops (bounded passes). The result is the best of that and the
-// given order: never worse than in-order. Ties → lower index.
+// first, the next lightest last, and the rest into the steady phase (tried: heavy and light
+// alternating so that a heavy forward meets a light backward, descending, ascending); then moves
+// of one microbatch and swaps of two while one_f_one_b_makespan strictly drops (a bounded number
+// of evaluations). The best of all that and the given order: never worse than in-order.
+// Deterministic.
 std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t stages,
                                     double forward_fraction = 1.0 / 3);
 
