@@ -45,7 +45,9 @@ constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "ste
                                          "stem_layers"};
 constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
-constexpr std::string_view kDataKeys[] = {"kind", "seed", "eval_samples", "noise", "packing"};
+constexpr std::string_view kDataKeys[] = {"kind",  "seed",    "eval_samples",
+                                          "noise", "packing", "balance"};
+constexpr std::string_view kBalancePolicies[] = {"balanced", "in_order"};
 constexpr std::string_view kTrainKeys[] = {"steps",
                                            "batch",
                                            "microbatches",
@@ -473,6 +475,7 @@ void read_data(const Section& s, DataSpec* d) {
   s.count("eval_samples", &d->eval_samples);
   s.amount("noise", &d->noise, /*positive=*/false);
   s.read("packing", &d->packing);
+  s.choice("balance", keys(kBalancePolicies), &d->balance);
 }
 
 void read_train(const Section& s, TrainSpec* t) {
@@ -715,6 +718,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("eval_samples", d.eval_samples);
   w.put("noise", d.noise);
   w.put("packing", d.packing);
+  w.put("balance", d.balance);
 
   const TrainSpec& t = spec.train;
   w.header("train");

@@ -81,6 +81,9 @@ struct DataSpec {
   int64_t eval_samples = 256;
   double noise = 0.08;   // pixel noise amplitude
   bool packing = false;  // pack several samples per row (document-isolated) instead of padding
+  // How a global batch goes to data-parallel replicas and microbatches: "balanced" (encoder and
+  // LLM work evened out, microbatches ordered for 1F1B; plan/balance.h) or "in_order".
+  std::string balance = "balanced";
 };
 
 enum class Precision { kBf16, kFp32 };

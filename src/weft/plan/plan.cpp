@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "weft/core/error.h"
+#include "weft/plan/balance.h"
 #include "weft/plan/partition.h"
 
 namespace weft::plan {
@@ -175,6 +176,7 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
   plan.world_size = world_size;
   plan.placement = par.placement;
   plan.cp_split = par.cp_split;
+  plan.balance = to_string(parse_balance_policy(spec.data.balance));
   plan.global_batch = spec.train.batch;
   plan.microbatches = spec.train.microbatches;
   bool any_encoder_side_trains = false;

@@ -18,6 +18,7 @@
 #include "weft/data/tokenizer.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
+#include "weft/plan/balance.h"
 #include "weft/plan/flops.h"
 #include "weft/train/eval.h"
 #include "weft/train/inputs.h"
@@ -334,16 +335,35 @@ Summary Trainer::run() {
   };
 
   const int64_t replicas = m.plan.module("llm").layout.dp;
+  // Balancing: each sample's encoder and LLM work, assigned to replicas and microbatches.
+  const plan::WorkModel work_model = plan::make_work_model(spec, m.plan);
+  plan::BalanceOptions bo;
+  bo.replicas = replicas;
+  bo.microbatches = ts.microbatches;
+  bo.policy = plan::parse_balance_policy(m.plan.balance);
+  bo.pipeline_stages = m.plan.module("llm").layout.pp;
   for (int64_t step = m.start_step; step < ts.steps; ++step) {
     const double t0 = now_seconds();
     // The global batch (every rank sees it: encoders and LLM split it differently), as each
     // LLM data-parallel replica's microbatches.
+    const std::vector<data::Sample> global = m.dataset->train_batch(step, ts.batch);
+    std::vector<plan::SampleWork> work;
+    for (const data::Sample& sample : global) {
+      plan::SampleShape shape;
+      shape.tokens = static_cast<int64_t>(sample.tokens.size());
+      shape.items.assign(spec.model.encoders.size(), 0);
+      for (const data::ModalityItem& item : sample.items) ++shape.items[item.encoder];
+      shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
+      work.push_back(work_model.work(shape));
+    }
+    const plan::BatchBalance balance = plan::balance_batch(work, work_model.cost, bo);
     std::vector<data::Microbatch> mbs;
     std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
     int64_t targets = 0;
     for (int64_t d = 0; d < replicas; ++d)
-      for (const auto& part :
-           data::split(m.dataset->train_batch(step, ts.batch, d, replicas), ts.microbatches)) {
+      for (const std::vector<int64_t>& indices : balance.assignment[d]) {
+        std::vector<data::Sample> part;
+        for (int64_t i : indices) part.push_back(global[i]);
         mbs.push_back(data::collate(part, copts));
         batch[d].push_back(to_inputs(mbs.back()));
         targets += mbs.back().targets.numel();
@@ -403,6 +423,10 @@ Summary Trainer::run() {
     line["step_seconds"] = step_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
+    std::vector<double> mb_costs;
+    for (const auto& replica : balance.microbatch_cost)
+      mb_costs.insert(mb_costs.end(), replica.begin(), replica.end());
+    line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
     if (skipped) line["skipped"] = true;
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
     if (comm.size() > 1) {
