@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 
+#include "support/equivalence.h"
 #include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
@@ -20,69 +21,8 @@ namespace fs = std::filesystem;
 namespace weft::dist {
 namespace {
 
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  std::map<std::string, at::Tensor> params, grads;
-};
-
-// Trains on `comm`; records per-step losses (from metrics, rank 0) and the final parameters and
-// the last step's synchronised gradients.
-RunResult train(const Spec& spec, const Comm& comm, const fs::path& out) {
-  train::TrainerOptions o;
-  o.out_dir = out.string();
-  o.progress = false;
-  o.peak_flops = 1e12;
-  o.eval = false;
-  o.comm = comm;
-  train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
-  RunResult r;
-  t.after_backward = [&](int64_t step) {
-    if (step + 1 != spec.train.steps) return;
-    for (const auto& [name, p] : t.model().parameters())
-      if (p.grad().defined()) r.grads[name] = p.grad().clone();
-  };
-  t.run();
-  for (const auto& [name, p] : t.model().parameters()) r.params[name] = p.detach().clone();
-  if (comm.rank() == 0) r.losses = weft::testing::run_losses(out);
-  return r;
-}
-
-using weft::testing::temp_dir;
-
 void expect_equivalent(const std::vector<std::string>& sets, const std::string& tag) {
-  std::vector<std::string> all = {"train.steps=3", "train.warmup=1"};
-  all.insert(all.end(), sets.begin(), sets.end());
-  const Spec spec = parse_spec(weft::testing::kTinyVlm, "tiny", all);
-  const RunResult ref = train(spec, Comm(), temp_dir(tag + "_single"));
-  std::vector<RunResult> ranks(2);
-  const fs::path out = temp_dir(tag + "_dp2");  // once: temp_dir empties the directory
-  testing::run_ranks(2, [&](const Comm& comm) { ranks[comm.rank()] = train(spec, comm, out); });
-
-  ASSERT_EQ(ref.losses.size(), 3u);
-  ASSERT_EQ(ranks[0].losses.size(), 3u);
-  for (size_t i = 0; i < ref.losses.size(); ++i)
-    EXPECT_NEAR(ranks[0].losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
-        << "step " << i + 1;
-  double worst_param = 0, worst_grad = 0;
-  for (const auto& [name, p] : ref.params)
-    for (int r = 0; r < 2; ++r) {
-      const double d = rel_diff(ranks[r].params.at(name), p);
-      worst_param = std::max(worst_param, d);
-      EXPECT_LT(d, 1e-4) << tag << " rank " << r << " param " << name;
-    }
-  for (const auto& [name, g] : ref.grads)
-    for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(ranks[r].grads.count(name)) << name;
-      const double d = rel_diff(ranks[r].grads.at(name), g);
-      worst_grad = std::max(worst_grad, d);
-      EXPECT_LT(d, 1e-4) << tag << " rank " << r << " grad " << name;
-    }
-  std::printf("[%s] max relative difference: params %.2e, grads %.2e\n", tag.c_str(), worst_param,
-              worst_grad);
+  testing::expect_equivalent(2, sets, tag);
 }
 
 TEST(DataParallel, Dp2MatchesSingleProcess) { expect_equivalent({}, "dp2"); }

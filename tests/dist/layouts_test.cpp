@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 
+#include "support/equivalence.h"
 #include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
@@ -22,93 +23,11 @@ namespace fs = std::filesystem;
 namespace weft::dist {
 namespace {
 
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  std::map<std::string, at::Tensor> params, grads;  // full tensors (rank 0)
-};
-
-RunResult train(const Spec& spec, const Comm& comm, const fs::path& out, bool resume = false) {
-  train::TrainerOptions o;
-  (resume ? o.resume_dir : o.out_dir) = out.string();
-  o.progress = false;
-  o.peak_flops = 1e12;
-  o.eval = false;
-  o.comm = comm;
-  train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
-  RunResult r;
-  auto gather = [&](bool grads) {
-    std::vector<at::Tensor> local;
-    for (const auto& [name, p] : t.model().parameters())
-      local.push_back(grads ? p.grad() : p.detach());
-    std::map<std::string, at::Tensor> full;
-    for (auto& [name, v] : t.runtime().gather_full(local)) full[name] = v.clone();
-    return full;
-  };
-  t.after_backward = [&](int64_t step) {
-    if (step + 1 == spec.train.steps) r.grads = gather(true);
-  };
-  t.run();
-  r.params = gather(false);
-  if (comm.rank() == 0) r.losses = weft::testing::run_losses(out);
-  return r;
-}
-
-// Vision + audio: the tiny VLM with a small Whisper-style encoder.
-const std::string kTinyValm = std::string(weft::testing::kTinyVlm) + R"(
-[model.audio]
-kind = "whisper"
-mels = 16
-frames = 16
-hidden = 32
-layers = 2
-heads = 2
-ffn = 64
-)";
-
-void expect_equivalent(int world, const std::vector<std::string>& sets, const std::string& tag,
-                       const std::string& config = weft::testing::kTinyVlm) {
-  // vocab: a multiple of every TP size used below (the tokenizer has fewer tokens).
-  std::vector<std::string> base = {"train.steps=3", "train.warmup=1", "model.llm.vocab=64"};
-  std::vector<std::string> model_sets = base;  // the same model, one process
-  for (const auto& s : sets)
-    if (s.rfind("parallel.", 0) != 0) model_sets.push_back(s);
-  const Spec single = parse_spec(config, "tiny", model_sets);
-  base.insert(base.end(), sets.begin(), sets.end());
-  const Spec spec = parse_spec(config, "tiny", base);
-  const RunResult ref = train(single, Comm(), weft::testing::temp_dir(tag + "_single"));
-  std::vector<RunResult> ranks(static_cast<size_t>(world));
-  const fs::path out = weft::testing::temp_dir(tag + "_parallel");
-  testing::run_ranks(world, [&](const Comm& comm) { ranks[comm.rank()] = train(spec, comm, out); });
-  const RunResult& got = ranks[0];
-
-  ASSERT_EQ(ref.losses.size(), 3u);
-  ASSERT_EQ(got.losses.size(), 3u);
-  for (size_t i = 0; i < ref.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
-        << tag << " step " << i + 1;
-  double worst_param = 0, worst_grad = 0;
-  EXPECT_EQ(got.params.size(), ref.params.size()) << tag;
-  for (const auto& [name, p] : ref.params) {
-    ASSERT_TRUE(got.params.count(name)) << tag << " missing parameter " << name;
-    ASSERT_EQ(got.params.at(name).sizes(), p.sizes()) << name;
-    const double d = rel_diff(got.params.at(name), p);
-    worst_param = std::max(worst_param, d);
-    EXPECT_LT(d, 1e-4) << tag << " param " << name;
-  }
-  ASSERT_FALSE(ref.grads.empty());
-  for (const auto& [name, g] : ref.grads) {
-    ASSERT_TRUE(got.grads.count(name)) << tag << " missing gradient " << name;
-    const double d = rel_diff(got.grads.at(name), g);
-    worst_grad = std::max(worst_grad, d);
-    EXPECT_LT(d, 1e-4) << tag << " grad " << name;
-  }
-  std::printf("[%s] %d ranks, max relative difference: params %.2e, grads %.2e\n", tag.c_str(),
-              world, worst_param, worst_grad);
-}
+using testing::expect_equivalent;
+using testing::kTinyValm;
+using testing::rel_diff;
+using testing::RunResult;
+using testing::train;
 
 TEST(Layouts, TensorParallelEverywhere) {
   expect_equivalent(2, {"parallel.llm.tp=2", "parallel.vision.tp=2"}, "tp2");

@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "support/plan_specs.h"
 #include "weft/core/error.h"
 #include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
@@ -22,19 +23,7 @@
 namespace weft::plan {
 namespace {
 
-Spec vlm_spec() {
-  Spec s;
-  s.source = "test.toml";
-  s.model.llm.layers = 4;
-  s.model.llm.vocab = 256;
-  EncoderSpec v;
-  v.name = "vision";
-  v.layers = 3;
-  s.model.encoders = {v};
-  s.train.batch = 8;
-  s.train.microbatches = 2;
-  return s;
-}
+using testing::vlm_spec;
 
 // LLaVA-1.5-7B-like: CLIP ViT-L/14 at 336 px (576 tokens, second-to-last layer), Llama-2-7B.
 Spec llava_spec() {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/plan_specs.h"
 #include "weft/core/error.h"
 #include "weft/core/spec.h"
 #include "weft/plan/flops.h"
@@ -19,6 +20,8 @@
 
 namespace weft::plan {
 namespace {
+
+using testing::vlm_spec;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -48,20 +51,6 @@ TEST(Partition, FrozenRulesOnOneLayer) {
   EXPECT_EQ(f.input_grad + f.weight_grad + f.activation_bytes + f.train_state_bytes, 0);
   EXPECT_EQ(f.forward, 2);
   EXPECT_EQ(f.param_bytes, 11);
-}
-
-Spec vlm_spec() {
-  Spec s;
-  s.source = "test.toml";
-  s.model.llm.layers = 4;
-  s.model.llm.vocab = 256;
-  EncoderSpec v;
-  v.name = "vision";
-  v.layers = 3;
-  s.model.encoders = {v};
-  s.train.batch = 8;
-  s.train.microbatches = 2;
-  return s;
 }
 
 TEST(Partition, CostsAddUpToTheFlopModel) {

@@ -199,6 +199,28 @@ std::vector<std::vector<int64_t>> lpt(const Flat& f, const std::vector<int64_t>&
   return out;
 }
 
+// Moves sample bi of bin a to bin b, or swaps it with sample bj of b (bj < size of b), and
+// updates both bins' loads and costs.
+void exchange(const Flat& f, Bins& bins, size_t a, size_t b, size_t bi, size_t bj) {
+  auto& A = bins.items[a];
+  auto& Bv = bins.items[b];
+  const int64_t s = A[bi];
+  for (size_t d = 0; d <= f.K; ++d) {
+    const double x = bj < Bv.size() ? f.row(Bv[bj])[d] : 0.0;
+    bins.load[a][d] += x - f.row(s)[d];
+    bins.load[b][d] += f.row(s)[d] - x;
+  }
+  if (bj < Bv.size()) {
+    A[bi] = Bv[bj];
+    Bv[bj] = s;
+  } else {
+    A.erase(A.begin() + static_cast<std::ptrdiff_t>(bi));
+    Bv.push_back(s);
+  }
+  bins.cost[a] = f.combine(bins.load[a].data());
+  bins.cost[b] = f.combine(bins.load[b].data());
+}
+
 // One descent on `score` (a function of a bin's load vector): moves and swaps between the bin with
 // the highest score and the others (lowest score first) while the pair's highest score strictly
 // drops below the old highest, and neither bin's combined cost exceeds `cap`. A move goes only from
@@ -245,21 +267,7 @@ bool descend(const Flat& f, Bins& bins, Score score, double cap, int64_t& budget
         }
       }
       if (bi == A.size()) continue;
-      const int64_t s = A[bi];
-      for (size_t d = 0; d < dims; ++d) {
-        const double x = bj < Bv.size() ? f.row(Bv[bj])[d] : 0.0;
-        bins.load[a][d] += x - f.row(s)[d];
-        bins.load[b][d] += f.row(s)[d] - x;
-      }
-      if (bj < Bv.size()) {
-        A[bi] = Bv[bj];
-        Bv[bj] = s;
-      } else {
-        A.erase(A.begin() + static_cast<std::ptrdiff_t>(bi));
-        Bv.push_back(s);
-      }
-      bins.cost[a] = f.combine(bins.load[a].data());
-      bins.cost[b] = f.combine(bins.load[b].data());
+      exchange(f, bins, a, b, bi, bj);
       applied = changed = true;
       break;
     }
@@ -303,21 +311,7 @@ bool smooth_pair(const Flat& f, Bins& bins, size_t a, size_t b, const std::vecto
         best = t, bi = i, bj = j;
     }
   if (bi == A.size()) return false;
-  const int64_t s = A[bi];
-  for (size_t d = 0; d < dims; ++d) {
-    const double x = bj < Bv.size() ? f.row(Bv[bj])[d] : 0.0;
-    bins.load[a][d] += x - f.row(s)[d];
-    bins.load[b][d] += f.row(s)[d] - x;
-  }
-  if (bj < Bv.size()) {
-    A[bi] = Bv[bj];
-    Bv[bj] = s;
-  } else {
-    A.erase(A.begin() + static_cast<std::ptrdiff_t>(bi));
-    Bv.push_back(s);
-  }
-  bins.cost[a] = f.combine(bins.load[a].data());
-  bins.cost[b] = f.combine(bins.load[b].data());
+  exchange(f, bins, a, b, bi, bj);
   return true;
 }
 
