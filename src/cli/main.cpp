@@ -1,5 +1,5 @@
-// The weft command line: `weft train`, `plan`, `launch`, `inspect`. Errors from anywhere below end
-// up here: printed as "weft: error: ..." with a non-zero exit status.
+// The weft command line: `weft train`, `plan`, `launch`, `inspect`, `simulate`. Errors from
+// anywhere below end up here: printed as "weft: error: ..." with a non-zero exit status.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "cli/inspect.h"
+#include "cli/simulate.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/dist/comm.h"
@@ -115,6 +116,7 @@ int main(int argc, char** argv) {
       ->required();
 
   std::function<int()> run_inspect = weft::cli::add_inspect(app);
+  std::function<int()> run_simulate = weft::cli::add_simulate(app);
 
   try {
     app.parse(argc, argv);
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
     if (*plan) return cmd_plan(config, sets, plan_world);
     if (*launch) return weft::dist::launch(launch_opts);
     if (app.got_subcommand("inspect")) return run_inspect();
+    if (app.got_subcommand("simulate")) return run_simulate();
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\nweft: error: %s\n", e.what());

@@ -1,0 +1,90 @@
+// Cluster and device description, and the alpha-beta communication cost model.
+//
+// A cluster is `nodes` × `gpus_per_node` identical devices; global rank r sits on node
+// r / gpus_per_node (the launchers' LOCAL_RANK-fastest numbering). Two links: intra-node
+// (NVLink, or loopback TCP for CPU processes) and inter-node (the per-device NIC share). A
+// message of n bytes over a link costs latency + n / bandwidth (alpha-beta).
+//
+// Collectives over a group of ranks use the group's bottleneck link: inter-node as soon as the
+// group spans two nodes, intra-node otherwise (no hierarchical algorithms). With n ranks and
+// `bytes` the size of the full tensor:
+//   ring all-reduce       2(n-1)·α + 2(n-1)/n · bytes/B
+//   ring all-gather       (n-1)·α + (n-1)/n · bytes/B       (bytes = the gathered tensor)
+//   ring reduce-scatter   (n-1)·α + (n-1)/n · bytes/B       (bytes = the tensor before scatter)
+//   tree all-reduce       2⌈log2 n⌉·α + 2 · bytes/B         (pipelined reduce + broadcast)
+// A group of one rank costs nothing; so does a p2p message to oneself.
+//
+// Cluster file (TOML), errors naming the file, the key, the value and what is allowed:
+//   nodes = 1
+//   gpus_per_node = 8
+//   device = "h100"                  # a shipped profile, or an inline table:
+//   # [device]  base = "h100" (optional: start from a profile), name, bf16_tflops,
+//   #           fp32_tflops, memory_gib, hbm_gbs, matmul_efficiency
+//   [intra_node]
+//   bandwidth_gbs = 450              # GB/s (1e9 bytes/s) per direction, per device
+//   latency_us = 3
+//   [inter_node]                     # required when nodes > 1
+//   bandwidth_gbs = 50
+//   latency_us = 5
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weft/core/spec.h"
+
+namespace weft::plan {
+
+struct DeviceProfile {
+  std::string name;
+  double peak_bf16_flops = 0;       // dense bf16 peak, FLOP/s
+  double peak_fp32_flops = 0;       // fp32 peak, FLOP/s (what an fp32 run is measured against)
+  double memory_bytes = 0;          // device memory
+  double hbm_bytes_per_second = 0;  // memory bandwidth (optimizer step); 0 = unknown
+  double matmul_efficiency = 1;     // achievable fraction of peak on the model's matmul work
+
+  double peak_flops(Precision p) const {
+    return p == Precision::kBf16 ? peak_bf16_flops : peak_fp32_flops;
+  }
+  // FLOP/s the cost model charges compute at.
+  double effective_flops(Precision p) const { return peak_flops(p) * matmul_efficiency; }
+};
+
+// Shipped profiles: "h100", "h200" (SXM, bf16 dense 989 TFLOP/s), "cpu-core" (one core of this
+// machine). Unknown name: an Error listing the known ones.
+DeviceProfile device_profile(const std::string& name);
+std::vector<std::string> device_profile_names();
+
+struct Link {
+  double bytes_per_second = 0;
+  double latency_seconds = 0;
+  double seconds(double bytes) const { return latency_seconds + bytes / bytes_per_second; }
+};
+
+struct Cluster {
+  std::string source;  // file it came from (for messages)
+  int64_t nodes = 1, gpus_per_node = 1;
+  DeviceProfile device;
+  Link intra_node, inter_node;
+
+  int64_t world_size() const { return nodes * gpus_per_node; }
+  int64_t node_of(int64_t rank) const { return rank / gpus_per_node; }
+};
+
+Cluster parse_cluster(const std::string& toml_text, const std::string& source);
+// Reads and parses a cluster file; a missing/unreadable file is an Error naming it.
+Cluster load_cluster(const std::string& path);
+std::string to_json(const Cluster& cluster);
+
+enum class CollectiveAlgo { kRing, kTree };
+
+// The slowest link a group of ranks communicates over (inter-node iff it spans nodes).
+const Link& bottleneck_link(const Cluster& c, const std::vector<int64_t>& ranks);
+double p2p_seconds(const Cluster& c, int64_t src, int64_t dst, double bytes);
+double all_reduce_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes,
+                          CollectiveAlgo algo = CollectiveAlgo::kRing);
+double all_gather_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
+double reduce_scatter_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
+
+}  // namespace weft::plan

@@ -1,0 +1,647 @@
+#include "weft/plan/simulate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <tuple>
+#include <utility>
+
+#include "weft/core/error.h"
+#include "weft/plan/partition.h"
+
+namespace weft::plan {
+
+namespace {
+
+// [begin, end) of part `part` when n things are split into `parts` (larger parts first), as the
+// loader (data::split) and the runtime do.
+std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t begin = part * base + std::min(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
+
+void add(StageCost* s, const LayerCost& c) {
+  s->forward_flops += c.forward;
+  s->backward_flops += c.input_grad + c.weight_grad;
+  s->activation_bytes += c.activation_bytes;
+  s->param_bytes += c.param_bytes;
+  s->train_state_bytes += c.train_state_bytes;
+  // partition.h charges 12 train-state bytes per trainable parameter: the fp32 gradient (4) and
+  // AdamW's two fp32 moments.
+  s->grad_bytes += c.train_state_bytes / 3;
+}
+
+Spec with_vocab(Spec spec, const SimOptions& o) {
+  if (spec.model.llm.vocab == 0) spec.model.llm.vocab = o.unset_vocab;
+  return spec;
+}
+
+// Message identity: kind, module index, microbatch, sender, receiver.
+enum MsgKind { kEncAct, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
+using MsgKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;
+
+struct Send {
+  MsgKey key;
+  int64_t dst = 0;
+  double bytes = 0;
+};
+
+struct Op {
+  std::string name, category;
+  double seconds = 0, comm_seconds = 0;  // duration; of which TP / CP collectives
+  std::vector<MsgKey> waits;
+  std::vector<Send> sends;
+  double keep_bytes = 0, free_bytes = 0;  // activations kept by a forward / freed by a backward
+  int64_t arms = -1;        // the module whose gradient reduction this (last) backward starts
+  int64_t collective = -1;  // index into Engine::collectives; a step-end collective
+  bool llm = false;         // a forward / backward of the LLM
+};
+
+struct Collective {
+  std::string name;
+  std::vector<int64_t> ranks;
+  double seconds = 0, last_bucket_seconds = 0;
+  int64_t module = -1;  // gradient reduction of this module: may start when armed
+  std::vector<bool> arrived;
+  int64_t count = 0;
+};
+
+// The items [begin, end) of a global microbatch that encoder DP rank i runs, as the runtime's
+// encoder_range: `per_replica` items in each of D replicas.
+std::pair<int64_t, int64_t> encoder_range(int64_t per_replica, int64_t D, int64_t edp, int64_t i) {
+  if (D % edp == 0) {
+    const int64_t k = D / edp;
+    return {i * k * per_replica, (i + 1) * k * per_replica};
+  }
+  if (edp % D == 0) {
+    const int64_t k = edp / D, d = i / k;
+    const auto [a, b] = even_part(per_replica, k, i % k);
+    return {d * per_replica + a, d * per_replica + b};
+  }
+  return even_part(per_replica * D, edp, i);
+}
+
+class Engine {
+ public:
+  Engine(const Spec& spec, const Plan& plan, const Cluster& cluster, const CostTable& costs,
+         const SimOptions& o)
+      : spec_(spec), plan_(plan), cl_(cluster), costs_(costs), o_(o) {
+    const Precision p = spec.train.precision;
+    flops_per_second_ = cluster.device.effective_flops(p);
+    act_ = p == Precision::kBf16 ? 2.0 : 4.0;
+    WEFT_CHECK(flops_per_second_ > 0, cluster.source, ": device \"", cluster.device.name,
+               "\" has no ", to_string(p), " FLOP/s");
+    llm_ = static_cast<int64_t>(plan.modules.size()) - 1;
+    WEFT_ASSERT(plan.modules[llm_].role == ModuleRole::kLlm, "the LLM is the last plan module");
+    D_ = plan.modules[llm_].layout.dp;
+    M_ = plan.microbatches;
+    const int64_t per = plan.global_batch / D_;
+    for (int64_t m = 0; m < M_; ++m) {
+      const auto [a, b] = even_part(per, M_, m);
+      mb_samples_.push_back(b - a);
+    }
+    ops_.resize(static_cast<size_t>(plan.world_size));
+    result_.ranks.resize(static_cast<size_t>(plan.world_size));
+    for (int64_t r = 0; r < plan.world_size; ++r) result_.ranks[r].rank = r;
+  }
+
+  SimResult run() {
+    for (int64_t r = 0; r < plan_.world_size; ++r) build_rank(r);
+    execute();
+    summarise();
+    return std::move(result_);
+  }
+
+ private:
+  const Spec& spec_;
+  const Plan& plan_;
+  const Cluster& cl_;
+  const CostTable& costs_;
+  const SimOptions& o_;
+  double flops_per_second_ = 0, act_ = 2;
+  int64_t llm_ = 0, D_ = 1, M_ = 1;
+  std::vector<int64_t> mb_samples_;  // per microbatch: samples of each LLM replica
+  std::vector<std::vector<Op>> ops_;
+  std::vector<Collective> collectives_;
+  std::map<std::pair<std::string, int64_t>, int64_t> collective_index_;  // (name, first rank)
+  SimResult result_;
+
+  // ---- building each rank's op list --------------------------------------------------------
+
+  const ModulePlan& mod(int64_t i) const { return plan_.modules[static_cast<size_t>(i)]; }
+  const EncoderSpec& enc_spec(int64_t i) const { return spec_.model.encoders[mod(i).encoder]; }
+  bool stage_backward(int64_t i, int64_t stage) const {
+    const ModulePlan& m = mod(i);
+    if (m.role == ModuleRole::kLlm) return m.needs_backward();
+    return stage == m.layout.pp - 1 ? mod(i + 1).needs_backward() : m.weight_grads;
+  }
+  double all_reduce(const std::vector<int64_t>& g, double bytes) const {
+    return o_.tp_cp_comm ? all_reduce_seconds(cl_, g, bytes) : 0;
+  }
+  double all_gather(const std::vector<int64_t>& g, double bytes) const {
+    return o_.tp_cp_comm ? all_gather_seconds(cl_, g, bytes) : 0;
+  }
+  double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
+    return o_.tp_cp_comm ? reduce_scatter_seconds(cl_, g, bytes) : 0;
+  }
+  // Encoder DP ranks i holding items of replica d in microbatch m: {i, overlap items}.
+  std::vector<std::pair<int64_t, int64_t>> encoder_ranks_of(int64_t e, int64_t m, int64_t d) const {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    const int64_t n = mb_samples_[m], edp = mod(e).layout.dp;
+    for (int64_t i = 0; i < edp; ++i) {
+      const auto [a, b] = encoder_range(n, D_, edp, i);
+      const int64_t lo = std::max(a, d * n), hi = std::min(b, (d + 1) * n);
+      if (lo < hi) out.push_back({i, hi - lo});
+    }
+    return out;
+  }
+
+  Op compute(std::string name, bool forward, double flops, double comm) const {
+    Op op;
+    op.name = std::move(name);
+    op.category = forward ? "forward" : "backward";
+    op.seconds = flops / flops_per_second_ + comm;
+    op.comm_seconds = comm;
+    return op;
+  }
+
+  void add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
+                      double seconds, double last_bucket = 0, int64_t module = -1) {
+    if (ranks.size() <= 1 || seconds <= 0) return;
+    const auto key = std::make_pair(name, ranks.front());
+    auto it = collective_index_.find(key);
+    if (it == collective_index_.end()) {
+      Collective c;
+      c.name = name;
+      c.ranks = ranks;
+      c.seconds = seconds;
+      c.last_bucket_seconds = last_bucket;
+      c.module = module;
+      c.arrived.assign(ranks.size(), false);
+      it = collective_index_.emplace(key, static_cast<int64_t>(collectives_.size())).first;
+      collectives_.push_back(std::move(c));
+    }
+    Op op;
+    op.name = std::move(name);
+    op.category = "collective";
+    op.collective = it->second;
+    ops_[r].push_back(std::move(op));
+  }
+
+  void build_encoder(int64_t r, int64_t e, bool forward_pass) {
+    const ModulePlan& m = mod(e);
+    const ModulePlan& llm = mod(llm_);
+    const Coord c = m.coord(r);
+    const int64_t s = c.pp, P = m.layout.pp, tp = m.layout.tp, cp = m.layout.cp;
+    const bool first = s == 0, last = s == P - 1;
+    const StageCost& sc = costs_[e][s];
+    const EncoderSpec& es = enc_spec(e);
+    const double T = static_cast<double>(es.tokens_per_item()), h = static_cast<double>(es.hidden);
+    const double H = static_cast<double>(spec_.model.llm.hidden);
+    const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
+    const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, c.dp, stage}); };
+    const std::string where = " s" + std::to_string(s);
+    if (forward_pass) result_.ranks[r].stages.push_back(m.name + where);
+    if (!forward_pass && !stage_backward(e, s)) return;
+    for (int64_t mb = 0; mb < M_; ++mb) {
+      const auto [a, b] = encoder_range(mb_samples_[mb], D_, m.layout.dp, c.dp);
+      if (a == b) continue;
+      const double n = static_cast<double>(b - a);
+      const double tokens = n * T / static_cast<double>(cp);  // this rank's
+      const double act_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
+      const std::string id = " mb" + std::to_string(mb) + where;
+      if (forward_pass) {
+        const double comm =
+            static_cast<double>(sc.blocks) *
+                (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv)) +
+            (last ? all_gather(cp_group, n * T * H * act_) : 0);
+        Op op = compute(m.name + " fwd" + id, true, n * sc.forward_flops / (tp * cp), comm);
+        if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
+        if (!last) {
+          op.sends.push_back(
+              {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), tokens * h * act_});
+        } else if (c.tp == 0 && c.cp == 0) {  // bridge: items to the replicas' first LLM stage
+          const int64_t per = mb_samples_[mb];
+          for (int64_t d = 0; d < D_; ++d) {
+            const int64_t lo = std::max(a, d * per), hi = std::min(b, (d + 1) * per);
+            if (lo >= hi) continue;
+            const double bytes =
+                static_cast<double>(hi - lo) * T * H * act_ / static_cast<double>(llm.layout.cp);
+            for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
+              for (int64_t ltp = 0; ltp < llm.layout.tp; ++ltp) {
+                const int64_t dst = llm.rank_of({ltp, lcp, d, 0});
+                op.sends.push_back({{kBridge, e, mb, r, dst}, dst, bytes});
+              }
+          }
+        }
+        if (stage_backward(e, s)) op.keep_bytes = act_bytes;
+        ops_[r].push_back(std::move(op));
+        continue;
+      }
+      const double blocks_back = m.weight_grads ? static_cast<double>(sc.blocks) : 0;
+      const double comm = blocks_back * (2 * all_reduce(tp_group, tokens * h * act_) +
+                                         reduce_scatter(cp_group, kv));
+      Op op = compute(m.name + " bwd" + id, false, n * sc.backward_flops / (tp * cp), comm);
+      if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
+        const int64_t per = mb_samples_[mb];
+        for (int64_t d = 0; d < D_; ++d) {
+          if (std::max(a, d * per) >= std::min(b, (d + 1) * per)) continue;
+          for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
+            op.waits.push_back({kBridgeGrad, e, mb, llm.rank_of({0, lcp, d, 0}), r});
+        }
+      } else {
+        op.waits.push_back({kEncGrad, e, mb, neighbour(s + 1), r});
+      }
+      if (!first && m.weight_grads)
+        op.sends.push_back(
+            {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * h * act_});
+      op.free_bytes = act_bytes;
+      if (mb == M_ - 1) op.arms = e;
+      ops_[r].push_back(std::move(op));
+    }
+  }
+
+  void build_llm(int64_t r) {
+    const ModulePlan& m = mod(llm_);
+    const LlmSpec& l = spec_.model.llm;
+    const Coord c = m.coord(r);
+    const int64_t s = c.pp, P = m.layout.pp, tp = m.layout.tp, cp = m.layout.cp, d = c.dp;
+    const bool first = s == 0, last = s == P - 1;
+    const StageCost& sc = costs_[llm_][s];
+    const double S = static_cast<double>(l.max_seq), H = static_cast<double>(l.hidden);
+    const double kv_width = static_cast<double>(l.head_dim() * l.kv_heads);
+    const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
+    const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage}); };
+    const std::string where = " s" + std::to_string(s);
+    result_.ranks[r].stages.push_back(m.name + where);
+    const auto sizes = [&](int64_t mb, double* n, double* tokens, double* kv) {
+      *n = static_cast<double>(mb_samples_[mb]);
+      *tokens = *n * S / static_cast<double>(cp);
+      *kv = *n * S * 2 * kv_width / static_cast<double>(tp) * act_;
+    };
+    const double blocks = static_cast<double>(sc.blocks);
+    const auto forward = [&](int64_t mb) {
+      double n, tokens, kv;
+      sizes(mb, &n, &tokens, &kv);
+      // TP: 2 all-reduces per block and the vocab-parallel embedding's; CP: K/V all-gathers.
+      const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+                          blocks * all_gather(cp_group, kv);
+      Op op = compute("llm fwd mb" + std::to_string(mb) + where, true,
+                      n * sc.forward_flops / static_cast<double>(tp * cp), comm);
+      op.llm = true;
+      if (first) {
+        for (int64_t e = 0; e < llm_; ++e) {
+          if (mod(e).role != ModuleRole::kEncoder) continue;
+          const ModulePlan& em = mod(e);
+          for (const auto& [i, items] : encoder_ranks_of(e, mb, d))
+            op.waits.push_back({kBridge, e, mb, em.rank_of({0, 0, i, em.layout.pp - 1}), r});
+        }
+      } else {
+        op.waits.push_back({kLlmAct, llm_, mb, neighbour(s - 1), r});
+      }
+      if (!last)
+        op.sends.push_back(
+            {{kLlmAct, llm_, mb, r, neighbour(s + 1)}, neighbour(s + 1), tokens * H * act_});
+      if (m.needs_backward())
+        op.keep_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      ops_[r].push_back(std::move(op));
+    };
+    const auto backward = [&](int64_t mb) {
+      double n, tokens, kv;
+      sizes(mb, &n, &tokens, &kv);
+      const double comm = 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
+                          blocks * reduce_scatter(cp_group, kv);
+      Op op = compute("llm bwd mb" + std::to_string(mb) + where, false,
+                      n * sc.backward_flops / static_cast<double>(tp * cp), comm);
+      op.llm = true;
+      if (!last) op.waits.push_back({kLlmGrad, llm_, mb, neighbour(s + 1), r});
+      if (!first) {
+        op.sends.push_back(
+            {{kLlmGrad, llm_, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * H * act_});
+      } else if (c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
+        for (int64_t e = 0; e < llm_; ++e) {
+          if (mod(e).role != ModuleRole::kEncoder || !mod(e + 1).needs_backward()) continue;
+          const ModulePlan& em = mod(e);
+          const double T = static_cast<double>(enc_spec(e).tokens_per_item());
+          for (const auto& [i, items] : encoder_ranks_of(e, mb, d))
+            for (int64_t ecp = 0; ecp < em.layout.cp; ++ecp)
+              for (int64_t etp = 0; etp < em.layout.tp; ++etp) {
+                const int64_t dst = em.rank_of({etp, ecp, i, em.layout.pp - 1});
+                op.sends.push_back(
+                    {{kBridgeGrad, e, mb, r, dst},
+                     dst,
+                     static_cast<double>(items) * T * H * act_ / static_cast<double>(cp)});
+              }
+        }
+      }
+      op.free_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      if (mb == M_ - 1) op.arms = llm_;
+      ops_[r].push_back(std::move(op));
+    };
+    if (!m.needs_backward()) {
+      for (int64_t mb = 0; mb < M_; ++mb) forward(mb);
+      return;
+    }
+    const int64_t warmup = std::min(P - 1 - s, M_);
+    int64_t nf = 0, nb = 0;
+    while (nf < warmup) forward(nf++);
+    while (nf < M_) {
+      forward(nf++);
+      backward(nb++);
+    }
+    while (nb < M_) backward(nb++);
+  }
+
+  // Static memory and the step-end collectives of module i's stage on rank r.
+  void build_module_end(int64_t r, int64_t i) {
+    const ModulePlan& m = mod(i);
+    const Coord c = m.coord(r);
+    const StageCost& sc = costs_[i][c.pp];
+    const double tp = static_cast<double>(m.layout.tp);
+    const auto group = m.group(r, {Axis::kCp, Axis::kDp});
+    const double grad = sc.grad_bytes / tp;
+    // ZeRO-1 shards AdamW's moments (2/3 of the train state) over the CP × DP group.
+    const double moments = (sc.train_state_bytes - sc.grad_bytes) / tp /
+                           (spec_.train.zero_stage == 1 ? static_cast<double>(group.size()) : 1);
+    RankReport& rep = result_.ranks[r];
+    rep.static_bytes += sc.param_bytes / tp + grad + moments;
+    if (grad > 0) {
+      const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
+      add_collective(r, m.name + " grad all-reduce", group,
+                     all_reduce_seconds(cl_, group, grad, o_.grad_reduce_algo),
+                     all_reduce_seconds(cl_, group, std::min(grad, bucket), o_.grad_reduce_algo),
+                     spec_.train.overlap_grad_reduce ? i : -1);
+    }
+  }
+
+  void build_rank(int64_t r) {
+    std::vector<int64_t> encoders;
+    for (int64_t i = 0; i < llm_; ++i)
+      if (mod(i).role == ModuleRole::kEncoder && mod(i).hosts(r)) encoders.push_back(i);
+    const ModulePlan& llm = mod(llm_);
+    for (int64_t e : encoders) build_encoder(r, e, true);
+    if (llm.hosts(r)) build_llm(r);
+    for (int64_t e : encoders) build_encoder(r, e, false);
+    for (int64_t e : encoders) build_module_end(r, e);
+    if (llm.hosts(r)) {
+      build_module_end(r, llm_);
+      const Coord c = llm.coord(r);
+      const int64_t P = llm.layout.pp;
+      if (spec_.model.llm.tie_embeddings && P > 1 && llm.weight_grads &&
+          (c.pp == 0 || c.pp == P - 1)) {
+        const std::vector<int64_t> pair = {llm.rank_of({c.tp, c.cp, c.dp, 0}),
+                                           llm.rank_of({c.tp, c.cp, c.dp, P - 1})};
+        const double bytes = 4.0 * static_cast<double>(spec_.model.llm.vocab) *
+                             static_cast<double>(spec_.model.llm.hidden) /
+                             static_cast<double>(llm.layout.tp);
+        add_collective(r, "llm tied embedding all-reduce", pair,
+                       all_reduce_seconds(cl_, pair, bytes));
+      }
+    }
+    std::vector<int64_t> world(static_cast<size_t>(plan_.world_size));
+    for (int64_t k = 0; k < plan_.world_size; ++k) world[k] = k;
+    add_collective(r, "loss and grad-norm all-reduce", world,
+                   2 * all_reduce_seconds(cl_, world, 8));
+    // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.
+    // Under ZeRO-1 a rank steps only its share of the CP × DP group's parameters.
+    double grad_bytes = 0;
+    for (size_t i = 0; i < plan_.modules.size(); ++i) {
+      const ModulePlan& m = plan_.modules[i];
+      if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
+      const double share =
+          spec_.train.zero_stage == 1 ? 1.0 / static_cast<double>(m.layout.dp * m.layout.cp) : 1;
+      grad_bytes += costs_[i][m.coord(r).pp].grad_bytes / static_cast<double>(m.layout.tp) * share;
+    }
+    const double hbm = cl_.device.hbm_bytes_per_second;
+    if (o_.optimizer_step && hbm > 0 && grad_bytes > 0) {
+      Op op;
+      op.name = "optimizer";
+      op.category = "optimizer";
+      op.seconds = 7 * grad_bytes / hbm;
+      ops_[r].push_back(std::move(op));
+    }
+  }
+
+  // ---- the event loop ------------------------------------------------------------------------
+
+  void record(int64_t r, const std::string& name, const std::string& cat, double start,
+              double seconds) {
+    if (o_.trace && seconds > 0) result_.trace.push_back({name, cat, r, start, seconds});
+  }
+
+  void execute() {
+    const size_t R = ops_.size();
+    std::vector<size_t> cursor(R, 0);
+    std::vector<double> free_at(R, 0), activations(R, 0);
+    std::map<MsgKey, double> arrival;
+    std::vector<std::map<int64_t, std::pair<double, double>>> armed(R);  // module → [start, end)
+    busy_.assign(R, {});
+    bool done = false;
+    while (!done) {
+      bool progress = false;
+      done = true;
+      for (size_t r = 0; r < R; ++r) {
+        RankReport& rep = result_.ranks[r];
+        while (cursor[r] < ops_[r].size()) {
+          const Op& op = ops_[r][cursor[r]];
+          if (op.collective >= 0) {
+            Collective& c = collectives_[op.collective];
+            const size_t me = static_cast<size_t>(
+                std::find(c.ranks.begin(), c.ranks.end(), static_cast<int64_t>(r)) -
+                c.ranks.begin());
+            if (!c.arrived[me]) c.arrived[me] = true, ++c.count;
+            if (c.count < static_cast<int64_t>(c.ranks.size())) break;
+            run_collective(c, &cursor, &free_at, armed);
+            progress = true;
+            continue;
+          }
+          double start = free_at[r];
+          bool ready = true;
+          for (const MsgKey& k : op.waits) {
+            auto it = arrival.find(k);
+            if (it == arrival.end()) {
+              ready = false;
+              break;
+            }
+            start = std::max(start, it->second);
+          }
+          if (!ready) break;
+          const double end = start + op.seconds;
+          for (const Send& s : op.sends) {
+            WEFT_ASSERT(!arrival.count(s.key), "message sent twice: ", op.name);
+            arrival[s.key] = end + p2p_seconds(cl_, static_cast<int64_t>(r), s.dst, s.bytes);
+          }
+          if (op.arms >= 0) armed[r][op.arms] = {start, end};
+          activations[r] += op.keep_bytes;
+          rep.peak_activation_bytes = std::max(rep.peak_activation_bytes, activations[r]);
+          activations[r] -= op.free_bytes;
+          if (op.category == "optimizer") {
+            rep.optimizer_seconds += op.seconds;
+          } else {
+            rep.busy_seconds += op.seconds;
+            rep.comm_seconds += op.comm_seconds;
+            busy_[r].push_back({start, end});
+          }
+          if (op.llm) llm_compute_end_ = std::max(llm_compute_end_, end);
+          record(static_cast<int64_t>(r), op.name, op.category, start, op.seconds);
+          free_at[r] = end;
+          ++cursor[r];
+          progress = true;
+        }
+        done = done && cursor[r] == ops_[r].size();
+      }
+      WEFT_ASSERT(done || progress, "the simulated step deadlocks (no rank can proceed)");
+    }
+    for (size_t r = 0; r < R; ++r)
+      result_.step_seconds = std::max(result_.step_seconds, free_at[r]);
+  }
+
+  void run_collective(const Collective& c, std::vector<size_t>* cursor,
+                      std::vector<double>* free_at,
+                      const std::vector<std::map<int64_t, std::pair<double, double>>>& armed) {
+    // Without overlap it starts when every rank reached it; with overlap a rank is ready from
+    // the start of its last backward of the module, and the last bucket follows its end.
+    double start = 0, backward_end = 0;
+    for (int64_t r : c.ranks) {
+      double ready = (*free_at)[r], end = (*free_at)[r];
+      auto it = c.module >= 0 ? armed[r].find(c.module) : armed[r].end();
+      if (it != armed[r].end()) ready = it->second.first, end = it->second.second;
+      start = std::max(start, ready);
+      backward_end = std::max(backward_end, end);
+    }
+    const double end = c.module >= 0
+                           ? std::max(start + c.seconds, backward_end + c.last_bucket_seconds)
+                           : start + c.seconds;
+    for (int64_t r : c.ranks) {
+      double& f = (*free_at)[r];
+      if (end > f) {
+        const double from = std::max(f, start);
+        result_.ranks[r].collective_seconds += end - from;
+        record(r, c.name, "collective", from, end - from);
+        f = end;
+      }
+      ++(*cursor)[r];
+    }
+  }
+
+  double llm_compute_end_ = 0;                                // end of the last LLM op
+  std::vector<std::vector<std::pair<double, double>>> busy_;  // per rank: forward / backward ops
+
+  void summarise() {
+    SimResult& res = result_;
+    const int64_t B = plan_.global_batch;
+    res.tokens_per_step = static_cast<double>(B * spec_.model.llm.max_seq);
+    res.tokens_per_second = res.step_seconds > 0 ? res.tokens_per_step / res.step_seconds : 0;
+    for (size_t i = 0; i < plan_.modules.size(); ++i) {
+      double per_unit = 0;
+      for (const StageCost& sc : costs_[i]) per_unit += sc.forward_flops + sc.backward_flops;
+      res.model_flops += per_unit * static_cast<double>(B);
+      if (static_cast<int64_t>(i) == llm_) res.llm_flops = per_unit * static_cast<double>(B);
+    }
+    const double peak = cl_.device.peak_flops(spec_.train.precision) *
+                        static_cast<double>(plan_.world_size) * res.step_seconds;
+    res.mfu = peak > 0 ? res.model_flops / peak : 0;
+    res.mfu_llm_only = peak > 0 ? res.llm_flops / peak : 0;
+    double idle = 0, total = 0;
+    for (RankReport& rep : res.ranks) {
+      rep.peak_memory_bytes = rep.static_bytes + rep.peak_activation_bytes;
+      res.memory_fits = res.memory_fits && rep.peak_memory_bytes <= cl_.device.memory_bytes;
+      if (!mod(llm_).hosts(rep.rank) || llm_compute_end_ <= 0) continue;
+      double busy = 0;  // within [0, llm_compute_end_)
+      for (const auto& [a, b] : busy_[rep.rank])
+        busy += std::max(0.0, std::min(b, llm_compute_end_) - a);
+      idle += llm_compute_end_ - busy;
+      total += llm_compute_end_;
+    }
+    res.bubble_fraction = total > 0 ? idle / total : 0;
+  }
+};
+
+}  // namespace
+
+CostTable stage_costs(const Spec& spec, const Plan& plan) {
+  CostTable table(plan.modules.size());
+  MicrobatchShape unit = single_sample_microbatch(spec);
+  unit.items = 1;
+  for (size_t i = 0; i < plan.modules.size(); ++i) {
+    const ModulePlan& m = plan.modules[i];
+    if (m.role == ModuleRole::kProjector) continue;
+    const ModuleCosts costs = module_layer_costs(spec, m, unit);
+    for (int64_t s = 0; s < m.layout.pp; ++s) {
+      StageCost sc;
+      const auto [begin, end] = m.stage_layers(s);
+      if (s == 0) add(&sc, costs.front);
+      for (int64_t b = begin; b < end; ++b) add(&sc, costs.blocks[static_cast<size_t>(b)]);
+      if (s == m.layout.pp - 1) add(&sc, costs.back);
+      sc.blocks = end - begin;
+      table[i].push_back(sc);
+    }
+  }
+  return table;
+}
+
+SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
+                   const SimOptions& options) {
+  const Spec s = with_vocab(spec, options);
+  return simulate(s, plan, cluster, stage_costs(s, plan), options);
+}
+
+SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
+                   const CostTable& costs, const SimOptions& options) {
+  WEFT_CHECK(plan.world_size <= cluster.world_size(), "[simulate] the plan needs ", plan.world_size,
+             " ranks but the cluster ", cluster.source, " has ", cluster.nodes, " x ",
+             cluster.gpus_per_node, " = ", cluster.world_size(), " devices");
+  WEFT_CHECK(costs.size() == plan.modules.size(), "[simulate] cost table for ", costs.size(),
+             " modules, plan has ", plan.modules.size());
+  for (size_t i = 0; i < plan.modules.size(); ++i) {
+    const ModulePlan& m = plan.modules[i];
+    const size_t want = m.role == ModuleRole::kProjector ? 0 : static_cast<size_t>(m.layout.pp);
+    WEFT_CHECK(costs[i].size() == want, "[simulate] cost table of module '", m.name, "' has ",
+               costs[i].size(), " stages (expected ", want, ")");
+  }
+  const Spec s = with_vocab(spec, options);
+  return Engine(s, plan, cluster, costs, options).run();
+}
+
+std::string to_json(const SimResult& r) {
+  nlohmann::ordered_json j;
+  j["step_seconds"] = r.step_seconds;
+  j["tokens_per_step"] = r.tokens_per_step;
+  j["tokens_per_second"] = r.tokens_per_second;
+  j["model_flops"] = r.model_flops;
+  j["llm_flops"] = r.llm_flops;
+  j["mfu"] = r.mfu;
+  j["mfu_llm_only"] = r.mfu_llm_only;
+  j["bubble_fraction"] = r.bubble_fraction;
+  j["memory_fits"] = r.memory_fits;
+  auto& ranks = j["ranks"] = nlohmann::ordered_json::array();
+  for (const RankReport& k : r.ranks)
+    ranks.push_back({{"rank", k.rank},
+                     {"stages", k.stages},
+                     {"busy_seconds", k.busy_seconds},
+                     {"comm_seconds", k.comm_seconds},
+                     {"collective_seconds", k.collective_seconds},
+                     {"optimizer_seconds", k.optimizer_seconds},
+                     {"static_bytes", k.static_bytes},
+                     {"peak_activation_bytes", k.peak_activation_bytes},
+                     {"peak_memory_bytes", k.peak_memory_bytes}});
+  return j.dump(2);
+}
+
+std::string chrome_trace(const SimResult& r) {
+  nlohmann::json events = nlohmann::json::array();
+  for (const TraceEvent& e : r.trace)
+    events.push_back({{"name", e.name},
+                      {"cat", e.category},
+                      {"ph", "X"},
+                      {"ts", e.start_seconds * 1e6},
+                      {"dur", e.seconds * 1e6},
+                      {"pid", 0},
+                      {"tid", e.rank}});
+  return events.dump();
+}
+
+}  // namespace weft::plan

@@ -1,0 +1,121 @@
+// Simulator: replays one training step of a Plan on a Cluster as a discrete-event timeline, in
+// exactly the order the runtime (dist/runtime.h) runs it on every rank:
+//
+//  1. every hosted encoder stage runs forward on every microbatch (spec order, then microbatch
+//     order); a stage's forward of microbatch m waits for the previous stage's activations, and
+//     the last stage (tp = cp = 0) sends each item's features over the bridge to the first LLM
+//     stage ranks of the replica that holds it (every TP and CP rank);
+//  2. the LLM's stages run 1F1B (warm-up min(P - 1 - s, M) forwards on stage s, then one
+//     forward / one backward, then the remaining backwards; forward only when the LLM needs no
+//     backward); its first stage waits for every bridge message of the microbatch and, in
+//     backward, sends feature gradients back (from tp-rank 0 of each CP rank);
+//  3. encoder stages run backward in microbatch order (the last stage iff its projector needs
+//     backward, earlier stages iff the encoder trains), waiting for the gradients;
+//  4. each module's gradients are all-reduced over its CP × DP group (started with the last
+//     backward when train.overlap_grad_reduce, its last bucket after the backward ends), a tied
+//     embedding's first/last-stage copies are summed, the loss and the gradient norm are
+//     all-reduced over the world, and the optimizer steps (AdamW's memory traffic).
+//
+// Each rank runs its ops one at a time. Sends never block (an isend); a message arrives
+// p2p_seconds after its op ends; a collective starts when all its ranks reach it. Links are not
+// contended. Compute is the frozen-aware per-layer FLOP cost (partition.h: work a frozen layer
+// skips is not charged) for the microbatch's data, divided over the module's tp × cp ranks and
+// charged at the device's effective FLOP/s; TP all-reduces (2 per block and direction, 1 for the
+// embedding) and CP K/V all-gathers / dK,dV reduce-scatters (1 per block and direction) are
+// added to the op that issues them. Activation memory: what a forward keeps (partition.h's
+// activation_bytes, split over tp × cp) is held until its backward.
+//
+// Data: each sample is model.llm.max_seq tokens (one document, loss on every token) with one item
+// per encoder; train.batch samples go to the LLM's DP replicas evenly, each replica's split into
+// train.microbatches as the loader does (sizes differ by at most one, larger first), and encoder
+// DP ranks take a global microbatch's items as the runtime does (fan-in, fan-out or even split).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weft/core/spec.h"
+#include "weft/plan/cluster.h"
+#include "weft/plan/plan.h"
+
+namespace weft::plan {
+
+// One pipeline stage of a module, per unit of data (LLM: one sample; encoder: one item), for the
+// whole stage (tp = cp = 1), under the frozen rules. An encoder's last stage includes its
+// projector, the LLM's first the embedding and its last the head.
+struct StageCost {
+  double forward_flops = 0;
+  double backward_flops = 0;  // input + weight gradients
+  double activation_bytes = 0;
+  double param_bytes = 0;
+  double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
+  double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
+  int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
+};
+
+// Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
+using CostTable = std::vector<std::vector<StageCost>>;
+CostTable stage_costs(const Spec& spec, const Plan& plan);
+
+struct SimOptions {
+  CollectiveAlgo grad_reduce_algo = CollectiveAlgo::kRing;
+  bool tp_cp_comm = true;      // charge TP and CP collectives inside the ops
+  bool optimizer_step = true;  // charge the optimizer's memory traffic (needs hbm bandwidth)
+  // model.llm.vocab = 0 takes the tokenizer's size padded to a multiple of 64 (train/trainer):
+  // the vocabulary the simulator assumes then.
+  int64_t unset_vocab = 64;
+  bool trace = true;  // keep the timeline (SimResult::trace)
+};
+
+// One interval of one rank's timeline.
+struct TraceEvent {
+  std::string name;      // "vision fwd mb2 s0", "llm bwd mb0 s1", "llm grad all-reduce", ...
+  std::string category;  // "forward", "backward", "collective", "optimizer"
+  int64_t rank = 0;
+  double start_seconds = 0, seconds = 0;
+};
+
+struct RankReport {
+  int64_t rank = 0;
+  std::vector<std::string> stages;  // "vision s0", "llm s1": what the rank hosts
+  double busy_seconds = 0;          // forward / backward ops, their TP / CP collectives included
+  double comm_seconds = 0;          // of busy_seconds: TP / CP collectives inside the ops
+  double collective_seconds = 0;    // exposed step-end collectives (gradients, loss, norm)
+  double optimizer_seconds = 0;
+  double static_bytes = 0;  // parameters + gradients + optimizer state
+  double peak_activation_bytes = 0;
+  double peak_memory_bytes = 0;  // static + peak activations
+};
+
+struct SimResult {
+  double step_seconds = 0;
+  double tokens_per_step = 0;  // LLM tokens (train.batch × max_seq)
+  double tokens_per_second = 0;
+  double model_flops = 0, llm_flops = 0;  // per step, under the frozen rules
+  // flops / (step_seconds · world · the device's peak for train.precision)
+  double mfu = 0, mfu_llm_only = 0;
+  // Idle time of the LLM's ranks while its pipeline runs: Σ (T - busy) / (ranks · T), T = end of
+  // the LLM's last forward / backward, busy = any module's forward / backward ops before T
+  // (waiting for encoders counts as idle; step-end collectives and the optimizer come after T).
+  double bubble_fraction = 0;
+  bool memory_fits = true;  // every rank's peak within the device memory
+  std::vector<RankReport> ranks;
+  std::vector<TraceEvent> trace;  // in execution order per rank
+};
+
+// Simulates one step. The plan must fit the cluster (world_size <= its devices); model.llm.vocab
+// = 0 is taken as options.unset_vocab. The second form takes the per-stage costs (e.g. from a
+// measured profile, or made uniform for a textbook check) instead of stage_costs(spec, plan).
+SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
+                   const SimOptions& options = {});
+SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
+                   const CostTable& costs, const SimOptions& options = {});
+
+// {"step_seconds", "tokens_per_second", "mfu", "mfu_llm_only", "bubble_fraction", ..., "ranks"}.
+std::string to_json(const SimResult& result);
+// Chrome / Perfetto trace: a JSON array of {"name", "cat", "ph": "X", "ts", "dur", "pid": 0,
+// "tid": rank}, times in microseconds.
+std::string chrome_trace(const SimResult& result);
+
+}  // namespace weft::plan

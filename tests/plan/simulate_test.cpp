@@ -1,0 +1,446 @@
+// Cluster files and the alpha-beta model against hand-computed numbers; the simulator against
+// textbook results: a uniform p-stage 1F1B pipeline with m microbatches idles (p-1)/(m+p-1) of
+// the time, a single-rank plan takes exactly its layer costs, DP2 adds exactly its gradient
+// all-reduce, a frozen encoder runs no backward; bridge timing, activation memory, the trace.
+#include "weft/plan/simulate.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "support/plan_specs.h"
+#include "weft/core/config.h"
+#include "weft/core/error.h"
+#include "weft/plan/cluster.h"
+#include "weft/plan/partition.h"
+#include "weft/plan/plan.h"
+
+namespace weft::plan {
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// 2 nodes × 4: intra 100 GB/s, 2 us; inter 10 GB/s, 10 us.
+Cluster two_nodes() {
+  return parse_cluster(R"(
+nodes = 2
+gpus_per_node = 4
+device = "h100"
+[intra_node]
+bandwidth_gbs = 100
+latency_us = 2
+[inter_node]
+bandwidth_gbs = 10
+latency_us = 10
+)",
+                       "two.toml");
+}
+
+TEST(Cluster, ShippedFilesLoad) {
+  const Cluster h100 = load_cluster(WEFT_SOURCE_DIR "/configs/clusters/h100-8x1.toml");
+  EXPECT_EQ(h100.world_size(), 8);
+  EXPECT_EQ(h100.device.name, "h100");
+  EXPECT_DOUBLE_EQ(h100.device.peak_bf16_flops, 989e12);
+  EXPECT_DOUBLE_EQ(h100.intra_node.bytes_per_second, 450e9);
+  EXPECT_DOUBLE_EQ(h100.intra_node.latency_seconds, 3e-6);
+  const Cluster h200 = load_cluster(WEFT_SOURCE_DIR "/configs/clusters/h200-8x4.toml");
+  EXPECT_EQ(h200.world_size(), 32);
+  EXPECT_EQ(h200.node_of(7), 0);
+  EXPECT_EQ(h200.node_of(8), 1);
+  EXPECT_GT(h200.device.memory_bytes, h100.device.memory_bytes);
+  EXPECT_DOUBLE_EQ(h200.inter_node.bytes_per_second, 50e9);
+  const Cluster cpu = load_cluster(WEFT_SOURCE_DIR "/configs/clusters/cpu-local.toml");
+  EXPECT_EQ(cpu.world_size(), 2);
+  EXPECT_EQ(cpu.device.name, "cpu-core");
+  EXPECT_DOUBLE_EQ(cpu.device.effective_flops(Precision::kBf16), 0.25e12 * 0.7);
+}
+
+TEST(Cluster, InlineDevice) {
+  const Cluster c = parse_cluster(R"(
+nodes = 1
+gpus_per_node = 2
+[device]
+name = "toy"
+bf16_tflops = 2
+memory_gib = 1
+matmul_efficiency = 0.5
+[intra_node]
+bandwidth_gbs = 1
+latency_us = 0
+)",
+                                  "toy.toml");
+  EXPECT_EQ(c.device.name, "toy");
+  EXPECT_DOUBLE_EQ(c.device.peak_bf16_flops, 2e12);
+  EXPECT_DOUBLE_EQ(c.device.peak_fp32_flops, 2e12);  // no fp32 figure: the bf16 rate
+  EXPECT_DOUBLE_EQ(c.device.memory_bytes, 1024.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(c.device.hbm_bytes_per_second, 0);
+  EXPECT_DOUBLE_EQ(c.device.effective_flops(Precision::kBf16), 1e12);
+}
+
+TEST(Cluster, ErrorsNameFileKeyValue) {
+  const std::string link = "\n[intra_node]\nbandwidth_gbs = 1\nlatency_us = 1\n";
+  auto err = [&](const std::string& text) {
+    return error_of([&] { parse_cluster(text, "c.toml"); });
+  };
+  EXPECT_EQ(err("nodes = 1\ngpus_per_node = 0\ndevice = \"h100\"" + link),
+            "c.toml: gpus_per_node = 0: must be >= 1");
+  EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\ndevice = \"a100\"" + link)
+                .find("c.toml: device = \"a100\": unknown device profile (shipped: \"h100\""),
+            std::string::npos);
+  EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\ndevice = \"h100\"\ngpus = 3" + link)
+                .find("c.toml: gpus = 3: unknown key (allowed: nodes, gpus_per_node"),
+            std::string::npos);
+  EXPECT_EQ(err("nodes = 2\ngpus_per_node = 1\ndevice = \"h100\"" + link),
+            "c.toml: [inter_node]: missing table (expected bandwidth_gbs and latency_us)");
+  EXPECT_EQ(err("nodes = 1\ngpus_per_node = 1\ndevice = \"h100\"\n[intra_node]\n"
+                "bandwidth_gbs = \"fast\"\nlatency_us = 1\n"),
+            "c.toml: intra_node.bandwidth_gbs = \"fast\": expected a number");
+  EXPECT_EQ(err("nodes = 1\ngpus_per_node = 1\n[device]\nbase = \"h100\"\nmatmul_efficiency = 1.5" +
+                link),
+            "c.toml: device.matmul_efficiency = 1.5: must be in (0, 1] (a fraction of the peak)");
+  EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\n[device]\nname = \"x\"\nmemory_gib = 1" + link)
+                .find("c.toml: device.bf16_tflops: missing"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { load_cluster("/nonexistent/c.toml"); }).find("cannot read"),
+            std::string::npos);
+}
+
+TEST(CommModel, HandComputed) {
+  const Cluster c = two_nodes();
+  EXPECT_DOUBLE_EQ(p2p_seconds(c, 0, 1, 1e9), 2e-6 + 0.01);
+  EXPECT_DOUBLE_EQ(p2p_seconds(c, 3, 4, 1e9), 10e-6 + 0.1);  // across the node boundary
+  EXPECT_EQ(p2p_seconds(c, 5, 5, 1e9), 0);
+  // Ring all-reduce, 4 ranks on one node: 2·3·α + 2·3/4·bytes/B.
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, {0, 1, 2, 3}, 4e9), 12e-6 + 0.06);
+  // Two ranks on two nodes: the inter-node link.
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, {0, 4}, 1e9), 20e-6 + 0.1);
+  EXPECT_EQ(&bottleneck_link(c, {4, 5, 6}), &c.intra_node);
+  EXPECT_EQ(&bottleneck_link(c, {2, 5}), &c.inter_node);
+  // Tree all-reduce, 8 ranks: 2·⌈log2 8⌉·α + 2·bytes/B; 5 ranks take ⌈log2 5⌉ = 3 steps too.
+  const std::vector<int64_t> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, all, 1e9, CollectiveAlgo::kTree), 60e-6 + 0.2);
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, {0, 1, 2, 3, 4}, 1e9, CollectiveAlgo::kTree), 60e-6 + 0.2);
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, {0, 1}, 1e9, CollectiveAlgo::kTree), 4e-6 + 0.02);
+  // Ring all-gather / reduce-scatter: (n-1)·α + (n-1)/n·bytes/B.
+  EXPECT_DOUBLE_EQ(all_gather_seconds(c, {0, 1, 2, 3}, 4e9), 6e-6 + 0.03);
+  EXPECT_DOUBLE_EQ(reduce_scatter_seconds(c, {0, 1, 2, 3}, 4e9), 6e-6 + 0.03);
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c, {0, 1, 2, 3}, 4e9),
+                   all_gather_seconds(c, {0, 1, 2, 3}, 4e9) * 2);
+  // One rank: free.
+  EXPECT_EQ(all_reduce_seconds(c, {3}, 1e9), 0);
+  EXPECT_EQ(all_gather_seconds(c, {3}, 1e9), 0);
+}
+
+// ---- the simulator ---------------------------------------------------------------------------
+
+// A cluster whose links cost nothing measurable and whose device runs 1e12 FLOP/s effective.
+Cluster ideal(int64_t devices, double latency = 0, double bandwidth_gbs = 1e12) {
+  Cluster c;
+  c.source = "ideal";
+  c.gpus_per_node = devices;
+  c.device.name = "ideal";
+  c.device.peak_bf16_flops = c.device.peak_fp32_flops = 2e12;
+  c.device.matmul_efficiency = 0.5;
+  c.device.memory_bytes = 1e12;
+  c.device.hbm_bytes_per_second = 1e12;
+  c.intra_node = c.inter_node = {bandwidth_gbs * 1e9, latency};
+  return c;
+}
+
+// The shared test VLM (4 LLM layers, 3 vision layers, batch 8 in 2 microbatches) with 64-token
+// samples, gradients reduced after the backward.
+Spec vlm_spec() {
+  Spec s = testing::vlm_spec();
+  s.model.llm.max_seq = 64;
+  s.train.overlap_grad_reduce = false;
+  return s;
+}
+
+SimOptions no_optimizer() {
+  SimOptions o;
+  o.optimizer_step = false;
+  return o;
+}
+
+// Work of a module's layers for one unit of data (module_layer_costs applied the frozen rules,
+// an encoder's projector with its own flags).
+double module_time(const Spec& spec, const ModulePlan& m) {
+  const ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
+  const auto work = [](const LayerCost& l) { return l.forward + l.input_grad + l.weight_grad; };
+  double t = work(c.front) + work(c.back);
+  for (const auto& b : c.blocks) t += work(b);
+  return t;
+}
+
+const TraceEvent* find_event(const SimResult& r, const std::string& name) {
+  for (const auto& e : r.trace)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+int count_events(const SimResult& r, const std::string& part) {
+  int n = 0;
+  for (const auto& e : r.trace) n += e.name.find(part) != std::string::npos;
+  return n;
+}
+
+TEST(Simulate, SingleRankIsTheSumOfLayerCosts) {
+  for (bool frozen : {false, true}) {
+    Spec s = vlm_spec();
+    s.model.encoders[0].frozen = frozen;
+    const Plan p = make_plan(s, 1);
+    const Cluster c = ideal(1, 1e-3, 1);  // slow links: none may be used
+    const SimResult r = simulate(s, p, c, no_optimizer());
+    // Layer costs already apply the frozen rules (the projector is the encoder's `back`).
+    const double flops = (module_time(s, p.module("vision")) + module_time(s, p.module("llm"))) *
+                         static_cast<double>(s.train.batch);
+    EXPECT_NEAR(r.step_seconds, flops / 1e12, 1e-15) << frozen;
+    EXPECT_DOUBLE_EQ(r.model_flops, flops);
+    EXPECT_DOUBLE_EQ(r.llm_flops, module_time(s, p.module("llm")) * s.train.batch);
+    EXPECT_NEAR(r.mfu, 0.5, 1e-12);  // nothing but compute at the device's efficiency
+    EXPECT_DOUBLE_EQ(r.tokens_per_step, 8.0 * 64);
+    EXPECT_DOUBLE_EQ(r.tokens_per_second, r.tokens_per_step / r.step_seconds);
+    EXPECT_NEAR(r.bubble_fraction, 0, 1e-12);
+    EXPECT_EQ(r.ranks.at(0).collective_seconds, 0);
+    EXPECT_EQ(r.ranks[0].stages, (std::vector<std::string>{"vision s0", "llm s0"}));
+  }
+}
+
+// A pure-LLM plan with uniform stages: forward f, backward b seconds per microbatch.
+SimResult uniform_pipeline(int64_t p, int64_t m, double f, double b) {
+  Spec s;
+  s.source = "pipe.toml";
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = p;
+  s.train.batch = m;
+  s.train.microbatches = m;
+  s.parallel.modules["llm"].pp = p;
+  const Plan plan = make_plan(s, p);
+  CostTable costs = stage_costs(s, plan);
+  for (StageCost& sc : costs.back()) sc.forward_flops = f * 1e12, sc.backward_flops = b * 1e12;
+  return simulate(s, plan, ideal(p), costs, no_optimizer());
+}
+
+TEST(Simulate, OneFOneBBubbleIsTextbook) {
+  for (auto [p, m] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 4}, {4, 8}, {4, 4}, {4, 2}, {3, 1}, {8, 16}}) {
+    for (double b : {1.0, 2.0}) {
+      const SimResult r = uniform_pipeline(p, m, 1.0, b);
+      const double pm = static_cast<double>(p), mm = static_cast<double>(m);
+      EXPECT_NEAR(r.bubble_fraction, (pm - 1) / (mm + pm - 1), 1e-9) << p << " " << m << " " << b;
+      EXPECT_NEAR(r.step_seconds, (mm + pm - 1) * (1 + b), 1e-6) << p << " " << m << " " << b;
+      for (const auto& rank : r.ranks) EXPECT_NEAR(rank.busy_seconds, mm * (1 + b), 1e-9);
+    }
+  }
+  // The 1F1B order on a middle stage: warm-up forwards, then alternate, then drain.
+  const SimResult r = uniform_pipeline(4, 6, 1, 2);
+  std::vector<std::string> stage1;
+  for (const auto& e : r.trace)
+    if (e.rank == 1 && e.category != "collective") stage1.push_back(e.name.substr(4, 7));
+  EXPECT_EQ(stage1, (std::vector<std::string>{"fwd mb0", "fwd mb1", "fwd mb2", "bwd mb0", "fwd mb3",
+                                              "bwd mb1", "fwd mb4", "bwd mb2", "fwd mb5", "bwd mb3",
+                                              "bwd mb4", "bwd mb5"}));
+}
+
+TEST(Simulate, ActivationsInFlightFollow1F1B) {
+  const SimResult r = uniform_pipeline(4, 8, 1, 2);
+  Spec s;
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = 4;
+  s.train.batch = 8;
+  s.train.microbatches = 8;
+  s.parallel.modules["llm"].pp = 4;
+  const CostTable costs = stage_costs(s, make_plan(s, 4));
+  for (int64_t st = 0; st < 4; ++st)  // stage s holds P - s microbatches at its peak
+    EXPECT_DOUBLE_EQ(r.ranks[st].peak_activation_bytes,
+                     static_cast<double>(4 - st) * costs.back()[st].activation_bytes)
+        << st;
+  EXPECT_DOUBLE_EQ(r.ranks[0].static_bytes,
+                   costs.back()[0].param_bytes + costs.back()[0].train_state_bytes);
+}
+
+TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {
+  Spec s = vlm_spec();
+  const Cluster c = ideal(2, 5e-6, 10);
+  const SimResult two = simulate(s, make_plan(s, 2), c, no_optimizer());
+  Spec half = s;
+  half.train.batch = 4;  // what each replica computes
+  const SimResult one = simulate(half, make_plan(half, 1), c, no_optimizer());
+  const CostTable costs = stage_costs(s, make_plan(s, 2));
+  const std::vector<int64_t> pair = {0, 1};
+  const double grads = all_reduce_seconds(c, pair, costs[0][0].grad_bytes) +
+                       all_reduce_seconds(c, pair, costs[2][0].grad_bytes);
+  EXPECT_DOUBLE_EQ(costs[2][0].grad_bytes, costs[2][0].param_bytes);  // all trainable, fp32
+  EXPECT_NEAR(two.step_seconds, one.step_seconds + grads + 2 * all_reduce_seconds(c, pair, 8),
+              1e-12);
+  EXPECT_NEAR(two.ranks[0].collective_seconds, two.step_seconds - one.step_seconds, 1e-12);
+  // Overlapped with the last backward, the exposed part shrinks but the last bucket remains.
+  s.train.overlap_grad_reduce = true;
+  const SimResult overlapped = simulate(s, make_plan(s, 2), c, no_optimizer());
+  EXPECT_LT(overlapped.step_seconds, two.step_seconds);
+  EXPECT_GT(overlapped.step_seconds, one.step_seconds);
+}
+
+TEST(Simulate, FrozenEncoderRunsNoBackward) {
+  Spec s = vlm_spec();
+  s.parallel.placement = "separate";
+  s.parallel.modules["vision"].pp = 2;
+  s.model.encoders[0].frozen = true;
+  {  // trainable projector: only the encoder's last stage (the projector) runs backward
+    const SimResult r = simulate(s, make_plan(s, 3), ideal(3), no_optimizer());
+    EXPECT_EQ(count_events(r, "vision fwd"), 4);  // 2 stages × 2 microbatches
+    EXPECT_EQ(count_events(r, "vision bwd"), 2);
+    EXPECT_NE(find_event(r, "vision bwd mb1 s1"), nullptr);
+    EXPECT_EQ(r.ranks[0].peak_activation_bytes, 0);  // frozen stage keeps nothing
+    EXPECT_GT(r.ranks[1].peak_activation_bytes, 0);  // the projector's
+  }
+  s.model.encoders[0].projector.frozen = true;
+  const Plan p = make_plan(s, 3);
+  EXPECT_FALSE(p.module("llm").input_grads);
+  const SimResult r = simulate(s, p, ideal(3), no_optimizer());
+  EXPECT_EQ(count_events(r, "vision bwd"), 0);
+  EXPECT_EQ(count_events(r, "vision grad all-reduce"), 0);
+  EXPECT_EQ(r.ranks[0].static_bytes, stage_costs(s, p)[0][0].param_bytes);  // params only
+  // With nothing to send back, the encoders finish with their forwards.
+  const TraceEvent* last = find_event(r, "vision fwd mb1 s1");
+  ASSERT_NE(last, nullptr);
+  EXPECT_NEAR(r.ranks[1].busy_seconds, 2 * last->seconds, 1e-12);
+}
+
+TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
+  Spec s = vlm_spec();
+  s.parallel.placement = "separate";
+  const Cluster c = ideal(2, 1e-4, 1);
+  const SimResult r = simulate(s, make_plan(s, 2), c, no_optimizer());
+  const TraceEvent* enc = find_event(r, "vision fwd mb0 s0");
+  const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
+  ASSERT_TRUE(enc && llm);
+  EXPECT_EQ(enc->rank, 0);
+  EXPECT_EQ(llm->rank, 1);
+  // 4 items (a microbatch of 4 samples) × 16 tokens × hidden 128 × bf16.
+  const double bytes = 4.0 * 16 * 128 * 2;
+  EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + p2p_seconds(c, 0, 1, bytes),
+              1e-12);
+  // The encoder's backward waits for the LLM's first-stage backward and its gradients.
+  const TraceEvent* llm_bwd = find_event(r, "llm bwd mb0 s0");
+  const TraceEvent* enc_bwd = find_event(r, "vision bwd mb0 s0");
+  ASSERT_TRUE(llm_bwd && enc_bwd);
+  EXPECT_NEAR(enc_bwd->start_seconds,
+              llm_bwd->start_seconds + llm_bwd->seconds + p2p_seconds(c, 1, 0, bytes), 1e-12);
+  EXPECT_GT(r.bubble_fraction, 0);  // the LLM waits for the encoder
+}
+
+// Every layout runs without deadlock and does each unit of work exactly once: with TP / CP
+// collectives off, busy time summed over ranks is the step's FLOPs at the device's rate.
+TEST(Simulate, EveryLayoutConservesWork) {
+  struct Case {
+    std::string name, placement;
+    Layout vision, llm;
+    int64_t world;
+    bool llm_frozen;
+  };
+  const std::vector<Case> cases = {
+      {"colocated pp2", "colocated", {1, 1, 2, 1}, {1, 1, 2, 1}, 2, false},
+      {"colocated tp2 x dp2", "colocated", {4, 1, 1, 1}, {2, 2, 1, 1}, 4, false},
+      {"colocated cp2", "colocated", {1, 1, 1, 2}, {1, 1, 1, 2}, 2, false},
+      {"frozen llm pp2", "colocated", {2, 1, 1, 1}, {1, 1, 2, 1}, 2, true},
+      {"separate fan-in 1:2", "separate", {1, 1, 1, 1}, {2, 1, 1, 1}, 3, false},
+      {"separate uneven 3:2", "separate", {3, 1, 1, 1}, {2, 1, 1, 1}, 5, false},
+      {"separate fan-out 4:2 pp2", "separate", {4, 1, 1, 1}, {2, 1, 2, 1}, 8, false},
+  };
+  SimOptions o = no_optimizer();
+  o.tp_cp_comm = false;
+  for (const Case& c : cases) {
+    Spec s = vlm_spec();
+    s.model.llm.frozen = c.llm_frozen;
+    s.parallel.placement = c.placement;
+    const auto layout = [](const Layout& l) {
+      LayoutSpec x;
+      x.dp = l.dp, x.tp = l.tp, x.pp = l.pp, x.cp = l.cp;
+      return x;
+    };
+    s.parallel.modules["vision"] = layout(c.vision);
+    s.parallel.modules["llm"] = layout(c.llm);
+    const Cluster cl = ideal(c.world, 1e-5, 10);
+    const SimResult r = simulate(s, make_plan(s, c.world), cl, o);
+    double busy = 0;
+    for (const auto& k : r.ranks) busy += k.busy_seconds;
+    EXPECT_NEAR(busy, r.model_flops / 1e12, 1e-12) << c.name;
+    EXPECT_GT(r.step_seconds, r.model_flops / 1e12 / static_cast<double>(c.world)) << c.name;
+    if (c.llm_frozen) {  // input gradients only: backward costs what forward does
+      double forward = 0;
+      const CostTable costs = stage_costs(s, make_plan(s, c.world));
+      for (const StageCost& sc : costs.back())
+        forward += sc.forward_flops * static_cast<double>(s.train.batch);
+      EXPECT_NEAR(r.llm_flops, 2 * forward, 1e-6 * forward);
+      EXPECT_GT(count_events(r, "llm bwd"), 0);
+    }
+  }
+}
+
+TEST(Simulate, TraceIsChromeJson) {
+  const SimResult r = uniform_pipeline(2, 3, 1, 2);
+  const nlohmann::json j = nlohmann::json::parse(chrome_trace(r));
+  ASSERT_TRUE(j.is_array());
+  size_t ops = 0;
+  for (const auto& e : j) {
+    ops += e.at("cat") == "forward" || e.at("cat") == "backward";
+    EXPECT_EQ(e.at("ph"), "X");
+    EXPECT_EQ(e.at("pid"), 0);
+    EXPECT_TRUE(e.at("tid") == 0 || e.at("tid") == 1);
+    EXPECT_GT(e.at("dur").get<double>(), 0);
+    EXPECT_TRUE(e.at("name").is_string() && e.at("ts").is_number());
+  }
+  EXPECT_EQ(ops, 2u * 3 * 2);  // 3 forwards and 3 backwards on each of 2 stages
+  EXPECT_DOUBLE_EQ(j[0].at("dur").get<double>(), 1e6);  // 1 s forward, in microseconds
+  const nlohmann::json out = nlohmann::json::parse(to_json(r));
+  EXPECT_DOUBLE_EQ(out.at("step_seconds").get<double>(), r.step_seconds);
+  EXPECT_EQ(out.at("ranks").size(), 2u);
+  EXPECT_TRUE(out.at("ranks")[0].contains("peak_memory_bytes"));
+}
+
+TEST(Simulate, TensorParallelChargesItsAllReduces) {
+  Spec s = vlm_spec();
+  s.parallel.modules["llm"].tp = 2;
+  s.parallel.modules["vision"].dp = 2;
+  const Cluster c = ideal(2, 1e-5, 10);
+  const SimResult r = simulate(s, make_plan(s, 2), c, no_optimizer());
+  SimOptions free = no_optimizer();
+  free.tp_cp_comm = false;
+  const SimResult r0 = simulate(s, make_plan(s, 2), c, free);
+  // Per LLM microbatch of 4 samples: 2 all-reduces per block (4) and the embedding's forward,
+  // 2 per block in backward, of [4·64 tokens × 128] bf16.
+  const double ar = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 128 * 2);
+  EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (9 + 8) * ar, 1e-12);
+  EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (9 + 8) * ar, 1e-12);
+}
+
+TEST(Simulate, TinyVlmOnThisMachine) {
+  const Spec s = load_spec(WEFT_SOURCE_DIR "/configs/tiny-vlm.toml");
+  const Cluster c = load_cluster(WEFT_SOURCE_DIR "/configs/clusters/cpu-local.toml");
+  for (int64_t world : {1, 2}) {
+    const SimResult r = simulate(s, make_plan(s, world), c);
+    EXPECT_GT(r.step_seconds, 0);
+    EXPECT_GT(r.mfu, 0);
+    EXPECT_LT(r.mfu, 0.7);
+    EXPECT_TRUE(r.memory_fits);
+    EXPECT_EQ(static_cast<int64_t>(r.ranks.size()), world);
+  }
+  EXPECT_NE(error_of([&] {
+              simulate(s, make_plan(s, 4), c);
+            }).find("the plan needs 4 ranks but the cluster"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace weft::plan
