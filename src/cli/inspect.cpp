@@ -1,5 +1,6 @@
 #include "cli/inspect.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -7,7 +8,11 @@
 
 #include "weft/core/config.h"
 #include "weft/core/error.h"
+#include "weft/data/shapes.h"
+#include "weft/data/tokenizer.h"
+#include "weft/plan/balance.h"
 #include "weft/plan/cp_split.h"
+#include "weft/plan/workload.h"
 
 namespace weft::cli {
 
@@ -83,6 +88,77 @@ int run_cp_split(CpSplitArgs a) {
   return 0;
 }
 
+struct BalanceArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  std::string mix = "llava";  // a plan/workload.h mix, or "shapes" (the config's dataset)
+  int64_t batch = 0;          // 0 = train.batch
+  int64_t replicas = 1;
+  int64_t microbatches = 0;  // 0 = train.microbatches
+  int64_t stages = 1;
+  uint64_t seed = 0;
+};
+
+int run_balance(const BalanceArgs& a) {
+  const auto& mixes = plan::workload_mixes();
+  WEFT_CHECK(a.mix == "shapes" || std::find(mixes.begin(), mixes.end(), a.mix) != mixes.end(),
+             "weft inspect balance: --mix ", a.mix,
+             ": expected llava, video, interleaved or shapes (the config's dataset)");
+  Spec spec = load_spec(a.config, a.sets);
+  const int64_t batch = a.batch > 0 ? a.batch : spec.train.batch;
+  spec.train.batch = batch;
+  if (a.microbatches > 0) spec.train.microbatches = a.microbatches;
+  for (auto& [name, layout] : spec.parallel.modules) layout = LayoutSpec{a.replicas};
+  const plan::Plan p = plan::make_plan(spec, a.replicas);
+  std::vector<plan::SampleShape> shapes;
+  if (a.mix == "shapes") {
+    const data::Tokenizer tok = data::Tokenizer::for_shapes(spec.model);
+    if (spec.model.llm.vocab == 0) spec.model.llm.vocab = (tok.vocab_size() + 63) / 64 * 64;
+    const data::ShapesDataset dataset(spec, tok);
+    for (const data::Sample& sample : dataset.train_batch(static_cast<int64_t>(a.seed), batch)) {
+      plan::SampleShape shape;
+      shape.tokens = static_cast<int64_t>(sample.tokens.size());
+      shape.items.assign(spec.model.encoders.size(), 0);
+      for (const auto& item : sample.items) ++shape.items[item.encoder];
+      shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
+      shapes.push_back(shape);
+    }
+  } else {
+    shapes = plan::sample_workload(a.mix, spec, batch, a.seed);
+  }
+  const plan::WorkModel model = plan::make_work_model(spec, p);
+  std::vector<plan::SampleWork> work;
+  for (const auto& s : shapes) work.push_back(model.work(s));
+  plan::BalanceOptions opts;
+  opts.replicas = a.replicas;
+  opts.microbatches = spec.train.microbatches;
+  opts.pipeline_stages = a.stages;
+  nlohmann::ordered_json out;
+  out["config"] = a.config;
+  out["mix"] = a.mix;
+  out["samples"] = batch;
+  out["replicas"] = a.replicas;
+  out["microbatches_per_replica"] = opts.microbatches;
+  out["pipeline_stages"] = a.stages;
+  std::vector<plan::Spread> spreads;
+  for (plan::BalancePolicy policy :
+       {plan::BalancePolicy::kInOrder, plan::BalancePolicy::kBalanced}) {
+    opts.policy = policy;
+    const plan::BatchBalance b = plan::balance_batch(work, model.cost, opts);
+    std::vector<double> costs;
+    for (const auto& r : b.microbatch_cost) costs.insert(costs.end(), r.begin(), r.end());
+    spreads.push_back(plan::spread(costs));
+    out["policies"][plan::to_string(policy)] = plan::balance_json(b, model.encoder_names);
+  }
+  out["summary"] = {{"microbatch_cv_in_order", spreads[0].cv},
+                    {"microbatch_cv_balanced", spreads[1].cv},
+                    {"cv_reduction", spreads[1].cv > 0 ? spreads[0].cv / spreads[1].cv : 0.0},
+                    {"max_over_mean_in_order", spreads[0].max_over_mean},
+                    {"max_over_mean_balanced", spreads[1].max_over_mean}};
+  std::printf("%s\n", out.dump(2).c_str());
+  return 0;
+}
+
 }  // namespace
 
 std::function<int()> add_inspect(CLI::App& app) {
@@ -101,8 +177,28 @@ std::function<int()> add_inspect(CLI::App& app) {
   cp->add_option("--cp", args->cp, "context-parallel size")->check(CLI::PositiveNumber);
   cp->add_option("--block", args->block, "block size in tokens")->check(CLI::PositiveNumber);
   cp->add_option("--config", args->config, "take the cost model from this config's LLM");
-  return [cp, args]() -> int {
+  auto bargs = std::make_shared<BalanceArgs>();
+  CLI::App* bal = inspect->add_subcommand(
+      "balance",
+      "per-microbatch encoder and LLM work of a global batch, in order vs balanced (JSON: "
+      "assignment, work, CV and max/mean)");
+  bal->add_option("config", bargs->config, "config file (TOML): the model and train.batch")
+      ->required();
+  bal->add_option("--set", bargs->sets, "override a config key: section.key=value (repeatable)");
+  bal->add_option("--mix", bargs->mix,
+                  "workload: llava, video, interleaved (synthetic), or shapes (the config's "
+                  "dataset)");
+  bal->add_option("--batch", bargs->batch, "samples in the global batch (default train.batch)");
+  bal->add_option("--replicas", bargs->replicas, "LLM data-parallel replicas")
+      ->check(CLI::PositiveNumber);
+  bal->add_option("--microbatches", bargs->microbatches,
+                  "microbatches per replica (default train.microbatches)");
+  bal->add_option("--pp", bargs->stages, "pipeline stages (orders microbatches for 1F1B)")
+      ->check(CLI::PositiveNumber);
+  bal->add_option("--seed", bargs->seed, "workload seed (shapes: the training step)");
+  return [cp, args, bal, bargs]() -> int {
     if (*cp) return run_cp_split(*args);
+    if (*bal) return run_balance(*bargs);
     return 1;
   };
 }

@@ -19,6 +19,7 @@
 #include "weft/core/error.h"
 #include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/workload.h"
 
 namespace weft::plan {
 namespace {
@@ -363,6 +364,33 @@ TEST(OneFOneB, ReorderingNeverHurtsAndIsNearTheOptimum) {
               gap_sum / small);
   EXPECT_GE(optimal, small * 3 / 4);
   EXPECT_LT(gap_sum / small, 0.01);
+}
+
+}  // namespace
+}  // namespace weft::plan
+
+namespace weft::plan {
+namespace {
+
+TEST(Workload, MixesAreDeterministicAndShapedAsDocumented) {
+  const Spec spec = testing::vlm_spec();
+  const int64_t per_item = spec.model.encoders[0].tokens_per_item();
+  const auto a = sample_workload("llava", spec, 10000, 3);
+  const auto b = sample_workload("llava", spec, 10000, 3);
+  int64_t text_only = 0, hires = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, b[i].tokens);
+    ASSERT_EQ(a[i].items.size(), 1u);
+    EXPECT_EQ(a[i].tokens, a[i].items[0] * per_item + a[i].targets);
+    EXPECT_GE(a[i].targets, 64);
+    text_only += a[i].items[0] == 0;
+    hires += a[i].items[0] == 5;
+  }
+  EXPECT_NEAR(text_only / 10000.0, 0.25, 0.02);
+  EXPECT_NEAR(hires / 10000.0, 0.08, 0.015);
+  for (const auto& s : sample_workload("video", spec, 200, 1))
+    EXPECT_TRUE(s.items[0] == 0 || s.items[0] == 1 || s.items[0] == 8);
+  EXPECT_THROW(sample_workload("podcasts", spec, 1, 0), Error);
 }
 
 }  // namespace
