@@ -27,3 +27,14 @@ for x, y in zip(a, b):
     assert abs(x - y) <= 1e-5 * abs(x), (a, b)
 print("vision dp4 -> llm tp2 x pp2 on 4 processes matches one process:", a, b)
 PY
+# The run's timeline of step 3, every rank in it (the simulator's trace format).
+python3 - "$tmp/mixed/trace.json" <<'PY' || die "trace.json missing or incomplete"
+import json, sys
+t = json.load(open(sys.argv[1]))
+assert {e["tid"] for e in t} == {0, 1, 2, 3}, {e["tid"] for e in t}
+names = {e["name"] for e in t}
+for n in ("vision fwd mb0 s0", "llm fwd mb1 s1", "llm bwd mb0 s0", "llm grad all-reduce"):
+    assert n in names, (n, sorted(names))
+assert all(e["ph"] == "X" and e["dur"] >= 0 for e in t)
+print(len(t), "trace events from 4 ranks")
+PY

@@ -69,7 +69,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "zero_stage",
                                            "overlap_grad_reduce",
                                            "grad_bucket_mb"};
-constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints"};
+constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
 constexpr std::string_view kPlacements[] = {"colocated", "separate"};
@@ -523,6 +523,8 @@ void read_output(const Section& s, OutputSpec* o) {
   s.only(keys(kOutputKeys));
   s.read("dir", &o->dir);
   s.count("keep_checkpoints", &o->keep_checkpoints);
+  s.read("trace_step", &o->trace_step);
+  if (o->trace_step < 0) s.fail_value("trace_step", std::to_string(o->trace_step), "must be >= 0");
 }
 
 // Every module gets a layout (all ones unless [parallel.<module>] says otherwise).
@@ -747,6 +749,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.header("output");
   w.put("dir", spec.output.dir);
   w.put("keep_checkpoints", spec.output.keep_checkpoints);
+  w.put("trace_step", spec.output.trace_step);
 
   w.header("parallel");
   w.put("placement", spec.parallel.placement);

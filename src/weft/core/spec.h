@@ -118,6 +118,8 @@ struct TrainSpec {
 struct OutputSpec {
   std::string dir;  // empty = runs/<timestamp>
   int64_t keep_checkpoints = 2;
+  // Step (1-based) whose timeline is written to trace.json (Chrome / Perfetto); 0 = none.
+  int64_t trace_step = 3;
 };
 
 // Per-module parallel layout: the module's ranks form a grid [tp, cp, dp, pp], tp fastest

@@ -6,6 +6,7 @@
 #define USE_C10D_GLOO
 #endif
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -242,6 +243,20 @@ at::Tensor Comm::all_gather(const at::Tensor& t) const {
   for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
   impl_->wait(impl_->pg->allgather(out, in), "all_gather");
   return torch::cat(out[0], 0);
+}
+
+std::vector<std::string> Comm::all_gather_strings(const std::string& s) const {
+  if (size() == 1) return {s};
+  at::Tensor lens = all_gather(torch::tensor({static_cast<int64_t>(s.size())}, torch::kLong));
+  const int64_t most = std::max<int64_t>(lens.max().item<int64_t>(), 1);
+  at::Tensor bytes = torch::zeros({most}, torch::kByte);
+  std::memcpy(bytes.data_ptr(), s.data(), s.size());
+  at::Tensor all = all_gather(bytes).view({size(), most});
+  std::vector<std::string> out;
+  for (int r = 0; r < size(); ++r)
+    out.emplace_back(static_cast<const char*>(all[r].data_ptr()),
+                     static_cast<size_t>(lens[r].item<int64_t>()));
+  return out;
 }
 
 at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {

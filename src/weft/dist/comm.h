@@ -71,6 +71,8 @@ class Comm {
   void broadcast(at::Tensor& t, int root) const;  // in place
   // Concatenation of every rank's tensor along dim 0 (same shape on every rank).
   at::Tensor all_gather(const at::Tensor& t) const;
+  // Every rank's string, in rank order (lengths may differ).
+  std::vector<std::string> all_gather_strings(const std::string& s) const;
   // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()).
   at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
   void barrier() const;

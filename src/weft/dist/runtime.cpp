@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "weft/core/error.h"
@@ -12,6 +13,7 @@
 #include "weft/dist/data_parallel.h"
 #include "weft/model/mask.h"
 #include "weft/plan/cp_split.h"
+#include "weft/plan/trace.h"
 
 namespace weft::dist {
 
@@ -97,6 +99,23 @@ struct Runtime::Impl {
   std::vector<bool> param_canonical;
 
   StepTimes times;
+  // Timeline of the step (when tracing): compute intervals exclude the time blocked in receives.
+  bool tracing = false;
+  double step_t0 = 0;
+  std::vector<plan::TraceEvent> trace;
+  struct Span {
+    Impl* rt;
+    std::string name, category;
+    double t0 = now(), wait0 = rt->times.p2p_wait_seconds;
+    ~Span() {
+      if (!rt->tracing) return;
+      const double wait = rt->times.p2p_wait_seconds - wait0;
+      rt->trace.push_back({name, category, rt->rank, t0 + wait - rt->step_t0, now() - t0 - wait});
+    }
+  };
+  std::string op_name(const std::string& module, const char* kind, int64_t m, int64_t stage) {
+    return module + " " + kind + " mb" + std::to_string(m) + " s" + std::to_string(stage);
+  }
   std::map<int, at::Tensor> mailbox;  // self-addressed messages (colocated encoder → LLM)
   std::vector<Pending> sends;
 
@@ -357,6 +376,7 @@ struct Runtime::Impl {
     const auto [a, b] = encoder_range(items, e, role.c.dp);
     EncoderSaved saved;
     if (a == b) return saved;
+    Span span{this, op_name(spec.encoders[e].name, "fwd", m, role.c.pp), "forward"};
     const int64_t T = enc_tokens(e), h = spec.encoders[e].hidden;
     at::Tensor x;
     if (role.first) {
@@ -411,6 +431,7 @@ struct Runtime::Impl {
     const ItemLayout items = items_of(batch, e, m);
     const auto [a, b] = encoder_range(items, e, role.c.dp);
     if (a == b) return;
+    Span span{this, op_name(spec.encoders[e].name, "bwd", m, role.c.pp), "backward"};
     const int64_t T = enc_tokens(e);
     at::Tensor grad;
     if (role.last) {  // from the first LLM stage: tp-rank 0 of each CP rank, its own rows
@@ -485,6 +506,7 @@ struct Runtime::Impl {
                        int64_t targets, double* loss_out) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
+    Span span{this, op_name("llm", "fwd", m, role.c.pp), "forward"};
     const int64_t d = role.c.dp, cp = lp.layout.cp;
     const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
     const int64_t S = layout ? layout->S : batch[d][m].tokens.size(1);
@@ -568,6 +590,7 @@ struct Runtime::Impl {
                     LlmSaved& saved) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
+    Span span{this, op_name("llm", "bwd", m, role.c.pp), "backward"};
     const int64_t d = role.c.dp;
     if (role.last) {
       if (saved.output.requires_grad()) saved.output.backward();
@@ -616,6 +639,8 @@ struct Runtime::Impl {
     WEFT_CHECK(static_cast<int64_t>(batch.size()) == llm_plan->layout.dp, "step: ", batch.size(),
                " data-parallel parts for an LLM with dp = ", llm_plan->layout.dp);
     times = {};
+    trace.clear();
+    step_t0 = now();
     cp_layouts.clear();
     double loss = 0;
     const size_t E = spec.encoders.size();
@@ -669,12 +694,17 @@ struct Runtime::Impl {
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
     // 4. Gradients: data x context parallel sums per module, then tied embedding copies.
     const double t0 = now();
-    for (auto& g : enc_sync) {
-      g.sync->finish();
-      times.buckets_overlapped += g.sync->buckets_overlapped();
+    for (size_t e = 0; e < enc_sync.size(); ++e) {
+      if (!enc_role[e].hosted) continue;
+      Span span{this, spec.encoders[e].name + " grad all-reduce", "collective"};
+      enc_sync[e].sync->finish();
+      times.buckets_overlapped += enc_sync[e].sync->buckets_overlapped();
     }
-    llm_sync.sync->finish();
-    times.buckets_overlapped += llm_sync.sync->buckets_overlapped();
+    if (llm_role.hosted) {
+      Span span{this, "llm grad all-reduce", "collective"};
+      llm_sync.sync->finish();
+      times.buckets_overlapped += llm_sync.sync->buckets_overlapped();
+    }
     if (tied_index >= 0) {
       at::Tensor& g = trainable[tied_index].second.mutable_grad();
       if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
@@ -741,17 +771,10 @@ struct Runtime::Impl {
       for (int64_t s : t.sizes()) header << ' ' << s;
       header << '\n';
     }
-    const std::string text = header.str();
-    at::Tensor len = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
-    at::Tensor lens = world.all_gather(len);
-    const int64_t max_len = lens.max().item<int64_t>();
-    at::Tensor bytes = torch::zeros({max_len}, torch::kByte);
-    std::memcpy(bytes.data_ptr(), text.data(), text.size());
-    at::Tensor all = world.all_gather(bytes).view({world.size(), max_len});
+    const std::vector<std::string> headers = world.all_gather_strings(header.str());
     model::NamedTensors out;
     for (int r = 0; r < world.size(); ++r) {
-      const int64_t n = lens[r].item<int64_t>();
-      std::istringstream in(std::string(static_cast<const char*>(all[r].data_ptr()), n));
+      std::istringstream in(headers[r]);
       std::string name;
       int dtype = 0, dim = 0;
       for (size_t i = 0; in >> name >> dtype >> dim; ++i) {
@@ -807,6 +830,20 @@ double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64
   return impl_->step(batch, targets);
 }
 const StepTimes& Runtime::times() const { return impl_->times; }
+void Runtime::set_tracing(bool on) { impl_->tracing = on; }
+std::string Runtime::gather_trace(int root) const {
+  nlohmann::json mine = nlohmann::json::array();
+  for (const plan::TraceEvent& e : impl_->trace)
+    mine.push_back({e.name, e.category, e.rank, e.start_seconds, e.seconds});
+  const std::vector<std::string> all = impl_->world.all_gather_strings(mine.dump());
+  if (impl_->world.rank() != root) return "";
+  std::vector<plan::TraceEvent> events;
+  for (const std::string& text : all)
+    for (const auto& e : nlohmann::json::parse(text))
+      events.push_back({e[0].get<std::string>(), e[1].get<std::string>(), e[2].get<int64_t>(),
+                        e[3].get<double>(), e[4].get<double>()});
+  return plan::chrome_trace(events);
+}
 double Runtime::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
 void Runtime::after_optimizer_step() { impl_->after_optimizer_step(); }
 model::NamedTensors Runtime::gather_full(const std::vector<at::Tensor>& local, int root) const {

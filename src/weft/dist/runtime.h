@@ -30,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "weft/core/spec.h"
@@ -70,6 +71,12 @@ class Runtime {
   // on every rank.
   double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
   const StepTimes& times() const;
+  // Records the timeline of the following steps (forward / backward ops without the time blocked
+  // in receives, gradient reductions; seconds from the step's start on each rank).
+  void set_tracing(bool on);
+  // The last traced step of every rank as a Chrome / Perfetto trace (plan/trace.h) on `root`
+  // ("" elsewhere). Collective.
+  std::string gather_trace(int root = 0) const;
 
   // ‖g‖ over every trainable parameter of the model (each counted once however it is
   // replicated or split), all ranks together; scales gradients to `max_norm` when above it

@@ -631,17 +631,6 @@ std::string to_json(const SimResult& r) {
   return j.dump(2);
 }
 
-std::string chrome_trace(const SimResult& r) {
-  nlohmann::json events = nlohmann::json::array();
-  for (const TraceEvent& e : r.trace)
-    events.push_back({{"name", e.name},
-                      {"cat", e.category},
-                      {"ph", "X"},
-                      {"ts", e.start_seconds * 1e6},
-                      {"dur", e.seconds * 1e6},
-                      {"pid", 0},
-                      {"tid", e.rank}});
-  return events.dump();
-}
+std::string chrome_trace(const SimResult& r) { return chrome_trace(r.trace); }
 
 }  // namespace weft::plan

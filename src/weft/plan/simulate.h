@@ -38,6 +38,7 @@
 #include "weft/core/spec.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/trace.h"
 
 namespace weft::plan {
 
@@ -66,14 +67,6 @@ struct SimOptions {
   // the vocabulary the simulator assumes then.
   int64_t unset_vocab = 64;
   bool trace = true;  // keep the timeline (SimResult::trace)
-};
-
-// One interval of one rank's timeline.
-struct TraceEvent {
-  std::string name;      // "vision fwd mb2 s0", "llm bwd mb0 s1", "llm grad all-reduce", ...
-  std::string category;  // "forward", "backward", "collective", "optimizer"
-  int64_t rank = 0;
-  double start_seconds = 0, seconds = 0;
 };
 
 struct RankReport {
@@ -114,8 +107,7 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
 
 // {"step_seconds", "tokens_per_second", "mfu", "mfu_llm_only", "bubble_fraction", ..., "ranks"}.
 std::string to_json(const SimResult& result);
-// Chrome / Perfetto trace: a JSON array of {"name", "cat", "ph": "X", "ts", "dur", "pid": 0,
-// "tid": rank}, times in microseconds.
+// The timeline as a Chrome / Perfetto trace (plan/trace.h).
 std::string chrome_trace(const SimResult& result);
 
 }  // namespace weft::plan

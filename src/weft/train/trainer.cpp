@@ -371,10 +371,13 @@ Summary Trainer::run() {
     // The loss is a mean over the global batch's targets.
     WEFT_CHECK(targets > 0, "step ", step + 1, ": the batch has no target tokens");
     double loss = 0;
+    const bool traced = step + 1 == spec.output.trace_step;
+    m.runtime->set_tracing(traced);
     {
       model::ComputeDtypeGuard dtype(m.compute);
       loss = m.runtime->step(batch, targets);
     }
+
     const dist::StepTimes& times = m.runtime->times();
     // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
     const bool may_skip = ts.nonfinite == NonFinite::kSkip;
@@ -401,6 +404,10 @@ Summary Trainer::run() {
     }
     for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
+    if (traced) {  // collective; rank 0 writes the step's timeline
+      const std::string trace = m.runtime->gather_trace();
+      if (writer) write_text(m.run_dir / "trace.json", trace);
+    }
 
     int64_t tokens = 0;
     for (const auto& mb : mbs) tokens += mb.real_tokens;
