@@ -616,7 +616,7 @@ TEST(Config, UnknownKeysInEverySection) {
   EXPECT_TRUE(
       set_fails_with("train.stepz=1", {"train.stepz = 1: unknown key", "allowed: steps, batch"}));
   EXPECT_TRUE(set_fails_with("output.foo=1",
-                             {"output.foo = 1: unknown key", "(allowed: dir, keep_checkpoints)"}));
+                             {"output.foo = 1: unknown key", "(allowed: dir, keep_checkpoints, trace_step)"}));
   EXPECT_TRUE(set_fails_with("parallel.llm.ep=2", {"parallel.llm.ep = 2: unknown key",
                                                    "(allowed: dp, tp, pp, cp, stages)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",
