@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "weft/core/error.h"
+#include "weft/core/toml.h"
 
 namespace weft {
 namespace {
@@ -583,8 +584,8 @@ void apply_override(const std::string& text, const std::string& source, toml::ta
   const std::string value = trim(std::string_view(text).substr(eq + 1));
   std::optional<toml::table> parsed;
   try {
-    parsed = toml::parse(std::string_view("v = " + value));
-  } catch (const toml::parse_error&) {
+    parsed = parse_toml("v = " + value, source);
+  } catch (const Error&) {
   }
   toml::node* v = parsed && parsed->size() == 1 ? parsed->get("v") : nullptr;
   if (v) {
@@ -620,14 +621,7 @@ class Writer {
 
 Spec parse_spec(const std::string& toml_text, const std::string& source,
                 const std::vector<std::string>& overrides) {
-  toml::table root;
-  try {
-    root = toml::parse(std::string_view(toml_text), std::string_view(source));
-  } catch (const toml::parse_error& e) {
-    const toml::source_position& at = e.source().begin;
-    WEFT_FAIL(source, ": invalid TOML at line ", at.line, ", column ", at.column, ": ",
-              e.description());
-  }
+  toml::table root = parse_toml(toml_text, source);
   for (const std::string& o : overrides) apply_override(o, source, &root);
 
   Spec spec;

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "weft/core/error.h"
+#include "weft/core/toml.h"
 
 namespace weft::plan {
 
@@ -197,14 +198,7 @@ DeviceProfile device_profile(const std::string& name) {
 }
 
 Cluster parse_cluster(const std::string& text, const std::string& source) {
-  toml::table root;
-  try {
-    root = toml::parse(std::string_view(text), std::string_view(source));
-  } catch (const toml::parse_error& e) {
-    const toml::source_position& at = e.source().begin;
-    WEFT_FAIL(source, ": invalid TOML at line ", at.line, ", column ", at.column, ": ",
-              e.description());
-  }
+  const toml::table root = parse_toml(text, source);
   Cluster c;
   c.source = source;
   Reader r(c.source, root, "");
