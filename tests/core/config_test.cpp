@@ -876,6 +876,15 @@ TEST(Config, NonAsciiOutsideStringsIsAClearError) {
       "[data]\nkind = '''shapes'''\n",
       "cfg.toml", {});
   EXPECT_EQ(s.output.dir, "runs/\xc3\xa9t\xc3\xa9");
+  // Literal strings keep their text (backslashes and quotes too); a line-ending backslash in a
+  // multi-line string trims up to the next non-blank character, non-ASCII included.
+  auto dir = [](const std::string& value) {
+    return parse_spec("[model.llm]\n[output]\ndir = " + value + "\n", "cfg.toml", {}).output.dir;
+  };
+  EXPECT_EQ(dir("'runs/\xc3\xa9t\xc3\xa9'"), "runs/\xc3\xa9t\xc3\xa9");
+  EXPECT_EQ(dir("'''a\\b \"q\" \xc3\xa9'''"), "a\\b \"q\" \xc3\xa9");
+  EXPECT_EQ(dir("\"\"\"a\\\n   \xc3\xa9\"\"\""), "a\xc3\xa9");
+  EXPECT_THROW(dir("\"a\\\xc3\xa9\""), Error);  // a backslash escaping a non-ASCII character
   // A --set value that is not TOML is taken as text.
   EXPECT_EQ(parse_spec("[model.llm]\n", "cfg.toml", {"output.dir=\xc3\x97"}).output.dir,
             "\xc3\x97");
