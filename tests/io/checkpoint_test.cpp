@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "support/errors.h"
 #include "weft/core/error.h"
 
 namespace fs = std::filesystem;
@@ -29,14 +30,7 @@ Checkpoint sample(float v) {
           "{\"step\": 1}"};
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(Checkpoint, RoundTripWithManifest) {
   const fs::path run = fresh("roundtrip");

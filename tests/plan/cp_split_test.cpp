@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "support/errors.h"
 #include "weft/core/error.h"
 #include "weft/plan/flops.h"
 
@@ -166,42 +167,34 @@ TEST(CpSplit, MakeSequenceLayout) {
   for (size_t p = 0; p < 12; ++p) EXPECT_EQ(t.tokens[p].doc, docs[p]) << p;
 }
 
-// The weft::Error message f() throws, or "no error".
-template <typename F>
-std::string message(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(CpSplit, MakeSequenceErrors) {
-  EXPECT_NE(message([] { make_sequence(0, {}); }).find("length must be >= 1"), std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] { make_sequence(0, {}); }).find("length must be >= 1"), std::string::npos);
+  EXPECT_NE(error_of([] {
               make_sequence(10, {{8, 12}});
             }).find("modality span 0 [8, 12)"),
             std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] {
               make_sequence(10, {{0, 5}, {4, 6}});
             }).find("overlaps"),
             std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] {
               make_sequence(10, {{2, 6}}, {4});
             }).find("crosses a document start"),
             std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] {
               make_sequence(10, {}, {5, 3});
             }).find("doc_starts[1] = 3"),
             std::string::npos);
-  EXPECT_NE(message([] { make_sequence(10, {}, {8}, 6); }).find("below the first padding"),
+  EXPECT_NE(error_of([] { make_sequence(10, {}, {8}, 6); }).find("below the first padding"),
             std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] {
               make_sequence(10, {{4, 8}}, {}, 6);
             }).find("inside [0, 6)"),
             std::string::npos);
-  EXPECT_NE(message([] { make_sequence(10, {}, {}, 11); }).find("padding_from"), std::string::npos);
+  EXPECT_NE(error_of([] { make_sequence(10, {}, {}, 11); }).find("padding_from"),
+            std::string::npos);
 }
 
 TEST(CpSplit, BaselineLayouts) {
@@ -404,22 +397,22 @@ TEST(CpSplit, CostModelReusesFlops) {
 TEST(CpSplit, ErrorMessages) {
   const SequenceDesc seq = make_sequence(64, {});
   CpSplitOptions o;
-  EXPECT_EQ(message([] { parse_cp_policy("ring"); }),
+  EXPECT_EQ(error_of([] { parse_cp_policy("ring"); }),
             "[cp_split] unknown policy 'ring' (expected one of: contiguous, zigzag, lpt, "
             "balanced)");
   for (CpPolicy p : all_cp_policies()) EXPECT_EQ(parse_cp_policy(to_string(p)), p);
   o.cp = 0;
-  EXPECT_EQ(message([&] { split_sequence(seq, o); }), "[cp_split] cp must be >= 1, got 0");
+  EXPECT_EQ(error_of([&] { split_sequence(seq, o); }), "[cp_split] cp must be >= 1, got 0");
   o.cp = 2, o.block_size = 0;
-  EXPECT_EQ(message([&] { split_sequence(seq, o); }), "[cp_split] block_size must be >= 1, got 0");
+  EXPECT_EQ(error_of([&] { split_sequence(seq, o); }), "[cp_split] block_size must be >= 1, got 0");
   o.block_size = 16;
-  EXPECT_NE(message([&] { split_sequence(SequenceDesc{}, o); }).find("empty sequence"),
+  EXPECT_NE(error_of([&] { split_sequence(SequenceDesc{}, o); }).find("empty sequence"),
             std::string::npos);
-  EXPECT_NE(message([] {
+  EXPECT_NE(error_of([] {
               assign_blocks({1.0, -2.0}, 2, CpPolicy::kLpt);
             }).find("block 1 has invalid work -2"),
             std::string::npos);
-  EXPECT_NE(message([] { assign_blocks({}, 2, CpPolicy::kLpt); }).find("no blocks"),
+  EXPECT_NE(error_of([] { assign_blocks({}, 2, CpPolicy::kLpt); }).find("no blocks"),
             std::string::npos);
 }
 

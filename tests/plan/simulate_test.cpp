@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "support/errors.h"
 #include "support/plan_specs.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
@@ -21,14 +22,7 @@
 namespace weft::plan {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // 2 nodes × 4: intra 100 GB/s, 2 us; inter 10 GB/s, 10 us.
 Cluster two_nodes() {
