@@ -401,3 +401,30 @@ TEST_F(SafetensorsTest, RejectsInvalidBoolBytes) {
 
 }  // namespace
 }  // namespace weft::io
+
+namespace weft::io {
+namespace {
+
+// The seeds and findings of scripts/fuzz's safetensors target: each loads or is a weft::Error
+// naming the file.
+TEST(SafetensorsFuzzInputs, LoadOrClearError) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(WEFT_SOURCE_DIR) /
+                                                           "tests/fuzz/safetensors")) {
+    ++n;
+    try {
+      load_safetensors(e.path().string());
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(e.path().filename().string()), std::string::npos)
+          << err.what();
+    }
+  }
+  EXPECT_GE(n, 2);
+  EXPECT_EQ(
+      load_safetensors(std::string(WEFT_SOURCE_DIR) + "/tests/fuzz/safetensors/seed-two-tensors")
+          .tensors.size(),
+      2u);
+}
+
+}  // namespace
+}  // namespace weft::io
