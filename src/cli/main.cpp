@@ -1,11 +1,12 @@
-// The weft command line: `weft train`, `plan`, `launch`, `inspect`, `simulate`. Errors from
-// anywhere below end up here: printed as "weft: error: ..." with a non-zero exit status.
+// The weft command line: `weft train`, `plan`, `launch`, `inspect`, `simulate`, `bench`. Errors
+// from anywhere below end up here: printed as "weft: error: ..." with a non-zero exit status.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <thread>
 
 #include "cli/inspect.h"
 #include "cli/simulate.h"
@@ -15,6 +16,7 @@
 #include "weft/dist/launch.h"
 #include "weft/io/checkpoint.h"
 #include "weft/plan/plan.h"
+#include "weft/train/peak.h"
 #include "weft/train/trainer.h"
 
 namespace {
@@ -60,6 +62,20 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   std::printf("%.0f tokens/s  MFU %.1f%%  wall %.1f s\n", s.tokens_per_second, 100.0 * s.mfu,
               s.wall_seconds);
   std::printf("run directory: %s\n", s.run_dir.c_str());
+  return 0;
+}
+
+// `weft bench peak`: the matmul peaks MFU is measured against, in one run, with the threads a
+// training run uses (all cores, unless --threads).
+int cmd_bench_peak(double seconds, int64_t size, int64_t threads) {
+  at::set_num_threads(threads > 0 ? static_cast<int>(threads)
+                                  : static_cast<int>(std::thread::hardware_concurrency()));
+  const double bf16 = weft::train::measure_matmul_peak(at::kBFloat16, seconds, size);
+  const double fp32 = weft::train::measure_matmul_peak(at::kFloat, seconds, size);
+  std::printf(
+      "{\n  \"matmul_size\": %lld,\n  \"threads\": %d,\n  \"bf16_flops\": %.4g,\n"
+      "  \"fp32_flops\": %.4g,\n  \"bf16_over_fp32\": %.3f\n}\n",
+      static_cast<long long>(size), at::get_num_threads(), bf16, fp32, bf16 / fp32);
   return 0;
 }
 
@@ -115,6 +131,17 @@ int main(int argc, char** argv) {
   launch->add_option("command", launch_opts.command, "the command every rank runs (after --)")
       ->required();
 
+  CLI::App* bench = app.add_subcommand("bench", "measure this machine");
+  bench->require_subcommand(1);
+  CLI::App* peak = bench->add_subcommand(
+      "peak", "bf16 and fp32 matmul FLOP/s (the MFU denominator), measured in one run (JSON)");
+  double peak_seconds = 0.6;
+  int64_t peak_size = 2048, peak_threads = 0;
+  peak->add_option("--seconds", peak_seconds, "time per precision")->check(CLI::PositiveNumber);
+  peak->add_option("--size", peak_size, "square matmul size")->check(CLI::PositiveNumber);
+  peak->add_option("--threads", peak_threads, "intra-op threads (0 = all cores)")
+      ->check(CLI::NonNegativeNumber);
+
   std::function<int()> run_inspect = weft::cli::add_inspect(app);
   std::function<int()> run_simulate = weft::cli::add_simulate(app);
 
@@ -127,6 +154,7 @@ int main(int argc, char** argv) {
     if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
     if (*plan) return cmd_plan(config, sets, plan_world);
     if (*launch) return weft::dist::launch(launch_opts);
+    if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
     if (app.got_subcommand("inspect")) return run_inspect();
     if (app.got_subcommand("simulate")) return run_simulate();
   } catch (const std::exception& e) {

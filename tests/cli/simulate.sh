@@ -26,3 +26,13 @@ printf 'nodes = "two"\n' > "$tmp/bad.toml"
   && die "a bad cluster file was accepted"
 grep -q "bad.toml.*nodes" "$tmp/out" || { cat "$tmp/out"; die "error does not name the file and key"; }
 echo "bad cluster file: $(grep -o 'error:.*' "$tmp/out" | head -1)"
+
+# `weft bench peak`: the MFU denominators, measured (values are machine-dependent; only their
+# presence and sign are checked).
+"$weft" bench peak --seconds 0.05 --size 256 > "$tmp/peak.json" || die "bench peak failed"
+python3 - "$tmp/peak.json" <<'PY' || die "bad bench peak output"
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["bf16_flops"] > 0 and p["fp32_flops"] > 0 and p["threads"] >= 1, p
+print("bench peak:", p)
+PY
