@@ -6,8 +6,10 @@
 // its full shape.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "support/equivalence.h"
@@ -49,6 +51,16 @@ TEST(Layouts, LlmPipelineParallel) { expect_equivalent(2, {"parallel.llm.pp=2"},
 // padded to equal token counts.
 TEST(Layouts, LlmContextParallelMultimodalMask) {
   expect_equivalent(2, {"parallel.llm.cp=2", "parallel.vision.pp=2"}, "llm_cp2_vision_pp2");
+  // The run's metrics record the CP balance it achieved (max / mean rank work).
+  std::ifstream in(fs::temp_directory_path() / ("weft_test_" + std::to_string(::getpid()) +
+                                                "_llm_cp2_vision_pp2_parallel/metrics.jsonl"));
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const size_t at = line.find("\"cp_imbalance\":");
+  ASSERT_NE(at, std::string::npos) << line;
+  const double imbalance = std::stod(line.substr(at + 15));
+  EXPECT_GE(imbalance, 1.0);
+  EXPECT_LT(imbalance, 2.0);
 }
 
 TEST(Layouts, LlmContextParallelZigzagAndLpt) {

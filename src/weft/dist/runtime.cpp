@@ -302,6 +302,14 @@ struct Runtime::Impl {
       for (size_t k = 0; k < w.size(); ++k) work[k] += w[k];
     }
     const auto assigned = plan::assign_blocks(work, cp, policy);
+    double total = 0, most_work = 0;
+    for (const auto& blocks : assigned) {
+      double w = 0;
+      for (int64_t k : blocks) w += work[k];
+      total += w;
+      most_work = std::max(most_work, w);
+    }
+    if (total > 0) times.cp_imbalance = std::max(times.cp_imbalance, most_work * cp / total);
     CpLayout l;
     std::vector<std::vector<int64_t>> own(static_cast<size_t>(cp));
     size_t most = 0;
@@ -642,6 +650,9 @@ struct Runtime::Impl {
     trace.clear();
     step_t0 = now();
     cp_layouts.clear();
+    if (llm_plan->layout.cp > 1)  // every microbatch's split, so every rank knows the balance
+      for (const auto& replica : batch)
+        for (const model::Inputs& in : replica) cp_layout(in);
     double loss = 0;
     const size_t E = spec.encoders.size();
     // 1. Encoders forward (every microbatch), features over the bridge.

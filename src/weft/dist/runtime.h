@@ -50,6 +50,9 @@ struct StepTimes {
   double grad_sync_seconds = 0;  // exposed (not overlapped) gradient reduction
   int64_t buckets_overlapped = 0;
   double p2p_wait_seconds = 0;  // time blocked in receives (pipeline bubbles + transfers)
+  // LLM context parallelism: the largest over this step's microbatches (all replicas) of
+  // (most-loaded CP rank's attention + linear work) / (mean rank work); 1 without CP.
+  double cp_imbalance = 1;
 };
 
 class Runtime {

@@ -434,6 +434,7 @@ Summary Trainer::run() {
     for (const auto& replica : balance.microbatch_cost)
       mb_costs.insert(mb_costs.end(), replica.begin(), replica.end());
     line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
+    if (m.plan.module("llm").layout.cp > 1) line["cp_imbalance"] = times.cp_imbalance;
     if (skipped) line["skipped"] = true;
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
     if (comm.size() > 1) {
