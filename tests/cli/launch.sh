@@ -15,15 +15,8 @@ small=(--set model.llm.layers=1 --set model.vision.layers=1 --set data.eval_samp
   --out "$tmp/dp2" > "$tmp/dp2.log" 2>&1 || { cat "$tmp/dp2.log"; die "DP2 launch failed"; }
 grep -q '^\[rank 1\]' "$tmp/dp2.log" || { cat "$tmp/dp2.log"; die "rank 1 output not prefixed"; }
 grep -q '"world_size": 2' "$tmp/dp2/summary.json" || die "summary does not record world_size 2"
-python3 - "$tmp/single/metrics.jsonl" "$tmp/dp2/metrics.jsonl" <<'PY' || die "DP2 losses differ"
-import json, sys
-a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
-b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
-assert len(a) == len(b) == 3, (a, b)
-for x, y in zip(a, b):
-    assert abs(x - y) <= 1e-5 * abs(x), (a, b)
-print("DP2 losses match single process:", a, b)
-PY
+python3 "$src/tests/cli/lib/same_losses.py" "$tmp/single/metrics.jsonl" "$tmp/dp2/metrics.jsonl" \
+  3 "DP2" || die "DP2 losses differ"
 
 # A long DP2 run; kill -9 rank 1 once training is under way.
 "$weft" launch --nproc 2 -- "$weft" train "$src/configs/tiny-vlm.toml" --set train.steps=100000 \

@@ -18,15 +18,8 @@ layout=(--set parallel.vision.dp=4 --set parallel.llm.tp=2 --set parallel.llm.pp
   || { cat "$tmp/mixed.log"; die "4-rank mixed-layout launch failed"; }
 grep -q '"world_size": 4' "$tmp/mixed/summary.json" || die "summary does not record world_size 4"
 grep -q '"tp": 2' "$tmp/mixed/plan.json" || die "plan.json does not record the layout"
-python3 - "$tmp/single/metrics.jsonl" "$tmp/mixed/metrics.jsonl" <<'PY' || die "losses differ"
-import json, sys
-a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
-b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
-assert len(a) == len(b) == 4, (a, b)
-for x, y in zip(a, b):
-    assert abs(x - y) <= 1e-5 * abs(x), (a, b)
-print("vision dp4 -> llm tp2 x pp2 on 4 processes matches one process:", a, b)
-PY
+python3 "$src/tests/cli/lib/same_losses.py" "$tmp/single/metrics.jsonl" \
+  "$tmp/mixed/metrics.jsonl" 4 "vision dp4 -> llm tp2 x pp2 on 4 processes" || die "losses differ"
 # The run's timeline of step 3, every rank in it (the simulator's trace format).
 python3 - "$tmp/mixed/trace.json" <<'PY' || die "trace.json missing or incomplete"
 import json, sys
