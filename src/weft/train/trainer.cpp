@@ -194,12 +194,16 @@ struct Trainer::Impl {
                ", beyond train.steps = ", spec.train.steps, " (raise it with --set train.steps=N)");
   }
 
+  // Every parameter at full shape on rank 0 (collective).
+  model::NamedTensors gather_parameters() const {
+    std::vector<at::Tensor> values;
+    for (const auto& [name, p] : runtime->model().parameters()) values.push_back(p.detach());
+    return runtime->gather_full(values);
+  }
+
   // Full model and optimizer state, gathered to rank 0 (collective).
   std::pair<model::NamedTensors, model::NamedTensors> gather_state() const {
-    const model::NamedTensors& params = runtime->model().parameters();
-    std::vector<at::Tensor> values;
-    for (const auto& [name, p] : params) values.push_back(p.detach());
-    model::NamedTensors full = runtime->gather_full(values);
+    model::NamedTensors full = gather_parameters();
     model::NamedTensors optim;
     for (const auto& [prefix, moments] :
          {std::pair{"exp_avg.", &optimizer->exp_avg()}, {"exp_avg_sq.", &optimizer->exp_avg_sq()}})
@@ -225,10 +229,7 @@ struct Trainer::Impl {
   // The model rank 0 evaluates (collective: gathers the parameters when they are spread).
   const model::MultimodalModel* model_for_eval() {
     if (whole_model()) return &model();
-    const model::NamedTensors& params = runtime->model().parameters();
-    std::vector<at::Tensor> values;
-    for (const auto& [name, p] : params) values.push_back(p.detach());
-    model::NamedTensors full = runtime->gather_full(values);
+    model::NamedTensors full = gather_parameters();
     if (opts.comm.rank() != 0) return nullptr;
     if (!eval_model) eval_model = std::make_unique<model::MultimodalModel>(spec.model);
     std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
