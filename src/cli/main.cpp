@@ -1,11 +1,13 @@
-// The weft command line: `weft train`, `plan`, `launch`, `inspect`, `simulate`, `bench`. Errors
-// from anywhere below end up here: printed as "weft: error: ..." with a non-zero exit status.
+// The weft command line: `weft train`, `plan`, `launch`, `export`, `inspect`, `simulate`,
+// `bench`. Errors from anywhere below end up here: printed as "weft: error: ..." with a
+// non-zero exit status.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include "cli/inspect.h"
@@ -15,6 +17,7 @@
 #include "weft/dist/comm.h"
 #include "weft/dist/launch.h"
 #include "weft/io/checkpoint.h"
+#include "weft/io/hf.h"
 #include "weft/plan/plan.h"
 #include "weft/train/peak.h"
 #include "weft/train/trainer.h"
@@ -76,6 +79,26 @@ int cmd_bench_peak(double seconds, int64_t size, int64_t threads) {
       "{\n  \"matmul_size\": %lld,\n  \"threads\": %d,\n  \"bf16_flops\": %.4g,\n"
       "  \"fp32_flops\": %.4g,\n  \"bf16_over_fp32\": %.3f\n}\n",
       static_cast<long long>(size), at::get_num_threads(), bf16, fp32, bf16 / fp32);
+  return 0;
+}
+
+// `weft export RUN_DIR --hf OUT_DIR`: the newest checkpoint of a run in Hugging Face layouts.
+int cmd_export(const std::string& run_dir, const std::string& out_dir, const std::string& dtype,
+               double shard_mb) {
+  namespace fs = std::filesystem;
+  const std::string config = (fs::path(run_dir) / "config.toml").string();
+  WEFT_CHECK(fs::exists(config), run_dir, ": not a weft run directory (no config.toml)");
+  const weft::Spec spec = weft::load_spec(config);
+  const std::string ckpt = weft::io::latest_checkpoint(run_dir);
+  WEFT_CHECK(!ckpt.empty(), run_dir, ": no complete checkpoint to export");
+  const weft::io::Checkpoint c = weft::io::load_checkpoint(ckpt);
+  std::map<std::string, at::Tensor> full(c.model.begin(), c.model.end());
+  const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
+                              : dtype == "fp16" ? at::kHalf
+                                                : at::kFloat;
+  for (const std::string& dir : weft::io::export_hf(spec.model, full, out_dir, type,
+                                                    static_cast<int64_t>(shard_mb * (1 << 20))))
+    std::printf("wrote %s\n", dir.c_str());
   return 0;
 }
 
@@ -142,6 +165,17 @@ int main(int argc, char** argv) {
   peak->add_option("--threads", peak_threads, "intra-op threads (0 = all cores)")
       ->check(CLI::NonNegativeNumber);
 
+  CLI::App* exp = app.add_subcommand(
+      "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
+  std::string export_run, export_out, export_dtype = "fp32";
+  double export_shard_mb = 4096;
+  exp->add_option("run_dir", export_run, "run directory")->required();
+  exp->add_option("--hf", export_out, "output directory (llm/, one per encoder)")->required();
+  exp->add_option("--dtype", export_dtype, "fp32, bf16 or fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  exp->add_option("--shard-mb", export_shard_mb, "largest safetensors shard (MiB)")
+      ->check(CLI::PositiveNumber);
+
   std::function<int()> run_inspect = weft::cli::add_inspect(app);
   std::function<int()> run_simulate = weft::cli::add_simulate(app);
 
@@ -153,6 +187,7 @@ int main(int argc, char** argv) {
   try {
     if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
     if (*plan) return cmd_plan(config, sets, plan_world);
+    if (*exp) return cmd_export(export_run, export_out, export_dtype, export_shard_mb);
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
     if (app.got_subcommand("inspect")) return run_inspect();

@@ -196,7 +196,7 @@ at::Tensor naive_attention(const Attention& a, const at::Tensor& x, const at::Te
 }
 
 Attention make_gqa(ParamSet& ps, int64_t hidden, bool bias) {
-  Attention a = Attention::make(Scope{&ps, "attn"}, hidden, 4, 2, bias, 0.02);
+  Attention a = Attention::make(Scope{&ps, "attn"}, hidden, 4, 2, bias, bias, 0.02);
   fill(a.qkv.weight, 0.4);
   fill(a.out.weight, 0.4);
   if (bias) {

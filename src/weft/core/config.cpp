@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "weft/core/error.h"
+#include "weft/core/hf_config.h"
 #include "weft/core/toml.h"
 
 namespace weft {
@@ -37,17 +38,40 @@ Keys keys(const std::string_view (&list)[N]) {
 }
 
 constexpr std::string_view kTopKeys[] = {"model", "data", "train", "output", "parallel"};
-constexpr std::string_view kLlmKeys[] = {
-    "vocab",   "hidden",     "layers",   "heads",          "kv_heads", "ffn",
-    "max_seq", "rope_theta", "norm_eps", "tie_embeddings", "frozen"};
+constexpr std::string_view kLlmKeys[] = {"vocab",
+                                         "hidden",
+                                         "layers",
+                                         "heads",
+                                         "kv_heads",
+                                         "ffn",
+                                         "max_seq",
+                                         "rope_theta",
+                                         "norm_eps",
+                                         "tie_embeddings",
+                                         "frozen",
+                                         "qkv_bias",
+                                         "rope_scaling",
+                                         "rope_scaling_factor",
+                                         "rope_low_freq_factor",
+                                         "rope_high_freq_factor",
+                                         "rope_original_max_position",
+                                         "hf"};
 constexpr std::string_view kEncoderCommonKeys[] = {
-    "kind", "hidden", "layers", "heads", "ffn", "feature_layer", "norm_eps", "frozen", "projector"};
-constexpr std::string_view kVitKeys[] = {"image_size", "channels", "patch", "stem_channels",
-                                         "stem_layers"};
+    "kind",     "hidden", "layers",    "heads", "ffn", "feature_layer",
+    "norm_eps", "frozen", "projector", "act",   "hf"};
+constexpr std::string_view kVitKeys[] = {"image_size",  "channels",    "patch",    "stem_channels",
+                                         "stem_layers", "class_token", "pre_norm", "patch_bias"};
+constexpr std::string_view kRopeScalings[] = {"none", "llama3"};
 constexpr std::string_view kWhisperKeys[] = {"mels", "frames"};
 constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
-constexpr std::string_view kDataKeys[] = {"kind",  "seed",    "eval_samples",
-                                          "noise", "packing", "balance"};
+constexpr std::string_view kDataKeys[] = {
+    "kind",     "seed",    "eval_samples", "noise",         "packing",         "balance",
+    "path",     "root",    "tokenizer",    "chat_template", "image_processor", "pad_to_square",
+    "on_error", "workers", "prefetch"};
+constexpr std::string_view kDataKinds[] = {"shapes", "llava"};
+constexpr std::string_view kChatTemplates[] = {"llava", "llama2", "llama3", "chatml", "plain"};
+constexpr std::string_view kImageProcessors[] = {"clip", "siglip"};
+constexpr std::string_view kOnError[] = {"fail", "skip"};
 constexpr std::string_view kBalancePolicies[] = {"balanced", "in_order"};
 constexpr std::string_view kTrainKeys[] = {"steps",
                                            "batch",
@@ -333,10 +357,67 @@ class Section {
   std::string path_;
 };
 
+// A checkpoint path in a config: relative to the config file's directory (when the config is
+// a file), made absolute so a saved run config means the same from anywhere.
+std::string resolve_path(const std::string& source, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p(path);
+  if (p.is_relative() && fs::is_regular_file(source, ec)) p = fs::path(source).parent_path() / p;
+  return fs::absolute(p, ec).lexically_normal().string();
+}
+
+// Reads `key` when the config sets it; with a Hugging Face checkpoint the value must agree with
+// the checkpoint's config.json (`hf_file`), which has already set *out.
+template <typename T>
+void read_or_agree(const Section& s, std::string_view key, T* out, const std::string& hf_file) {
+  if (hf_file.empty()) {
+    s.read(key, out);
+    return;
+  }
+  T v = *out;
+  if (s.read(key, &v) && !(v == *out)) {
+    std::ostringstream expected;
+    expected << std::boolalpha << *out;
+    s.fail(key, "disagrees with " + hf_file + " (which says " + expected.str() +
+                    "); leave it out to take the checkpoint's value");
+  }
+}
+
 void read_llm(const Section& s, LlmSpec* l) {
   if (s.find("kind"))
     s.fail("kind", "[model.llm] is the decoder; \"llm\" is reserved and cannot name an encoder");
   s.only(keys(kLlmKeys));
+  std::string hf_file;
+  int64_t sliding_window = 0;
+  if (s.read("hf", &l->hf)) {
+    l->hf = resolve_path(s.source(), l->hf);
+    const HfLlmConfig c = read_hf_llm_config(l->hf);
+    hf_file = hf_config_path(l->hf);
+    const LlmSpec keep = *l;
+    *l = c.llm;
+    l->hf = keep.hf;
+    l->max_seq = keep.max_seq;
+    sliding_window = c.sliding_window;
+  }
+  read_or_agree(s, "vocab", &l->vocab, hf_file);
+  read_or_agree(s, "hidden", &l->hidden, hf_file);
+  read_or_agree(s, "layers", &l->layers, hf_file);
+  read_or_agree(s, "heads", &l->heads, hf_file);
+  read_or_agree(s, "kv_heads", &l->kv_heads, hf_file);
+  read_or_agree(s, "ffn", &l->ffn, hf_file);
+  read_or_agree(s, "rope_theta", &l->rope_theta, hf_file);
+  read_or_agree(s, "norm_eps", &l->norm_eps, hf_file);
+  read_or_agree(s, "tie_embeddings", &l->tie_embeddings, hf_file);
+  read_or_agree(s, "qkv_bias", &l->qkv_bias, hf_file);
+  std::string scaling = l->rope_scaling.llama3 ? "llama3" : "none";
+  if (hf_file.empty()) s.choice("rope_scaling", keys(kRopeScalings), &scaling);
+  read_or_agree(s, "rope_scaling", &scaling, hf_file);
+  l->rope_scaling.llama3 = scaling == "llama3";
+  read_or_agree(s, "rope_scaling_factor", &l->rope_scaling.factor, hf_file);
+  read_or_agree(s, "rope_low_freq_factor", &l->rope_scaling.low_freq_factor, hf_file);
+  read_or_agree(s, "rope_high_freq_factor", &l->rope_scaling.high_freq_factor, hf_file);
+  read_or_agree(s, "rope_original_max_position", &l->rope_scaling.original_max_position, hf_file);
   s.count("vocab", &l->vocab, /*positive=*/false);
   s.count("hidden", &l->hidden);
   s.count("layers", &l->layers);
@@ -346,8 +427,17 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.count("max_seq", &l->max_seq);
   s.amount("rope_theta", &l->rope_theta);
   s.amount("norm_eps", &l->norm_eps);
-  s.read("tie_embeddings", &l->tie_embeddings);
+  s.amount("rope_scaling_factor", &l->rope_scaling.factor);
+  s.count("rope_original_max_position", &l->rope_scaling.original_max_position);
   s.read("frozen", &l->frozen);
+  if (l->rope_scaling.llama3 &&
+      !(l->rope_scaling.high_freq_factor > l->rope_scaling.low_freq_factor))
+    s.fail("rope_high_freq_factor", "must be > rope_low_freq_factor");
+  if (sliding_window > 0 && sliding_window < l->max_seq)
+    s.fail("max_seq",
+           "exceeds the checkpoint's sliding_window = " + std::to_string(sliding_window) +
+               " (sliding-window attention is not supported; use max_seq <= " +
+               std::to_string(sliding_window) + ")");
 
   if (l->hidden % l->heads != 0)
     s.fail_value("heads", std::to_string(l->heads),
@@ -382,22 +472,66 @@ void read_encoder(const Section& s, EncoderSpec* e) {
   }
   s.only(allowed);
 
+  std::string hf_file;
+  bool hf_feature_layer = false;
+  if (s.read("hf", &e->hf)) {
+    e->hf = resolve_path(s.source(), e->hf);
+    const HfEncoderConfig c = read_hf_encoder_config(e->hf);
+    hf_file = hf_config_path(e->hf);
+    if (c.encoder.kind != e->kind)
+      s.fail("kind", std::string("disagrees with ") + hf_file + " (a " + c.model_type +
+                         " checkpoint is kind = \"" + to_string(c.encoder.kind) + "\")");
+    const EncoderSpec keep = *e;
+    *e = c.encoder;
+    e->name = keep.name;
+    e->hf = keep.hf;
+    e->projector = keep.projector;
+    hf_feature_layer = c.has_feature_layer;
+    if (e->kind == EncoderKind::kWhisper) e->frames = keep.frames;  // a run choice (<= 2 * 1500)
+  }
+  read_or_agree(s, "hidden", &e->hidden, hf_file);
+  read_or_agree(s, "layers", &e->layers, hf_file);
+  read_or_agree(s, "heads", &e->heads, hf_file);
+  read_or_agree(s, "ffn", &e->ffn, hf_file);
+  read_or_agree(s, "norm_eps", &e->norm_eps, hf_file);
+  read_or_agree(s, "feature_layer", &e->feature_layer, hf_feature_layer ? hf_file : "");
+  if (hf_file.empty())
+    s.choice("act", {Activation::kGelu, Activation::kQuickGelu, Activation::kGeluTanh}, &e->act);
+  else if (s.find("act")) {
+    Activation a = e->act;
+    s.choice("act", {Activation::kGelu, Activation::kQuickGelu, Activation::kGeluTanh}, &a);
+    if (a != e->act)
+      s.fail("act", "disagrees with " + hf_file + " (which says " + to_string(e->act) + ")");
+  }
   s.count("hidden", &e->hidden);
   s.count("layers", &e->layers);
   s.count("heads", &e->heads);
   s.count("ffn", &e->ffn);
-  s.read("feature_layer", &e->feature_layer);
   s.amount("norm_eps", &e->norm_eps);
   s.read("frozen", &e->frozen);
   if (vit) {
+    read_or_agree(s, "image_size", &e->image_size, hf_file);
+    read_or_agree(s, "channels", &e->channels, hf_file);
+    read_or_agree(s, "patch", &e->patch, hf_file);
+    read_or_agree(s, "stem_channels", &e->stem_channels, hf_file);
+    read_or_agree(s, "class_token", &e->class_token, hf_file);
+    read_or_agree(s, "pre_norm", &e->pre_norm, hf_file);
+    read_or_agree(s, "patch_bias", &e->patch_bias, hf_file);
     s.count("image_size", &e->image_size);
     s.count("channels", &e->channels);
     s.count("patch", &e->patch);
     s.count("stem_channels", &e->stem_channels, /*positive=*/false);
     s.count("stem_layers", &e->stem_layers);
   } else {
+    read_or_agree(s, "mels", &e->mels, hf_file);
     s.count("mels", &e->mels);
     s.count("frames", &e->frames);
+    if (!hf_file.empty()) {
+      const HfEncoderConfig c = read_hf_encoder_config(e->hf);
+      if (e->frames > c.encoder.frames)
+        s.fail("frames", "exceeds the checkpoint's " + std::to_string(c.encoder.frames) +
+                             " frames (2 x max_source_positions in " + hf_file + ")");
+    }
   }
   if (const toml::table* p = s.table("projector"))
     read_projector(Section(s.source(), *p, s.path("projector")), &e->projector);
@@ -470,9 +604,25 @@ void read_encoders(const Section& model, std::vector<EncoderSpec>* encoders) {
 
 void read_data(const Section& s, DataSpec* d) {
   s.only(keys(kDataKeys));
-  if (s.read("kind", &d->kind) && d->kind != "shapes")
-    s.fail("kind", "must be \"shapes\" (the only built-in dataset)");
+  s.choice("kind", keys(kDataKinds), &d->kind);
   s.read("seed", &d->seed);
+  const bool llava = d->kind == "llava";
+  for (const char* key : {"path", "root", "tokenizer", "chat_template", "image_processor",
+                          "pad_to_square", "on_error", "workers", "prefetch"})
+    if (!llava && s.find(key)) s.fail(key, "only applies to kind = \"llava\"");
+  if (llava) {
+    if (!s.read("path", &d->path))
+      s.fail_value("path", "", "missing: the records file of kind = \"llava\"");
+    d->path = resolve_path(s.source(), d->path);
+    if (s.read("root", &d->root)) d->root = resolve_path(s.source(), d->root);
+    if (s.read("tokenizer", &d->tokenizer)) d->tokenizer = resolve_path(s.source(), d->tokenizer);
+    s.choice("chat_template", keys(kChatTemplates), &d->chat_template);
+    s.choice("image_processor", keys(kImageProcessors), &d->image_processor);
+    s.read("pad_to_square", &d->pad_to_square);
+    s.choice("on_error", keys(kOnError), &d->on_error);
+    s.count("workers", &d->workers);
+    s.count("prefetch", &d->prefetch, /*positive=*/false);
+  }
   s.count("eval_samples", &d->eval_samples);
   s.amount("noise", &d->noise, /*positive=*/false);
   s.read("packing", &d->packing);
@@ -680,7 +830,14 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("rope_theta", l.rope_theta);
   w.put("norm_eps", l.norm_eps);
   w.put("tie_embeddings", l.tie_embeddings);
+  w.put("qkv_bias", l.qkv_bias);
+  w.put("rope_scaling", std::string(l.rope_scaling.llama3 ? "llama3" : "none"));
+  w.put("rope_scaling_factor", l.rope_scaling.factor);
+  w.put("rope_low_freq_factor", l.rope_scaling.low_freq_factor);
+  w.put("rope_high_freq_factor", l.rope_scaling.high_freq_factor);
+  w.put("rope_original_max_position", l.rope_scaling.original_max_position);
   w.put("frozen", l.frozen);
+  if (!l.hf.empty()) w.put("hf", l.hf);
 
   for (const EncoderSpec& e : spec.model.encoders) {
     w.header("model." + e.name);
@@ -691,8 +848,13 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("ffn", e.ffn);
     w.put("feature_layer", e.feature_layer);
     w.put("norm_eps", e.norm_eps);
+    w.put("act", std::string(to_string(e.act)));
     w.put("frozen", e.frozen);
+    if (!e.hf.empty()) w.put("hf", e.hf);
     if (e.kind == EncoderKind::kVit) {
+      w.put("class_token", e.class_token);
+      w.put("pre_norm", e.pre_norm);
+      w.put("patch_bias", e.patch_bias);
       w.put("image_size", e.image_size);
       w.put("channels", e.channels);
       w.put("patch", e.patch);
@@ -715,6 +877,17 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("noise", d.noise);
   w.put("packing", d.packing);
   w.put("balance", d.balance);
+  if (d.kind == "llava") {
+    w.put("path", d.path);
+    if (!d.root.empty()) w.put("root", d.root);
+    if (!d.tokenizer.empty()) w.put("tokenizer", d.tokenizer);
+    w.put("chat_template", d.chat_template);
+    if (!d.image_processor.empty()) w.put("image_processor", d.image_processor);
+    w.put("pad_to_square", d.pad_to_square);
+    w.put("on_error", d.on_error);
+    w.put("workers", d.workers);
+    w.put("prefetch", d.prefetch);
+  }
 
   const TrainSpec& t = spec.train;
   w.header("train");

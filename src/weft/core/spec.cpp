@@ -3,6 +3,18 @@
 
 namespace weft {
 
+const char* to_string(Activation a) {
+  switch (a) {
+    case Activation::kGelu:
+      return "gelu";
+    case Activation::kQuickGelu:
+      return "quick_gelu";
+    case Activation::kGeluTanh:
+      return "gelu_tanh";
+  }
+  return "unknown";
+}
+
 const char* to_string(EncoderKind k) {
   switch (k) {
     case EncoderKind::kVit:

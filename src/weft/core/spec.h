@@ -11,7 +11,16 @@
 
 namespace weft {
 
-// Decoder LLM, Llama-style. vocab = 0 means "take it from the tokenizer" (built-in dataset).
+// Llama 3.1-style RoPE frequency scaling (Hugging Face rope_scaling {"rope_type": "llama3"}).
+struct RopeScaling {
+  bool llama3 = false;  // false: plain RoPE
+  double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
+// Decoder LLM, Llama-style (Llama, Mistral, Qwen2). vocab = 0 means "take it from the tokenizer"
+// (built-in dataset). `hf`: a Hugging Face checkpoint directory (config.json + safetensors) the
+// shape is read from and the weights are initialised from; "" = random init.
 struct LlmSpec {
   int64_t vocab = 0;
   int64_t hidden = 128;
@@ -23,12 +32,18 @@ struct LlmSpec {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tie_embeddings = true;
+  bool qkv_bias = false;  // Qwen2: biases on the Q, K and V projections
+  RopeScaling rope_scaling;
   bool frozen = false;
+  std::string hf;
 
   int64_t head_dim() const { return hidden / heads; }
 };
 
 enum class EncoderKind { kVit, kWhisper };
+// MLP activation of encoder blocks: exact GELU (Whisper), x*sigmoid(1.702x) (OpenAI CLIP),
+// tanh-approximated GELU (SigLIP).
+enum class Activation { kGelu, kQuickGelu, kGeluTanh };
 enum class ProjectorKind { kLinear, kMlp };
 
 struct ProjectorSpec {
@@ -47,8 +62,13 @@ struct EncoderSpec {
   int64_t ffn = 512;           // GELU MLP inner width
   int64_t feature_layer = -1;  // which block's output feeds the projector; -2 = LLaVA-style
   double norm_eps = 1e-5;
+  Activation act = Activation::kGelu;
   bool frozen = false;
+  std::string hf;  // Hugging Face checkpoint to read the shape and initial weights from
   // vit
+  bool class_token = false;  // CLIP: a learned [CLS] token first (dropped from the features)
+  bool pre_norm = true;      // LayerNorm after the embeddings (CLIP's pre_layrnorm; not SigLIP)
+  bool patch_bias = true;    // bias in the patch embedding (SigLIP; not CLIP)
   int64_t image_size = 64;
   int64_t channels = 3;
   int64_t patch = 16;
@@ -64,6 +84,8 @@ struct EncoderSpec {
   int64_t tokens_per_item() const {
     return kind == EncoderKind::kVit ? (image_size / patch) * (image_size / patch) : frames / 2;
   }
+  // Tokens the blocks see per item: the features plus a [CLS] token (dropped after the last).
+  int64_t block_tokens() const { return tokens_per_item() + (class_token ? 1 : 0); }
   // Number of blocks actually run (feature_layer resolved against layers).
   int64_t layers_used() const {
     return feature_layer < 0 ? layers + 1 + feature_layer : feature_layer;
@@ -76,7 +98,7 @@ struct ModelSpec {
 };
 
 struct DataSpec {
-  std::string kind = "shapes";  // built-in procedural dataset
+  std::string kind = "shapes";  // "shapes" (built-in procedural) or "llava" (files on disk)
   uint64_t seed = 1234;         // train stream seed; eval uses a disjoint stream
   int64_t eval_samples = 256;
   double noise = 0.08;   // pixel noise amplitude
@@ -84,6 +106,17 @@ struct DataSpec {
   // How a global batch goes to data-parallel replicas and microbatches: "balanced" (encoder and
   // LLM work evened out, microbatches ordered for 1F1B; plan/balance.h) or "in_order".
   std::string balance = "balanced";
+  // kind = "llava" (data/llava.h). Paths are absolute after parsing (relative ones are taken
+  // from the config file's directory).
+  std::string path;                     // JSON array or JSONL file of LLaVA-style records
+  std::string root;                     // media paths are relative to it ("" = path's directory)
+  std::string tokenizer;                // tokenizer.json / .model / directory ("" = model.llm.hf)
+  std::string chat_template = "llava";  // llava, llama2, llama3, chatml or plain (data/chat.h)
+  std::string image_processor;          // "clip" or "siglip" ("" = from the vit encoder's kind)
+  bool pad_to_square = false;           // LLaVA-1.5's image_aspect_ratio = "pad"
+  std::string on_error = "fail";        // "skip": a corrupt or missing record is replaced, counted
+  int64_t workers = 2;                  // threads decoding media
+  int64_t prefetch = 2;                 // global batches prepared ahead of the step
 };
 
 enum class Precision { kBf16, kFp32 };
@@ -156,6 +189,7 @@ struct Spec {
 };
 
 const char* to_string(EncoderKind k);
+const char* to_string(Activation a);
 const char* to_string(ProjectorKind k);
 const char* to_string(Precision p);
 const char* to_string(NonFinite n);

@@ -393,7 +393,7 @@ struct Runtime::Impl {
         if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
       x = torch::cat(parts, 0).narrow(0, a, b - a);
     } else {
-      x = recv({b - a, T / mp.layout.cp, h}, model::compute_dtype(),
+      x = recv({b - a, spec.encoders[e].block_tokens() / mp.layout.cp, h}, model::compute_dtype(),
                mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
                tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp));
       if (mp.weight_grads) x.set_requires_grad(true);

@@ -268,11 +268,19 @@ void save_safetensors(const std::string& path, const TensorMap& tensors,
   sync_parent_dir(path);
 }
 
-SafetensorsFile load_safetensors(const std::string& path,
-                                 c10::optional<at::ScalarType> float_dtype) {
-  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(path),
-             ": float_dtype must be a floating type, got ", *float_dtype);
-  Mapping map(path);
+struct SafetensorsReader::Impl {
+  Impl(const std::string& p) : path(p), map(p) {}
+  std::string path;
+  Mapping map;
+  const uint8_t* buffer = nullptr;
+  std::vector<Entry> entries;  // data-buffer order
+  std::map<std::string, size_t> index;
+  std::map<std::string, std::string> metadata;
+};
+
+SafetensorsReader::SafetensorsReader(const std::string& path)
+    : impl_(std::make_unique<Impl>(path)) {
+  const Mapping& map = impl_->map;
   const uint64_t size = map.size();
   WEFT_CHECK(size >= 8, where(path), ": file is ", size,
              " bytes, too small for the 8-byte header size");
@@ -283,7 +291,7 @@ SafetensorsFile load_safetensors(const std::string& path,
   WEFT_CHECK(n <= size - 8, where(path), ": header size ", n, " is larger than the rest of the ",
              size, "-byte file (truncated?)");
   const char* text = reinterpret_cast<const char*>(map.data() + 8);
-  const uint8_t* buffer = map.data() + 8 + n;
+  impl_->buffer = map.data() + 8 + n;
   const uint64_t data_size = size - 8 - n;
 
   // Parse, noting duplicate top-level keys (JSON allows them; the parser would keep only one).
@@ -303,8 +311,7 @@ SafetensorsFile load_safetensors(const std::string& path,
              header.type_name());
   WEFT_CHECK(duplicate.empty(), where(path, duplicate), ": duplicate name in header");
 
-  SafetensorsFile out;
-  std::vector<Entry> entries;
+  std::vector<Entry>& entries = impl_->entries;
   for (const auto& [name, value] : header.items()) {
     if (name == kMetadataKey) {
       WEFT_CHECK(value.is_object(), where(path), ": \"__metadata__\" must be an object, got ",
@@ -312,7 +319,7 @@ SafetensorsFile load_safetensors(const std::string& path,
       for (const auto& [k, v] : value.items()) {
         WEFT_CHECK(v.is_string(), where(path), ": metadata value for key '", k,
                    "' must be a string, got ", v.dump());
-        out.metadata[k] = v.get<std::string>();
+        impl_->metadata[k] = v.get<std::string>();
       }
       continue;
     }
@@ -331,21 +338,61 @@ SafetensorsFile load_safetensors(const std::string& path,
     }
     if (last == nullptr || e.end > last->end) last = &e;
   }
+  for (size_t k = 0; k < entries.size(); ++k) impl_->index[entries[k].name] = k;
+}
 
-  out.tensors.reserve(entries.size());
-  for (const Entry& e : entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
-    if (e.end > e.begin) std::memcpy(t.data_ptr(), buffer + e.begin, e.end - e.begin);
-    if (e.type == at::kBool) {
-      const uint8_t* b = buffer + e.begin;
-      bool ok = std::all_of(b, b + (e.end - e.begin), [](uint8_t v) { return v <= 1; });
-      WEFT_CHECK(ok, where(path, e.name), ": BOOL tensor holds bytes other than 0 and 1");
-    }
-    if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype) {
-      t = t.to(*float_dtype);
-    }
-    out.tensors.emplace_back(e.name, std::move(t));
+SafetensorsReader::~SafetensorsReader() = default;
+
+const std::string& SafetensorsReader::path() const { return impl_->path; }
+
+std::vector<std::string> SafetensorsReader::names() const {
+  std::vector<std::string> out;
+  for (const Entry& e : impl_->entries) out.push_back(e.name);
+  return out;
+}
+
+bool SafetensorsReader::contains(const std::string& name) const {
+  return impl_->index.count(name) > 0;
+}
+
+std::vector<int64_t> SafetensorsReader::shape(const std::string& name) const {
+  auto it = impl_->index.find(name);
+  WEFT_CHECK(it != impl_->index.end(), where(impl_->path, name), ": no such tensor");
+  return impl_->entries[it->second].shape;
+}
+
+const std::map<std::string, std::string>& SafetensorsReader::metadata() const {
+  return impl_->metadata;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name,
+                                   c10::optional<at::ScalarType> float_dtype) const {
+  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(impl_->path),
+             ": float_dtype must be a floating type, got ", *float_dtype);
+  auto it = impl_->index.find(name);
+  WEFT_CHECK(it != impl_->index.end(), where(impl_->path, name), ": no such tensor");
+  const Entry& e = impl_->entries[it->second];
+  const uint8_t* src = impl_->buffer + e.begin;
+  if (e.type == at::kBool) {
+    bool ok = std::all_of(src, src + (e.end - e.begin), [](uint8_t v) { return v <= 1; });
+    WEFT_CHECK(ok, where(impl_->path, e.name), ": BOOL tensor holds bytes other than 0 and 1");
   }
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
+  if (e.end > e.begin) std::memcpy(t.data_ptr(), src, e.end - e.begin);
+  if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
+    t = t.to(*float_dtype);
+  return t;
+}
+
+SafetensorsFile load_safetensors(const std::string& path,
+                                 c10::optional<at::ScalarType> float_dtype) {
+  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(path),
+             ": float_dtype must be a floating type, got ", *float_dtype);
+  SafetensorsReader reader(path);
+  SafetensorsFile out;
+  out.metadata = reader.metadata();
+  for (const std::string& name : reader.names())
+    out.tensors.emplace_back(name, reader.read(name, float_dtype));
   return out;
 }
 

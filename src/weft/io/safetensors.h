@@ -10,6 +10,7 @@
 #include <c10/util/Optional.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,30 @@ void save_safetensors(const std::string& path, const TensorMap& tensors,
 struct SafetensorsFile {
   TensorMap tensors;  // in data-buffer order (== write order for files from save_safetensors)
   std::map<std::string, std::string> metadata;
+};
+
+// A safetensors file opened for reading tensor by tensor: the file is memory-mapped and the
+// whole header and every range validated on construction (weft::Error naming the file and the
+// tensor otherwise); read() copies one tensor out. Const methods are thread-safe.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(const std::string& path);
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const;
+  std::vector<std::string> names() const;  // data-buffer order
+  bool contains(const std::string& name) const;
+  std::vector<int64_t> shape(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const;
+  // A fresh CPU copy of tensor `name`; floating tensors converted to `float_dtype` when given.
+  at::Tensor read(const std::string& name,
+                  c10::optional<at::ScalarType> float_dtype = c10::nullopt) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Reads a whole safetensors file: mmaps it, validates the header and all ranges, and copies each

@@ -22,7 +22,7 @@ std::vector<EncoderBlock> make_blocks(const Scope& s, const EncoderSpec& e, cons
   const int64_t end = r.last_stage ? e.layers : r.last_layer;
   for (int64_t i = r.first_layer; i < end; ++i)
     blocks.push_back(EncoderBlock::make(s.sub("layers." + std::to_string(i)), e.hidden, e.heads,
-                                        e.ffn, e.norm_eps, e.layers));
+                                        e.ffn, e.norm_eps, e.layers, e.act));
   return blocks;
 }
 
@@ -53,18 +53,20 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange
     }
     const double std = 1.0 / std::sqrt(static_cast<double>(in_ch * kernel * kernel));
     patch_w_ = s.normal("patch.weight", {spec.hidden, in_ch, kernel, kernel}, std);
-    patch_b_ = s.add("patch.bias", torch::zeros({spec.hidden}));
+    if (spec.patch_bias) patch_b_ = s.add("patch.bias", torch::zeros({spec.hidden}));
+    if (spec.class_token) cls_ = s.normal("class", {spec.hidden}, 0.5);
     // Learned positions start on the scale of the patch embeddings (not 0.02): where a thing is
     // in the image must be visible to attention from the first step.
-    pos_ = s.normal("position", {spec.tokens_per_item(), spec.hidden}, 0.5);
-    pre_ln_ = LayerNorm::make(s.sub("pre_ln"), spec.hidden, spec.norm_eps);
+    pos_ = s.normal("position", {spec.block_tokens(), spec.hidden}, 0.5);
+    if (spec.pre_norm) pre_ln_ = LayerNorm::make(s.sub("pre_ln"), spec.hidden, spec.norm_eps);
   }
   blocks_ = make_blocks(s, spec, range_);
 }
 
 at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
   at::Tensor x = range_.first_stage ? own_tokens(front(input), cp_) : input;
-  return run_blocks(blocks_, range_, x);
+  x = run_blocks(blocks_, range_, x);
+  return range_.last_stage && spec_.class_token ? x.narrow(1, 1, x.size(1) - 1) : x;
 }
 
 at::Tensor VisionEncoder::front(const at::Tensor& images) const {
@@ -72,9 +74,12 @@ at::Tensor VisionEncoder::front(const at::Tensor& images) const {
   for (size_t i = 0; i < stem_w_.size(); ++i)
     x = compat::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
   const int64_t k = patch_w_.size(-1);
-  x = at::conv2d(x, to_compute(patch_w_), to_compute(patch_b_), k);  // [N, h, g, g]
-  x = x.flatten(2).transpose(1, 2) + to_compute(pos_);               // [N, T, h]
-  return pre_ln_(x);
+  x = at::conv2d(x, to_compute(patch_w_), patch_b_.defined() ? to_compute(patch_b_) : at::Tensor(),
+                 k);                 // [N, h, g, g]
+  x = x.flatten(2).transpose(1, 2);  // [N, T, h]
+  if (cls_.defined()) x = at::cat({to_compute(cls_).expand({x.size(0), 1, x.size(2)}), x}, 1);
+  x = x + to_compute(pos_);
+  return pre_ln_.weight.defined() ? pre_ln_(x) : x;
 }
 
 at::Tensor sinusoids(int64_t length, int64_t dim) {
@@ -122,7 +127,7 @@ Projector Projector::make(const Scope& s, const ProjectorSpec& spec, int64_t in,
   if (spec.kind == ProjectorKind::kLinear)
     p.linear = Linear::make(s.sub("linear"), in, out, true);
   else
-    p.mlp = GeluMlp::make(s, in, out, out, 0.02);
+    p.mlp = GeluMlp::make(s, in, out, out, 0.02);  // LLaVA's projector: exact GELU
   return p;
 }
 

@@ -25,9 +25,10 @@ class Encoder {
 // feature_layer, so the parameter set of all stages is the single-process one). A later
 // stage's input is the previous stage's output [N, T, hidden].
 //
-// ViT (CLIP/SigLIP-like): optional conv stem (stem_layers 3x3 stride-2 convs + GELU), conv patch
-// embedding (kernel = stride = patch / 2^stem_layers), learned positions,
-// pre-LN, pre-LN GELU blocks; features from block `feature_layer` (LLaVA takes -2).
+// ViT (CLIP/SigLIP): optional conv stem (stem_layers 3x3 stride-2 convs + GELU), conv patch
+// embedding (kernel = stride = patch / 2^stem_layers), an optional [CLS] token (CLIP), learned
+// positions, an optional LayerNorm (CLIP's pre_layrnorm), pre-LN blocks; features are the patch
+// tokens of block `feature_layer` (LLaVA takes -2), [CLS] dropped.
 class VisionEncoder final : public Encoder {
  public:
   VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange range = {});
@@ -40,7 +41,7 @@ class VisionEncoder final : public Encoder {
   StageRange range_;
   dist::Comm cp_;
   std::vector<at::Tensor> stem_w_, stem_b_;
-  at::Tensor patch_w_, patch_b_, pos_;
+  at::Tensor patch_w_, patch_b_, cls_, pos_;
   LayerNorm pre_ln_;
   std::vector<EncoderBlock> blocks_;
 };

@@ -151,10 +151,23 @@ at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
   return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
 }
 
-Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta) {
+Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
+                const RopeScaling& scaling) {
   const int64_t half = head_dim / 2;
   at::Tensor inv_freq =
       torch::pow(theta, torch::arange(0, half, torch::kDouble).mul(-2.0 / head_dim));
+  if (scaling.llama3) {  // transformers' _compute_llama3_parameters
+    const double old_len = static_cast<double>(scaling.original_max_position);
+    const double low_wavelen = old_len / scaling.low_freq_factor;
+    const double high_wavelen = old_len / scaling.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = torch::where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq);
+    at::Tensor smooth = (old_len / wavelen - scaling.low_freq_factor) /
+                        (scaling.high_freq_factor - scaling.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    inv_freq = torch::where(medium, smoothed, scaled);
+  }
   at::Tensor angle = positions.to(torch::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, half]
   angle = torch::cat({angle, angle}, -1).unsqueeze(2);                       // [B, S, 1, D]
   return {angle.cos().to(torch::kFloat), angle.sin().to(torch::kFloat)};
@@ -168,7 +181,7 @@ at::Tensor apply_rope(const at::Tensor& x, const Rope& rope) {
 }
 
 Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
-                          bool bias, double out_std) {
+                          bool qkv_bias, bool out_bias, double out_std) {
   const int64_t tp = s.groups().tp.size();
   WEFT_ASSERT(heads % tp == 0 && kv_heads % tp == 0, "heads ", heads, " and kv_heads ", kv_heads,
               " must divide over tp ", tp);
@@ -178,9 +191,9 @@ Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t
   a.head_dim = hidden / heads;
   a.cp = s.groups().cp;
   const int64_t D = a.head_dim;
-  a.qkv = Linear::make(s.sub("qkv"), hidden, (heads + 2 * kv_heads) * D, bias, 0.02, Par::kColumn,
-                       {heads * D, kv_heads * D, kv_heads * D});
-  a.out = Linear::make(s.sub("out"), heads * D, hidden, bias, out_std, Par::kRow);
+  a.qkv = Linear::make(s.sub("qkv"), hidden, (heads + 2 * kv_heads) * D, qkv_bias, 0.02,
+                       Par::kColumn, {heads * D, kv_heads * D, kv_heads * D});
+  a.out = Linear::make(s.sub("out"), heads * D, hidden, out_bias, out_std, Par::kRow);
   return a;
 }
 
@@ -227,21 +240,34 @@ at::Tensor SwiGlu::operator()(const at::Tensor& x) const {
   return down(at::silu(gu.narrow(-1, 0, f)) * gu.narrow(-1, f, f));
 }
 
-GeluMlp GeluMlp::make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std) {
-  return {Linear::make(s.sub("fc1"), in, ffn, true, 0.02, Par::kColumn),
-          Linear::make(s.sub("fc2"), ffn, out, true, out_std, Par::kRow)};
+at::Tensor activate(const at::Tensor& x, Activation act) {
+  switch (act) {
+    case Activation::kQuickGelu:
+      return x * at::sigmoid(x * 1.702);
+    case Activation::kGeluTanh:
+      return compat::gelu(x, "tanh");
+    case Activation::kGelu:
+      break;
+  }
+  return compat::gelu(x);
 }
 
-at::Tensor GeluMlp::operator()(const at::Tensor& x) const { return fc2(compat::gelu(fc1(x))); }
+GeluMlp GeluMlp::make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std,
+                      Activation act) {
+  return {Linear::make(s.sub("fc1"), in, ffn, true, 0.02, Par::kColumn),
+          Linear::make(s.sub("fc2"), ffn, out, true, out_std, Par::kRow), act};
+}
+
+at::Tensor GeluMlp::operator()(const at::Tensor& x) const { return fc2(activate(fc1(x), act)); }
 
 EncoderBlock EncoderBlock::make(const Scope& s, int64_t hidden, int64_t heads, int64_t ffn,
-                                double eps, int64_t layers) {
+                                double eps, int64_t layers, Activation act) {
   const double out_std = 0.02 / std::sqrt(2.0 * static_cast<double>(layers));
   EncoderBlock b;
   b.ln1 = LayerNorm::make(s.sub("ln1"), hidden, eps);
-  b.attn = Attention::make(s.sub("attn"), hidden, heads, heads, true, out_std);
+  b.attn = Attention::make(s.sub("attn"), hidden, heads, heads, true, true, out_std);
   b.ln2 = LayerNorm::make(s.sub("ln2"), hidden, eps);
-  b.mlp = GeluMlp::make(s.sub("mlp"), hidden, ffn, hidden, out_std);
+  b.mlp = GeluMlp::make(s.sub("mlp"), hidden, ffn, hidden, out_std, act);
   return b;
 }
 

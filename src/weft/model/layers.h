@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "weft/core/spec.h"
 #include "weft/dist/comm.h"
 
 namespace weft::model {
@@ -136,10 +137,12 @@ struct LayerNorm {
 };
 
 // Rotary embedding tables for positions [B, S]: cos/sin of shape [B, S, 1, head_dim]
-// (rotate-half convention, as in Llama / Hugging Face).
+// (rotate-half convention, as in Llama / Hugging Face), with optional Llama-3.1 frequency
+// scaling.
 struct Rope {
   at::Tensor cos, sin;
-  static Rope make(const at::Tensor& positions, int64_t head_dim, double theta);
+  static Rope make(const at::Tensor& positions, int64_t head_dim, double theta,
+                   const RopeScaling& scaling = {});
 };
 // x: [B, S, H, D].
 at::Tensor apply_rope(const at::Tensor& x, const Rope& rope);
@@ -158,13 +161,14 @@ struct AttentionMask {
 };
 
 // Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-
-// parallel; heads and kv_heads split over TP) and a row-parallel output projection.
+// parallel; heads and kv_heads split over TP) and a row-parallel output projection, each with
+// or without a bias (Llama: none; Qwen2: QKV only; ViT / Whisper: both).
 struct Attention {
   Linear qkv, out;
   int64_t heads = 1, kv_heads = 1, head_dim = 1;  // heads and kv_heads on this rank
   dist::Comm cp;
-  static Attention make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads, bool bias,
-                        double out_std);
+  static Attention make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
+                        bool qkv_bias, bool out_bias, double out_std);
   // rope may be null.
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope* rope) const;
 };
@@ -176,10 +180,15 @@ struct SwiGlu {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// GELU MLP: fc2(gelu(fc1(x))); fc1 column-parallel, fc2 row-parallel.
+// The activation of an encoder MLP (exact GELU, quick GELU, tanh GELU).
+at::Tensor activate(const at::Tensor& x, Activation act);
+
+// GELU MLP: fc2(act(fc1(x))); fc1 column-parallel, fc2 row-parallel.
 struct GeluMlp {
   Linear fc1, fc2;
-  static GeluMlp make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std);
+  Activation act = Activation::kGelu;
+  static GeluMlp make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std,
+                      Activation act = Activation::kGelu);
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
@@ -190,7 +199,7 @@ struct EncoderBlock {
   Attention attn;
   GeluMlp mlp;
   static EncoderBlock make(const Scope& s, int64_t hidden, int64_t heads, int64_t ffn, double eps,
-                           int64_t layers);
+                           int64_t layers, Activation act = Activation::kGelu);
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

@@ -24,8 +24,8 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
     Scope b = s.sub("layers." + std::to_string(i));
     LlmBlock blk;
     blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
-    blk.attn =
-        Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, false, out_std);
+    blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, spec.qkv_bias,
+                               false, out_std);
     blk.norm2 = RmsNorm::make(b.sub("norm2"), spec.hidden, spec.norm_eps);
     blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
     m.blocks.push_back(blk);
@@ -51,7 +51,7 @@ at::Tensor Llm::embed(const at::Tensor& tokens) const {
 
 at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
                                const AttentionMask& mask) const {
-  const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta);
+  const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
     x = x + b.attn(b.norm1(x), mask, &rope);

@@ -31,8 +31,8 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
 // GELU. LibTorch 1.13's CPU GELU backward is wrong when the incoming gradient is not contiguous
 // (it arrives through a transpose, as in the Whisper front end): all zeros in fp32, NaN in bf16.
 // A hook hands it a contiguous gradient (a copy only when needed), which is exact.
-inline at::Tensor gelu(const at::Tensor& x) {
-  at::Tensor y = at::gelu(x);
+inline at::Tensor gelu(const at::Tensor& x, c10::string_view approximate = "none") {
+  at::Tensor y = at::gelu(x, approximate);
 #if TORCH_VERSION_MAJOR < 2
   if (y.requires_grad())
     y.register_hook(

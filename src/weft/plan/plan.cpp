@@ -106,6 +106,9 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     divides(model + ".ffn", e.ffn);
     if (e.projector.kind == ProjectorKind::kMlp)
       divides("model.llm.hidden (the inner width of the mlp projector)", spec.model.llm.hidden);
+    WEFT_CHECK(l.cp == 1 || !e.class_token, at, "cp = ", l.cp, ": model.", e.name,
+               " has a [CLS] token (class_token = true); context parallelism over its tokens is "
+               "not supported, use dp or tp");
     WEFT_CHECK(e.tokens_per_item() % l.cp == 0, at, "cp = ", l.cp, ": must divide the ",
                e.tokens_per_item(), " tokens of each ", e.name,
                " item (context parallelism splits every item's tokens evenly)");

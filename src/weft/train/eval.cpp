@@ -13,7 +13,7 @@ namespace {
 // Greedy continuation of a group of prompts of equal length. Returns generated ids per sample.
 std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
                                            const std::vector<data::Sample>& prompts,
-                                           const data::Tokenizer& tok, int64_t max_new) {
+                                           const data::Dataset& tok, int64_t max_new) {
   data::CollateOptions opts;
   opts.num_encoders = static_cast<int>(model.spec().encoders.size());
   opts.pad_id = tok.pad_id();
@@ -50,9 +50,8 @@ std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
 }  // namespace
 
 EvalResult evaluate_captions(const model::MultimodalModel& model,
-                             const std::vector<data::Sample>& samples,
-                             const data::Tokenizer& tokenizer, int64_t batch,
-                             at::ScalarType compute_dtype) {
+                             const std::vector<data::Sample>& samples, const data::Dataset& dataset,
+                             int64_t batch, at::ScalarType compute_dtype) {
   torch::NoGradGuard no_grad;
   model::ComputeDtypeGuard dtype(compute_dtype);
   EvalResult r;
@@ -74,9 +73,9 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       prompts.push_back(std::move(p));
       ++end;
     }
-    std::vector<std::vector<int64_t>> gen = generate(model, prompts, tokenizer, max_new);
+    std::vector<std::vector<int64_t>> gen = generate(model, prompts, dataset, max_new);
     for (size_t i = 0; i < gen.size(); ++i) {
-      const std::string text = tokenizer.decode(gen[i]);
+      const std::string text = dataset.decode(gen[i]);
       const std::string& ref = samples[begin + i].caption;
       correct += text == ref ? 1 : 0;
       if (r.examples.size() < 4) r.examples.emplace_back(text, ref);

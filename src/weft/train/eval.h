@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "weft/data/dataset.h"
 #include "weft/data/sample.h"
-#include "weft/data/tokenizer.h"
 #include "weft/model/multimodal.h"
 
 namespace weft::train {
@@ -20,8 +20,7 @@ struct EvalResult {
 };
 
 EvalResult evaluate_captions(const model::MultimodalModel& model,
-                             const std::vector<data::Sample>& samples,
-                             const data::Tokenizer& tokenizer, int64_t batch,
-                             at::ScalarType compute_dtype);
+                             const std::vector<data::Sample>& samples, const data::Dataset& dataset,
+                             int64_t batch, at::ScalarType compute_dtype);
 
 }  // namespace weft::train

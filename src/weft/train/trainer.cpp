@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -14,10 +15,10 @@
 #include "weft/core/error.h"
 #include "weft/core/progress.h"
 #include "weft/data/collate.h"
-#include "weft/data/shapes.h"
-#include "weft/data/tokenizer.h"
+#include "weft/data/dataset.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
+#include "weft/io/hf.h"
 #include "weft/plan/balance.h"
 #include "weft/plan/flops.h"
 #include "weft/train/eval.h"
@@ -87,8 +88,7 @@ struct Trainer::Impl {
   Spec spec;
   plan::Plan plan;
   TrainerOptions opts;
-  data::Tokenizer tokenizer;
-  std::unique_ptr<data::ShapesDataset> dataset;
+  std::unique_ptr<data::Dataset> dataset;
   std::unique_ptr<dist::Runtime> runtime;
   std::unique_ptr<AdamW> optimizer;
   // Rank 0's whole model for evaluation when its own part is not the whole model.
@@ -102,23 +102,14 @@ struct Trainer::Impl {
   double prior_wall_seconds = 0;
 
   Impl(Spec s, plan::Plan p, TrainerOptions o)
-      : spec(std::move(s)),
-        plan(std::move(p)),
-        opts(std::move(o)),
-        tokenizer(data::Tokenizer::for_shapes(spec.model)) {
-    LlmSpec& llm = spec.model.llm;
-    WEFT_CHECK(llm.vocab == 0 || llm.vocab >= tokenizer.vocab_size(), spec.source,
-               ": model.llm.vocab = ", llm.vocab, " is smaller than the tokenizer's ",
-               tokenizer.vocab_size(), " tokens (use 0 to take the tokenizer's size)");
-    // vocab = 0: the tokenizer's size padded to a multiple of 64, so every usual TP size splits
-    // it and every layout builds the same model.
+      : spec(std::move(s)), plan(std::move(p)), opts(std::move(o)) {
+    dataset = data::make_dataset(&spec);  // sets model.llm.vocab = 0 from the tokenizer
+    const LlmSpec& llm = spec.model.llm;
     const int64_t tp = plan.module("llm").layout.tp;
-    if (llm.vocab == 0) llm.vocab = (tokenizer.vocab_size() + 63) / 64 * 64;
     WEFT_CHECK(llm.vocab % tp == 0, spec.source, ": model.llm.vocab = ", llm.vocab,
                " must be divisible by parallel.llm.tp = ", tp,
                " for the vocab-parallel embedding: set model.llm.vocab to a multiple of ", tp,
-               " no smaller than ", tokenizer.vocab_size());
-    dataset = std::make_unique<data::ShapesDataset>(spec, tokenizer);
+               " no smaller than ", dataset->vocab_size());
     compute = spec.train.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
     dist::RuntimeOptions ro;
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
@@ -131,7 +122,32 @@ struct Trainer::Impl {
               : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
                                          : fs::path(fresh_run_dir());
-    if (!opts.resume_dir.empty()) resume();
+    if (!opts.resume_dir.empty())
+      resume();
+    else
+      init_from_hf();
+  }
+
+  // Fresh runs: parameters of modules that name a Hugging Face checkpoint (model.llm.hf,
+  // model.<encoder>.hf) start from it; each rank reads only the tensors it holds, and takes its
+  // shard of each.
+  void init_from_hf() {
+    bool any = !spec.model.llm.hf.empty();
+    for (const EncoderSpec& e : spec.model.encoders) any = any || !e.hf.empty();
+    if (!any) return;
+    const io::HfWeights hf(spec.model);
+    torch::NoGradGuard no_grad;
+    const model::NamedTensors& params = model().parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& [name, p] = params[k];
+      if (!hf.provides(name)) continue;
+      const at::Tensor shard = runtime->shard_of(k, hf.full(name));
+      WEFT_CHECK(shard.sizes() == p.sizes(), "Hugging Face weights for '", name, "' have shape ",
+                 shard.sizes(), " on this rank; the model needs ", p.sizes());
+      p.copy_(shard);
+    }
+    if (opts.comm.rank() == 0 && opts.progress)
+      for (const std::string& line : hf.summary()) std::fprintf(stderr, "weft: %s\n", line.c_str());
   }
 
   model::MultimodalModel& model() { return runtime->model(); }
@@ -308,7 +324,7 @@ Summary Trainer::run() {
                      m.run_dir.string());
   data::CollateOptions copts;
   copts.num_encoders = static_cast<int>(spec.model.encoders.size());
-  copts.pad_id = m.tokenizer.pad_id();
+  copts.pad_id = m.dataset->pad_id();
   copts.packing = spec.data.packing;
   copts.max_seq = spec.model.llm.max_seq;
 
@@ -326,7 +342,7 @@ Summary Trainer::run() {
   auto run_eval = [&]() {
     const model::MultimodalModel* eval_model = m.model_for_eval();
     if (!writer) return;
-    EvalResult r = evaluate_captions(*eval_model, m.dataset->eval_set(), m.tokenizer,
+    EvalResult r = evaluate_captions(*eval_model, m.dataset->eval_set(), *m.dataset,
                                      std::max<int64_t>(ts.batch, 64), m.compute);
     accuracy = r.caption_accuracy;
     examples = r.examples;
@@ -437,6 +453,7 @@ Summary Trainer::run() {
     line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
     if (m.plan.module("llm").layout.cp > 1) line["cp_imbalance"] = times.cp_imbalance;
     if (skipped) line["skipped"] = true;
+    if (m.dataset->skipped() > 0) line["data_skipped"] = m.dataset->skipped();  // bad records
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
     if (comm.size() > 1) {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time

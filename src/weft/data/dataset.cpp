@@ -1,0 +1,45 @@
+#include "weft/data/dataset.h"
+
+#include "weft/core/error.h"
+#include "weft/data/llava.h"
+#include "weft/data/shapes.h"
+#include "weft/data/tokenizer.h"
+
+namespace weft::data {
+
+namespace {
+
+// The built-in procedural dataset behind the Dataset interface.
+class ShapesData final : public Dataset {
+ public:
+  ShapesData(const Spec& spec, Tokenizer tok) : tok_(std::move(tok)), data_(spec, tok_) {}
+  std::vector<Sample> train_batch(int64_t step, int64_t batch) override {
+    return data_.train_batch(step, batch);
+  }
+  std::vector<Sample> eval_set() override { return data_.eval_set(); }
+  int64_t vocab_size() const override { return tok_.vocab_size(); }
+  int64_t pad_id() const override { return tok_.pad_id(); }
+  int64_t eos_id() const override { return tok_.eos_id(); }
+  std::string decode(const std::vector<int64_t>& ids) const override { return tok_.decode(ids); }
+
+ private:
+  Tokenizer tok_;
+  ShapesDataset data_;
+};
+
+}  // namespace
+
+std::unique_ptr<Dataset> make_dataset(Spec* spec) {
+  if (spec->data.kind == "llava") return std::make_unique<LlavaDataset>(spec);
+  Tokenizer tok = Tokenizer::for_shapes(spec->model);
+  LlmSpec& llm = spec->model.llm;
+  WEFT_CHECK(llm.vocab == 0 || llm.vocab >= tok.vocab_size(), spec->source,
+             ": model.llm.vocab = ", llm.vocab, " is smaller than the tokenizer's ",
+             tok.vocab_size(), " tokens (use 0 to take the tokenizer's size)");
+  // vocab = 0: the tokenizer's size padded to a multiple of 64, so every usual TP size splits it
+  // and every layout builds the same model.
+  if (llm.vocab == 0) llm.vocab = (tok.vocab_size() + 63) / 64 * 64;
+  return std::make_unique<ShapesData>(*spec, std::move(tok));
+}
+
+}  // namespace weft::data
