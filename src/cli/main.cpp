@@ -10,6 +10,7 @@
 #include <map>
 #include <thread>
 
+#include "cli/example.h"
 #include "cli/inspect.h"
 #include "cli/simulate.h"
 #include "weft/core/config.h"
@@ -176,6 +177,19 @@ int main(int argc, char** argv) {
   exp->add_option("--shard-mb", export_shard_mb, "largest safetensors shard (MiB)")
       ->check(CLI::PositiveNumber);
 
+  CLI::App* example = app.add_subcommand("example", "generate example data and checkpoints");
+  example->require_subcommand(1);
+  CLI::App* example_llava = example->add_subcommand(
+      "llava",
+      "a LLaVA-style dataset (PNG + JSON), tokenizer.json and HF-layout LLM + CLIP tower, for "
+      "configs/llava-style.toml");
+  std::string example_out;
+  int64_t example_samples = 2048;
+  uint64_t example_seed = 1234;
+  example_llava->add_option("out_dir", example_out, "directory to write")->required();
+  example_llava->add_option("--samples", example_samples, "records")->check(CLI::PositiveNumber);
+  example_llava->add_option("--seed", example_seed, "data and init seed");
+
   std::function<int()> run_inspect = weft::cli::add_inspect(app);
   std::function<int()> run_simulate = weft::cli::add_simulate(app);
 
@@ -187,6 +201,8 @@ int main(int argc, char** argv) {
   try {
     if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
     if (*plan) return cmd_plan(config, sets, plan_world);
+    if (*example_llava)
+      return weft::cli::run_example_llava(example_out, example_samples, example_seed);
     if (*exp) return cmd_export(export_run, export_out, export_dtype, export_shard_mb);
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);

@@ -1,0 +1,318 @@
+#include "weft/data/llava.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "weft/core/error.h"
+#include "weft/data/audio.h"
+#include "weft/data/image_decode.h"
+#include "weft/data/loader.h"
+
+namespace weft::data {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+std::string trim(std::string s) {
+  const auto space = [](unsigned char c) { return std::isspace(c) != 0; };
+  while (!s.empty() && space(s.back())) s.pop_back();
+  size_t i = 0;
+  while (i < s.size() && space(s[i])) ++i;
+  return s.substr(i);
+}
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + what.size()))
+    ++n;
+  return n;
+}
+
+// "image": "a.jpg" | ["a.jpg", ...] | absent.
+std::vector<std::string> paths_of(const json& r, const char* key, const std::string& where) {
+  std::vector<std::string> out;
+  if (!r.contains(key) || r[key].is_null()) return out;
+  const json& v = r[key];
+  if (v.is_string()) return {v.get<std::string>()};
+  WEFT_CHECK(v.is_array(), where, ": \"", key, "\" must be a path or a list of paths");
+  for (const json& p : v) {
+    WEFT_CHECK(p.is_string(), where, ": \"", key, "\" entries must be strings");
+    out.push_back(p.get<std::string>());
+  }
+  return out;
+}
+
+LlavaDataset::Record parse_record(const json& r, const std::string& where) {
+  WEFT_CHECK(r.is_object(), where, ": expected an object");
+  LlavaDataset::Record rec;
+  rec.images = paths_of(r, "image", where);
+  rec.audios = paths_of(r, "audio", where);
+  WEFT_CHECK(
+      r.contains("conversations") && r["conversations"].is_array() && !r["conversations"].empty(),
+      where, ": \"conversations\" must be a non-empty list of {from, value}");
+  const json& turns = r["conversations"];
+  for (size_t t = 0; t < turns.size(); ++t) {
+    const std::string at = where + ": conversations[" + std::to_string(t) + "]";
+    WEFT_CHECK(turns[t].is_object() && turns[t].contains("from") && turns[t]["from"].is_string() &&
+                   turns[t].contains("value") && turns[t]["value"].is_string(),
+               at, ": expected {\"from\": string, \"value\": string}");
+    const std::string from = turns[t]["from"].get<std::string>();
+    std::string role = from == "human" || from == "user"      ? "user"
+                       : from == "gpt" || from == "assistant" ? "assistant"
+                       : from == "system"                     ? "system"
+                                                              : "";
+    WEFT_CHECK(!role.empty(), at, ".from = \"", from,
+               "\": expected human, gpt, user, assistant or system");
+    rec.turns.push_back({role, turns[t]["value"].get<std::string>()});
+  }
+  return rec;
+}
+
+std::vector<LlavaDataset::Record> read_records(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  WEFT_CHECK(in, file, ": cannot read the dataset (data.path)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  const std::string s = text.str();
+  const size_t first = s.find_first_not_of(" \t\r\n");
+  std::vector<LlavaDataset::Record> out;
+  if (first != std::string::npos && s[first] == '[') {  // one JSON array
+    json j = json::parse(s, nullptr, /*allow_exceptions=*/false);
+    WEFT_CHECK(!j.is_discarded(), file,
+               ": not valid JSON (a JSON array of records, or JSONL: one record per line)");
+    for (size_t k = 0; k < j.size(); ++k)
+      out.push_back(parse_record(j[k], file + ": record " + std::to_string(k)));
+  } else {  // JSONL
+    std::istringstream lines(s);
+    std::string line;
+    for (int64_t n = 1; std::getline(lines, line); ++n) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      json j = json::parse(line, nullptr, false);
+      const std::string where =
+          file + ":" + std::to_string(n) + ": record " + std::to_string(out.size());
+      WEFT_CHECK(!j.is_discarded(), where, ": not valid JSON (a truncated file?)");
+      out.push_back(parse_record(j, where));
+    }
+  }
+  WEFT_CHECK(!out.empty(), file, ": no records");
+  return out;
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+std::string LlavaDataset::resolve_media(const std::string& root, const std::string& relative) {
+  WEFT_CHECK(!relative.empty(), "empty media path");
+  const fs::path rel(relative);
+  WEFT_CHECK(rel.is_relative(), "media path \"", relative,
+             "\" is absolute; paths must be relative to data.root");
+  const fs::path base = fs::path(root).lexically_normal();
+  const fs::path full = (base / rel).lexically_normal();
+  const auto inside = [](const fs::path& p, const fs::path& dir) {
+    const fs::path r = p.lexically_relative(dir);
+    return !r.empty() && *r.begin() != "..";
+  };
+  WEFT_CHECK(inside(full, base), "media path \"", relative, "\" leaves data.root (", root, ")");
+  std::error_code ec;  // symlinks must not lead outside either
+  const fs::path real = fs::weakly_canonical(full, ec), real_root = fs::weakly_canonical(base, ec);
+  WEFT_CHECK(ec || inside(real, real_root), "media path \"", relative,
+             "\" resolves outside data.root (", root, ") through a symbolic link");
+  return full.string();
+}
+
+LlavaDataset::LlavaDataset(Spec* spec) : spec_(*spec), file_(spec->data.path) {
+  const DataSpec& d = spec->data;
+  root_ = d.root.empty() ? fs::path(file_).parent_path().string() : d.root;
+  const std::string tok_path = !d.tokenizer.empty() ? d.tokenizer : spec->model.llm.hf;
+  WEFT_CHECK(!tok_path.empty(), spec->source,
+             ": data.tokenizer: missing (a tokenizer.json / tokenizer.model, or set "
+             "model.llm.hf to a checkpoint directory that has one)");
+  tok_ = load_tokenizer(tok_path);
+  WEFT_CHECK(tok_->eos_id.has_value(), tok_path,
+             ": the tokenizer names no EOS token (evaluation stops at it)");
+  eos_id_ = *tok_->eos_id;
+  pad_id_ = tok_->pad_id.value_or(eos_id_);
+
+  LlmSpec& llm = spec->model.llm;
+  if (llm.vocab == 0) llm.vocab = (tok_->vocab_size() + 63) / 64 * 64;
+  WEFT_CHECK(llm.vocab >= tok_->vocab_size(), spec->source, ": model.llm.vocab = ", llm.vocab,
+             " is smaller than the tokenizer's ", tok_->vocab_size(), " tokens (", tok_path, ")");
+  spec_.model.llm.vocab = llm.vocab;
+
+  for (size_t e = 0; e < spec->model.encoders.size(); ++e) {
+    const EncoderSpec& enc = spec->model.encoders[e];
+    const std::string marker = enc.kind == EncoderKind::kVit ? "<image>" : "<audio>";
+    for (const ChatMarker& m : markers_)
+      WEFT_CHECK(m.text != marker, spec->source, ": model.", enc.name, ": a second ",
+                 to_string(enc.kind), " encoder; LLaVA-style data has one ", marker,
+                 " marker per kind of item");
+    const std::optional<int64_t> id = tok_->token_id(marker);
+    WEFT_CHECK(id.has_value(), tok_path, ": the tokenizer has no ", marker,
+               " token (the placeholder of model.", enc.name, "); add it as an added token");
+    markers_.push_back({marker, *id, enc.tokens_per_item()});
+    marker_encoder_.push_back(static_cast<int>(e));
+    if (enc.kind == EncoderKind::kVit) {
+      const bool siglip =
+          d.image_processor.empty() ? !enc.class_token : d.image_processor == "siglip";
+      image_processor_ = siglip ? ImageProcessor::siglip(enc.image_size) : ImageProcessor{};
+      image_processor_.size = image_processor_.crop = enc.image_size;
+      image_processor_.pad_to_square = d.pad_to_square;
+    }
+  }
+  records_ = read_records(file_);
+  eval_count_ = d.eval_samples;
+  WEFT_CHECK(eval_count_ < static_cast<int64_t>(records_.size()), spec->source,
+             ": data.eval_samples = ", eval_count_, " leaves no training records (", file_, " has ",
+             records_.size(), ")");
+  skip_bad_ = d.on_error == "skip";
+  prefetcher_ = std::make_unique<Prefetcher>(static_cast<int>(d.workers),
+                                             [this](int64_t p) { return good_sample(p); });
+}
+
+LlavaDataset::~LlavaDataset() = default;
+
+int64_t LlavaDataset::train_index(int64_t position) const {
+  const int64_t n = train_records();
+  const int64_t epoch = position / n, k = position % n;
+  // The k-th element of a seeded Fisher-Yates shuffle of [0, n), computed by replaying the
+  // swaps (cached per epoch: one O(n) pass per epoch).
+  static thread_local std::pair<int64_t, std::vector<int64_t>> cache{-1, {}};
+  static thread_local const void* owner = nullptr;
+  if (cache.first != epoch || owner != this || static_cast<int64_t>(cache.second.size()) != n) {
+    std::vector<int64_t> perm(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) perm[i] = i;
+    uint64_t state = mix(spec_.data.seed ^ mix(static_cast<uint64_t>(epoch) + 1));
+    for (int64_t i = n - 1; i > 0; --i) {
+      state = mix(state);
+      std::swap(perm[i], perm[static_cast<int64_t>(state % static_cast<uint64_t>(i + 1))]);
+    }
+    cache = {epoch, std::move(perm)};
+    owner = this;
+  }
+  return cache.second[k];
+}
+
+Sample LlavaDataset::sample(int64_t index) const {
+  const Record& r = records_[index];
+  try {
+    std::vector<ChatTurn> turns = r.turns;
+    for (size_t m = 0; m < markers_.size(); ++m) {
+      const bool image = markers_[m].text == "<image>";
+      const size_t items = image ? r.images.size() : r.audios.size();
+      size_t written = 0;
+      for (const ChatTurn& t : turns) written += count_of(t.text, markers_[m].text);
+      if (items > 0 && written == 0)  // LLaVA: the item goes before the first question
+        for (ChatTurn& t : turns)
+          if (t.role == "user") {
+            t.text = markers_[m].text + "\n" + t.text;
+            written = 1;
+            break;
+          }
+      WEFT_CHECK(items == written, "has ", items, image ? " image(s)" : " audio clip(s)", " but ",
+                 written, " ", markers_[m].text, " marker(s)");
+    }
+    const auto has = [&](const char* marker) {
+      return std::any_of(markers_.begin(), markers_.end(),
+                         [&](const ChatMarker& m) { return m.text == marker; });
+    };
+    WEFT_CHECK(r.images.empty() || has("<image>"), "has images but the model has no vit encoder");
+    WEFT_CHECK(r.audios.empty() || has("<audio>"),
+               "has audio but the model has no whisper encoder");
+    const EncodedChat c = encode_chat(*tok_, spec_.data.chat_template, turns, markers_);
+    const int64_t S = static_cast<int64_t>(c.ids.size());
+    WEFT_CHECK(S <= spec_.model.llm.max_seq, "is ", S,
+               " tokens long, more than model.llm.max_seq = ", spec_.model.llm.max_seq);
+    Sample s;
+    s.tokens = c.ids;
+    s.is_target = c.is_target;
+    const auto first = std::find(s.is_target.begin(), s.is_target.end(), 1);
+    WEFT_CHECK(first != s.is_target.end(), "has no assistant reply to learn");
+    s.prompt_length = first - s.is_target.begin();
+    for (const ChatTurn& t : turns)
+      if (t.role == "assistant") {
+        s.caption = trim(t.text);
+        break;
+      }
+    size_t next_image = 0, next_audio = 0;
+    for (const MarkerSpan& span : c.spans) {
+      const int e = marker_encoder_[span.marker];
+      const EncoderSpec& enc = spec_.model.encoders[e];
+      ModalityItem item{e, span.start, span.length, {}};
+      if (enc.kind == EncoderKind::kVit) {
+        const std::string path = resolve_media(root_, r.images[next_image++]);
+        item.input = preprocess_image(load_image(path), image_processor_);
+      } else {
+        const std::string path = resolve_media(root_, r.audios[next_audio++]);
+        item.input = whisper_log_mel(load_audio_mono(path), enc.mels, enc.frames);
+      }
+      s.items.push_back(std::move(item));
+    }
+    return s;
+  } catch (const std::exception& e) {
+    WEFT_FAIL(file_, ": record ", index, ": ", e.what());
+  }
+}
+
+Sample LlavaDataset::good_sample(int64_t position) {
+  constexpr int kTries = 64;
+  for (int k = 0; k < kTries; ++k) {
+    // Replacements step through the epoch's order with a stride coprime to most sizes.
+    const int64_t p = position + static_cast<int64_t>(k) * 7919;
+    try {
+      return sample(train_index(p));
+    } catch (const Error&) {
+      if (!skip_bad_) throw;
+      ++skipped_;
+    }
+  }
+  WEFT_FAIL(file_, ": ", kTries, " bad records in a row around training position ", position,
+            " (data.on_error = \"skip\"); is data.root right?");
+}
+
+std::vector<Sample> LlavaDataset::train_batch(int64_t step, int64_t batch) {
+  const int64_t ahead = spec_.data.prefetch;
+  prefetcher_->schedule(step * batch, (step + 1 + ahead) * batch);
+  std::vector<Sample> out;
+  out.reserve(static_cast<size_t>(batch));
+  for (int64_t i = 0; i < batch; ++i) out.push_back(prefetcher_->take(step * batch + i));
+  return out;
+}
+
+std::vector<Sample> LlavaDataset::eval_set() {
+  std::vector<Sample> out;
+  const int64_t n = static_cast<int64_t>(records_.size());
+  for (int64_t i = n - eval_count_; i < n; ++i) {
+    try {
+      out.push_back(sample(i));
+    } catch (const Error&) {
+      if (!skip_bad_) throw;
+      ++skipped_;
+    }
+  }
+  return out;
+}
+
+std::string LlavaDataset::decode(const std::vector<int64_t>& ids) const {
+  std::vector<int64_t> kept;
+  for (int64_t id : ids) {
+    if (id == eos_id_) break;
+    if (id >= 0 && id < tok_->vocab_size()) kept.push_back(id);
+  }
+  return trim(tok_->decode(kept, /*skip_special=*/true));
+}
+
+}  // namespace weft::data
