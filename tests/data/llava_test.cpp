@@ -221,3 +221,25 @@ TEST(Llava, SkipPolicyReplacesAndCountsBadRecords) {
 
 }  // namespace
 }  // namespace weft::data
+
+namespace weft::data {
+namespace {
+
+// The fuzzer's saved inputs (tests/fuzz/llava/) parse or fail with a weft::Error.
+TEST(Llava, FuzzInputsParseOrFailCleanly) {
+  int files = 0;
+  for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(WEFT_SOURCE_DIR) /
+                                                           "tests" / "fuzz" / "llava")) {
+    std::ifstream in(f.path(), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    try {
+      parse_llava_records(text, f.path().string());
+    } catch (const Error&) {
+    }
+    ++files;
+  }
+  EXPECT_GE(files, 2);
+}
+
+}  // namespace
+}  // namespace weft::data

@@ -12,6 +12,7 @@
 #include "weft/core/error.h"
 #include "weft/data/audio.h"
 #include "weft/data/image_decode.h"
+#include "weft/data/llava_records.h"
 #include "weft/data/loader.h"
 
 namespace weft::data {
@@ -34,76 +35,6 @@ size_t count_of(const std::string& text, const std::string& what) {
   for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + what.size()))
     ++n;
   return n;
-}
-
-// "image": "a.jpg" | ["a.jpg", ...] | absent.
-std::vector<std::string> paths_of(const json& r, const char* key, const std::string& where) {
-  std::vector<std::string> out;
-  if (!r.contains(key) || r[key].is_null()) return out;
-  const json& v = r[key];
-  if (v.is_string()) return {v.get<std::string>()};
-  WEFT_CHECK(v.is_array(), where, ": \"", key, "\" must be a path or a list of paths");
-  for (const json& p : v) {
-    WEFT_CHECK(p.is_string(), where, ": \"", key, "\" entries must be strings");
-    out.push_back(p.get<std::string>());
-  }
-  return out;
-}
-
-LlavaDataset::Record parse_record(const json& r, const std::string& where) {
-  WEFT_CHECK(r.is_object(), where, ": expected an object");
-  LlavaDataset::Record rec;
-  rec.images = paths_of(r, "image", where);
-  rec.audios = paths_of(r, "audio", where);
-  WEFT_CHECK(
-      r.contains("conversations") && r["conversations"].is_array() && !r["conversations"].empty(),
-      where, ": \"conversations\" must be a non-empty list of {from, value}");
-  const json& turns = r["conversations"];
-  for (size_t t = 0; t < turns.size(); ++t) {
-    const std::string at = where + ": conversations[" + std::to_string(t) + "]";
-    WEFT_CHECK(turns[t].is_object() && turns[t].contains("from") && turns[t]["from"].is_string() &&
-                   turns[t].contains("value") && turns[t]["value"].is_string(),
-               at, ": expected {\"from\": string, \"value\": string}");
-    const std::string from = turns[t]["from"].get<std::string>();
-    std::string role = from == "human" || from == "user"      ? "user"
-                       : from == "gpt" || from == "assistant" ? "assistant"
-                       : from == "system"                     ? "system"
-                                                              : "";
-    WEFT_CHECK(!role.empty(), at, ".from = \"", from,
-               "\": expected human, gpt, user, assistant or system");
-    rec.turns.push_back({role, turns[t]["value"].get<std::string>()});
-  }
-  return rec;
-}
-
-std::vector<LlavaDataset::Record> read_records(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  WEFT_CHECK(in, file, ": cannot read the dataset (data.path)");
-  std::ostringstream text;
-  text << in.rdbuf();
-  const std::string s = text.str();
-  const size_t first = s.find_first_not_of(" \t\r\n");
-  std::vector<LlavaDataset::Record> out;
-  if (first != std::string::npos && s[first] == '[') {  // one JSON array
-    json j = json::parse(s, nullptr, /*allow_exceptions=*/false);
-    WEFT_CHECK(!j.is_discarded(), file,
-               ": not valid JSON (a JSON array of records, or JSONL: one record per line)");
-    for (size_t k = 0; k < j.size(); ++k)
-      out.push_back(parse_record(j[k], file + ": record " + std::to_string(k)));
-  } else {  // JSONL
-    std::istringstream lines(s);
-    std::string line;
-    for (int64_t n = 1; std::getline(lines, line); ++n) {
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      json j = json::parse(line, nullptr, false);
-      const std::string where =
-          file + ":" + std::to_string(n) + ": record " + std::to_string(out.size());
-      WEFT_CHECK(!j.is_discarded(), where, ": not valid JSON (a truncated file?)");
-      out.push_back(parse_record(j, where));
-    }
-  }
-  WEFT_CHECK(!out.empty(), file, ": no records");
-  return out;
 }
 
 uint64_t mix(uint64_t x) {  // splitmix64
@@ -173,7 +104,11 @@ LlavaDataset::LlavaDataset(Spec* spec) : spec_(*spec), file_(spec->data.path) {
       image_processor_.pad_to_square = d.pad_to_square;
     }
   }
-  records_ = read_records(file_);
+  std::ifstream in(file_, std::ios::binary);
+  WEFT_CHECK(in, file_, ": cannot read the dataset (data.path)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  records_ = parse_llava_records(text.str(), file_);
   eval_count_ = d.eval_samples;
   WEFT_CHECK(eval_count_ < static_cast<int64_t>(records_.size()), spec->source,
              ": data.eval_samples = ", eval_count_, " leaves no training records (", file_, " has ",
@@ -207,7 +142,7 @@ int64_t LlavaDataset::train_index(int64_t position) const {
 }
 
 Sample LlavaDataset::sample(int64_t index) const {
-  const Record& r = records_[index];
+  const LlavaRecord& r = records_[index];
   try {
     std::vector<ChatTurn> turns = r.turns;
     for (size_t m = 0; m < markers_.size(); ++m) {

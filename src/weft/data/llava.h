@@ -34,6 +34,7 @@
 #include "weft/data/chat.h"
 #include "weft/data/dataset.h"
 #include "weft/data/image.h"
+#include "weft/data/llava_records.h"
 #include "weft/data/text_tokenizer.h"
 
 namespace weft::data {
@@ -42,11 +43,6 @@ class Prefetcher;
 
 class LlavaDataset final : public Dataset {
  public:
-  struct Record {
-    std::vector<std::string> images, audios;  // as written (relative to the root)
-    std::vector<ChatTurn> turns;
-  };
-
   // spec->model.llm.vocab == 0 is set from the tokenizer (padded to a multiple of 64).
   explicit LlavaDataset(Spec* spec);
   ~LlavaDataset() override;
@@ -74,7 +70,7 @@ class LlavaDataset final : public Dataset {
   std::string file_;  // records file (for messages)
   std::string root_;
   std::unique_ptr<TextTokenizer> tok_;
-  std::vector<Record> records_;
+  std::vector<LlavaRecord> records_;
   int64_t eval_count_ = 0;
   int64_t pad_id_ = 0, eos_id_ = 0;
   std::vector<ChatMarker> markers_;  // "<image>", "<audio>" (those the model has)
