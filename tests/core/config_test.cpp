@@ -700,7 +700,12 @@ TEST(Config, Choices) {
   EXPECT_TRUE(set_fails_with("model.audio.projector.kind=conv",
                              {"model.audio.projector.kind = \"conv\": must be one of \"linear\", "
                               "\"mlp\""}));
-  EXPECT_TRUE(set_fails_with("data.kind=text", {"data.kind = \"text\": must be \"shapes\""}));
+  EXPECT_TRUE(set_fails_with("data.kind=text",
+                             {"data.kind = \"text\": must be one of \"shapes\", \"llava\""}));
+  EXPECT_TRUE(
+      set_fails_with("data.chat_template=vicuna",
+                     {"data.chat_template = \"vicuna\": only applies to kind = \"llava\""}));
+  EXPECT_TRUE(set_fails_with("data.kind=llava", {"data.path: missing: the records file"}));
   EXPECT_TRUE(set_fails_with("train.precision=fp16",
                              {"train.precision = \"fp16\": must be one of \"bf16\", \"fp32\""}));
   EXPECT_TRUE(set_fails_with("parallel.placement=apart",
