@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "weft/core/error.h"
+#include "weft/data/audio.h"
 #include "weft/data/collate.h"
 
 namespace weft::data {
@@ -84,45 +85,13 @@ constexpr int64_t kNfft = 400;
 constexpr int64_t kHop = 160;
 constexpr int64_t kFadeSamples = 80;  // 5 ms linear fade in / out
 
-// Slaney mel scale (librosa's default, as used by Whisper).
-double hz_to_mel(double hz) {
-  constexpr double f_sp = 200.0 / 3.0, min_log_hz = 1000.0, min_log_mel = 15.0;
-  const double logstep = std::log(6.4) / 27.0;
-  return hz >= min_log_hz ? min_log_mel + std::log(hz / min_log_hz) / logstep : hz / f_sp;
-}
-
-double mel_to_hz(double mel) {
-  constexpr double f_sp = 200.0 / 3.0, min_log_hz = 1000.0, min_log_mel = 15.0;
-  const double logstep = std::log(6.4) / 27.0;
-  return mel >= min_log_mel ? min_log_hz * std::exp(logstep * (mel - min_log_mel)) : mel * f_sp;
-}
-
-// librosa.filters.mel(sr=16000, n_fft=400, n_mels, fmin=0, fmax=8000, htk=False, norm="slaney").
-at::Tensor mel_filterbank(int64_t mels, const std::string& encoder) {
-  const int64_t bins = kNfft / 2 + 1;
-  const double fmax = kSampleRate / 2.0;
-  std::vector<double> mel_f(static_cast<size_t>(mels + 2));
-  const double mel_lo = hz_to_mel(0.0), mel_hi = hz_to_mel(fmax);
-  for (int64_t i = 0; i < mels + 2; ++i)
-    mel_f[i] = mel_to_hz(mel_lo + (mel_hi - mel_lo) * static_cast<double>(i) /
-                                      static_cast<double>(mels + 1));
-  auto fb = torch::zeros({mels, bins}, torch::kFloat);
-  float* w = fb.data_ptr<float>();
-  for (int64_t m = 0; m < mels; ++m) {
-    const double enorm = 2.0 / (mel_f[m + 2] - mel_f[m]);
-    double sum = 0.0;
-    for (int64_t k = 0; k < bins; ++k) {
-      const double f = fmax * static_cast<double>(k) / static_cast<double>(bins - 1);
-      const double lower = (f - mel_f[m]) / (mel_f[m + 1] - mel_f[m]);
-      const double upper = (mel_f[m + 2] - f) / (mel_f[m + 2] - mel_f[m + 1]);
-      const double v = std::max(0.0, std::min(lower, upper)) * enorm;
-      w[m * bins + k] = static_cast<float>(v);
-      sum += v;
-    }
-    WEFT_CHECK(sum > 0.0, "model.", encoder, ".mels = ", mels, " is too many for the shapes ",
-               "dataset's audio (n_fft ", kNfft, "): mel band ", m, " covers no FFT bin");
+// Whisper's mel filters (data/audio.h), with the encoder named in the error.
+at::Tensor shapes_mel_filters(int64_t mels, const std::string& encoder) {
+  try {
+    return mel_filterbank(mels, kNfft, kSampleRate);
+  } catch (const Error& e) {
+    WEFT_FAIL("shapes dataset: model.", encoder, ".mels = ", mels, ": ", e.what());
   }
-  return fb;
 }
 
 }  // namespace
@@ -188,7 +157,7 @@ ShapesDataset::ShapesDataset(const Spec& spec, const Tokenizer& tok)
       WEFT_CHECK(e.mels >= 1, "shapes dataset: model.", e.name, ".mels must be >= 1, got ", e.mels);
       info.mels = e.mels;
       info.frames = e.frames;
-      info.mel_filters = mel_filterbank(e.mels, e.name);
+      info.mel_filters = shapes_mel_filters(e.mels, e.name);
     }
     encoders_.push_back(std::move(info));
   }
