@@ -92,8 +92,8 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   const weft::Spec spec = weft::load_spec(config);
   const std::string ckpt = weft::io::latest_checkpoint(run_dir);
   WEFT_CHECK(!ckpt.empty(), run_dir, ": no complete checkpoint to export");
-  const weft::io::Checkpoint c = weft::io::load_checkpoint(ckpt);
-  std::map<std::string, at::Tensor> full(c.model.begin(), c.model.end());
+  const auto [model, optimizer] = weft::train::full_tensors(weft::io::load_checkpoint(ckpt));
+  std::map<std::string, at::Tensor> full(model.begin(), model.end());
   const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
                               : dtype == "fp16" ? at::kHalf
                                                 : at::kFloat;

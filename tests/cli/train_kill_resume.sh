@@ -15,7 +15,7 @@ for key in steps loss_first loss_last eval_caption_accuracy tokens_per_second mf
   grep -q "\"$key\"" "$tmp/short/summary.json" || die "summary.json lacks $key"
 done
 [ "$(wc -l < "$tmp/short/metrics.jsonl")" -eq 4 ] || die "metrics.jsonl should have 4 lines"
-[ -f "$tmp/short/checkpoints/step_00000004/model.safetensors" ] || die "no final checkpoint"
+[ -f "$tmp/short/checkpoints/step_00000004/rank-00000.safetensors" ] || die "no final checkpoint"
 
 # Long run, killed once its second checkpoint exists.
 "$weft" train "$src/configs/tiny-vlm.toml" "${small[@]}" --set train.steps=400 \

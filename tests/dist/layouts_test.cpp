@@ -17,6 +17,8 @@
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/dist/runtime.h"
+#include "weft/io/checkpoint.h"
+#include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
 #include "weft/train/trainer.h"
 
@@ -143,6 +145,43 @@ TEST(Layouts, ZeroOneShardsStateWithinEachModulesDataParallelGroup) {
   expect_equivalent(
       4, {"parallel.vision.dp=4", "parallel.llm.tp=2", "parallel.llm.dp=2", "train.zero_stage=1"},
       "zero1_vision_dp4_llm_tp2_dp2");
+}
+
+// Each rank writes its own shards (TP halves here, ZeRO-1 moments from their owners); one
+// process joins them and continues exactly like an uninterrupted run.
+TEST(Layouts, ShardedCheckpointOfTp2Zero1ResumesInOneProcess) {
+  const std::vector<std::string> base = {"train.warmup=1", "train.min_lr=3e-3",
+                                         "model.llm.vocab=64"};
+  auto spec_with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), base.begin(), base.end());
+    return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
+  };
+  const RunResult ref =
+      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("shards_single"));
+  const fs::path out = weft::testing::temp_dir("shards");
+  const Spec first = spec_with(
+      {"train.steps=2", "parallel.llm.tp=2", "parallel.vision.dp=2", "train.zero_stage=1"});
+  testing::run_ranks(2, [&](const Comm& comm) { train(first, comm, out); });
+  const fs::path ckpt = io::latest_checkpoint(out.string());
+  const io::SafetensorsFile r0 = io::load_safetensors((ckpt / "rank-00000.safetensors").string());
+  const io::SafetensorsFile r1 = io::load_safetensors((ckpt / "rank-00001.safetensors").string());
+  auto has = [](const io::SafetensorsFile& f, const std::string& name) {
+    for (const auto& [n, t] : f.tensors)
+      if (n == name) return true;
+    return false;
+  };
+  // Both TP ranks write their half of the LLM; vision (DP2) is written once.
+  EXPECT_TRUE(has(r0, "model/llm.layers.0.mlp.down.weight"));
+  EXPECT_TRUE(has(r1, "model/llm.layers.0.mlp.down.weight"));
+  EXPECT_TRUE(has(r0, "model/vision.patch.weight") != has(r1, "model/vision.patch.weight"));
+  EXPECT_TRUE(has(r0, "optimizer/exp_avg.vision.patch.weight") !=
+              has(r1, "optimizer/exp_avg.vision.patch.weight"));
+  const RunResult got = train(spec_with({"train.steps=4"}), Comm(), out, /*resume=*/true);
+  ASSERT_EQ(got.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << "step " << i + 1;
+  for (const auto& [name, p] : ref.params)
+    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
 }
 
 // A checkpoint holds full tensors: a run saved under DP2 resumes under LLM TP2 x vision TP2

@@ -756,6 +756,22 @@ struct Runtime::Impl {
     bcast(llm_sync);
   }
 
+  // ZeRO-1: each per-trainable tensor (an optimizer moment) takes its owner's value on every
+  // rank of the owner's sync group (undefined entries become zeros first). Collective.
+  void from_owners(std::vector<at::Tensor>& values) const {
+    WEFT_ASSERT(values.size() == trainable.size());
+    auto one = [&](const SyncGroup& g) {
+      for (size_t i = 0; i < g.params.size() && !g.owner.empty(); ++i) {
+        at::Tensor& t = values[g.params[i]];
+        if (!t.defined()) t = torch::zeros_like(trainable[g.params[i]].second);
+        t = t.contiguous();
+        g.group.broadcast(t, g.owner[i]);
+      }
+    };
+    for (const auto& g : enc_sync) one(g);
+    one(llm_sync);
+  }
+
   model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root) const {
     const model::NamedTensors& params = model->parameters();
     WEFT_ASSERT(local.size() == params.size(), "gather_full: ", local.size(), " tensors for ",
@@ -811,20 +827,34 @@ struct Runtime::Impl {
 model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_trainable,
                                               int root) const {
   Impl& m = *impl_;
-  WEFT_ASSERT(per_trainable.size() == m.trainable.size());
-  auto from_owners = [&](const Impl::SyncGroup& g) {
-    for (size_t i = 0; i < g.params.size() && !g.owner.empty(); ++i) {
-      at::Tensor& t = per_trainable[g.params[i]];
-      if (!t.defined()) t = torch::zeros_like(m.trainable[g.params[i]].second);
-      t = t.contiguous();
-      g.group.broadcast(t, g.owner[i]);
-    }
-  };
-  for (const auto& g : m.enc_sync) from_owners(g);
-  from_owners(m.llm_sync);
+  m.from_owners(per_trainable);
   std::vector<at::Tensor> local(m.model->parameters().size());
   for (size_t t = 0; t < per_trainable.size(); ++t) local[m.trainable_param[t]] = per_trainable[t];
   return m.gather_full(local, root);
+}
+
+std::vector<io::TensorShard> Runtime::checkpoint_shards(
+    const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const {
+  Impl& m = *impl_;
+  const model::NamedTensors& params = m.model->parameters();
+  auto shard = [&](const std::string& name, size_t k, const at::Tensor& value) {
+    const model::Split& split = m.model->param_set().split(k);
+    return io::TensorShard{
+        name, value.detach().contiguous(), split.dim, split.segments, split.rank, split.size};
+  };
+  std::vector<io::TensorShard> out;
+  for (size_t k = 0; k < params.size(); ++k)
+    if (m.param_canonical[k]) out.push_back(shard("model/" + params[k].first, k, params[k].second));
+  for (const auto& [kind, per_trainable] : moments) {
+    std::vector<at::Tensor> values = per_trainable;
+    m.from_owners(values);
+    for (size_t t = 0; t < values.size(); ++t) {
+      const size_t k = m.trainable_param[t];
+      if (m.param_canonical[k] && values[t].defined())
+        out.push_back(shard("optimizer/" + kind + "." + params[k].first, k, values[t]));
+    }
+  }
+  return out;
 }
 
 size_t Runtime::param_index(size_t t) const { return impl_->trainable_param[t]; }

@@ -35,6 +35,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/io/checkpoint.h"
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 
@@ -95,6 +96,12 @@ class Runtime {
   // Same for tensors shaped like the trainable parameters (optimizer moments): per_trainable[t]
   // may be undefined where ZeRO-1 gave another rank that state; it is taken from its owner.
   model::NamedTensors gather_trainable(std::vector<at::Tensor> per_trainable, int root = 0) const;
+  // This rank's part of a sharded checkpoint: "model/<name>" for every parameter whose shard
+  // this rank holds canonically (each shard of each parameter is canonical on exactly one rank,
+  // up to a tied embedding's copies) and "optimizer/<kind>.<name>" for each `moments` entry
+  // (kind, per-trainable tensors; ZeRO-1 owners hand theirs to the canonical rank). Collective.
+  std::vector<io::TensorShard> checkpoint_shards(
+      const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const;
   // Index into the model's parameters of trainable parameter t.
   size_t param_index(size_t t) const;
   // This rank's shard of a full tensor of parameter k.

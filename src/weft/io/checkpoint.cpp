@@ -23,7 +23,17 @@ namespace {
 
 constexpr const char* kStateFile = "state.json";
 constexpr const char* kManifestFile = "manifest.json";
-constexpr const char* kDataFiles[] = {"model.safetensors", "optimizer.safetensors"};
+constexpr const char* kShardsKey = "weft.shards";  // safetensors metadata of a rank file
+
+// The data files of a checkpoint directory: *.safetensors, sorted.
+std::vector<std::string> data_files(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && e.path().extension() == ".safetensors")
+      out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 // A 64-bit checksum of a file's bytes (8 bytes per step, multiply-xorshift mixing): detects
 // truncation and corruption; not a cryptographic hash.
@@ -59,7 +69,7 @@ std::string hex(uint64_t v) {
 // manifest.json: every data file's size and checksum, so a load can prove the files whole.
 std::string manifest_of(const fs::path& dir) {
   nlohmann::ordered_json j;
-  for (const char* f : kDataFiles) {
+  for (const std::string& f : data_files(dir)) {
     const auto [sum, bytes] = checksum_file(dir / f);
     j["files"][f] = {{"bytes", bytes}, {"checksum", hex(sum)}};
   }
@@ -71,10 +81,12 @@ void verify_manifest(const fs::path& dir) {
   if (!fs::exists(path)) return;  // checkpoints from before manifests
   std::ifstream in(path);
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  WEFT_CHECK(!j.is_discarded() && j.contains("files"), path.string(), ": not a valid manifest");
-  for (const char* f : kDataFiles) {
+  WEFT_CHECK(!j.is_discarded() && j.contains("files") && j["files"].is_object(), path.string(),
+             ": not a valid manifest");
+  for (const std::string& f : data_files(dir))
     WEFT_CHECK(j["files"].contains(f), path.string(), ": no entry for ", f);
-    const auto& e = j["files"][f];
+  for (const auto& [f, e] : j["files"].items()) {
+    WEFT_CHECK(e.is_object(), path.string(), ": bad entry for ", f);
     WEFT_CHECK(fs::exists(dir / f), (dir / f).string(), ": missing (the manifest lists it)");
     const auto [sum, bytes] = checksum_file(dir / f);
     WEFT_CHECK(bytes == e.value("bytes", uint64_t{0}), (dir / f).string(), ": ", bytes,
@@ -126,20 +138,12 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root) {
   return out;
 }
 
-}  // namespace
-
-std::string save_checkpoint(const std::string& run_dir, int64_t step, const Checkpoint& ckpt,
-                            int64_t keep_last) {
-  const fs::path root = fs::path(run_dir) / "checkpoints";
-  fs::create_directories(root);
+// Manifest, state.json (last: marks completeness), rename into place, keep the newest.
+std::string commit(const fs::path& root, const fs::path& tmp, int64_t step,
+                   const std::string& state_json, int64_t keep_last) {
   const fs::path final_dir = root / step_name(step);
-  const fs::path tmp = root / (".tmp-" + step_name(step));
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  save_safetensors((tmp / "model.safetensors").string(), ckpt.model);
-  save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
   write_file_synced(tmp / kManifestFile, manifest_of(tmp));
-  write_file_synced(tmp / kStateFile, ckpt.state_json);  // written last: marks completeness
+  write_file_synced(tmp / kStateFile, state_json);
   fsync_path(tmp);
   if (fs::exists(final_dir)) {  // re-saving a step (after a resume): swap atomically-ish
     const fs::path old = root / (".old-" + step_name(step));
@@ -157,6 +161,46 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const Chec
   return final_dir.string();
 }
 
+}  // namespace
+
+std::string save_checkpoint(const std::string& run_dir, int64_t step, const Checkpoint& ckpt,
+                            int64_t keep_last) {
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  const fs::path tmp = begin_sharded_checkpoint(run_dir, step);
+  save_safetensors((tmp / "model.safetensors").string(), ckpt.model);
+  save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+  return commit(root, tmp, step, ckpt.state_json, keep_last);
+}
+
+std::string begin_sharded_checkpoint(const std::string& run_dir, int64_t step) {
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  fs::create_directories(root);
+  const fs::path tmp = root / (".tmp-" + step_name(step));
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  return tmp.string();
+}
+
+void write_checkpoint_shards(const std::string& tmp_dir, int rank,
+                             const std::vector<TensorShard>& shards) {
+  TensorMap tensors;
+  nlohmann::json layout = nlohmann::json::object();
+  for (const TensorShard& s : shards) {
+    if (layout.contains(s.name)) continue;  // a tied copy: written once
+    tensors.emplace_back(s.name, s.value);
+    layout[s.name] = {{"dim", s.dim}, {"segments", s.segments}, {"rank", s.rank}, {"size", s.size}};
+  }
+  char name[32];
+  std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
+  save_safetensors((fs::path(tmp_dir) / name).string(), tensors, {{kShardsKey, layout.dump()}});
+}
+
+std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
+                                      const std::string& state_json, int64_t keep_last) {
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  return commit(root, root / (".tmp-" + step_name(step)), step, state_json, keep_last);
+}
+
 std::string latest_checkpoint(const std::string& run_dir) {
   std::vector<fs::path> all = complete_checkpoints(fs::path(run_dir) / "checkpoints");
   return all.empty() ? std::string() : all.back().string();
@@ -167,8 +211,36 @@ Checkpoint load_checkpoint(const std::string& dir) {
   WEFT_CHECK(fs::exists(d / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile, ")");
   verify_manifest(d);
   Checkpoint c;
-  c.model = load_safetensors((d / "model.safetensors").string()).tensors;
-  c.optimizer = load_safetensors((d / "optimizer.safetensors").string()).tensors;
+  if (fs::exists(d / "model.safetensors")) {
+    c.model = load_safetensors((d / "model.safetensors").string()).tensors;
+    c.optimizer = load_safetensors((d / "optimizer.safetensors").string()).tensors;
+  }
+  for (const std::string& f : data_files(d)) {
+    if (f.rfind("rank-", 0) != 0) continue;
+    const std::string path = (d / f).string();
+    SafetensorsFile file = load_safetensors(path);
+    auto meta = file.metadata.find(kShardsKey);
+    WEFT_CHECK(meta != file.metadata.end(), path, ": no \"", kShardsKey, "\" metadata");
+    const nlohmann::json layout = nlohmann::json::parse(meta->second, nullptr, false);
+    WEFT_CHECK(layout.is_object(), path, ": bad \"", kShardsKey, "\" metadata");
+    for (auto& [name, t] : file.tensors) {
+      WEFT_CHECK(layout.contains(name), path, ": tensor '", name, "' has no shard layout");
+      const nlohmann::json& l = layout[name];
+      TensorShard s{name, t, 0, {}, 0, 1};
+      try {
+        s.dim = l.at("dim").get<int64_t>();
+        s.segments = l.at("segments").get<std::vector<int64_t>>();
+        s.rank = l.at("rank").get<int64_t>();
+        s.size = l.at("size").get<int64_t>();
+      } catch (const nlohmann::json::exception&) {
+        WEFT_FAIL(path, ": tensor '", name, "': bad shard layout ", l.dump());
+      }
+      WEFT_CHECK(s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < t.dim(),
+                 path, ": tensor '", name, "': bad shard layout ", l.dump());
+      c.shards.push_back(std::move(s));
+    }
+  }
+  WEFT_CHECK(!c.model.empty() || !c.shards.empty(), dir, ": no model.safetensors or rank files");
   std::ifstream in(d / kStateFile);
   std::stringstream ss;
   ss << in.rdbuf();

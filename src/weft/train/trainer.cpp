@@ -165,8 +165,9 @@ struct Trainer::Impl {
   void resume() {
     const std::string dir = io::latest_checkpoint(run_dir.string());
     WEFT_CHECK(!dir.empty(), run_dir.string(), ": no complete checkpoint to resume from");
-    io::Checkpoint ckpt = io::load_checkpoint(dir);
-    std::map<std::string, at::Tensor> by_name(ckpt.model.begin(), ckpt.model.end());
+    const io::Checkpoint ckpt = io::load_checkpoint(dir);
+    const auto [full_model, full_optimizer] = full_tensors(ckpt);
+    std::map<std::string, at::Tensor> by_name(full_model.begin(), full_model.end());
     torch::NoGradGuard no_grad;
     const model::NamedTensors& params = model().parameters();
     for (size_t k = 0; k < params.size(); ++k) {
@@ -190,7 +191,7 @@ struct Trainer::Impl {
     loss_first = state.value("loss_first", NAN);
     prior_wall_seconds = state.value("wall_seconds", 0.0);
     // This rank's shards of its own parameters' moments.
-    std::map<std::string, at::Tensor> moments(ckpt.optimizer.begin(), ckpt.optimizer.end());
+    std::map<std::string, at::Tensor> moments(full_optimizer.begin(), full_optimizer.end());
     model::NamedTensors mine;
     const model::NamedTensors& trainable = runtime->trainable();
     for (size_t t = 0; t < trainable.size(); ++t)
@@ -217,29 +218,27 @@ struct Trainer::Impl {
     return runtime->gather_full(values);
   }
 
-  // Full model and optimizer state, gathered to rank 0 (collective).
-  std::pair<model::NamedTensors, model::NamedTensors> gather_state() const {
-    model::NamedTensors full = gather_parameters();
-    model::NamedTensors optim;
-    for (const auto& [prefix, moments] :
-         {std::pair{"exp_avg.", &optimizer->exp_avg()}, {"exp_avg_sq.", &optimizer->exp_avg_sq()}})
-      for (auto& [name, t] : runtime->gather_trainable(*moments))
-        optim.emplace_back(prefix + name, t);
-    return {full, optim};
-  }
-
-  // Collective (every rank calls); rank 0 writes.
+  // Collective: every rank writes its shards of the weights and optimizer moments into the
+  // checkpoint rank 0 opened; rank 0 then seals it (manifest, state, rename).
   void save(int64_t step, double wall_seconds) {
-    auto [full, optim] = gather_state();
-    if (opts.comm.rank() != 0) return;
+    const dist::Comm& comm = opts.comm;
+    std::string tmp;
+    if (comm.rank() == 0) tmp = io::begin_sharded_checkpoint(run_dir.string(), step);
+    tmp = comm.all_gather_strings(tmp)[0];
+    std::vector<std::pair<std::string, std::vector<at::Tensor>>> moments = {
+        {"exp_avg", optimizer->exp_avg()}, {"exp_avg_sq", optimizer->exp_avg_sq()}};
+    io::write_checkpoint_shards(tmp, comm.rank(), runtime->checkpoint_shards(moments));
+    comm.all_gather_strings("written");  // every rank's file is complete
+    if (comm.rank() != 0) return;
     json state;
     state["step"] = step;
     state["optimizer_steps"] = optimizer->steps();
     state["loss_first"] = loss_first;
     state["wall_seconds"] = wall_seconds;
     state["next_sample"] = step * spec.train.batch;  // data position: the stream is indexed
-    io::Checkpoint ckpt{full, optim, state.dump(2)};
-    io::save_checkpoint(run_dir.string(), step, ckpt, spec.output.keep_checkpoints);
+    state["world_size"] = comm.size();
+    io::finish_sharded_checkpoint(run_dir.string(), step, state.dump(2),
+                                  spec.output.keep_checkpoints);
   }
 
   // The model rank 0 evaluates (collective: gathers the parameters when they are spread).
@@ -284,6 +283,28 @@ struct Trainer::Impl {
     return "?' (on another rank)";
   }
 };
+
+std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Checkpoint& c) {
+  model::NamedTensors full_model = c.model, full_optimizer = c.optimizer;
+  std::map<std::string, std::map<int64_t, const io::TensorShard*>> pieces;
+  for (const io::TensorShard& s : c.shards) pieces[s.name].emplace(s.rank, &s);
+  for (const auto& [name, by_rank] : pieces) {
+    const io::TensorShard& first = *by_rank.begin()->second;
+    WEFT_CHECK(static_cast<int64_t>(by_rank.size()) == first.size, "checkpoint: tensor '", name,
+               "' has ", by_rank.size(), " of its ", first.size, " shards (a rank file missing?)");
+    std::vector<at::Tensor> shards;
+    for (const auto& [rank, s] : by_rank) shards.push_back(s->value);
+    const at::Tensor full =
+        model::join_shards(shards, model::Split{first.dim, first.segments, 0, first.size});
+    if (name.rfind("model/", 0) == 0)
+      full_model.emplace_back(name.substr(6), full);
+    else if (name.rfind("optimizer/", 0) == 0)
+      full_optimizer.emplace_back(name.substr(10), full);
+    else
+      WEFT_FAIL("checkpoint: unexpected tensor '", name, "'");
+  }
+  return {full_model, full_optimizer};
+}
 
 Trainer::Trainer(Spec spec, plan::Plan plan, TrainerOptions options)
     : impl_(std::make_unique<Impl>(std::move(spec), std::move(plan), std::move(options))) {}

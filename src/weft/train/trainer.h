@@ -10,6 +10,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/io/checkpoint.h"
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 
@@ -41,6 +42,11 @@ struct Summary {
   double wall_seconds = 0;  // training wall time of this and earlier (resumed) sessions
   std::string to_json() const;
 };
+
+// The full tensors of a checkpoint, whichever way it was written (rank files' shards joined):
+// the model's parameters by name, and the optimizer moments as "exp_avg.<name>" /
+// "exp_avg_sq.<name>". Error when a shard is missing.
+std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Checkpoint& c);
 
 class Trainer {
  public:
