@@ -123,11 +123,11 @@ LlavaDataset::~LlavaDataset() = default;
 int64_t LlavaDataset::train_index(int64_t position) const {
   const int64_t n = train_records();
   const int64_t epoch = position / n, k = position % n;
-  // The k-th element of a seeded Fisher-Yates shuffle of [0, n), computed by replaying the
-  // swaps (cached per epoch: one O(n) pass per epoch).
-  static thread_local std::pair<int64_t, std::vector<int64_t>> cache{-1, {}};
-  static thread_local const void* owner = nullptr;
-  if (cache.first != epoch || owner != this || static_cast<int64_t>(cache.second.size()) != n) {
+  // Element k of a seeded Fisher-Yates shuffle of [0, n), one per epoch (the workers of a step
+  // share it; at most two epochs are kept).
+  std::lock_guard<std::mutex> lock(perm_mu_);
+  auto it = perms_.find(epoch);
+  if (it == perms_.end()) {
     std::vector<int64_t> perm(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) perm[i] = i;
     uint64_t state = mix(spec_.data.seed ^ mix(static_cast<uint64_t>(epoch) + 1));
@@ -135,10 +135,10 @@ int64_t LlavaDataset::train_index(int64_t position) const {
       state = mix(state);
       std::swap(perm[i], perm[static_cast<int64_t>(state % static_cast<uint64_t>(i + 1))]);
     }
-    cache = {epoch, std::move(perm)};
-    owner = this;
+    if (perms_.size() >= 2) perms_.erase(perms_.begin());
+    it = perms_.emplace(epoch, std::move(perm)).first;
   }
-  return cache.second[k];
+  return it->second[k];
 }
 
 Sample LlavaDataset::sample(int64_t index) const {

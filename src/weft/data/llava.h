@@ -26,7 +26,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -78,6 +80,8 @@ class LlavaDataset final : public Dataset {
   ImageProcessor image_processor_;
   bool skip_bad_ = false;
   std::atomic<int64_t> skipped_{0};
+  mutable std::mutex perm_mu_;
+  mutable std::map<int64_t, std::vector<int64_t>> perms_;  // epoch -> training order
   std::unique_ptr<Prefetcher> prefetcher_;
 };
 

@@ -154,7 +154,7 @@ std::string find_prefix(const HfCheckpoint& ck, const std::vector<std::string>& 
   WEFT_FAIL(ck.dir(), ": no ", what, " weights found (looked for ", tried, ")");
 }
 
-// Full shapes weft expects, from a model built on the meta... (computed from the map sizes).
+// The weft tensor's full shape: a part's shape with the concatenated dim summed over parts.
 std::vector<int64_t> expected_shape(const std::vector<int64_t>& part_shape, const MapEntry& entry) {
   std::vector<int64_t> s = part_shape;
   if (!entry.sizes.empty()) {
