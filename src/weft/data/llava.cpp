@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "weft/core/error.h"
+#include "weft/core/hash.h"
 #include "weft/data/audio.h"
 #include "weft/data/image_decode.h"
 #include "weft/data/llava_records.h"
@@ -35,13 +36,6 @@ size_t count_of(const std::string& text, const std::string& what) {
   for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + what.size()))
     ++n;
   return n;
-}
-
-uint64_t mix(uint64_t x) {  // splitmix64
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
 }
 
 }  // namespace
@@ -130,10 +124,10 @@ int64_t LlavaDataset::train_index(int64_t position) const {
   if (it == perms_.end()) {
     std::vector<int64_t> perm(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) perm[i] = i;
-    uint64_t state = mix(spec_.data.seed ^ mix(static_cast<uint64_t>(epoch) + 1));
+    const uint64_t key = derive(spec_.data.seed, static_cast<uint64_t>(epoch));
     for (int64_t i = n - 1; i > 0; --i) {
-      state = mix(state);
-      std::swap(perm[i], perm[static_cast<int64_t>(state % static_cast<uint64_t>(i + 1))]);
+      const uint64_t j = draw(key, static_cast<uint64_t>(i)) % static_cast<uint64_t>(i + 1);
+      std::swap(perm[i], perm[static_cast<int64_t>(j)]);
     }
     if (perms_.size() >= 2) perms_.erase(perms_.begin());
     it = perms_.emplace(epoch, std::move(perm)).first;

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "weft/core/error.h"
+#include "weft/core/hash.h"
 #include "weft/data/audio.h"
 #include "weft/data/collate.h"
 
@@ -16,24 +17,13 @@ namespace {
 
 // --- counter-based randomness ----------------------------------------------------------------
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 constexpr double kPi = 3.14159265358979323846;
-
-// splitmix64 finaliser: a bijective 64-bit mix.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-// Key of a sub-domain `a` of `key` (sample within stream, noise within sample, ...).
-inline uint64_t derive(uint64_t key, uint64_t a) { return mix64(key ^ mix64(a * kGolden + 1)); }
 
 // Draw number i of a key: splitmix64 indexed directly by its counter, so no state is carried.
 class Draws {
  public:
   explicit Draws(uint64_t key) : key_(key) {}
-  uint64_t u64(uint64_t i) const { return mix64(key_ + (i + 1) * kGolden); }
+  uint64_t u64(uint64_t i) const { return draw(key_, i); }
   double uniform(uint64_t i) const { return static_cast<double>(u64(i) >> 11) * 0x1.0p-53; }
   double uniform(uint64_t i, double lo, double hi) const { return lo + (hi - lo) * uniform(i); }
   // Uniform in [0, n).
