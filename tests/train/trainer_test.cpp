@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 
+#include "support/errors.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
@@ -223,6 +224,24 @@ TEST(Trainer, ResumeRejectsAnotherModel) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("llm.layers.0.mlp"), std::string::npos) << e.what();
   }
+}
+
+// A damaged rank file of a sharded checkpoint: the resume names the file and the checksum.
+TEST(Trainer, ResumeRejectsADamagedRankFile) {
+  const fs::path out = temp_dir("damaged");
+  Spec spec = tiny_spec({"train.steps=1", "train.warmup=0"});
+  Trainer(spec, plan::make_plan(spec), quiet_options(out)).run();
+  const fs::path file = fs::path(io::latest_checkpoint(out.string())) / "rank-00000.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+    f.put('\x5a');
+  }
+  Spec more = tiny_spec({"train.steps=2", "train.warmup=0"});
+  TrainerOptions o = quiet_options(out);
+  o.resume_dir = out.string();
+  const std::string e = weft::testing::error_of([&] { Trainer t(more, plan::make_plan(more), o); });
+  EXPECT_NE(e.find("rank-00000.safetensors: checksum"), std::string::npos) << e;
 }
 
 }  // namespace
