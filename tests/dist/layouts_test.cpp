@@ -149,13 +149,15 @@ TEST(Layouts, ZeroOneShardsStateWithinEachModulesDataParallelGroup) {
 
 // Each rank writes its own shards (TP halves here, ZeRO-1 moments from their owners); one
 // process joins them and continues exactly like an uninterrupted run.
+// Constant learning rate after warm-up, so a 2-step run is the first half of a 4-step one.
+Spec resume_spec(std::vector<std::string> sets) {
+  for (const char* s : {"train.warmup=1", "train.min_lr=3e-3", "model.llm.vocab=64"})
+    sets.push_back(s);
+  return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
+}
+
 TEST(Layouts, ShardedCheckpointOfTp2Zero1ResumesInOneProcess) {
-  const std::vector<std::string> base = {"train.warmup=1", "train.min_lr=3e-3",
-                                         "model.llm.vocab=64"};
-  auto spec_with = [&](std::vector<std::string> sets) {
-    sets.insert(sets.end(), base.begin(), base.end());
-    return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
-  };
+  const auto& spec_with = resume_spec;
   const RunResult ref =
       train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("shards_single"));
   const fs::path out = weft::testing::temp_dir("shards");
@@ -187,13 +189,7 @@ TEST(Layouts, ShardedCheckpointOfTp2Zero1ResumesInOneProcess) {
 // A checkpoint holds full tensors: a run saved under DP2 resumes under LLM TP2 x vision TP2
 // and continues with the losses and parameters of an uninterrupted single-process run.
 TEST(Layouts, ResumesUnderAnotherLayout) {
-  // Constant learning rate after warm-up, so a 2-step run is the first half of a 4-step one.
-  const std::vector<std::string> base = {"train.warmup=1", "train.min_lr=3e-3",
-                                         "model.llm.vocab=64"};
-  auto spec_with = [&](std::vector<std::string> sets) {
-    sets.insert(sets.end(), base.begin(), base.end());
-    return parse_spec(weft::testing::kTinyVlm, "tiny", sets);
-  };
+  const auto& spec_with = resume_spec;
   const RunResult ref =
       train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("reshard_single"));
   const fs::path out = weft::testing::temp_dir("reshard");

@@ -25,27 +25,38 @@ size_t utf8_lead_len(unsigned char lead) {
   return kLen[lead >> 4];
 }
 
+namespace {
+// A well-formed UTF-8 lead byte (RFC 3629): the sequence's length (0 = not a lead byte of a
+// multi-byte sequence) and the allowed range of its second byte.
+struct Utf8Lead {
+  size_t len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+};
+Utf8Lead utf8_lead(unsigned char b) {
+  Utf8Lead l;
+  if (b >= 0xC2 && b <= 0xDF) {
+    l.len = 2;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    l.len = 3;
+    if (b == 0xE0) l.lo = 0xA0;
+    if (b == 0xED) l.hi = 0x9F;
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    l.len = 4;
+    if (b == 0xF0) l.lo = 0x90;
+    if (b == 0xF4) l.hi = 0x8F;
+  }
+  return l;
+}
+}  // namespace
+
 size_t utf8_valid_len(std::string_view s, size_t pos) {
   const auto at = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
   const size_t n = s.size();
   if (pos >= n) return 0;
   const unsigned char b = at(pos);
   if (b < 0x80) return 1;
-  size_t len;
-  unsigned char lo = 0x80, hi = 0xBF;  // range of the second byte
-  if (b >= 0xC2 && b <= 0xDF) {
-    len = 2;
-  } else if (b >= 0xE0 && b <= 0xEF) {
-    len = 3;
-    if (b == 0xE0) lo = 0xA0;
-    if (b == 0xED) hi = 0x9F;
-  } else if (b >= 0xF0 && b <= 0xF4) {
-    len = 4;
-    if (b == 0xF0) lo = 0x90;
-    if (b == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
+  const auto [len, lo, hi] = utf8_lead(b);
+  if (len == 0) return 0;
   if (pos + len > n) return 0;
   if (at(pos + 1) < lo || at(pos + 1) > hi) return 0;
   for (size_t i = 2; i < len; ++i)
@@ -91,20 +102,7 @@ void append_utf8_lossy(std::string& out, std::string_view s) {
       continue;
     }
     // The maximal prefix of a well-formed sequence starting at i is replaced by one U+FFFD.
-    const unsigned char b = static_cast<unsigned char>(s[i]);
-    size_t want = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-      want = 2;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-      want = 3;
-      if (b == 0xE0) lo = 0xA0;
-      if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-      want = 4;
-      if (b == 0xF0) lo = 0x90;
-      if (b == 0xF4) hi = 0x8F;
-    }
+    const auto [want, lo, hi] = utf8_lead(static_cast<unsigned char>(s[i]));
     size_t k = 1;
     if (want > 0) {
       while (k < want && i + k < s.size()) {
