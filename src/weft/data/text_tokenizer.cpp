@@ -136,8 +136,8 @@ void LiteralTrie::add(std::string_view s, int32_t value) {
   nodes_[static_cast<size_t>(node)].value = value;
 }
 
-std::pair<size_t, int32_t> LiteralTrie::longest_at(std::string_view text, size_t pos) const {
-  std::pair<size_t, int32_t> best{0, -1};
+template <typename Visit>
+void LiteralTrie::walk(std::string_view text, size_t pos, Visit&& visit) const {
   int32_t node = 0;
   for (size_t i = pos; i < text.size(); ++i) {
     const auto c = static_cast<unsigned char>(text[i]);
@@ -146,24 +146,20 @@ std::pair<size_t, int32_t> LiteralTrie::longest_at(std::string_view text, size_t
     if (it == next.end() || it->first != c) break;
     node = it->second;
     const int32_t v = nodes_[static_cast<size_t>(node)].value;
-    if (v >= 0) best = {i + 1 - pos, v};
+    if (v >= 0) visit(i + 1 - pos, v);
   }
+}
+
+std::pair<size_t, int32_t> LiteralTrie::longest_at(std::string_view text, size_t pos) const {
+  std::pair<size_t, int32_t> best{0, -1};
+  walk(text, pos, [&](size_t len, int32_t v) { best = {len, v}; });
   return best;
 }
 
 void LiteralTrie::prefixes_at(std::string_view text, size_t pos,
                               std::vector<std::pair<size_t, int32_t>>& out) const {
   out.clear();
-  int32_t node = 0;
-  for (size_t i = pos; i < text.size(); ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    const auto& next = nodes_[static_cast<size_t>(node)].next;
-    auto it = std::lower_bound(next.begin(), next.end(), std::make_pair(c, int32_t{-1}));
-    if (it == next.end() || it->first != c) break;
-    node = it->second;
-    const int32_t v = nodes_[static_cast<size_t>(node)].value;
-    if (v >= 0) out.emplace_back(i + 1 - pos, v);
-  }
+  walk(text, pos, [&](size_t len, int32_t v) { out.emplace_back(len, v); });
 }
 
 std::vector<TextSpan> split_on_literals(std::string_view text,

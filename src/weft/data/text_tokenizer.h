@@ -136,6 +136,9 @@ class LiteralTrie {
     int32_t value = -1;
   };
   std::vector<Node> nodes_{Node{}};
+  // Calls visit(length, value) for every string starting at text[pos], shortest first.
+  template <typename Visit>
+  void walk(std::string_view text, size_t pos, Visit&& visit) const;
 };
 
 // A span of the text: [begin, end), plus the literal index when it is a literal match (-1 for
