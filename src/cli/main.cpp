@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -20,6 +21,7 @@
 #include "weft/io/checkpoint.h"
 #include "weft/io/hf.h"
 #include "weft/plan/plan.h"
+#include "weft/train/bench.h"
 #include "weft/train/peak.h"
 #include "weft/train/trainer.h"
 
@@ -80,6 +82,19 @@ int cmd_bench_peak(double seconds, int64_t size, int64_t threads) {
       "{\n  \"matmul_size\": %lld,\n  \"threads\": %d,\n  \"bf16_flops\": %.4g,\n"
       "  \"fp32_flops\": %.4g,\n  \"bf16_over_fp32\": %.3f\n}\n",
       static_cast<long long>(size), at::get_num_threads(), bf16, fp32, bf16 / fp32);
+  return 0;
+}
+
+// `weft bench step CONFIG`: JSON on stdout (and to --json FILE).
+int cmd_bench_step(const std::string& config, const std::vector<std::string>& sets,
+                   const weft::train::BenchOptions& opts, const std::string& json_path) {
+  const std::string result = weft::train::bench_step(weft::load_spec(config, sets), opts);
+  std::printf("%s\n", result.c_str());
+  if (!json_path.empty()) {
+    std::ofstream out(json_path, std::ios::trunc);
+    out << result << "\n";
+    WEFT_CHECK(out.flush(), "--json ", json_path, ": cannot write");
+  }
   return 0;
 }
 
@@ -166,6 +181,24 @@ int main(int argc, char** argv) {
   peak->add_option("--threads", peak_threads, "intra-op threads (0 = all cores)")
       ->check(CLI::NonNegativeNumber);
 
+  CLI::App* step = bench->add_subcommand(
+      "step",
+      "time real training steps of a config: tokens/s, MFU and peak memory (JSON); --dump "
+      "writes the weights and batches for bench/eager_reference.py");
+  weft::train::BenchOptions step_opts;
+  std::string step_json;
+  step->add_option("config", config, "config file (TOML)")->required();
+  step->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
+  step->add_option("--steps", step_opts.steps, "timed steps")->check(CLI::PositiveNumber);
+  step->add_option("--warmup", step_opts.warmup, "untimed steps first")
+      ->check(CLI::NonNegativeNumber);
+  step->add_option("--peak-flops", step_opts.peak_flops,
+                   "MFU denominator in FLOP/s (default: measure the matmul peak)")
+      ->check(CLI::PositiveNumber);
+  step->add_option("--dump", step_opts.dump_dir,
+                   "write config.toml, model.safetensors, step-*.safetensors and bench.json here");
+  step->add_option("--json", step_json, "also write the result to this file");
+
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
   std::string export_run, export_out, export_dtype = "fp32";
@@ -206,6 +239,7 @@ int main(int argc, char** argv) {
     if (*exp) return cmd_export(export_run, export_out, export_dtype, export_shard_mb);
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
+    if (*step) return cmd_bench_step(config, sets, step_opts, step_json);
     if (app.got_subcommand("inspect")) return run_inspect();
     if (app.got_subcommand("simulate")) return run_simulate();
   } catch (const std::exception& e) {

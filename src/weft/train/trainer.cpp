@@ -94,6 +94,8 @@ struct Trainer::Impl {
   // Rank 0's whole model for evaluation when its own part is not the whole model.
   std::unique_ptr<model::MultimodalModel> eval_model;
   at::ScalarType compute = at::kBFloat16;
+  data::CollateOptions collate;
+  plan::WorkModel work_model;  // each sample's encoder and LLM work, for balancing
   fs::path run_dir;
 
   // Progress carried across resumes (from state.json).
@@ -111,6 +113,11 @@ struct Trainer::Impl {
                " for the vocab-parallel embedding: set model.llm.vocab to a multiple of ", tp,
                " no smaller than ", dataset->vocab_size());
     compute = spec.train.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
+    collate.num_encoders = static_cast<int>(spec.model.encoders.size());
+    collate.pad_id = dataset->pad_id();
+    collate.packing = spec.data.packing;
+    collate.max_seq = llm.max_seq;
+    work_model = plan::make_work_model(spec, plan);
     dist::RuntimeOptions ro;
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
@@ -254,7 +261,7 @@ struct Trainer::Impl {
   }
 
   // FLOPs of one step, all modules and LLM only (Megatron accounting, frozen-aware).
-  std::pair<double, double> step_flops(const std::vector<data::Microbatch>& mbs) const {
+  std::pair<double, double> flops_of(const std::vector<data::Microbatch>& mbs) const {
     double llm = 0, rest = 0;
     const plan::ModulePlan& lp = plan.module("llm");
     for (const data::Microbatch& mb : mbs) {
@@ -312,6 +319,77 @@ Trainer::~Trainer() = default;
 model::MultimodalModel& Trainer::model() { return impl_->model(); }
 dist::Runtime& Trainer::runtime() { return *impl_->runtime; }
 
+StepBatch Trainer::prepare_step(int64_t step) {
+  Impl& m = *impl_;
+  const Spec& spec = m.spec;
+  const int64_t replicas = m.plan.module("llm").layout.dp;
+  // The global batch (every rank sees it: encoders and LLM split it differently), as each LLM
+  // data-parallel replica's microbatches; balancing weighs each sample's encoder and LLM work.
+  const std::vector<data::Sample> global = m.dataset->train_batch(step, spec.train.batch);
+  std::vector<plan::SampleWork> work;
+  for (const data::Sample& sample : global) {
+    plan::SampleShape shape;
+    shape.tokens = static_cast<int64_t>(sample.tokens.size());
+    shape.items.assign(spec.model.encoders.size(), 0);
+    for (const data::ModalityItem& item : sample.items) ++shape.items[item.encoder];
+    shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
+    work.push_back(m.work_model.work(shape));
+  }
+  plan::BalanceOptions bo;
+  bo.replicas = replicas;
+  bo.microbatches = spec.train.microbatches;
+  bo.policy = plan::parse_balance_policy(m.plan.balance);
+  bo.pipeline_stages = m.plan.module("llm").layout.pp;
+  StepBatch b;
+  b.balance = plan::balance_batch(work, m.work_model.cost, bo);
+  b.inputs.resize(static_cast<size_t>(replicas));
+  for (int64_t d = 0; d < replicas; ++d)
+    for (const std::vector<int64_t>& indices : b.balance.assignment[d]) {
+      std::vector<data::Sample> part;
+      for (int64_t i : indices) part.push_back(global[i]);
+      b.microbatches.push_back(data::collate(part, m.collate));
+      b.inputs[d].push_back(to_inputs(b.microbatches.back()));
+      b.targets += b.microbatches.back().targets.numel();
+      b.tokens += b.microbatches.back().real_tokens;
+    }
+  // The loss is a mean over the global batch's targets.
+  WEFT_CHECK(b.targets > 0, "step ", step + 1, ": the batch has no target tokens");
+  return b;
+}
+
+StepOutcome Trainer::train_step(const StepBatch& batch, int64_t step) {
+  Impl& m = *impl_;
+  const TrainSpec& ts = m.spec.train;
+  StepOutcome out;
+  {
+    model::ComputeDtypeGuard dtype(m.compute);
+    out.loss = m.runtime->step(batch.inputs, batch.targets);
+  }
+  // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
+  const bool may_skip = ts.nonfinite == NonFinite::kSkip;
+  WEFT_CHECK(may_skip || std::isfinite(out.loss), "step ", step + 1, ": loss is ", out.loss,
+             "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
+             "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
+  if (after_backward) after_backward(step);
+  out.grad_norm =
+      std::isfinite(out.loss) ? m.runtime->clip_grad_norm(ts.grad_clip) : static_cast<double>(NAN);
+  WEFT_CHECK(may_skip || std::isfinite(out.grad_norm), "step ", step + 1, ": gradient norm is ",
+             out.grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
+             " (skip such steps with train.nonfinite = \"skip\")");
+  out.skipped = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
+  out.lr = lr_at(ts, step);
+  if (!out.skipped) {
+    m.optimizer->step(out.lr);
+    m.runtime->after_optimizer_step();
+  }
+  for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
+  return out;
+}
+
+std::pair<double, double> Trainer::step_flops(const StepBatch& batch) const {
+  return impl_->flops_of(batch.microbatches);
+}
+
 Summary Trainer::run() {
   Impl& m = *impl_;
   const Spec& spec = m.spec;
@@ -343,11 +421,6 @@ Summary Trainer::run() {
   if (show)
     progress.message("weft: training " + std::to_string(ts.steps) + " steps, run directory " +
                      m.run_dir.string());
-  data::CollateOptions copts;
-  copts.num_encoders = static_cast<int>(spec.model.encoders.size());
-  copts.pad_id = m.dataset->pad_id();
-  copts.packing = spec.data.packing;
-  copts.max_seq = spec.model.llm.max_seq;
 
   double train_seconds = 0, total_flops = 0, total_llm_flops = 0;
   int64_t total_tokens = 0;
@@ -372,85 +445,31 @@ Summary Trainer::run() {
                        std::to_string(r.caption_accuracy));
   };
 
-  const int64_t replicas = m.plan.module("llm").layout.dp;
-  // Balancing: each sample's encoder and LLM work, assigned to replicas and microbatches.
-  const plan::WorkModel work_model = plan::make_work_model(spec, m.plan);
-  plan::BalanceOptions bo;
-  bo.replicas = replicas;
-  bo.microbatches = ts.microbatches;
-  bo.policy = plan::parse_balance_policy(m.plan.balance);
-  bo.pipeline_stages = m.plan.module("llm").layout.pp;
   for (int64_t step = m.start_step; step < ts.steps; ++step) {
     const double t0 = now_seconds();
-    // The global batch (every rank sees it: encoders and LLM split it differently), as each
-    // LLM data-parallel replica's microbatches.
-    const std::vector<data::Sample> global = m.dataset->train_batch(step, ts.batch);
-    std::vector<plan::SampleWork> work;
-    for (const data::Sample& sample : global) {
-      plan::SampleShape shape;
-      shape.tokens = static_cast<int64_t>(sample.tokens.size());
-      shape.items.assign(spec.model.encoders.size(), 0);
-      for (const data::ModalityItem& item : sample.items) ++shape.items[item.encoder];
-      shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
-      work.push_back(work_model.work(shape));
-    }
-    const plan::BatchBalance balance = plan::balance_batch(work, work_model.cost, bo);
-    std::vector<data::Microbatch> mbs;
-    std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
-    int64_t targets = 0;
-    for (int64_t d = 0; d < replicas; ++d)
-      for (const std::vector<int64_t>& indices : balance.assignment[d]) {
-        std::vector<data::Sample> part;
-        for (int64_t i : indices) part.push_back(global[i]);
-        mbs.push_back(data::collate(part, copts));
-        batch[d].push_back(to_inputs(mbs.back()));
-        targets += mbs.back().targets.numel();
-      }
-    // The loss is a mean over the global batch's targets.
-    WEFT_CHECK(targets > 0, "step ", step + 1, ": the batch has no target tokens");
-    double loss = 0;
+    const StepBatch batch = prepare_step(step);
     const bool traced = step + 1 == spec.output.trace_step;
     m.runtime->set_tracing(traced);
-    {
-      model::ComputeDtypeGuard dtype(m.compute);
-      loss = m.runtime->step(batch, targets);
-    }
-
+    const StepOutcome out = train_step(batch, step);
+    const double loss = out.loss, grad_norm = out.grad_norm, lr = out.lr;
+    const bool skipped = out.skipped;
     const dist::StepTimes& times = m.runtime->times();
-    // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
-    const bool may_skip = ts.nonfinite == NonFinite::kSkip;
-    WEFT_CHECK(may_skip || std::isfinite(loss), "step ", step + 1, ": loss is ", loss,
-               "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
-               "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
-    if (after_backward) after_backward(step);
-    const double grad_norm =
-        std::isfinite(loss) ? m.runtime->clip_grad_norm(ts.grad_clip) : static_cast<double>(NAN);
-    WEFT_CHECK(may_skip || std::isfinite(grad_norm), "step ", step + 1, ": gradient norm is ",
-               grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
-               " (skip such steps with train.nonfinite = \"skip\")");
-    const bool skipped = !std::isfinite(loss) || !std::isfinite(grad_norm);
-    const double lr = lr_at(ts, step);
-    if (!skipped) {
-      m.optimizer->step(lr);
-      m.runtime->after_optimizer_step();
-    } else {
+    if (skipped) {
       ++skipped_steps;
       if (show)
         progress.message("step " + std::to_string(step + 1) + ": non-finite " +
                          (std::isfinite(loss) ? "gradient" : "loss") +
                          ", update skipped (train.nonfinite = \"skip\")");
     }
-    for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
     const double step_seconds = now_seconds() - t0;
     if (traced) {  // collective; rank 0 writes the step's timeline
       const std::string trace = m.runtime->gather_trace();
       if (writer) write_text(m.run_dir / "trace.json", trace);
     }
 
-    int64_t tokens = 0;
-    for (const auto& mb : mbs) tokens += mb.real_tokens;
+    const int64_t tokens = batch.tokens;
     // MFU is per device: the job's FLOPs over (seconds x devices x peak).
-    const auto [job_flops, job_llm_flops] = m.step_flops(mbs);
+    const auto [job_flops, job_llm_flops] = step_flops(batch);
     const double flops = job_flops / comm.size(), llm_flops = job_llm_flops / comm.size();
     train_seconds += step_seconds;
     total_flops += flops;
@@ -469,7 +488,7 @@ Summary Trainer::run() {
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
     std::vector<double> mb_costs;
-    for (const auto& replica : balance.microbatch_cost)
+    for (const auto& replica : batch.balance.microbatch_cost)
       mb_costs.insert(mb_costs.end(), replica.begin(), replica.end());
     line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
     if (m.plan.module("llm").layout.cp > 1) line["cp_imbalance"] = times.cp_imbalance;

@@ -9,9 +9,11 @@
 #include <string>
 
 #include "weft/core/spec.h"
+#include "weft/data/collate.h"
 #include "weft/dist/comm.h"
 #include "weft/io/checkpoint.h"
 #include "weft/model/multimodal.h"
+#include "weft/plan/balance.h"
 #include "weft/plan/plan.h"
 
 namespace weft::dist {
@@ -48,11 +50,35 @@ struct Summary {
 // "exp_avg_sq.<name>". Error when a shard is missing.
 std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Checkpoint& c);
 
+// One step's global batch, assigned to LLM data-parallel replicas and microbatches (balanced per
+// the plan) and collated.
+struct StepBatch {
+  std::vector<data::Microbatch> microbatches;      // replica-major
+  std::vector<std::vector<model::Inputs>> inputs;  // [replica][microbatch]
+  plan::BatchBalance balance;
+  int64_t targets = 0;  // target tokens of the global batch (the loss is their mean)
+  int64_t tokens = 0;   // real (non-padding) tokens
+};
+
+// What a training step did.
+struct StepOutcome {
+  double loss = 0, grad_norm = 0, lr = 0;
+  bool skipped = false;  // non-finite loss or gradient, update skipped (train.nonfinite = "skip")
+};
+
 class Trainer {
  public:
   Trainer(Spec spec, plan::Plan plan, TrainerOptions options);
   ~Trainer();
   Summary run();
+
+  // The pieces of a step, as run() uses them (and `weft bench step`): the global batch of step
+  // `step` (0-based) drawn and collated; then forward, backward, gradient clipping and the
+  // optimizer update on it (collective over the job's ranks).
+  StepBatch prepare_step(int64_t step);
+  StepOutcome train_step(const StepBatch& batch, int64_t step);
+  // The job's model FLOPs of a step, all modules and LLM only (frozen-aware).
+  std::pair<double, double> step_flops(const StepBatch& batch) const;
 
   // The model being trained (initialised, or loaded from the resumed checkpoint).
   model::MultimodalModel& model();

@@ -1,0 +1,192 @@
+#include "weft/train/bench.h"
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "weft/core/config.h"
+#include "weft/core/error.h"
+#include "weft/core/progress.h"
+#include "weft/io/safetensors.h"
+#include "weft/plan/plan.h"
+#include "weft/train/peak.h"
+#include "weft/train/trainer.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace weft::train {
+
+namespace {
+
+// A "VmRSS:   1234 kB" style field of /proc/self/status, in bytes (0 where unavailable).
+int64_t status_field(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t n = std::strlen(key);
+  while (std::getline(in, line))
+    if (line.compare(0, n, key) == 0) return std::stoll(line.substr(n + 1)) * 1024;
+  return 0;
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text << "\n";
+  WEFT_CHECK(out.flush(), "cannot write ", path.string());
+}
+
+std::string step_file(const fs::path& dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%05lld.safetensors", static_cast<long long>(step));
+  return (dir / name).string();
+}
+
+// Every microbatch of a step, under "mb<m>.<field>" (see bench/eager_reference.py).
+void dump_step(const std::string& path, const StepBatch& b) {
+  io::TensorMap t;
+  for (size_t m = 0; m < b.microbatches.size(); ++m) {
+    const data::Microbatch& mb = b.microbatches[m];
+    const std::string p = "mb" + std::to_string(m) + ".";
+    t.emplace_back(p + "tokens", mb.tokens);
+    t.emplace_back(p + "positions", mb.positions);
+    t.emplace_back(p + "doc", mb.doc);
+    t.emplace_back(p + "item", mb.item);
+    t.emplace_back(p + "target_rows", mb.target_rows);
+    t.emplace_back(p + "targets", mb.targets);
+    for (size_t e = 0; e < mb.encoder_inputs.size(); ++e) {
+      if (!mb.encoder_inputs[e].defined() || mb.encoder_inputs[e].size(0) == 0) continue;
+      const std::string q = p + "enc" + std::to_string(e) + ".";
+      t.emplace_back(q + "inputs", mb.encoder_inputs[e].to(at::kFloat));
+      t.emplace_back(q + "rows", mb.encoder_rows[e]);
+    }
+  }
+  io::save_safetensors(path, t);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+int64_t rss_bytes() { return status_field("VmRSS:"); }
+int64_t peak_rss_bytes() { return status_field("VmHWM:"); }
+void reset_peak_rss() {
+  // "5" resets the peak resident set size to the current one (Linux >= 4.0).
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+}
+
+std::string bench_step(Spec spec, const BenchOptions& o) {
+  WEFT_CHECK(o.steps >= 1, "weft bench step: --steps must be at least 1");
+  WEFT_CHECK(o.warmup >= 0, "weft bench step: --warmup must be non-negative");
+  const int64_t total = o.warmup + o.steps;
+  TrainSpec& ts = spec.train;
+  ts.steps = std::max(ts.steps, total);
+  ts.warmup = std::min(ts.warmup, ts.steps);
+  ts.checkpoint_every = 0;
+  ts.eval_every = 0;
+  const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
+                                     : static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(threads);
+
+  const int64_t baseline = rss_bytes();  // the process before the model exists
+  TrainerOptions to;
+  to.progress = false;
+  to.eval = false;
+  Trainer trainer(spec, plan::make_plan(spec, 1), to);
+  const at::ScalarType compute = ts.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
+  const double peak = o.peak_flops > 0 ? o.peak_flops : measure_matmul_peak(compute);
+
+  std::vector<StepBatch> batches;
+  for (int64_t i = 0; i < total; ++i) batches.push_back(trainer.prepare_step(i));
+  int64_t params = 0, trainable = 0;
+  for (const auto& [name, p] : trainer.model().parameters()) {
+    params += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  const fs::path dump = o.dump_dir;
+  if (!dump.empty()) {
+    fs::create_directories(dump);
+    write_file(dump / "config.toml", spec_to_toml(spec));
+    io::TensorMap weights;
+    for (const auto& [name, p] : trainer.model().parameters())
+      weights.emplace_back(name, p.detach());
+    io::save_safetensors((dump / "model.safetensors").string(), weights);
+    for (int64_t i = 0; i < total; ++i) dump_step(step_file(dump, i), batches[i]);
+  }
+
+  reset_peak_rss();
+  std::vector<double> losses, grad_norms, seconds;
+  double flops = 0, llm_flops = 0, timed = 0;
+  int64_t tokens = 0;
+  json steps = json::array();
+  for (int64_t i = 0; i < total; ++i) {
+    const double t0 = now_seconds();
+    const StepOutcome out = trainer.train_step(batches[i], i);
+    const double dt = now_seconds() - t0;
+    losses.push_back(out.loss);
+    grad_norms.push_back(out.grad_norm);
+    const auto [f, lf] = trainer.step_flops(batches[i]);
+    steps.push_back({{"lr", out.lr},
+                     {"targets", batches[i].targets},
+                     {"tokens", batches[i].tokens},
+                     {"flops", f}});
+    if (i < o.warmup) continue;
+    seconds.push_back(dt);
+    timed += dt;
+    flops += f;
+    llm_flops += lf;
+    tokens += batches[i].tokens;
+  }
+  const int64_t peak_rss = peak_rss_bytes();
+
+  json j;
+  j["impl"] = "weft";
+  j["torch"] = TORCH_VERSION;
+  j["config"] = spec.source;
+  j["precision"] = to_string(ts.precision);
+  j["threads"] = threads;
+  j["params"] = params;
+  j["trainable_params"] = trainable;
+  j["batch"] = ts.batch;
+  j["microbatches"] = ts.microbatches;
+  j["warmup"] = o.warmup;
+  j["steps"] = o.steps;
+  j["tokens_per_step"] = static_cast<double>(tokens) / static_cast<double>(o.steps);
+  j["losses"] = losses;
+  j["grad_norms"] = grad_norms;
+  j["step_seconds"] = seconds;
+  j["median_step_seconds"] = median(seconds);
+  j["tokens_per_second"] = static_cast<double>(tokens) / timed;
+  j["mfu"] = flops / timed / peak;
+  j["mfu_llm_only"] = llm_flops / timed / peak;
+  j["peak_flops"] = peak;
+  j["peak_rss_bytes"] = peak_rss;
+  j["baseline_rss_bytes"] = baseline;
+  j["step_peak_bytes"] = peak_rss - baseline;
+  if (!dump.empty()) {
+    json b;
+    b["warmup"] = o.warmup;
+    b["steps"] = o.steps;
+    b["threads"] = threads;
+    b["precision"] = to_string(ts.precision);
+    b["microbatches"] = ts.microbatches;
+    b["step"] = steps;
+    b["weft"] = {{"losses", losses}, {"grad_norms", grad_norms}};
+    b["peak_flops"] = peak;
+    write_file(dump / "bench.json", b.dump(2));
+  }
+  return j.dump(2);
+}
+
+}  // namespace weft::train
