@@ -198,6 +198,9 @@ int main(int argc, char** argv) {
   step->add_option("--dump", step_opts.dump_dir,
                    "write config.toml, model.safetensors, step-*.safetensors and bench.json here");
   step->add_option("--json", step_json, "also write the result to this file");
+  step->add_option("--profile", step_opts.profile,
+                   "write a Chrome trace of the last step's operators to this file (that step is "
+                   "then slower; time without it)");
 
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");

@@ -1,5 +1,6 @@
 #include "weft/train/bench.h"
 
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -117,7 +118,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   const fs::path dump = o.dump_dir;
   if (!dump.empty()) {
     fs::create_directories(dump);
-    write_file(dump / "config.toml", spec_to_toml(spec));
+    write_file(dump / "config.toml", spec_to_toml(trainer.spec()));
     io::TensorMap weights;
     for (const auto& [name, p] : trainer.model().parameters())
       weights.emplace_back(name, p.detach());
@@ -131,9 +132,13 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   int64_t tokens = 0;
   json steps = json::array();
   for (int64_t i = 0; i < total; ++i) {
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> profiler;
+    if (!o.profile.empty() && i + 1 == total)
+      profiler = std::make_unique<torch::autograd::profiler::RecordProfile>(o.profile);
     const double t0 = now_seconds();
     const StepOutcome out = trainer.train_step(batches[i], i);
     const double dt = now_seconds() - t0;
+    profiler.reset();
     losses.push_back(out.loss);
     grad_norms.push_back(out.grad_norm);
     const auto [f, lf] = trainer.step_flops(batches[i]);

@@ -17,6 +17,7 @@ struct BenchOptions {
   int64_t steps = 5;      // timed steps
   double peak_flops = 0;  // MFU denominator; 0 = measure the matmul peak in the compute dtype
   std::string dump_dir;   // "" = no dump; else config.toml, model.safetensors, step-*.safetensors
+  std::string profile;    // "" = none; else a Chrome trace of the last step's ATen operators
 };
 
 // Runs warmup + steps single-process training steps of `spec` and returns the result as JSON:

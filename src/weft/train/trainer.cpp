@@ -316,6 +316,7 @@ std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Check
 Trainer::Trainer(Spec spec, plan::Plan plan, TrainerOptions options)
     : impl_(std::make_unique<Impl>(std::move(spec), std::move(plan), std::move(options))) {}
 Trainer::~Trainer() = default;
+const Spec& Trainer::spec() const { return impl_->spec; }
 model::MultimodalModel& Trainer::model() { return impl_->model(); }
 dist::Runtime& Trainer::runtime() { return *impl_->runtime; }
 

@@ -80,6 +80,8 @@ class Trainer {
   // The job's model FLOPs of a step, all modules and LLM only (frozen-aware).
   std::pair<double, double> step_flops(const StepBatch& batch) const;
 
+  // The spec as trained (model.llm.vocab resolved from the tokenizer).
+  const Spec& spec() const;
   // The model being trained (initialised, or loaded from the resumed checkpoint).
   model::MultimodalModel& model();
   // This rank's share of the Plan (gathering full tensors, groups).
