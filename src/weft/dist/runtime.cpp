@@ -11,6 +11,7 @@
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
 #include "weft/dist/data_parallel.h"
+#include "weft/model/fused.h"
 #include "weft/model/mask.h"
 #include "weft/plan/cp_split.h"
 #include "weft/plan/trace.h"
@@ -727,22 +728,16 @@ struct Runtime::Impl {
     return total.item<double>();
   }
 
-  double clip_grad_norm(double max_norm) {
+  double grad_norm() {
     torch::NoGradGuard no_grad;
     double sq = 0;
     for (size_t t = 0; t < trainable.size(); ++t) {
       const at::Tensor& g = trainable[t].second.grad();
-      if (counted[t] && g.defined()) sq += g.to(torch::kDouble).pow(2).sum().item<double>();
+      if (counted[t] && g.defined()) sq += model::sum_squares(g);
     }
     at::Tensor total = torch::tensor({sq}, torch::kDouble);
     world.all_reduce_sum(total);
-    const double norm = std::sqrt(total.item<double>());
-    if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
-      const double scale = max_norm / (norm + 1e-6);
-      for (const auto& [name, p] : trainable)
-        if (p.grad().defined()) p.grad().mul_(scale);
-    }
-    return norm;
+    return std::sqrt(total.item<double>());
   }
 
   void after_optimizer_step() {
@@ -885,7 +880,7 @@ std::string Runtime::gather_trace(int root) const {
                         e[3].get<double>(), e[4].get<double>()});
   return plan::chrome_trace(events);
 }
-double Runtime::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
+double Runtime::grad_norm() { return impl_->grad_norm(); }
 void Runtime::after_optimizer_step() { impl_->after_optimizer_step(); }
 model::NamedTensors Runtime::gather_full(const std::vector<at::Tensor>& local, int root) const {
   return impl_->gather_full(local, root);

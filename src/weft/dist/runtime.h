@@ -83,9 +83,9 @@ class Runtime {
   std::string gather_trace(int root = 0) const;
 
   // ‖g‖ over every trainable parameter of the model (each counted once however it is
-  // replicated or split), all ranks together; scales gradients to `max_norm` when above it
-  // (max_norm > 0). Collective.
-  double clip_grad_norm(double max_norm);
+  // replicated or split), all ranks together (clipping scales the update by
+  // train::clip_scale(norm, max)). Collective.
+  double grad_norm();
   // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values.
   void after_optimizer_step();
 

@@ -170,14 +170,17 @@ Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
   }
   at::Tensor angle = positions.to(torch::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, half]
   angle = torch::cat({angle, angle}, -1).unsqueeze(2);                       // [B, S, 1, D]
-  return {angle.cos().to(torch::kFloat), angle.sin().to(torch::kFloat)};
+  at::Tensor sin = angle.sin().to(torch::kFloat);
+  at::Tensor sign = torch::ones({head_dim}, torch::kFloat);
+  sign.narrow(0, 0, half).fill_(-1);
+  return {angle.cos().to(torch::kFloat), sin, sin * sign};
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const Rope& rope) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  at::Tensor rotated = torch::cat({x2.neg(), x1}, -1);
-  return x * rope.cos.to(x.scalar_type()) + rotated * rope.sin.to(x.scalar_type());
+  // rotate_half(x) = [−x2, x1] = roll(x, D/2) · [−1…, +1…]: one op (and one in backward),
+  // not two slices and a concatenation.
+  const at::Tensor rolled = x.roll(x.size(-1) / 2, -1);
+  return x * rope.cos.to(x.scalar_type()) + rolled * rope.rot_sin.to(x.scalar_type());
 }
 
 Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
@@ -200,10 +203,11 @@ Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t
 at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
                                  const Rope* rope) const {
   const int64_t B = x.size(0), S = x.size(1), D = head_dim;
-  at::Tensor qkv = this->qkv(x).view({B, S, heads + 2 * kv_heads, D});
-  at::Tensor q = qkv.narrow(2, 0, heads);
-  at::Tensor k = qkv.narrow(2, heads, kv_heads);
-  at::Tensor v = qkv.narrow(2, heads + kv_heads, kv_heads);
+  // split, not narrow: the backward is one concatenation, not a zero-filled tensor per part.
+  const std::vector<at::Tensor> parts = this->qkv(x)
+                                            .view({B, S, heads + 2 * kv_heads, D})
+                                            .split_with_sizes({heads, kv_heads, kv_heads}, 2);
+  at::Tensor q = parts[0], k = parts[1], v = parts[2];
   if (rope) {
     q = apply_rope(q, *rope);
     k = apply_rope(k, *rope);
@@ -216,15 +220,9 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
       v = v.index_select(1, mask.kv_order);
     }
   }
-  const int64_t Sk = k.size(1);
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  if (kv_heads != heads) {  // grouped-query: each K/V head serves heads/kv_heads query heads
-    const int64_t rep = heads / kv_heads;
-    k = k.unsqueeze(2).expand({B, kv_heads, rep, Sk, D}).reshape({B, heads, Sk, D});
-    v = v.unsqueeze(2).expand({B, kv_heads, rep, Sk, D}).reshape({B, heads, Sk, D});
-  }
   at::Tensor o = compat::attention(q, k, v, mask.visible, 1.0 / std::sqrt(static_cast<double>(D)));
   return out(o.transpose(1, 2).reshape({B, S, heads * D}));
 }
@@ -235,9 +233,8 @@ SwiGlu SwiGlu::make(const Scope& s, int64_t hidden, int64_t ffn, double out_std)
 }
 
 at::Tensor SwiGlu::operator()(const at::Tensor& x) const {
-  at::Tensor gu = gate_up(x);
-  const int64_t f = gu.size(-1) / 2;
-  return down(at::silu(gu.narrow(-1, 0, f)) * gu.narrow(-1, f, f));
+  const std::vector<at::Tensor> gu = gate_up(x).chunk(2, -1);
+  return down(at::silu(gu[0]) * gu[1]);
 }
 
 at::Tensor activate(const at::Tensor& x, Activation act) {

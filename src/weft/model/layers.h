@@ -141,6 +141,7 @@ struct LayerNorm {
 // scaling.
 struct Rope {
   at::Tensor cos, sin;
+  at::Tensor rot_sin;  // sin with its first half negated: rotate_half(x)·sin = roll(x, D/2)·rot_sin
   static Rope make(const at::Tensor& positions, int64_t head_dim, double theta,
                    const RopeScaling& scaling = {});
 };

@@ -5,26 +5,34 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "weft/model/fused.h"
+
 namespace weft::compat {
 
 constexpr bool kHasSdpa = TORCH_VERSION_MAJOR >= 2;
 
-// Attention with a boolean "may attend" mask [B, 1, S, S] (true = visible). q, k, v are
-// [B, H, S, D] with k/v already expanded to H heads. Every row must have a visible key.
-// An undefined mask means every key is visible.
+// Attention with a boolean "may attend" mask [B, 1, S, Sk] (true = visible; undefined = all
+// visible). q is [B, H, S, D]; k, v are [B, KV, Sk, D] with H a multiple of KV, query head h using
+// K/V head h / (H / KV) (grouped-query). Every row must have a visible key.
 inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& visible, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
+  const int64_t KV = k.size(1), Sk = k.size(2), rep = H / KV;
 #if TORCH_VERSION_MAJOR >= 2
+  at::Tensor ke = k, ve = v;
+  if (rep > 1) {
+    ke = k.unsqueeze(2).expand({B, KV, rep, Sk, D}).reshape({B, H, Sk, D});
+    ve = v.unsqueeze(2).expand({B, KV, rep, Sk, D}).reshape({B, H, Sk, D});
+  }
   return at::scaled_dot_product_attention(
-      q, k, v, visible.defined() ? c10::optional<at::Tensor>(visible) : c10::nullopt, 0.0, false,
+      q, ke, ve, visible.defined() ? c10::optional<at::Tensor>(visible) : c10::nullopt, 0.0, false,
       scale);
 #else
-  // Exact masked matmul-softmax; softmax in fp32 whatever the compute dtype.
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat).mul_(scale);
-  if (visible.defined())
-    scores.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
-  at::Tensor p = at::softmax(scores, -1).to(v.scalar_type());
-  return at::matmul(p, v);
+  // Each K/V head's query heads stacked along the rows ([B, KV, rep * S, D]): no K/V copies;
+  // one fused scaled masked softmax (fp32 inside) between two matmuls.
+  at::Tensor qg = q.reshape({B, KV, rep * S, D});
+  at::Tensor p = model::masked_softmax(at::matmul(qg, k.transpose(-2, -1)), visible, scale);
+  return at::matmul(p, v).view({B, H, S, D});
 #endif
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "weft/core/error.h"
+#include "weft/model/fused.h"
 
 namespace weft::train {
 
@@ -19,20 +20,23 @@ AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> ow
   }
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, double grad_scale) {
   ++steps_;
-  const double bc1 = 1.0 - std::pow(opts_.beta1, static_cast<double>(steps_));
-  const double bc2 = 1.0 - std::pow(opts_.beta2, static_cast<double>(steps_));
+  model::AdamWUpdate u;
+  u.lr = lr;
+  u.beta1 = opts_.beta1;
+  u.beta2 = opts_.beta2;
+  u.eps = opts_.eps;
+  u.bc1 = 1.0 - std::pow(opts_.beta1, static_cast<double>(steps_));
+  u.bc2 = 1.0 - std::pow(opts_.beta2, static_cast<double>(steps_));
+  u.grad_scale = grad_scale;
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
     if (!g.defined() || !owned_[i]) continue;
-    if (opts_.weight_decay > 0 && p.dim() >= 2) p.mul_(1.0 - lr * opts_.weight_decay);
-    exp_avg_[i].mul_(opts_.beta1).add_(g, 1.0 - opts_.beta1);
-    exp_avg_sq_[i].mul_(opts_.beta2).addcmul_(g, g, 1.0 - opts_.beta2);
-    at::Tensor denom = (exp_avg_sq_[i] / bc2).sqrt_().add_(opts_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+    u.decay = opts_.weight_decay > 0 && p.dim() >= 2 ? 1.0 - lr * opts_.weight_decay : 1.0;
+    model::adamw_update(p, g, exp_avg_[i], exp_avg_sq_[i], u);
   }
 }
 
@@ -79,18 +83,8 @@ double lr_at(const TrainSpec& t, int64_t step) {
   return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-double clip_grad_norm(const model::NamedTensors& params, double max_norm) {
-  torch::NoGradGuard no_grad;
-  double sq = 0;
-  for (const auto& [name, p] : params)
-    if (p.grad().defined()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
-  const double norm = std::sqrt(sq);
-  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (const auto& [name, p] : params)
-      if (p.grad().defined()) p.grad().mul_(scale);
-  }
-  return norm;
+double clip_scale(double norm, double max_norm) {
+  return max_norm > 0 && std::isfinite(norm) && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
 }
 
 }  // namespace weft::train

@@ -25,7 +25,8 @@ struct AdamWOptions {
 class AdamW {
  public:
   AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned = {});
-  void step(double lr);
+  // One update at learning rate lr, with every gradient multiplied by grad_scale (clipping).
+  void step(double lr, double grad_scale = 1.0);
   int64_t steps() const { return steps_; }
   bool owns(size_t k) const { return owned_[k]; }
   // State of the owned parameters as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>").
@@ -48,7 +49,8 @@ class AdamW {
 // Learning rate for optimizer step `step` (0-based).
 double lr_at(const TrainSpec& t, int64_t step);
 
-// √(Σ‖g‖²) over all grads (fp32); scales grads by max_norm/norm when above (max_norm > 0).
-double clip_grad_norm(const model::NamedTensors& params, double max_norm);
+// Global gradient-norm clipping: the factor max_norm / (norm + 1e-6) when norm > max_norm > 0,
+// else 1 (the optimizer applies it while it reads the gradients).
+double clip_scale(double norm, double max_norm);
 
 }  // namespace weft::train

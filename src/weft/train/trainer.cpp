@@ -372,15 +372,14 @@ StepOutcome Trainer::train_step(const StepBatch& batch, int64_t step) {
              "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
              "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
   if (after_backward) after_backward(step);
-  out.grad_norm =
-      std::isfinite(out.loss) ? m.runtime->clip_grad_norm(ts.grad_clip) : static_cast<double>(NAN);
+  out.grad_norm = std::isfinite(out.loss) ? m.runtime->grad_norm() : static_cast<double>(NAN);
   WEFT_CHECK(may_skip || std::isfinite(out.grad_norm), "step ", step + 1, ": gradient norm is ",
              out.grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
              " (skip such steps with train.nonfinite = \"skip\")");
   out.skipped = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
   out.lr = lr_at(ts, step);
   if (!out.skipped) {
-    m.optimizer->step(out.lr);
+    m.optimizer->step(out.lr, clip_scale(out.grad_norm, ts.grad_clip));
     m.runtime->after_optimizer_step();
   }
   for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();

@@ -1,0 +1,243 @@
+#include "weft/model/fused.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace weft::model {
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements per parallel task
+
+bool fusable(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+}
+
+}  // namespace
+
+double sum_squares(const at::Tensor& x) {
+  if (!fusable(x)) return x.to(at::kDouble).pow(2).sum().item<double>();
+  const float* data = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  // Per-task partial sums in a fixed chunking, added in order: the result does not depend on
+  // the thread count.
+  const int64_t tasks = (n + kGrain - 1) / kGrain;
+  std::vector<double> partial(static_cast<size_t>(tasks), 0.0);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t lo = t * kGrain, hi = std::min(n, lo + kGrain);
+      double acc[4] = {0, 0, 0, 0};
+      int64_t i = lo;
+      for (; i + 4 <= hi; i += 4)
+        for (int k = 0; k < 4; ++k) acc[k] += static_cast<double>(data[i + k]) * data[i + k];
+      for (; i < hi; ++i) acc[0] += static_cast<double>(data[i]) * data[i];
+      partial[t] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    }
+  });
+  double sum = 0;
+  for (double s : partial) sum += s;
+  return sum;
+}
+
+void adamw_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                  const at::Tensor& v, const AdamWUpdate& u) {
+  if (!(fusable(p) && fusable(g) && fusable(m) && fusable(v))) {
+    torch::NoGradGuard no_grad;
+    const at::Tensor gs = u.grad_scale == 1 ? g : g * u.grad_scale;
+    if (u.decay != 1) p.mul_(u.decay);
+    m.mul_(u.beta1).add_(gs, 1.0 - u.beta1);
+    v.mul_(u.beta2).addcmul_(gs, gs, 1.0 - u.beta2);
+    p.addcdiv_(m, (v / u.bc2).sqrt_().add_(u.eps), -u.lr / u.bc1);
+    return;
+  }
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const float decay = static_cast<float>(u.decay), scale = static_cast<float>(u.grad_scale);
+  const float b1 = static_cast<float>(u.beta1), c1 = static_cast<float>(1.0 - u.beta1);
+  const float b2 = static_cast<float>(u.beta2), c2 = static_cast<float>(1.0 - u.beta2);
+  const float inv_bc2 = static_cast<float>(1.0 / u.bc2), eps = static_cast<float>(u.eps);
+  const float step = static_cast<float>(-u.lr / u.bc1);
+  at::parallel_for(0, p.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = gp[i] * scale;
+      const float mi = b1 * mp[i] + c1 * gi;
+      const float vi = b2 * vp[i] + c2 * gi * gi;
+      mp[i] = mi;
+      vp[i] = vi;
+      pp[i] = pp[i] * decay + step * mi / (std::sqrt(vi * inv_bc2) + eps);
+    }
+  });
+}
+
+}  // namespace weft::model
+
+namespace weft::model {
+
+namespace {
+
+// Cephes-style exp for the softmax (arguments <= 0 after the max is subtracted), written so the
+// compiler vectorises it; relative error below 2e-7 in [-87, 0].
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+// One row: p = softmax(scale * s) over visible keys. `e` is fp32 scratch of n.
+template <typename T>
+void softmax_row(const T* s, const bool* vis, T* p, float* e, int64_t n, float scale) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t k = 0; k < n; ++k)
+    if (!vis || vis[k]) max = std::max(max, load(s, k) * scale);
+  float sum = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const float x = exp_nonpositive(load(s, k) * scale - max);
+    e[k] = !vis || vis[k] ? x : 0.0f;
+    sum += e[k];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t k = 0; k < n; ++k) store(p, k, e[k] * inv);
+}
+
+// One row of the backward: ds = scale * p * (g - Σ g·p).
+template <typename T>
+void softmax_grad_row(const T* p, const T* g, T* ds, int64_t n, float scale) {
+  float dot = 0;
+  for (int64_t k = 0; k < n; ++k) dot += load(g, k) * load(p, k);
+  for (int64_t k = 0; k < n; ++k) store(ds, k, scale * load(p, k) * (load(g, k) - dot));
+}
+
+// f(T{}) with T = float or c10::BFloat16 per `type`.
+template <typename F>
+void dispatch_float_bf16(at::ScalarType type, const F& f) {
+  if (type == at::kFloat)
+    f(float{});
+  else
+    f(c10::BFloat16{});
+}
+
+bool softmax_fusable(const at::Tensor& s) {
+  return s.device().is_cpu() && s.dim() == 4 &&
+         (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16);
+}
+
+// The mask row for score row `row` of the flattened [B * X * R] rows.
+struct MaskRows {
+  const bool* data = nullptr;
+  int64_t per_batch_rows = 1, sq = 1, sk = 0;  // score rows per batch (X * R), mask rows, keys
+  const bool* row(int64_t r) const {
+    if (!data) return nullptr;
+    const int64_t b = r / per_batch_rows, q = (r % per_batch_rows) % sq;
+    return data + (b * sq + q) * sk;
+  }
+};
+
+MaskRows mask_rows(const at::Tensor& scores, const at::Tensor& visible) {
+  MaskRows m;
+  m.per_batch_rows = scores.size(1) * scores.size(2);
+  m.sk = scores.size(3);
+  if (!visible.defined()) return m;
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 4 && visible.size(1) == 1 &&
+                  visible.size(0) == scores.size(0) && visible.size(3) == scores.size(3) &&
+                  scores.size(2) % visible.size(2) == 0 && visible.is_contiguous(),
+              "masked_softmax: mask ", visible.sizes(), " does not fit scores ", scores.sizes());
+  m.data = visible.data_ptr<bool>();
+  m.sq = visible.size(2);
+  return m;
+}
+
+at::Tensor softmax_forward(const at::Tensor& scores_in, const at::Tensor& visible, double scale) {
+  const at::Tensor scores = scores_in.contiguous();
+  at::Tensor p = at::empty_like(scores);
+  const MaskRows mask = mask_rows(scores, visible);
+  const int64_t n = scores.size(3), rows = scores.numel() / std::max<int64_t>(n, 1);
+  const float sc = static_cast<float>(scale);
+  dispatch_float_bf16(scores.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* s = scores.data_ptr<scalar_t>();
+    scalar_t* out = p.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       std::vector<float> e(static_cast<size_t>(n));
+                       for (int64_t r = begin; r < end; ++r)
+                         softmax_row(s + r * n, mask.row(r), out + r * n, e.data(), n, sc);
+                     });
+  });
+  return p;
+}
+
+at::Tensor softmax_backward(const at::Tensor& p, const at::Tensor& grad_in, double scale) {
+  const at::Tensor g = grad_in.contiguous();
+  at::Tensor ds = at::empty_like(p);
+  const int64_t n = p.size(3), rows = p.numel() / std::max<int64_t>(n, 1);
+  const float sc = static_cast<float>(scale);
+  dispatch_float_bf16(p.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* pp = p.data_ptr<scalar_t>();
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    scalar_t* out = ds.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t r = begin; r < end; ++r)
+                         softmax_grad_row(pp + r * n, gp + r * n, out + r * n, n, sc);
+                     });
+  });
+  return ds;
+}
+
+struct MaskedSoftmax : torch::autograd::Function<MaskedSoftmax> {
+  // The mask comes by pointer: it is not differentiable, and may be undefined.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
+                            const at::Tensor* visible, double scale) {
+    at::Tensor p = softmax_forward(scores, *visible, scale);
+    ctx->save_for_backward({p});
+    ctx->saved_data["scale"] = scale;
+    return p;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor p = ctx->get_saved_variables()[0];
+    return {softmax_backward(p, grads[0], ctx->saved_data["scale"].toDouble()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor masked_softmax(const at::Tensor& scores, const at::Tensor& visible, double scale) {
+  if (softmax_fusable(scores)) return MaskedSoftmax::apply(scores, &visible, scale);
+  // Reference ops: fp32 softmax over the visible keys.
+  at::Tensor s = scores.to(at::kFloat).mul(scale);
+  if (visible.defined()) {
+    const int64_t rep = scores.size(2) / visible.size(2);
+    at::Tensor v = rep == 1 ? visible : visible.repeat({1, 1, rep, 1});
+    s = s.masked_fill(v.logical_not(), -std::numeric_limits<float>::infinity());
+  }
+  return at::softmax(s, -1).to(scores.scalar_type());
+}
+
+}  // namespace weft::model
