@@ -25,6 +25,9 @@ expect_error bad-set "expected section.key=value" "$weft" train "$src/configs/ti
 expect_error wrong-type "train.steps" "$weft" train "$src/configs/tiny-vlm.toml" --set 'train.steps="many"'
 expect_error heads "model.llm.heads" "$weft" train "$src/configs/tiny-vlm.toml" --set model.llm.heads=3
 expect_error layout "parallel.llm" "$weft" train "$src/configs/tiny-vlm.toml" --set parallel.llm.tp=2
+expect_error synthetic-vocab "tiny-vlm.toml: model.llm.vocab = 0: must be set (> 0)" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic
+expect_error synthetic-seq-len "data.seq_len = 128 is larger than model.llm.max_seq = 64" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic --set model.llm.vocab=512 --set data.seq_len=128
+expect_error synthetic-images "data.images = 4 x (vision 16) placeholder tokens = 64" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic --set model.llm.vocab=512 --set data.images=4
 expect_error resume-empty "not a weft run directory (no config.toml)" "$weft" train --resume "$tmp"
 mkdir -p "$tmp/run" && cp "$src/configs/tiny-vlm.toml" "$tmp/run/config.toml"
 expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tmp/run"

@@ -29,6 +29,7 @@ rope_theta = 500000.0
 norm_eps = 1e-6
 tie_embeddings = false
 frozen = true
+recompute = true
 
 [model.vision]
 kind = "vit"
@@ -39,6 +40,7 @@ ffn = 128
 feature_layer = -2
 norm_eps = 1e-6
 frozen = true
+recompute = true
 image_size = 32
 channels = 1
 patch = 8
@@ -152,6 +154,7 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(l.norm_eps, 1e-6);
   EXPECT_FALSE(l.tie_embeddings);
   EXPECT_TRUE(l.frozen);
+  EXPECT_TRUE(l.recompute);
   EXPECT_EQ(l.head_dim(), 16);
 
   ASSERT_EQ(s.model.encoders.size(), 2u);
@@ -165,6 +168,7 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(v.feature_layer, -2);
   EXPECT_EQ(v.norm_eps, 1e-6);
   EXPECT_TRUE(v.frozen);
+  EXPECT_TRUE(v.recompute);
   EXPECT_EQ(v.image_size, 32);
   EXPECT_EQ(v.channels, 1);
   EXPECT_EQ(v.patch, 8);
@@ -183,6 +187,7 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(a.ffn, 96);
   EXPECT_EQ(a.feature_layer, 2);
   EXPECT_FALSE(a.frozen);
+  EXPECT_FALSE(a.recompute);  // default
   EXPECT_EQ(a.mels, 20);
   EXPECT_EQ(a.frames, 32);
   EXPECT_EQ(a.projector.kind, ProjectorKind::kMlp);  // default
@@ -247,6 +252,8 @@ TEST(Config, DefaultsApplyWhenKeysAreOmitted) {
   EXPECT_EQ(s.model.llm.norm_eps, d.model.llm.norm_eps);
   EXPECT_EQ(s.model.llm.tie_embeddings, d.model.llm.tie_embeddings);
   EXPECT_EQ(s.model.llm.frozen, d.model.llm.frozen);
+  EXPECT_FALSE(s.model.llm.recompute);
+  EXPECT_EQ(s.model.llm.recompute, d.model.llm.recompute);
   EXPECT_TRUE(s.model.encoders.empty());
   EXPECT_EQ(s.data.kind, d.data.kind);
   EXPECT_EQ(s.data.seed, d.data.seed);
@@ -295,6 +302,7 @@ TEST(Config, EncoderDefaultsAndKindSpecificDefaults) {
     EXPECT_EQ(e.ffn, d.ffn);
     EXPECT_EQ(e.feature_layer, d.feature_layer);
     EXPECT_EQ(e.norm_eps, d.norm_eps);
+    EXPECT_FALSE(e.recompute);
     EXPECT_EQ(e.projector.kind, ProjectorKind::kMlp);
     EXPECT_EQ(e.image_size, d.image_size);
     EXPECT_EQ(e.mels, d.mels);
@@ -360,6 +368,9 @@ TEST(Config, RoundTripFullConfig) {
   ASSERT_EQ(b.model.encoders.size(), 2u);
   EXPECT_EQ(b.model.encoders[0].name, "vision");
   EXPECT_EQ(b.model.encoders[1].name, "audio");
+  EXPECT_TRUE(b.model.llm.recompute);
+  EXPECT_TRUE(b.model.encoders[0].recompute);
+  EXPECT_FALSE(b.model.encoders[1].recompute);
   EXPECT_EQ(b.train.lr, a.train.lr);
   EXPECT_EQ(b.data.noise, a.data.noise);
   EXPECT_EQ(b.parallel.modules.at("llm").dp, 2);
@@ -450,6 +461,18 @@ TEST(Config, SetOverridesValues) {
   EXPECT_EQ(s.model.encoders[0].projector.kind, ProjectorKind::kMlp);
   EXPECT_EQ(s.parallel.modules.at("audio").tp, 2);
   EXPECT_EQ(s.train.seed, 2u);  // the last override wins
+}
+
+// recompute is per module: [model.llm] and each encoder's table, default off.
+TEST(Config, RecomputeIsChosenPerModule) {
+  const Spec s =
+      parse_spec(kFull, "cfg.toml", {"model.llm.recompute=false", "model.audio.recompute=true"});
+  EXPECT_FALSE(s.model.llm.recompute);
+  EXPECT_TRUE(s.model.encoders[0].recompute);  // from the file
+  EXPECT_TRUE(s.model.encoders[1].recompute);
+  const std::string dumped = spec_to_toml(s);
+  EXPECT_NE(dumped.find("frozen = true\nrecompute = false\n"), std::string::npos) << dumped;
+  EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
 }
 
 TEST(Config, SetParallel) {
@@ -668,6 +691,10 @@ TEST(Config, WrongTypes) {
       set_fails_with("data.packing=\"yes\"", {"data.packing = \"yes\": expected a boolean"}));
   EXPECT_TRUE(set_fails_with("model.vision.projector.frozen=0",
                              {"model.vision.projector.frozen = 0: expected a boolean"}));
+  EXPECT_TRUE(set_fails_with("model.llm.recompute=1",
+                             {"model.llm.recompute = 1: expected a boolean (true or false)"}));
+  EXPECT_TRUE(set_fails_with("model.audio.recompute=\"yes\"",
+                             {"model.audio.recompute = \"yes\": expected a boolean"}));
   EXPECT_TRUE(set_fails_with("train.lr=fast", {"train.lr = \"fast\": expected a number"}));
   EXPECT_TRUE(set_fails_with("train.lr=true", {"train.lr = true: expected a number"}));
   EXPECT_TRUE(set_fails_with("train.lr=nan", {"train.lr = nan: must be a finite number"}));
@@ -714,6 +741,40 @@ TEST(Config, Choices) {
   EXPECT_TRUE(set_fails_with("parallel.cp_split=striped",
                              {"parallel.cp_split = \"striped\": must be one of \"balanced\", "
                               "\"zigzag\", \"contiguous\", \"lpt\""}));
+}
+
+TEST(Config, SyntheticDataKeys) {
+  const Spec d = parse_spec(kFull, "cfg.toml", {"data.kind=synthetic"});
+  EXPECT_EQ(d.data.seq_len, 0);  // min(256, model.llm.max_seq), resolved by the dataset
+  EXPECT_EQ(d.data.images, 1);
+  EXPECT_EQ(d.data.target_fraction, 1.0);
+  const Spec s = parse_spec(
+      kFull, "cfg.toml",
+      {"data.kind=synthetic", "data.seq_len=512", "data.images=0", "data.target_fraction=0.25"});
+  EXPECT_EQ(s.data.seq_len, 512);
+  EXPECT_EQ(s.data.images, 0);
+  EXPECT_EQ(s.data.target_fraction, 0.25);
+  const std::string dumped = spec_to_toml(s);
+  EXPECT_NE(dumped.find("seq_len = 512\nimages = 0\ntarget_fraction = 0.25\n"), std::string::npos)
+      << dumped;
+  const Spec b = parse_spec(dumped, "dump.toml");
+  EXPECT_EQ(spec_to_toml(b), dumped);
+  EXPECT_EQ(spec_to_toml(parse_spec(kFull, "cfg.toml")).find("seq_len"), std::string::npos);
+
+  auto fails = [&](const std::string& o, const std::string& needle) {
+    return fails_with(kFull, {"data.kind=synthetic", o}, {needle});
+  };
+  EXPECT_TRUE(fails("data.seq_len=-1", "data.seq_len = -1: must be >= 0"));
+  EXPECT_TRUE(fails("data.seq_len=1.5", "data.seq_len = 1.5: expected an integer"));
+  EXPECT_TRUE(fails("data.images=-2", "data.images = -2: must be >= 0"));
+  EXPECT_TRUE(fails("data.target_fraction=0", "data.target_fraction = 0.0: must be in (0, 1]"));
+  EXPECT_TRUE(fails("data.target_fraction=1.5", "data.target_fraction = 1.5: must be in (0, 1]"));
+  EXPECT_TRUE(
+      fails("data.target_fraction=\"all\"", "data.target_fraction = \"all\": expected a number"));
+  EXPECT_TRUE(set_fails_with("data.seq_len=128",
+                             {"data.seq_len = 128: only applies to kind = \"synthetic\""}));
+  EXPECT_TRUE(
+      set_fails_with("data.images=2", {"data.images = 2: only applies to kind = \"synthetic\""}));
 }
 
 // --- errors: ranges -------------------------------------------------------------------------

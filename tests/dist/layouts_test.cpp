@@ -1,9 +1,9 @@
 // Equivalence is the law: every layout of the Plan — tensor, pipeline and context parallelism,
-// encoders on their own ranks, several encoders, frozen encoders — trains exactly like one
-// process. Each test runs 3 optimizer steps in fp32 on real Gloo ranks (one thread per rank)
-// and compares with the single-process run: losses within 1e-5 relative, every gradient of the
-// last step and every final parameter within 1e-4 relative (‖a−b‖/‖b‖), each tensor gathered to
-// its full shape.
+// encoders on their own ranks, several encoders, frozen encoders, recomputation — trains exactly
+// like one process. Each test runs 3 optimizer steps in fp32 on real Gloo ranks (one thread per
+// rank) and compares with the single-process run: losses within 1e-5 relative, every gradient of
+// the last step and every final parameter within 1e-4 relative (‖a−b‖/‖b‖), each tensor gathered
+// to its full shape.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -139,6 +139,23 @@ TEST(Layouts, EncoderTp2AndLlmTp2Pp2OnEightRanks) {
                     {"parallel.vision.tp=2", "parallel.vision.dp=4", "parallel.llm.tp=2",
                      "parallel.llm.pp=2", "parallel.llm.dp=2"},
                     "vision_tp2_dp4_llm_tp2_pp2_dp2");
+}
+
+// Activation recomputation, against a single process without it: each recomputed block runs
+// its TP / CP collectives again in backward, and its parameter gradients reach the
+// data-parallel gradient hooks once (vision DP2 here, LLM DP2 below).
+TEST(Layouts, RecomputeUnderLlmTp2Pp2AndEncoderCp2Dp2) {
+  expect_equivalent(
+      4, {"parallel.llm.tp=2", "parallel.llm.pp=2", "parallel.vision.cp=2", "parallel.vision.dp=2"},
+      "recompute_llm_tp2_pp2_vision_cp2_dp2", testing::kTinyVlm,
+      {"model.llm.recompute=true", "model.vision.recompute=true"});
+}
+
+TEST(Layouts, RecomputeUnderLlmCp2Dp2AndEncoderTp2) {
+  expect_equivalent(
+      4, {"parallel.llm.cp=2", "parallel.llm.dp=2", "parallel.vision.tp=2", "parallel.vision.dp=2"},
+      "recompute_llm_cp2_dp2_vision_tp2", testing::kTinyVlm,
+      {"model.llm.recompute=true", "model.vision.recompute=true"});
 }
 
 TEST(Layouts, ZeroOneShardsStateWithinEachModulesDataParallelGroup) {

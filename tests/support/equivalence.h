@@ -70,8 +70,11 @@ heads = 2
 ffn = 64
 )";
 
+// `sets` apply to both runs except parallel.* (the layout); `parallel_only` to the parallel run
+// only (a setting that must not change the numbers, such as recomputation).
 inline void expect_equivalent(int world, const std::vector<std::string>& sets,
-                              const std::string& tag, const std::string& config = kTinyVlm) {
+                              const std::string& tag, const std::string& config = kTinyVlm,
+                              const std::vector<std::string>& parallel_only = {}) {
   // vocab: a multiple of every TP size used below (the tokenizer has fewer tokens).
   std::vector<std::string> base = {"train.steps=3", "train.warmup=1", "model.llm.vocab=64"};
   std::vector<std::string> model_sets = base;  // the same model, one process
@@ -79,6 +82,7 @@ inline void expect_equivalent(int world, const std::vector<std::string>& sets,
     if (s.rfind("parallel.", 0) != 0) model_sets.push_back(s);
   const Spec single = parse_spec(config, "tiny", model_sets);
   base.insert(base.end(), sets.begin(), sets.end());
+  base.insert(base.end(), parallel_only.begin(), parallel_only.end());
   const Spec spec = parse_spec(config, "tiny", base);
   const RunResult ref = train(single, dist::Comm(), temp_dir(tag + "_single"));
   std::vector<RunResult> ranks(static_cast<size_t>(world));

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -209,6 +210,21 @@ TEST(Trainer, WritesRunDirectory) {
   fs::create_directories(out / "checkpoints/.tmp-step_00000009");
   fs::create_directories(out / "checkpoints/step_00000010");  // no state.json: incomplete
   EXPECT_EQ(io::latest_checkpoint(out.string()), (out / "checkpoints/step_00000003").string());
+}
+
+// Synthetic data (data/synthetic.h) puts the second image after the first target, outside the
+// prompt evaluation generates from: the eval prompt must drop it rather than fail to collate.
+TEST(Trainer, SyntheticDataTrainsAndEvaluatesWithItemsAfterThePrompt) {
+  const fs::path out = temp_dir("synthetic");
+  Spec spec = tiny_spec({"data.kind=synthetic", "model.llm.vocab=64", "model.llm.max_seq=48",
+                         "data.seq_len=48", "data.images=2", "data.eval_samples=3", "train.steps=2",
+                         "train.warmup=0"});
+  TrainerOptions o = quiet_options(out);
+  o.eval = true;
+  Summary s = Trainer(spec, plan::make_plan(spec), o).run();
+  EXPECT_EQ(s.steps, 2);
+  EXPECT_GE(s.eval_caption_accuracy, 0.0);
+  EXPECT_TRUE(std::isfinite(s.loss_last));
 }
 
 TEST(Trainer, ResumeRejectsAnotherModel) {

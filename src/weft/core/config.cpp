@@ -49,6 +49,7 @@ constexpr std::string_view kLlmKeys[] = {"vocab",
                                          "norm_eps",
                                          "tie_embeddings",
                                          "frozen",
+                                         "recompute",
                                          "qkv_bias",
                                          "rope_scaling",
                                          "rope_scaling_factor",
@@ -57,8 +58,8 @@ constexpr std::string_view kLlmKeys[] = {"vocab",
                                          "rope_original_max_position",
                                          "hf"};
 constexpr std::string_view kEncoderCommonKeys[] = {
-    "kind",     "hidden", "layers",    "heads", "ffn", "feature_layer",
-    "norm_eps", "frozen", "projector", "act",   "hf"};
+    "kind",     "hidden", "layers",    "heads",     "ffn", "feature_layer",
+    "norm_eps", "frozen", "recompute", "projector", "act", "hf"};
 constexpr std::string_view kVitKeys[] = {"image_size",  "channels",    "patch",    "stem_channels",
                                          "stem_layers", "class_token", "pre_norm", "patch_bias"};
 constexpr std::string_view kRopeScalings[] = {"none", "llama3"};
@@ -67,8 +68,8 @@ constexpr std::string_view kProjectorKeys[] = {"kind", "frozen"};
 constexpr std::string_view kDataKeys[] = {
     "kind",     "seed",    "eval_samples", "noise",         "packing",         "balance",
     "path",     "root",    "tokenizer",    "chat_template", "image_processor", "pad_to_square",
-    "on_error", "workers", "prefetch"};
-constexpr std::string_view kDataKinds[] = {"shapes", "llava"};
+    "on_error", "workers", "prefetch",     "seq_len",       "images",          "target_fraction"};
+constexpr std::string_view kDataKinds[] = {"shapes", "llava", "synthetic"};
 constexpr std::string_view kChatTemplates[] = {"llava", "llama2", "llama3", "chatml", "plain"};
 constexpr std::string_view kImageProcessors[] = {"clip", "siglip"};
 constexpr std::string_view kOnError[] = {"fail", "skip"};
@@ -430,6 +431,7 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.amount("rope_scaling_factor", &l->rope_scaling.factor);
   s.count("rope_original_max_position", &l->rope_scaling.original_max_position);
   s.read("frozen", &l->frozen);
+  s.read("recompute", &l->recompute);
   if (l->rope_scaling.llama3 &&
       !(l->rope_scaling.high_freq_factor > l->rope_scaling.low_freq_factor))
     s.fail("rope_high_freq_factor", "must be > rope_low_freq_factor");
@@ -509,6 +511,7 @@ void read_encoder(const Section& s, EncoderSpec* e) {
   s.count("ffn", &e->ffn);
   s.amount("norm_eps", &e->norm_eps);
   s.read("frozen", &e->frozen);
+  s.read("recompute", &e->recompute);
   if (vit) {
     read_or_agree(s, "image_size", &e->image_size, hf_file);
     read_or_agree(s, "channels", &e->channels, hf_file);
@@ -622,6 +625,16 @@ void read_data(const Section& s, DataSpec* d) {
     s.choice("on_error", keys(kOnError), &d->on_error);
     s.count("workers", &d->workers);
     s.count("prefetch", &d->prefetch, /*positive=*/false);
+  }
+  const bool synthetic = d->kind == "synthetic";
+  for (const char* key : {"seq_len", "images", "target_fraction"})
+    if (!synthetic && s.find(key)) s.fail(key, "only applies to kind = \"synthetic\"");
+  if (synthetic) {
+    s.count("seq_len", &d->seq_len, /*positive=*/false);
+    s.count("images", &d->images, /*positive=*/false);
+    s.read("target_fraction", &d->target_fraction);
+    if (!(d->target_fraction > 0 && d->target_fraction <= 1))
+      s.fail_value("target_fraction", format_double(d->target_fraction), "must be in (0, 1]");
   }
   s.count("eval_samples", &d->eval_samples);
   s.amount("noise", &d->noise, /*positive=*/false);
@@ -837,6 +850,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("rope_high_freq_factor", l.rope_scaling.high_freq_factor);
   w.put("rope_original_max_position", l.rope_scaling.original_max_position);
   w.put("frozen", l.frozen);
+  w.put("recompute", l.recompute);
   if (!l.hf.empty()) w.put("hf", l.hf);
 
   for (const EncoderSpec& e : spec.model.encoders) {
@@ -850,6 +864,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("norm_eps", e.norm_eps);
     w.put("act", std::string(to_string(e.act)));
     w.put("frozen", e.frozen);
+    w.put("recompute", e.recompute);
     if (!e.hf.empty()) w.put("hf", e.hf);
     if (e.kind == EncoderKind::kVit) {
       w.put("class_token", e.class_token);
@@ -887,6 +902,11 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("on_error", d.on_error);
     w.put("workers", d.workers);
     w.put("prefetch", d.prefetch);
+  }
+  if (d.kind == "synthetic") {
+    w.put("seq_len", d.seq_len);
+    w.put("images", d.images);
+    w.put("target_fraction", d.target_fraction);
   }
 
   const TrainSpec& t = spec.train;

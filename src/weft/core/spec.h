@@ -35,6 +35,9 @@ struct LlmSpec {
   bool qkv_bias = false;  // Qwen2: biases on the Q, K and V projections
   RopeScaling rope_scaling;
   bool frozen = false;
+  // Keep only each block's input in forward and recompute the block in backward (less
+  // activation memory, about one more forward of compute).
+  bool recompute = false;
   std::string hf;
 
   int64_t head_dim() const { return hidden / heads; }
@@ -64,6 +67,9 @@ struct EncoderSpec {
   double norm_eps = 1e-5;
   Activation act = Activation::kGelu;
   bool frozen = false;
+  // Keep only each block's input in forward and recompute the block in backward (less
+  // activation memory, about one more forward of compute).
+  bool recompute = false;
   std::string hf;  // Hugging Face checkpoint to read the shape and initial weights from
   // vit
   bool class_token = false;  // CLIP: a learned [CLS] token first (dropped from the features)
@@ -98,7 +104,8 @@ struct ModelSpec {
 };
 
 struct DataSpec {
-  std::string kind = "shapes";  // "shapes" (built-in procedural) or "llava" (files on disk)
+  // "shapes" (built-in procedural), "llava" (files on disk) or "synthetic" (random, for benchmarks)
+  std::string kind = "shapes";  // data/shapes.h, data/llava.h, data/synthetic.h
   uint64_t seed = 1234;         // train stream seed; eval uses a disjoint stream
   int64_t eval_samples = 256;
   double noise = 0.08;   // pixel noise amplitude
@@ -117,6 +124,10 @@ struct DataSpec {
   std::string on_error = "fail";        // "skip": a corrupt or missing record is replaced, counted
   int64_t workers = 2;                  // threads decoding media
   int64_t prefetch = 2;                 // global batches prepared ahead of the step
+  // kind = "synthetic" (data/synthetic.h).
+  int64_t seq_len = 0;           // tokens per sample, placeholders included; 0 = min(256, max_seq)
+  int64_t images = 1;            // items per sample for every encoder of the model; 0 = text only
+  double target_fraction = 1.0;  // fraction of the text tokens that are loss targets, in (0, 1]
 };
 
 enum class Precision { kBf16, kFp32 };

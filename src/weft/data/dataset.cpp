@@ -3,6 +3,7 @@
 #include "weft/core/error.h"
 #include "weft/data/llava.h"
 #include "weft/data/shapes.h"
+#include "weft/data/synthetic.h"
 #include "weft/data/tokenizer.h"
 
 namespace weft::data {
@@ -31,6 +32,11 @@ class ShapesData final : public Dataset {
 
 std::unique_ptr<Dataset> make_dataset(Spec* spec) {
   if (spec->data.kind == "llava") return std::make_unique<LlavaDataset>(spec);
+  if (spec->data.kind == "synthetic") {
+    auto data = std::make_unique<SyntheticDataset>(*spec);
+    spec->data.seq_len = data->seq_len();  // 0 resolved
+    return data;
+  }
   Tokenizer tok = Tokenizer::for_shapes(spec->model);
   LlmSpec& llm = spec->model.llm;
   WEFT_CHECK(llm.vocab == 0 || llm.vocab >= tok.vocab_size(), spec->source,

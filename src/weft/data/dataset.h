@@ -1,8 +1,9 @@
 // Dataset: what the trainer trains on — a deterministic sequence of global batches (a pure
 // function of the config and the step, so a resumed run sees the same data), a held-out eval
 // set, and the tokenizer facts training and evaluation need. make_dataset picks the
-// implementation from data.kind: "shapes" (the built-in procedural set, data/shapes.h) or
-// "llava" (LLaVA-style JSON/JSONL with images and audio on disk, data/llava.h).
+// implementation from data.kind: "shapes" (the built-in procedural set, data/shapes.h),
+// "llava" (LLaVA-style JSON/JSONL with images and audio on disk, data/llava.h) or "synthetic"
+// (random samples of a chosen length and item count, for benchmarks, data/synthetic.h).
 #pragma once
 
 #include <cstdint>
@@ -34,7 +35,8 @@ class Dataset {
 };
 
 // The dataset of `spec.data.kind`. Sets spec->model.llm.vocab when it is 0 (the tokenizer's
-// size, padded to a multiple of 64) and checks it is large enough otherwise.
+// size, padded to a multiple of 64) and checks it is large enough otherwise ("synthetic": it
+// must be set; data.seq_len = 0 is set to the length used).
 std::unique_ptr<Dataset> make_dataset(Spec* spec);
 
 }  // namespace weft::data

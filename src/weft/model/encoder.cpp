@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "weft/model/recompute.h"
 #include "weft/model/torch_compat.h"
 
 namespace weft::model {
@@ -26,8 +27,19 @@ std::vector<EncoderBlock> make_blocks(const Scope& s, const EncoderSpec& e, cons
   return blocks;
 }
 
-at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange& r, at::Tensor x) {
-  for (int64_t i = 0; i < r.last_layer - r.first_layer; ++i) x = blocks[i](x);
+// The blocks the range runs; with `recompute` each is recomputed in backward (recompute.h).
+at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange& r, at::Tensor x,
+                      bool recompute_blocks) {
+  for (int64_t i = 0; i < r.last_layer - r.first_layer; ++i) {
+    const EncoderBlock& b = blocks[i];
+    if (!recompute_blocks) {
+      x = b(x);
+      continue;
+    }
+    x = recompute(
+        [b](const at::Tensor& h, const std::vector<at::Tensor>& p) { return with_params(b, p)(h); },
+        x, block_params(b));
+  }
   return x;
 }
 
@@ -65,7 +77,7 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange
 
 at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
   at::Tensor x = range_.first_stage ? own_tokens(front(input), cp_) : input;
-  x = run_blocks(blocks_, range_, x);
+  x = run_blocks(blocks_, range_, x, spec_.recompute);
   return range_.last_stage && spec_.class_token ? x.narrow(1, 1, x.size(1) - 1) : x;
 }
 
@@ -112,7 +124,7 @@ at::Tensor AudioEncoder::operator()(const at::Tensor& input) const {
     x = compat::gelu(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
     x = own_tokens(x.transpose(1, 2) + to_compute(pos_), cp_);  // [N, T/cp, h]
   }
-  x = run_blocks(blocks_, range_, x);
+  x = run_blocks(blocks_, range_, x, spec_.recompute);
   return range_.last_stage ? final_ln_(x) : x;
 }
 

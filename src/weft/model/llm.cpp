@@ -7,6 +7,7 @@
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
+#include "weft/model/recompute.h"
 
 namespace weft::model {
 
@@ -38,14 +39,23 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
   return m;
 }
 
+namespace {
+// Rows of `table` for `ids` [B, S] -> [B, S, hidden]. index_select, not at::embedding: its
+// backward is an index_add into the gradient, where LibTorch's CPU embedding backward sorts.
+at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids) {
+  at::Tensor rows = table.index_select(0, ids.reshape({-1}));
+  return rows.view({ids.size(0), ids.size(1), table.size(1)});
+}
+}  // namespace
+
 at::Tensor Llm::embed(const at::Tensor& tokens) const {
-  if (tp.size() == 1) return to_compute(at::embedding(embedding, tokens));
+  if (tp.size() == 1) return to_compute(lookup(embedding, tokens));
   // Vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros elsewhere,
   // and the sum over TP assembles every embedding.
   const int64_t per = embedding.size(0), first = tp.rank() * per;
   at::Tensor outside = (tokens < first).logical_or(tokens >= first + per);
   at::Tensor local = (tokens - first).masked_fill(outside, 0);
-  at::Tensor e = at::embedding(embedding, local).masked_fill(outside.unsqueeze(-1), 0);
+  at::Tensor e = lookup(embedding, local).masked_fill(outside.unsqueeze(-1), 0);
   return dist::reduce_from(to_compute(e), tp);
 }
 
@@ -54,10 +64,23 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
-    x = x + b.attn(b.norm1(x), mask, &rope);
-    x = x + b.mlp(b.norm2(x));
+    if (!spec.recompute) {
+      x = b(x, mask, rope);
+      continue;
+    }
+    x = recompute(
+        [b, mask, rope](const at::Tensor& h, const std::vector<at::Tensor>& p) {
+          return with_params(b, p)(h, mask, rope);
+        },
+        x, block_params(b));
   }
   return x;
+}
+
+at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mask,
+                                const Rope& rope) const {
+  at::Tensor x = x_in + attn(norm1(x_in), mask, &rope);
+  return x + mlp(norm2(x));
 }
 
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions,

@@ -16,10 +16,12 @@
 
 namespace weft::model {
 
+// Pre-RMSNorm block: x + attn(norm1(x)), then + mlp(norm2(·)).
 struct LlmBlock {
   RmsNorm norm1, norm2;
   Attention attn;
   SwiGlu mlp;
+  at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope) const;
 };
 
 // Which part of the LLM a rank builds.
@@ -40,7 +42,8 @@ struct Llm {
   static Llm make(const Scope& s, const LlmSpec& spec, StageRange range = {});
   // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype (first stage).
   at::Tensor embed(const at::Tensor& tokens) const;
-  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE.
+  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE. With
+  // spec.recompute each block is recomputed in backward (recompute.h).
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
                             const AttentionMask& mask) const;
   // Blocks, then the final norm when this is the last stage.

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "weft/core/error.h"
 #include "weft/data/collate.h"
 #include "weft/train/inputs.h"
@@ -70,6 +72,10 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       max_new = std::max<int64_t>(max_new, static_cast<int64_t>(p.tokens.size()) - P + 2);
       p.tokens.resize(P);
       p.is_target.assign(P, 0);
+      // Items after the prompt (a later image of an interleaved sample) are not part of it.
+      p.items.erase(std::remove_if(p.items.begin(), p.items.end(),
+                                   [P](const data::ModalityItem& it) { return it.start >= P; }),
+                    p.items.end());
       prompts.push_back(std::move(p));
       ++end;
     }
