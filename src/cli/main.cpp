@@ -16,6 +16,7 @@
 #include "cli/simulate.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
+#include "weft/core/memory.h"
 #include "weft/dist/comm.h"
 #include "weft/dist/launch.h"
 #include "weft/io/checkpoint.h"
@@ -127,6 +128,7 @@ int cmd_plan(const std::string& config, const std::vector<std::string>& sets, in
 }  // namespace
 
 int main(int argc, char** argv) {
+  weft::retain_freed_memory();
   CLI::App app{"weft: multimodality-aware training of multimodal LLMs"};
   app.require_subcommand(1);
   std::string config, out, resume;

@@ -17,8 +17,9 @@ constexpr bool kHasSdpa = TORCH_VERSION_MAJOR >= 2;
 inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
-  const int64_t KV = k.size(1), Sk = k.size(2), rep = H / KV;
+  const int64_t KV = k.size(1), rep = H / KV;
 #if TORCH_VERSION_MAJOR >= 2
+  const int64_t Sk = k.size(2);
   at::Tensor ke = k, ve = v;
   if (rep > 1) {
     ke = k.unsqueeze(2).expand({B, KV, rep, Sk, D}).reshape({B, H, Sk, D});
