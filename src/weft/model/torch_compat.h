@@ -16,7 +16,7 @@ constexpr bool kHasSdpa = TORCH_VERSION_MAJOR >= 2;
 // K/V head h / (H / KV) (grouped-query). Every row must have a visible key.
 inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& visible, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t KV = k.size(1), rep = H / KV;
 #if TORCH_VERSION_MAJOR >= 2
   const int64_t Sk = k.size(2);
@@ -31,6 +31,7 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
 #else
   // Each K/V head's query heads stacked along the rows ([B, KV, rep * S, D]): no K/V copies;
   // one fused scaled masked softmax (fp32 inside) between two matmuls.
+  const int64_t S = q.size(2);
   at::Tensor qg = q.reshape({B, KV, rep * S, D});
   at::Tensor p = model::masked_softmax(at::matmul(qg, k.transpose(-2, -1)), visible, scale);
   return at::matmul(p, v).view({B, H, S, D});
