@@ -22,6 +22,7 @@
 #include "weft/data/bpe_builder.h"
 #include "weft/data/shapes.h"
 #include "weft/data/tokenizer.h"
+#include "weft/io/files.h"
 #include "weft/io/hf.h"
 #include "weft/model/multimodal.h"
 
@@ -38,10 +39,7 @@ constexpr const char* kSystem =
 constexpr const char* kQuestion = "What is in the picture?";
 
 void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  WEFT_CHECK(out, p.string(), ": cannot create");
-  out << text;
-  WEFT_CHECK(out.flush(), p.string(), ": write failed");
+  weft::io::write_text_file(p.string(), text);
 }
 
 // float [3, H, W] in [0, 1] -> 8-bit RGB PNG.

@@ -12,6 +12,7 @@
 
 #include "weft/core/error.h"
 #include "weft/core/hf_config.h"
+#include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/model/encoder.h"
 
@@ -28,20 +29,6 @@ std::string read_text(const std::string& path) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    WEFT_CHECK(out, tmp, ": cannot create");
-    out << text;
-    out.flush();
-    WEFT_CHECK(out, tmp, ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  WEFT_CHECK(!ec, path, ": cannot rename ", tmp, " over it: ", ec.message());
 }
 
 // One weft parameter as Hugging Face tensors: the weft tensor is the concatenation along `dim`
@@ -389,7 +376,7 @@ void save_hf_tensors(const std::string& dir,
     save_safetensors((fs::path(dir) / file).string(), shards[k], meta);
     for (const auto& [name, t] : shards[k]) index["weight_map"][name] = file;
   }
-  write_text((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  write_text_file((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
 }
 
 namespace {
@@ -423,7 +410,7 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
                    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
     const std::string dir = (fs::path(out_dir) / name).string();
     save_hf_tensors(dir, tensors, shard_bytes);
-    if (!config.empty()) write_text((fs::path(dir) / "config.json").string(), config);
+    if (!config.empty()) write_text_file((fs::path(dir) / "config.json").string(), config);
     dirs.push_back(dir);
   };
   {

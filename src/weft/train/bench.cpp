@@ -15,6 +15,7 @@
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/core/progress.h"
+#include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
 #include "weft/train/peak.h"
@@ -37,14 +38,8 @@ int64_t status_field(const char* key) {
   return 0;
 }
 
-void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  out << text << "\n";
-  WEFT_CHECK(out.flush(), "cannot write ", path.string());
-}
-
 std::string step_file(const fs::path& dir, int64_t step) {
-  char name[32];
+  char name[48];
   std::snprintf(name, sizeof name, "step-%05lld.safetensors", static_cast<long long>(step));
   return (dir / name).string();
 }
@@ -118,7 +113,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   const fs::path dump = o.dump_dir;
   if (!dump.empty()) {
     fs::create_directories(dump);
-    write_file(dump / "config.toml", spec_to_toml(trainer.spec()));
+    io::write_text_file((dump / "config.toml").string(), spec_to_toml(trainer.spec()));
     io::TensorMap weights;
     for (const auto& [name, p] : trainer.model().parameters())
       weights.emplace_back(name, p.detach());
@@ -189,7 +184,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
     b["step"] = steps;
     b["weft"] = {{"losses", losses}, {"grad_norms", grad_norms}};
     b["peak_flops"] = peak;
-    write_file(dump / "bench.json", b.dump(2));
+    io::write_text_file((dump / "bench.json").string(), b.dump(2) + "\n");
   }
   return j.dump(2);
 }

@@ -18,6 +18,7 @@
 #include "weft/data/dataset.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
+#include "weft/io/files.h"
 #include "weft/io/hf.h"
 #include "weft/plan/balance.h"
 #include "weft/plan/flops.h"
@@ -56,14 +57,7 @@ std::string fresh_run_dir() {
 }
 
 void write_text(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    WEFT_CHECK(out, "cannot write ", tmp.string());
-    out << text << "\n";
-    WEFT_CHECK(out.flush(), "write to ", tmp.string(), " failed");
-  }
-  fs::rename(tmp, path);
+  io::write_text_file(path.string(), text + "\n");
 }
 
 // Keeps the metrics lines with step <= last_step (a resumed run rewrites what follows).
