@@ -9,7 +9,9 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,19 @@ heads = 2
 ffn = 64
 )";
 
+// Every step's value of `key` in a run's metrics.jsonl (absent keys give no entry).
+inline std::vector<nlohmann::json> run_metric(const std::filesystem::path& run,
+                                              const std::string& key) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains(key)) out.push_back(j[key]);
+  }
+  return out;
+}
+
 // `sets` apply to both runs except parallel.* (the layout); `parallel_only` to the parallel run
 // only (a setting that must not change the numbers, such as recomputation).
 inline void expect_equivalent(int world, const std::vector<std::string>& sets,
@@ -84,7 +99,8 @@ inline void expect_equivalent(int world, const std::vector<std::string>& sets,
   base.insert(base.end(), sets.begin(), sets.end());
   base.insert(base.end(), parallel_only.begin(), parallel_only.end());
   const Spec spec = parse_spec(config, "tiny", base);
-  const RunResult ref = train(single, dist::Comm(), temp_dir(tag + "_single"));
+  const std::filesystem::path ref_dir = temp_dir(tag + "_single");
+  const RunResult ref = train(single, dist::Comm(), ref_dir);
   std::vector<RunResult> ranks(static_cast<size_t>(world));
   const std::filesystem::path out = temp_dir(tag + "_parallel");
   run_ranks(world, [&](const dist::Comm& comm) { ranks[comm.rank()] = train(spec, comm, out); });
@@ -95,6 +111,16 @@ inline void expect_equivalent(int world, const std::vector<std::string>& sets,
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
         << tag << " step " << i + 1;
+  // An MoE LLM: the auxiliary losses agree, and every expert ran the same tokens.
+  for (const char* key : {"moe_balance_loss", "moe_z_loss"}) {
+    const auto want = run_metric(ref_dir, key), have = run_metric(out, key);
+    ASSERT_EQ(have.size(), want.size()) << tag << " " << key;
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(have[i].get<double>(), want[i].get<double>(),
+                  1e-5 * std::abs(want[i].get<double>()))
+          << tag << " " << key << " step " << i + 1;
+  }
+  EXPECT_EQ(run_metric(out, "moe_expert_load"), run_metric(ref_dir, "moe_expert_load")) << tag;
   double worst_param = 0, worst_grad = 0;
   EXPECT_EQ(got.params.size(), ref.params.size()) << tag;
   for (const auto& [name, p] : ref.params) {

@@ -56,7 +56,12 @@ constexpr std::string_view kLlmKeys[] = {"vocab",
                                          "rope_low_freq_factor",
                                          "rope_high_freq_factor",
                                          "rope_original_max_position",
+                                         "moe",
                                          "hf"};
+constexpr std::string_view kMoeKeys[] = {"experts", "top_k",          "ffn",        "every",
+                                         "gating",  "norm_topk",      "shared_ffn", "aux_loss",
+                                         "z_loss",  "capacity_factor"};
+constexpr std::string_view kGatings[] = {"softmax", "sigmoid"};
 constexpr std::string_view kEncoderCommonKeys[] = {
     "kind",     "hidden", "layers",    "heads",     "ffn", "feature_layer",
     "norm_eps", "frozen", "recompute", "projector", "act", "hf"};
@@ -96,7 +101,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "overlap_grad_reduce",
                                            "grad_bucket_mb"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
-constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "stages"};
+constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
 constexpr std::string_view kPlacements[] = {"colocated", "separate"};
 constexpr std::string_view kCpSplits[] = {"balanced", "zigzag", "contiguous", "lpt"};
@@ -385,6 +390,34 @@ void read_or_agree(const Section& s, std::string_view key, T* out, const std::st
   }
 }
 
+void read_moe(const Section& s, MoeSpec* m) {
+  s.only(keys(kMoeKeys));
+  s.count("experts", &m->experts);
+  s.count("top_k", &m->top_k);
+  s.count("ffn", &m->ffn, /*positive=*/false);
+  s.count("every", &m->every);
+  std::string gating = m->sigmoid ? "sigmoid" : "softmax";
+  s.choice("gating", keys(kGatings), &gating);
+  m->sigmoid = gating == "sigmoid";
+  s.read("norm_topk", &m->norm_topk);
+  s.count("shared_ffn", &m->shared_ffn, /*positive=*/false);
+  const std::pair<const char*, double*> weights[] = {
+      {"aux_loss", &m->aux_loss}, {"z_loss", &m->z_loss}, {"capacity_factor", &m->capacity_factor}};
+  for (const auto& [k, v] : weights)
+    if (s.read(k, v) && *v < 0) s.fail(k, "must be >= 0");
+  if (m->top_k > m->experts)
+    s.fail("top_k", "must be <= experts (" + std::to_string(m->experts) + ")");
+  // Top-1 softmax renormalised is a weight of 1 for every token: the router would learn from the
+  // auxiliary losses only. Switch-style top-1 keeps the raw probability.
+  if (m->top_k == 1 && !m->sigmoid) {
+    if (m->norm_topk && s.find("norm_topk"))
+      s.fail("norm_topk",
+             "with top_k = 1 and softmax gating every weight would be 1 (the router would get no "
+             "gradient from the loss); use norm_topk = false");
+    m->norm_topk = false;
+  }
+}
+
 void read_llm(const Section& s, LlmSpec* l) {
   if (s.find("kind"))
     s.fail("kind", "[model.llm] is the decoder; \"llm\" is reserved and cannot name an encoder");
@@ -432,6 +465,12 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.count("rope_original_max_position", &l->rope_scaling.original_max_position);
   s.read("frozen", &l->frozen);
   s.read("recompute", &l->recompute);
+  if (const toml::table* t = s.table("moe")) {
+    WEFT_CHECK(hf_file.empty(), s.source(), ": ", s.path("moe"),
+               ": mixture-of-experts layers cannot be combined with model.llm.hf (weft reads "
+               "dense Llama / Mistral / Qwen2 checkpoints only)");
+    read_moe(Section(s.source(), *t, s.path("moe")), &l->moe);
+  }
   if (l->rope_scaling.llama3 &&
       !(l->rope_scaling.high_freq_factor > l->rope_scaling.low_freq_factor))
     s.fail("rope_high_freq_factor", "must be > rope_low_freq_factor");
@@ -709,7 +748,7 @@ void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
     ls.only(keys(kLayoutKeys));
     LayoutSpec& l = p->modules[name];
     const std::pair<const char*, int64_t*> sizes[] = {
-        {"dp", &l.dp}, {"tp", &l.tp}, {"pp", &l.pp}, {"cp", &l.cp}};
+        {"dp", &l.dp}, {"tp", &l.tp}, {"pp", &l.pp}, {"cp", &l.cp}, {"ep", &l.ep}};
     for (const auto& [k, v] : sizes) {
       ls.read(k, v);
       if (*v < 1) ls.fail_value(k, std::to_string(*v), "must be >= 1");
@@ -852,6 +891,20 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("frozen", l.frozen);
   w.put("recompute", l.recompute);
   if (!l.hf.empty()) w.put("hf", l.hf);
+  if (l.moe.enabled()) {
+    const MoeSpec& m = l.moe;
+    w.header("model.llm.moe");
+    w.put("experts", m.experts);
+    w.put("top_k", m.top_k);
+    w.put("ffn", m.ffn);
+    w.put("every", m.every);
+    w.put("gating", std::string(m.sigmoid ? "sigmoid" : "softmax"));
+    w.put("norm_topk", m.norm_topk);
+    w.put("shared_ffn", m.shared_ffn);
+    w.put("aux_loss", m.aux_loss);
+    w.put("z_loss", m.z_loss);
+    w.put("capacity_factor", m.capacity_factor);
+  }
 
   for (const EncoderSpec& e : spec.model.encoders) {
     w.header("model." + e.name);
@@ -947,6 +1000,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("tp", layout.tp);
     w.put("pp", layout.pp);
     w.put("cp", layout.cp);
+    w.put("ep", layout.ep);
     w.put("stages", layout.stages);
   }
   return w.str();

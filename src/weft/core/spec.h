@@ -18,6 +18,34 @@ struct RopeScaling {
   int64_t original_max_position = 8192;
 };
 
+// Mixture-of-experts feed-forward (Mixtral / Qwen-MoE / DeepSeek style) in place of the SwiGLU
+// MLP of every `every`-th LLM block (block i is MoE iff i % every == 0, Megatron's
+// moe_layer_freq). A router scores `experts` SwiGLU experts per token (softmax or sigmoid
+// gating, in fp32), the token goes to its top_k (weights renormalised over the top k when
+// norm_topk), and an optional always-on shared expert is added. Two auxiliary losses keep the
+// router healthy, both per sequence (row) and averaged over the global batch's rows, so their
+// value and gradients do not depend on the parallel layout:
+//   load balancing  aux_loss · E · Σ_i f_i · P_i   (f_i: share of the row's routed slots that
+//                   chose expert i, constant; P_i: mean normalised router score of expert i)
+//   router z-loss   z_loss · mean_t (logsumexp_i logit_t,i)²
+// capacity_factor > 0 drops tokens: expert i keeps at most ceil(cf · T · top_k / E) of a row's
+// T tokens, first choices before second choices and earlier positions first; 0 = dropless.
+struct MoeSpec {
+  int64_t experts = 0;  // 0 = a dense model
+  int64_t top_k = 2;
+  int64_t ffn = 0;         // expert SwiGLU inner width; 0 = model.llm.ffn
+  int64_t every = 1;       // MoE in blocks 0, every, 2·every, ...
+  bool sigmoid = false;    // gating: softmax over experts (false) or per-expert sigmoid (true)
+  bool norm_topk = true;   // renormalise the top-k weights to sum to 1
+  int64_t shared_ffn = 0;  // width of the shared expert; 0 = none
+  double aux_loss = 0.01;
+  double z_loss = 0.001;
+  double capacity_factor = 0;  // 0 = dropless
+
+  bool enabled() const { return experts > 0; }
+  bool is_moe_layer(int64_t i) const { return experts > 0 && i % every == 0; }
+};
+
 // Decoder LLM, Llama-style (Llama, Mistral, Qwen2). vocab = 0 means "take it from the tokenizer"
 // (built-in dataset). `hf`: a Hugging Face checkpoint directory (config.json + safetensors) the
 // shape is read from and the weights are initialised from; "" = random init.
@@ -34,6 +62,7 @@ struct LlmSpec {
   bool tie_embeddings = true;
   bool qkv_bias = false;  // Qwen2: biases on the Q, K and V projections
   RopeScaling rope_scaling;
+  MoeSpec moe;  // [model.llm.moe]; experts = 0: every block has the dense SwiGLU MLP
   bool frozen = false;
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
@@ -41,6 +70,7 @@ struct LlmSpec {
   std::string hf;
 
   int64_t head_dim() const { return hidden / heads; }
+  int64_t expert_ffn() const { return moe.ffn > 0 ? moe.ffn : ffn; }
 };
 
 enum class EncoderKind { kVit, kWhisper };
@@ -169,8 +199,14 @@ struct OutputSpec {
 // Per-module parallel layout: the module's ranks form a grid [tp, cp, dp, pp], tp fastest
 // (plan/plan.h). Shapes are checked against the model in plan::make_plan; single-process is
 // every size 1.
+//
+// ep (expert parallelism, an MoE LLM only): the experts of each MoE block are sharded over ep
+// ranks that hold different tokens: groups of ep consecutive ranks in the (cp, dp) order of the
+// same tp rank and pipeline stage, so ep divides cp·dp and the layout's size does not change.
+// Expert weights are split over tp like the dense MLP; their gradients are summed over the
+// expert-data-parallel ranks (cp·dp / ep of them) only.
 struct LayoutSpec {
-  int64_t dp = 1, tp = 1, pp = 1, cp = 1;
+  int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1;
   // First layer of each pipeline stage after the first (pp-1 entries); empty = chosen by the
   // frozen-aware partitioner (plan/partition.h).
   std::vector<int64_t> stages;

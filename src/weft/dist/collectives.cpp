@@ -82,7 +82,30 @@ struct GatherReplicated : torch::autograd::Function<GatherReplicated> {
   }
 };
 
+struct AllToAll : torch::autograd::Function<AllToAll> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
+                            std::vector<int64_t> send, std::vector<int64_t> recv) {
+    save_group(ctx, group);
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    return group.all_to_all(x, send, recv);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector();
+    const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
+    return {saved_group(ctx).all_to_all(g[0], recv, send), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor all_to_all(const at::Tensor& x, const Comm& group, std::vector<int64_t> send_counts,
+                      std::vector<int64_t> recv_counts) {
+  if (group.size() == 1) return x;
+  if (!x.requires_grad()) return group.all_to_all(x, send_counts, recv_counts);
+  return AllToAll::apply(x, group, std::move(send_counts), std::move(recv_counts));
+}
 
 at::Tensor copy_to(const at::Tensor& x, const Comm& group) {
   if (group.size() == 1 || !x.requires_grad()) return x;

@@ -27,4 +27,10 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim);
 // encoder's context-parallel output going on to the projector and the bridge.
 at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim);
 
+// Forward all-to-all of rows (Comm::all_to_all: send_counts[r] rows to rank r, recv_counts[r]
+// from it), backward the all-to-all of the gradient rows back to where they came from (counts
+// swapped): expert parallelism's token dispatch and combine.
+at::Tensor all_to_all(const at::Tensor& x, const Comm& group, std::vector<int64_t> send_counts,
+                      std::vector<int64_t> recv_counts);
+
 }  // namespace weft::dist

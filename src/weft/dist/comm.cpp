@@ -275,6 +275,27 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   return out.view(shape).sum(0).to(t.scalar_type());
 }
 
+at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& send_counts,
+                            const std::vector<int64_t>& recv_counts) const {
+  const size_t n = static_cast<size_t>(size());
+  WEFT_CHECK(t.dim() > 0 && send_counts.size() == n && recv_counts.size() == n,
+             "all_to_all: one send and one receive count per rank of a group of ", n);
+  int64_t sent = 0, received = 0;
+  for (size_t r = 0; r < n; ++r) sent += send_counts[r], received += recv_counts[r];
+  WEFT_CHECK(sent == t.size(0), "all_to_all: send counts add up to ", sent,
+             " rows, the tensor has ", t.size(0));
+  if (size() == 1) return t.clone();
+  // Gloo moves bytes: reinterpret 2-byte floats (bf16, which 1.13's Gloo does not know) as int16.
+  const bool as_short = t.element_size() == 2 && t.is_floating_point();
+  at::Tensor in = as_short ? t.contiguous().view(at::kShort) : t.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] = received;
+  at::Tensor out = torch::empty(shape, in.options());
+  std::vector<int64_t> in_splits = send_counts, out_splits = recv_counts;
+  impl_->wait(impl_->pg->alltoall_base(out, in, out_splits, in_splits), "all_to_all");
+  return as_short ? out.view(t.scalar_type()) : out;
+}
+
 Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
   WEFT_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", rank(),
              " cannot send to rank ", dst, " of a group of ", size());

@@ -75,6 +75,12 @@ class Comm {
   std::vector<std::string> all_gather_strings(const std::string& s) const;
   // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()).
   at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
+  // All-to-all with uneven splits along dim 0: the first send_counts[0] rows of `t` go to rank 0,
+  // the next send_counts[1] to rank 1, ...; returns the rows received, in source-rank order
+  // (recv_counts[r] of them from rank r). Every rank's recv_counts[r] must equal rank r's
+  // send_counts[this rank] (exchange the counts first). Any dtype (moved as bytes).
+  at::Tensor all_to_all(const at::Tensor& t, const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& recv_counts) const;
   void barrier() const;
 
   // Point-to-point between ranks of this group. send() does not block: the Pending holds the

@@ -87,6 +87,11 @@ struct Runtime::Impl {
   };
   std::vector<SyncGroup> enc_sync;  // per encoder (with its projector)
   SyncGroup llm_sync;
+  // MoE LLM with ep > 1: expert parameters, summed over the expert-data-parallel group only.
+  SyncGroup expert_sync;
+  bool expert_parallel = false;
+  model::MoeStats moe_stats;  // this rank's, during a step
+  RoutingReport routing;
   Comm tied;  // first and last LLM stage with the same (tp, cp, dp): the tied embedding's copies
   int64_t tied_index = -1;  // index into trainable of this rank's embedding, when tied over PP
 
@@ -166,6 +171,15 @@ struct Runtime::Impl {
     hosting.llm.shard.tp = module_group(*llm_plan, {Axis::kTp});
     hosting.llm.shard.cp = module_group(*llm_plan, {Axis::kCp});
     llm_sync.group = module_group(*llm_plan, {Axis::kCp, Axis::kDp});
+    expert_parallel = llm_plan->layout.ep > 1;
+    if (expert_parallel) {
+      for (bool edp : {false, true})
+        for (const auto& ranks : llm_plan->expert_groups(edp)) {
+          Comm g = group(ranks);
+          if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end())
+            (edp ? expert_sync.group : hosting.llm.shard.ep) = g;
+        }
+    }
     hosting.llm.hosted = llm_role.hosted;
     if (llm_role.hosted) {
       const auto [b, end] = llm_plan->stage_layers(llm_role.c.pp);
@@ -196,7 +210,13 @@ struct Runtime::Impl {
       const Role& role = is_llm ? llm_role : enc_role[e];
       const Comm& tp = is_llm ? hosting.llm.shard.tp : hosting.encoders[e].shard.tp;
       const bool tied_copy = is_llm && tied_pp && name == "llm.embedding" && !role.first;
-      const bool canonical = role.c.dp == 0 && role.c.cp == 0 && !tied_copy;
+      // An expert lives on one EP rank of each expert-data-parallel group: the copy of
+      // expert-data-parallel rank 0 represents it.
+      const bool expert =
+          expert_parallel && is_llm && name.find(".moe.experts.") != std::string::npos;
+      const bool canonical =
+          (expert ? llm_plan->edp_rank(role.c) == 0 : role.c.dp == 0 && role.c.cp == 0) &&
+          !tied_copy;
       param_tp.push_back(tp);
       param_canonical.push_back(canonical);
       if (!params[k].second.requires_grad()) continue;
@@ -204,7 +224,7 @@ struct Runtime::Impl {
       trainable.push_back(params[k]);
       trainable_param.push_back(k);
       counted.push_back(canonical && (model->param_set().split(k).sharded() || tp.rank() == 0));
-      (is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
+      (expert ? expert_sync : is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
       if (is_llm && tied_pp && name == "llm.embedding") tied_index = static_cast<int64_t>(t);
     }
     owned.assign(trainable.size(), true);
@@ -220,6 +240,10 @@ struct Runtime::Impl {
     };
     for (auto& g : enc_sync) make_sync(g);
     make_sync(llm_sync);
+    if (expert_parallel) make_sync(expert_sync);
+    if (spec.llm.moe.enabled())
+      for (int64_t i = 0; i < spec.llm.layers; ++i)
+        if (spec.llm.moe.is_moe_layer(i)) routing.layers.push_back(i);
   }
 
   // ---- messages -----------------------------------------------------------------------------
@@ -512,7 +536,7 @@ struct Runtime::Impl {
   }
 
   LlmSaved llm_forward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
-                       int64_t targets, double* loss_out) {
+                       int64_t targets, int64_t batch_rows, double* loss_out) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
     Span span{this, op_name("llm", "fwd", m, role.c.pp), "forward"};
@@ -531,6 +555,15 @@ struct Runtime::Impl {
       positions = positions.index_select(1, own);
     }
     const int64_t Sl = own.defined() ? own.numel() : S;
+    model::TokenInfo tokens;  // for MoE blocks
+    if (spec.llm.moe.enabled()) {
+      tokens.valid = in.doc >= 0;
+      if (own.defined()) tokens.valid = tokens.valid.index_select(1, own);
+      tokens.index = own;
+      tokens.row_length = S;
+      tokens.aux_scale = 1.0 / static_cast<double>(batch_rows);
+      tokens.stats = &moe_stats;
+    }
     torch::AutoGradMode grad(lp.needs_backward());
     LlmSaved saved;
     at::Tensor x;
@@ -571,7 +604,7 @@ struct Runtime::Impl {
       if (lp.needs_backward()) x.set_requires_grad(true);
       saved.input = x;
     }
-    at::Tensor h = model->llm().forward(x, positions, mask);
+    at::Tensor h = model->llm().forward(x, positions, mask, tokens);
     if (!role.last) {
       send(h, lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp + 1}),
            tag_of(kLlmAct, 0, m, role.c.pp + 1));
@@ -656,6 +689,10 @@ struct Runtime::Impl {
         for (const model::Inputs& in : replica) cp_layout(in);
     double loss = 0;
     const size_t E = spec.encoders.size();
+    int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
+    for (const auto& replica : batch)
+      for (const model::Inputs& in : replica) rows += in.tokens.size(0);
+    moe_stats.clear();
     // 1. Encoders forward (every microbatch), features over the bridge.
     std::vector<std::vector<EncoderSaved>> enc_saved(E);
     for (size_t e = 0; e < E; ++e) {
@@ -669,11 +706,14 @@ struct Runtime::Impl {
       std::vector<LlmSaved> saved(static_cast<size_t>(M));
       int64_t nf = 0, nb = 0;
       auto fwd = [&] {
-        saved[nf] = llm_forward(nf, batch, targets, &loss);
+        saved[nf] = llm_forward(nf, batch, targets, rows, &loss);
         ++nf;
       };
       auto bwd = [&] {
-        if (nb == M - 1 && opts.overlap_grad_reduce) llm_sync.sync->arm();
+        if (nb == M - 1 && opts.overlap_grad_reduce) {
+          llm_sync.sync->arm();
+          if (expert_parallel) expert_sync.sync->arm();
+        }
         llm_backward(nb, batch, saved[nb]);
         ++nb;
       };
@@ -716,6 +756,10 @@ struct Runtime::Impl {
       Span span{this, "llm grad all-reduce", "collective"};
       llm_sync.sync->finish();
       times.buckets_overlapped += llm_sync.sync->buckets_overlapped();
+      if (expert_parallel) {
+        expert_sync.sync->finish();
+        times.buckets_overlapped += expert_sync.sync->buckets_overlapped();
+      }
     }
     if (tied_index >= 0) {
       at::Tensor& g = trainable[tied_index].second.mutable_grad();
@@ -723,9 +767,38 @@ struct Runtime::Impl {
       tied.all_reduce_sum(g);
     }
     times.grad_sync_seconds = now() - t0;
-    at::Tensor total = torch::tensor({loss}, torch::kDouble);
+    // The loss, and the routing statistics of an MoE LLM, summed over ranks in one reduction.
+    const int64_t experts = spec.llm.moe.experts;
+    std::vector<double> sums = {loss, moe_stats.balance, moe_stats.z,
+                                static_cast<double>(moe_stats.routed),
+                                static_cast<double>(moe_stats.dropped)};
+    for (int64_t layer : routing.layers) {
+      const auto it = moe_stats.load.find(layer);
+      for (int64_t e = 0; e < experts; ++e)
+        sums.push_back(it == moe_stats.load.end() ? 0.0 : static_cast<double>(it->second[e]));
+    }
+    at::Tensor total = torch::tensor(sums, torch::kDouble);
     world.all_reduce_sum(total);
-    return total.item<double>();
+    const auto v = total.accessor<double, 1>();
+    if (!routing.layers.empty()) {
+      const double blocks = static_cast<double>(routing.layers.size());
+      routing.balance_loss = v[1] / blocks;
+      routing.z_loss = v[2] / blocks;
+      routing.routed = static_cast<int64_t>(v[3]);
+      routing.dropped = static_cast<int64_t>(v[4]);
+      routing.load.assign(routing.layers.size(), std::vector<int64_t>(experts));
+      routing.imbalance = 1;
+      for (size_t l = 0; l < routing.layers.size(); ++l) {
+        double most = 0, sum = 0;
+        for (int64_t e = 0; e < experts; ++e) {
+          routing.load[l][e] = static_cast<int64_t>(v[5 + l * experts + e]);
+          most = std::max(most, v[5 + l * experts + e]);
+          sum += v[5 + l * experts + e];
+        }
+        if (sum > 0) routing.imbalance = std::max(routing.imbalance, most * experts / sum);
+      }
+    }
+    return v[0];
   }
 
   double grad_norm() {
@@ -749,6 +822,7 @@ struct Runtime::Impl {
     };
     for (auto& g : enc_sync) bcast(g);
     bcast(llm_sync);
+    if (expert_parallel) bcast(expert_sync);
   }
 
   // ZeRO-1: each per-trainable tensor (an optimizer moment) takes its owner's value on every
@@ -765,6 +839,7 @@ struct Runtime::Impl {
     };
     for (const auto& g : enc_sync) one(g);
     one(llm_sync);
+    if (expert_parallel) one(expert_sync);
   }
 
   model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root) const {
@@ -866,6 +941,7 @@ double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64
   return impl_->step(batch, targets);
 }
 const StepTimes& Runtime::times() const { return impl_->times; }
+const RoutingReport& Runtime::routing() const { return impl_->routing; }
 void Runtime::set_tracing(bool on) { impl_->tracing = on; }
 std::string Runtime::gather_trace(int root) const {
   nlohmann::json mine = nlohmann::json::array();

@@ -56,6 +56,16 @@ struct StepTimes {
   double cp_imbalance = 1;
 };
 
+// Mixture-of-experts routing over the last step, all ranks together (an MoE LLM only).
+struct RoutingReport {
+  std::vector<int64_t> layers;             // the MoE blocks
+  std::vector<std::vector<int64_t>> load;  // per MoE block: token assignments each expert ran
+  double balance_loss = 0;  // load-balancing loss, mean over rows and MoE blocks (1 = uniform)
+  double z_loss = 0;        // router z-loss, mean over rows and MoE blocks
+  int64_t routed = 0, dropped = 0;  // token-expert assignments chosen; dropped by capacity
+  double imbalance = 1;  // the largest over blocks of (busiest expert's load) / (mean load)
+};
+
 class Runtime {
  public:
   Runtime(const ModelSpec& model, uint64_t seed, const plan::Plan& plan, Comm world,
@@ -75,6 +85,7 @@ class Runtime {
   // on every rank.
   double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
   const StepTimes& times() const;
+  const RoutingReport& routing() const;
   // Records the timeline of the following steps (forward / backward ops without the time blocked
   // in receives, gradient reductions; seconds from the step's start on each rank).
   void set_tracing(bool on);

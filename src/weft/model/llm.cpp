@@ -28,7 +28,10 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
     blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, spec.qkv_bias,
                                false, out_std);
     blk.norm2 = RmsNorm::make(b.sub("norm2"), spec.hidden, spec.norm_eps);
-    blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
+    if (spec.moe.is_moe_layer(i))
+      blk.moe = MoeMlp::make(b.sub("moe"), spec, i, out_std);
+    else
+      blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
     m.blocks.push_back(blk);
   }
   if (range.last_stage) {
@@ -60,32 +63,32 @@ at::Tensor Llm::embed(const at::Tensor& tokens) const {
 }
 
 at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
-                               const AttentionMask& mask) const {
+                               const AttentionMask& mask, const TokenInfo& tokens) const {
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
     if (!spec.recompute) {
-      x = b(x, mask, rope);
+      x = b(x, mask, rope, tokens);
       continue;
     }
     x = recompute(
-        [b, mask, rope](const at::Tensor& h, const std::vector<at::Tensor>& p) {
-          return with_params(b, p)(h, mask, rope);
+        [b, mask, rope, tokens](const at::Tensor& h, const std::vector<at::Tensor>& p) {
+          return with_params(b, p)(h, mask, rope, tokens);
         },
         x, block_params(b));
   }
   return x;
 }
 
-at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mask,
-                                const Rope& rope) const {
+at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mask, const Rope& rope,
+                                const TokenInfo& tokens) const {
   at::Tensor x = x_in + attn(norm1(x_in), mask, &rope);
-  return x + mlp(norm2(x));
+  return x + (moe.enabled() ? moe(norm2(x), tokens) : mlp(norm2(x)));
 }
 
-at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions,
-                        const AttentionMask& mask) const {
-  at::Tensor h = blocks_forward(x, positions, mask);
+at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
+                        const TokenInfo& tokens) const {
+  at::Tensor h = blocks_forward(x, positions, mask, tokens);
   return range.last_stage ? final_norm(h) : h;
 }
 

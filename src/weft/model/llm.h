@@ -13,15 +13,19 @@
 
 #include "weft/core/spec.h"
 #include "weft/model/layers.h"
+#include "weft/model/moe.h"
 
 namespace weft::model {
 
-// Pre-RMSNorm block: x + attn(norm1(x)), then + mlp(norm2(·)).
+// Pre-RMSNorm block: x + attn(norm1(x)), then + mlp(norm2(·)), the MLP a SwiGLU or, in the
+// blocks spec.moe picks, a mixture of experts (moe.h).
 struct LlmBlock {
   RmsNorm norm1, norm2;
   Attention attn;
-  SwiGlu mlp;
-  at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope) const;
+  SwiGlu mlp;  // dense blocks
+  MoeMlp moe;  // MoE blocks
+  at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope,
+                        const TokenInfo& tokens = {}) const;
 };
 
 // Which part of the LLM a rank builds.
@@ -42,13 +46,14 @@ struct Llm {
   static Llm make(const Scope& s, const LlmSpec& spec, StageRange range = {});
   // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype (first stage).
   at::Tensor embed(const at::Tensor& tokens) const;
-  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE. With
+  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE; `tokens` tells
+  // MoE blocks which tokens are real and how to weigh their auxiliary losses. With
   // spec.recompute each block is recomputed in backward (recompute.h).
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
-                            const AttentionMask& mask) const;
+                            const AttentionMask& mask, const TokenInfo& tokens = {}) const;
   // Blocks, then the final norm when this is the last stage.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions,
-                     const AttentionMask& mask) const;
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
+                     const TokenInfo& tokens = {}) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar),

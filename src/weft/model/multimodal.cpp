@@ -92,7 +92,9 @@ at::Tensor MultimodalModel::embed(const Inputs& in) const {
 }
 
 at::Tensor MultimodalModel::hidden(const at::Tensor& x, const Inputs& in) const {
-  return llm_.forward(x, in.positions, {visible_mask(in.doc, in.item)});
+  TokenInfo tokens;
+  tokens.valid = in.doc >= 0;
+  return llm_.forward(x, in.positions, {visible_mask(in.doc, in.item)}, tokens);
 }
 
 at::Tensor MultimodalModel::loss_sum(const Inputs& in) const {

@@ -14,6 +14,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+thread_local bool g_recomputing = false;
+struct RecomputingGuard {
+  bool saved = std::exchange(g_recomputing, true);
+  ~RecomputingGuard() { g_recomputing = saved; }
+};
+
 // What backward needs besides the saved tensors: the block and the forward's compute dtype.
 struct BlockHolder : torch::CustomClassHolder {
   BlockHolder(BlockFn f, at::ScalarType d) : block(std::move(f)), dtype(d) {}
@@ -56,6 +62,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
       inputs.push_back(a);
     }
     const std::vector<at::Tensor> params(inputs.begin() + 1, inputs.end());
+    RecomputingGuard recomputing_now;
     const at::Tensor y = h.block(inputs[0], params);
     variable_list result(saved.size() + 1);
     if (wrt.empty() || !y.requires_grad()) return result;
@@ -97,11 +104,21 @@ void visit(GeluMlp& m, F& f) {
   visit(m.fc2, f);
 }
 template <typename F>
+void visit(MoeMlp& m, F& f) {
+  f(m.router);
+  for (size_t j = 0; j < m.gate_up.size(); ++j) {
+    visit(m.gate_up[j], f);
+    visit(m.down[j], f);
+  }
+  visit(m.shared, f);
+}
+template <typename F>
 void visit(LlmBlock& b, F& f) {
   visit(b.norm1, f);
   visit(b.attn, f);
   visit(b.norm2, f);
-  visit(b.mlp, f);
+  visit(b.mlp, f);  // undefined in an MoE block
+  visit(b.moe, f);  // empty in a dense block
 }
 template <typename F>
 void visit(EncoderBlock& b, F& f) {
@@ -135,6 +152,8 @@ Block replace_params(Block b, const std::vector<at::Tensor>& params) {
 }
 
 }  // namespace
+
+bool recomputing() { return g_recomputing; }
 
 at::Tensor recompute(const BlockFn& block, const at::Tensor& x,
                      const std::vector<at::Tensor>& params) {

@@ -34,6 +34,10 @@ using BlockFn =
 at::Tensor recompute(const BlockFn& block, const at::Tensor& x,
                      const std::vector<at::Tensor>& params);
 
+// True while backward runs a block again (on this thread): code that counts statistics in
+// forward skips the second pass.
+bool recomputing();
+
 // A block's defined parameter tensors in a fixed order, and a copy of the block holding
 // `params` (in that order) instead.
 std::vector<at::Tensor> block_params(const LlmBlock& b);

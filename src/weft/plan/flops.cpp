@@ -1,14 +1,35 @@
 #include "weft/plan/flops.h"
 
+#include <algorithm>
+
 namespace weft::plan {
 
-double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
+namespace {
+// Multiply-adds per token of block `layer`'s feed-forward: a SwiGLU (3·h·F), or for an MoE
+// block the router (h·E), top_k experts and the shared expert.
+double ffn_macs(const LlmSpec& llm, int64_t layer) {
+  const double h = static_cast<double>(llm.hidden);
+  const MoeSpec& moe = llm.moe;
+  if (!moe.is_moe_layer(layer)) return 3.0 * h * static_cast<double>(llm.ffn);
+  return h * static_cast<double>(moe.experts) +
+         3.0 * h *
+             (static_cast<double>(moe.top_k * llm.expert_ffn()) +
+              static_cast<double>(moe.shared_ffn));
+}
+}  // namespace
+
+double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t, int64_t layer) {
   const double h = static_cast<double>(llm.hidden);
   const double q = static_cast<double>(llm.head_dim() * llm.heads);
   const double kv = static_cast<double>(llm.head_dim() * llm.kv_heads);
-  const double f = 3.0, F = static_cast<double>(llm.ffn);
-  const double linear =
-      2.0 * static_cast<double>(t.tokens) * (h * (q + 2 * kv) + q * h + f * h * F);
+  double ffn = 0;
+  if (layer >= 0) {
+    ffn = ffn_macs(llm, layer);
+  } else {  // the mean block
+    for (int64_t i = 0; i < llm.layers; ++i) ffn += ffn_macs(llm, i);
+    ffn /= static_cast<double>(std::max<int64_t>(llm.layers, 1));
+  }
+  const double linear = 2.0 * static_cast<double>(t.tokens) * (h * (q + 2 * kv) + q * h + ffn);
   // QK^T and PV are 2·q·S² each in full; the causal mask halves them: 2·q·ΣL_i².
   return linear + 2.0 * q * t.sum_sq_doc_len;
 }

@@ -26,8 +26,10 @@ double encoder_forward_flops(const EncoderSpec& enc);
 //   encoder_forward_flops = encoder_front_forward_flops
 //                           + layers_used() · encoder_block_forward_flops
 // The LLM embedding is a lookup (0 FLOPs); its final norm is counted as 0 too.
-double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t);  // linear + causal attn
-double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t);   // on t.logit_rows
+// Block `layer` (linear + causal attention; an MoE block counts its router, top_k experts per
+// token and shared expert); layer = -1: the mean over the LLM's blocks.
+double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t, int64_t layer = -1);
+double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t);  // on t.logit_rows
 // Patch embedding (and conv stem) of a ViT, the two convolutions of a Whisper front end.
 double encoder_front_forward_flops(const EncoderSpec& enc);
 double encoder_block_forward_flops(const EncoderSpec& enc);

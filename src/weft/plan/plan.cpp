@@ -65,6 +65,23 @@ std::vector<std::vector<int64_t>> ModulePlan::groups(std::initializer_list<Axis>
   return out;
 }
 
+std::vector<std::vector<int64_t>> ModulePlan::expert_groups(bool data_parallel) const {
+  const int64_t n = layout.cp * layout.dp, ep = layout.ep;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t pp = 0; pp < layout.pp; ++pp)
+    for (int64_t tp = 0; tp < layout.tp; ++tp)
+      for (int64_t g = 0; g < (data_parallel ? ep : n / ep); ++g) {
+        std::vector<int64_t> ranks;
+        for (int64_t j = 0; j < (data_parallel ? n / ep : ep); ++j) {
+          const int64_t i = data_parallel ? g + j * ep : g * ep + j;
+          ranks.push_back(rank_of({tp, i % layout.cp, i / layout.cp, pp}));
+        }
+        out.push_back(ranks);
+      }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 std::pair<int64_t, int64_t> ModulePlan::stage_layers(int64_t stage) const {
   WEFT_ASSERT(stage >= 0 && stage < layout.pp, "stage ", stage, " of module ", name);
   if (layers == 0) return {0, 0};
@@ -86,7 +103,7 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   const Layout& l = m->layout;
   const std::string at = spec.source + ": parallel." + m->name + ".";
   const std::pair<const char*, int64_t> sizes[] = {
-      {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"cp", l.cp}};
+      {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"cp", l.cp}, {"ep", l.ep}};
   for (const auto& [key, v] : sizes) WEFT_CHECK(v >= 1, at, key, " = ", v, ": must be >= 1");
   const auto divides = [&](const std::string& field, int64_t n) {
     WEFT_CHECK(n % l.tp == 0, at, "tp = ", l.tp, ": must divide ", field, " = ", n);
@@ -98,10 +115,26 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     divides("model.llm.kv_heads", x.kv_heads);
     divides("model.llm.ffn", x.ffn);
     if (x.vocab > 0) divides("model.llm.vocab", x.vocab);
+    if (x.moe.enabled()) {
+      divides("the expert width (model.llm.moe.ffn, or model.llm.ffn when 0)", x.expert_ffn());
+      if (x.moe.shared_ffn > 0) divides("model.llm.moe.shared_ffn", x.moe.shared_ffn);
+      WEFT_CHECK(x.moe.experts % l.ep == 0, at, "ep = ", l.ep,
+                 ": must divide model.llm.moe.experts = ", x.moe.experts,
+                 " (every expert-parallel rank holds the same number of experts)");
+    }
+    WEFT_CHECK(l.ep == 1 || x.moe.enabled(), at, "ep = ", l.ep,
+               ": expert parallelism needs a mixture-of-experts LLM ([model.llm.moe] experts)");
+    WEFT_CHECK((l.cp * l.dp) % l.ep == 0, at, "ep = ", l.ep, ": must divide cp * dp = ", l.cp,
+               " * ", l.dp, " = ", l.cp * l.dp,
+               " (expert-parallel ranks are data- or context-parallel ranks of the same tp rank "
+               "and pipeline stage)");
     blocks = "model.llm.layers = " + std::to_string(x.layers);
   } else {
     const EncoderSpec& e = spec.model.encoders[m->encoder];
     const std::string model = "model." + e.name;
+    WEFT_CHECK(l.ep == 1, at, "ep = ", l.ep,
+               ": expert parallelism applies to a mixture-of-experts LLM only (", model,
+               " is an encoder)");
     divides(model + ".heads", e.heads);
     divides(model + ".ffn", e.ffn);
     if (e.projector.kind == ProjectorKind::kMlp)
@@ -159,7 +192,7 @@ const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
 
 Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
-  return {l.dp, l.tp, l.pp, l.cp};
+  return {l.dp, l.tp, l.pp, l.cp, l.ep};
 }
 
 }  // namespace
@@ -275,8 +308,11 @@ std::string to_json(const Plan& plan) {
     nlohmann::ordered_json mj;
     mj["name"] = m.name;
     mj["role"] = role_name(m.role);
-    mj["layout"] = {
-        {"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp}, {"cp", m.layout.cp}};
+    mj["layout"] = {{"dp", m.layout.dp},
+                    {"tp", m.layout.tp},
+                    {"pp", m.layout.pp},
+                    {"cp", m.layout.cp},
+                    {"ep", m.layout.ep}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;

@@ -486,6 +486,15 @@ Summary Trainer::run() {
       mb_costs.insert(mb_costs.end(), replica.begin(), replica.end());
     line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
     if (m.plan.module("llm").layout.cp > 1) line["cp_imbalance"] = times.cp_imbalance;
+    if (m.spec.model.llm.moe.enabled()) {  // expert routing (dist::RoutingReport)
+      const dist::RoutingReport& r = m.runtime->routing();
+      line["moe_balance_loss"] = r.balance_loss;
+      line["moe_z_loss"] = r.z_loss;
+      line["moe_expert_imbalance"] = r.imbalance;
+      line["moe_dropped_fraction"] =
+          r.routed > 0 ? static_cast<double>(r.dropped) / static_cast<double>(r.routed) : 0.0;
+      line["moe_expert_load"] = r.load;
+    }
     if (skipped) line["skipped"] = true;
     if (m.dataset->skipped() > 0) line["data_skipped"] = m.dataset->skipped();  // bad records
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;

@@ -1,0 +1,71 @@
+// Expert parallelism: an MoE LLM under each layout trains exactly like one process — losses,
+// the auxiliary losses, per-expert loads, every gradient and parameter (support/equivalence.h).
+#include "support/equivalence.h"
+
+namespace weft::testing {
+namespace {
+
+// Both LLM blocks MoE, 4 experts, top-2, with both auxiliary losses weighted high enough to
+// matter in the gradients. AdamW's eps is raised to 1e-6: the auxiliary losses' router
+// gradients have elements where large terms cancel, and Adam's first updates (about lr ·
+// sign(g)) turn their round-off (step-1 gradients agree within 3e-7 in every layout) into
+// parameter differences of ±lr that the 1e-4 bound on 3 steps then sees; it does so for plain DP
+// too, with or without expert parallelism.
+const std::vector<std::string> kMoe = {"model.llm.moe.experts=4",   "model.llm.moe.top_k=2",
+                                       "model.llm.moe.ffn=32",      "model.llm.moe.aux_loss=0.1",
+                                       "model.llm.moe.z_loss=0.01", "train.eps=1e-6"};
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(MoeLayouts, Ep2WithSharedExpertAndEncoderTp2) {
+  expect_equivalent(2,
+                    with(kMoe, {"model.llm.moe.shared_ffn=16", "parallel.llm.dp=2",
+                                "parallel.llm.ep=2", "parallel.vision.tp=2"}),
+                    "moe_ep2");
+}
+
+TEST(MoeLayouts, EncoderDp2ToMoeLlmEp2ColocatedWithCapacity) {
+  expect_equivalent(2,
+                    with(kMoe, {"model.llm.moe.capacity_factor=1.0", "parallel.vision.dp=2",
+                                "parallel.llm.dp=2", "parallel.llm.ep=2"}),
+                    "moe_enc_dp2_ep2");
+}
+
+TEST(MoeLayouts, Ep2TimesDp2) {
+  expect_equivalent(4, with(kMoe, {"parallel.llm.dp=4", "parallel.llm.ep=2"}), "moe_ep2_dp2");
+}
+
+TEST(MoeLayouts, Ep2WithLlmPp2EveryOtherBlock) {
+  // Block 0 MoE on the first stage, block 1 dense on the second.
+  expect_equivalent(4,
+                    with(kMoe, {"model.llm.moe.every=2", "parallel.llm.dp=2", "parallel.llm.pp=2",
+                                "parallel.llm.ep=2"}),
+                    "moe_ep2_pp2");
+}
+
+TEST(MoeLayouts, Ep2OverContextParallelRanksWithCapacityAndSigmoid) {
+  // EP over the two CP ranks: each row's tokens (and its capacity decisions) span both.
+  expect_equivalent(
+      2,
+      with(kMoe, {"model.llm.moe.capacity_factor=0.75", "model.llm.moe.gating=\"sigmoid\"",
+                  "parallel.llm.cp=2", "parallel.llm.ep=2"}),
+      "moe_cp2_ep2");
+}
+
+TEST(MoeLayouts, Ep2UnderLlmTp2WithRecompute) {
+  expect_equivalent(4, with(kMoe, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.ep=2"}),
+                    "moe_tp2_ep2", kTinyVlm, {"model.llm.recompute=true"});
+}
+
+TEST(MoeLayouts, FrozenEncoderAndZeroOneUnderEp2Dp2) {
+  expect_equivalent(4,
+                    with(kMoe, {"model.vision.frozen=true", "parallel.llm.dp=4",
+                                "parallel.llm.ep=2", "train.zero_stage=1"}),
+                    "moe_frozen_zero1");
+}
+
+}  // namespace
+}  // namespace weft::testing
