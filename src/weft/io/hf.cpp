@@ -405,6 +405,10 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
                                    int64_t shard_bytes) {
   WEFT_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
              "export: dtype must be fp32, bf16 or fp16");
+  WEFT_CHECK(!spec.llm.moe.enabled(),
+             "export: the LLM has mixture-of-experts blocks ([model.llm.moe]); the Hugging Face "
+             "export writes dense Llama / Qwen2 checkpoints only (the weights stay readable in the "
+             "run's checkpoints)");
   std::vector<std::string> dirs;
   auto write = [&](const std::string& name, const std::string& config,
                    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {

@@ -27,6 +27,47 @@ struct AttachAux : torch::autograd::Function<AttachAux> {
   }
 };
 
+// Rows `idx` of x along dim 0, where idx == x.size(0) selects a zero row.
+at::Tensor take_rows(const at::Tensor& x, const at::Tensor& idx) {
+  if (idx.numel() == 0 || idx.max().item<int64_t>() < x.size(0)) return x.index_select(0, idx);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = 1;
+  return torch::cat({x, torch::zeros(shape, x.options())}).index_select(0, idx);
+}
+
+// y = take_rows(x, idx) for an idx without repeats, differentiated by gathering too:
+// dx = take_rows(dy, inverse) (inverse[i]: where row i of x went, or idx.numel() when nowhere).
+// With group > 1, idx and inverse address x expanded `group` times (row r of x as rows r·group ...
+// r·group + group - 1): y reads rows idx / group, and dx sums each row's `group` gradients.
+// Index-select's own backward is a scatter-add, which LibTorch runs slowly on CPU in bf16.
+struct GatherRows : torch::autograd::Function<GatherRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& idx,
+                            const at::Tensor& inverse, int64_t group) {
+    ctx->saved_data["inverse"] = inverse;
+    ctx->saved_data["group"] = group;
+    return group > 1 ? x.index_select(0, idx.div(group, "floor")) : take_rows(x, idx);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    at::Tensor dx = take_rows(g[0], ctx->saved_data["inverse"].toTensor());
+    const int64_t group = ctx->saved_data["group"].toInt();
+    if (group > 1) {
+      std::vector<int64_t> shape = dx.sizes().vec();
+      shape[0] /= group;
+      shape.insert(shape.begin() + 1, group);
+      dx = dx.view(shape).sum(1);
+    }
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& inverse,
+                       int64_t group = 1) {
+  if (!x.requires_grad() || !at::GradMode::is_enabled()) {
+    if (group == 1) return take_rows(x, idx);
+    return x.index_select(0, idx.div(group, "floor"));
+  }
+  return GatherRows::apply(x, idx, inverse, group);
+}
+
 std::vector<int64_t> to_vector(const at::Tensor& t) {
   const at::Tensor c = t.to(at::kLong).contiguous();
   return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
@@ -122,14 +163,17 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
     keep =
         keep.logical_and(capacity_keep(top_e.view({B, Sl, K}), valid, index, capacity, E, L, m.cp));
   }
-  // Kept assignments a = t·K + s, sorted by expert (then token).
-  const at::Tensor slots = keep.reshape({-1}).nonzero().squeeze(1);
-  const at::Tensor tok0 = slots.div(K, "floor");
-  const at::Tensor exp0 = top_e.reshape({-1}).index_select(0, slots);
-  const at::Tensor order = (exp0 * N + tok0).argsort();
-  const at::Tensor tok = tok0.index_select(0, order), exp = exp0.index_select(0, order);
-  const at::Tensor w = top_w.reshape({-1}).index_select(0, slots).index_select(0, order);
-  const at::Tensor per_expert = torch::bincount(exp, {}, E);  // [E] int64
+  // Kept assignments, as slots t·K + s of the [N·K] (token, choice) grid, sorted by expert
+  // (then token); `where` maps every slot to its assignment (A: dropped or padding).
+  const at::Tensor kept = keep.reshape({-1}).nonzero().squeeze(1);
+  const at::Tensor exp0 = top_e.reshape({-1}).index_select(0, kept);
+  const at::Tensor order = (exp0 * N + kept.div(K, "floor")).argsort();
+  const at::Tensor slot = kept.index_select(0, order), exp = exp0.index_select(0, order);
+  const int64_t A = slot.numel();
+  at::Tensor where = torch::full({N * K}, A, torch::kLong);
+  where.index_put_({slot}, torch::arange(A, torch::kLong));
+  const at::Tensor w = gather_rows(top_w.reshape({-1}), slot, where);  // [A]
+  const at::Tensor per_expert = torch::bincount(exp, {}, E);           // [E] int64
   if (counting) {
     std::vector<int64_t>& load = info.stats->load[m.layer];
     if (load.empty()) load.assign(static_cast<size_t>(E), 0);
@@ -137,7 +181,7 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
     for (int64_t e = 0; e < E; ++e) load[e] += c[e];
     const int64_t chosen = valid.sum().item<int64_t>() * K;
     info.stats->routed += chosen;
-    info.stats->dropped += chosen - slots.numel();
+    info.stats->dropped += chosen - A;
   }
   // Dispatch: counts first (row r of `from`: what rank r sends to each of my experts).
   const at::Tensor to_ranks = per_expert.view({P, local});
@@ -146,13 +190,15 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
                               : m.ep.all_to_all(to_ranks.contiguous(), std::vector<int64_t>(P, 1),
                                                 std::vector<int64_t>(P, 1));
   const std::vector<int64_t> send = to_vector(to_ranks.sum(1)), recv = to_vector(from.sum(1));
-  const at::Tensor x_recv = dist::all_to_all(flat.index_select(0, tok), m.ep, send, recv);
+  // Expanded view of the tokens as slots: slot t·K + s reads token t.
+  const at::Tensor x_recv = dist::all_to_all(gather_rows(flat, slot, where, K), m.ep, send, recv);
   // Received rows come by (source, expert): group them by expert.
   const int64_t R = x_recv.size(0);
   const at::Tensor expert_of_row =
       torch::arange(local, torch::kLong).repeat({P}).repeat_interleave(from.reshape({-1}));
   const at::Tensor perm = (expert_of_row * R + torch::arange(R, torch::kLong)).argsort();
-  const at::Tensor x_e = dist::copy_to(x_recv.index_select(0, perm), m.tp);
+  const at::Tensor unperm = perm.argsort();
+  const at::Tensor x_e = dist::copy_to(gather_rows(x_recv, perm, unperm), m.tp);
   const std::vector<int64_t> rows = to_vector(from.sum(0));
   const std::vector<at::Tensor> parts = x_e.split_with_sizes(rows);
   std::vector<at::Tensor> ys;
@@ -165,9 +211,10 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
   // home by the reverse all-to-all.
   const at::Tensor y_e = dist::reduce_from(torch::cat(ys, 0), m.tp);
   const at::Tensor y_back =
-      dist::all_to_all(y_e.index_select(0, perm.argsort()), m.ep, recv, send);  // [A, H]
-  const at::Tensor out =
-      torch::zeros({N, H}, torch::kFloat).index_add(0, tok, y_back.to(at::kFloat) * w.unsqueeze(1));
+      dist::all_to_all(gather_rows(y_e, unperm, perm), m.ep, recv, send);  // [A, H]
+  // Each token's weighted sum over its slots (dropped slots read a zero row), in fp32.
+  const at::Tensor weighted = y_back.to(at::kFloat) * w.unsqueeze(1);
+  const at::Tensor out = gather_rows(weighted, where, slot).view({N, K, H}).sum(1);
   return to_compute(out);
 }
 
