@@ -153,10 +153,12 @@ struct Trainer::Impl {
 
   model::MultimodalModel& model() { return runtime->model(); }
 
-  // Every module whole on every rank (data parallelism only): rank 0 can evaluate its own model.
+  // Every module whole on every rank (data parallelism only, no expert parallelism): rank 0 can
+  // evaluate its own model.
   bool whole_model() const {
     for (const auto& m : plan.modules)
-      if (m.layout.tp != 1 || m.layout.pp != 1 || m.layout.cp != 1 || m.first_rank != 0)
+      if (m.layout.tp != 1 || m.layout.pp != 1 || m.layout.cp != 1 || m.layout.ep != 1 ||
+          m.first_rank != 0)
         return false;
     return true;
   }
