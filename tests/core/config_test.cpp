@@ -380,7 +380,8 @@ TEST(Config, RoundTripFullConfig) {
   EXPECT_NE(dumped.find("[parallel]\nplacement = \"separate\"\ncp_split = \"contiguous\"\n"),
             std::string::npos)
       << dumped;
-  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nstages = [2]\n"), std::string::npos) << dumped;
+  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nep = 1\netp = 0\nstages = [2]\n"), std::string::npos)
+      << dumped;
   EXPECT_NE(dumped.find("stages = []\n"), std::string::npos) << dumped;
   // Kind-specific keys are written only for their kind (the reparse would reject them anyway).
   EXPECT_NE(dumped.find("stem_channels = 16"), std::string::npos);
@@ -640,8 +641,8 @@ TEST(Config, UnknownKeysInEverySection) {
       set_fails_with("train.stepz=1", {"train.stepz = 1: unknown key", "allowed: steps, batch"}));
   EXPECT_TRUE(set_fails_with("output.foo=1", {"output.foo = 1: unknown key",
                                               "(allowed: dir, keep_checkpoints, trace_step)"}));
-  EXPECT_TRUE(set_fails_with("parallel.llm.ep=2", {"parallel.llm.ep = 2: unknown key",
-                                                   "(allowed: dp, tp, pp, cp, stages)"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.sp=2", {"parallel.llm.sp = 2: unknown key",
+                                                   "(allowed: dp, tp, pp, cp, ep, etp, stages)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",
                          {"train.sched: unknown table", "allowed: steps"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[model.llm.sub]\n",

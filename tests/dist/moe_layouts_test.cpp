@@ -60,6 +60,21 @@ TEST(MoeLayouts, Ep2UnderLlmTp2WithRecompute) {
                     "moe_tp2_ep2", kTinyVlm, {"model.llm.recompute=true"});
 }
 
+TEST(MoeLayouts, WholeExpertsOverTheTp2RanksEp2) {
+  // etp = 1: each TP rank routes half of the tokens to whole experts, split over its two ranks.
+  expect_equivalent(2,
+                    with(kMoe, {"model.llm.moe.capacity_factor=1.0", "parallel.llm.tp=2",
+                                "parallel.llm.etp=1", "parallel.llm.ep=2", "parallel.vision.dp=2"}),
+                    "moe_tp2_etp1_ep2");
+}
+
+TEST(MoeLayouts, WholeExpertsEp4AcrossTp2Dp2) {
+  expect_equivalent(4,
+                    with(kMoe, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.etp=1",
+                                "parallel.llm.ep=4"}),
+                    "moe_tp2_dp2_etp1_ep4");
+}
+
 TEST(MoeLayouts, FrozenEncoderAndZeroOneUnderEp2Dp2) {
   expect_equivalent(4,
                     with(kMoe, {"model.vision.frozen=true", "parallel.llm.dp=4",

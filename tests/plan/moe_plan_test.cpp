@@ -67,20 +67,24 @@ TEST(MoeConfig, ParsesTheTableAndWritesItBack) {
 }
 
 TEST(MoeConfig, BadKeysNameTheFieldAndWhatWasExpected) {
-  EXPECT_NE(error_of([] { spec_with({"model.llm.moe.top_k=9"}); })
-                .find("moe.toml: model.llm.moe.top_k = 9: must be <= experts (8)"),
+  EXPECT_NE(error_of([] {
+              spec_with({"model.llm.moe.top_k=9"});
+            }).find("moe.toml: model.llm.moe.top_k = 9: must be <= experts (8)"),
             std::string::npos);
-  EXPECT_NE(error_of([] { spec_with({"model.llm.moe.gating=\"relu\""}); })
-                .find("model.llm.moe.gating"),
+  EXPECT_NE(
+      error_of([] { spec_with({"model.llm.moe.gating=\"relu\""}); }).find("model.llm.moe.gating"),
+      std::string::npos);
+  EXPECT_NE(error_of([] {
+              spec_with({"model.llm.moe.experts=0"});
+            }).find("model.llm.moe.experts = 0: must be > 0"),
             std::string::npos);
-  EXPECT_NE(error_of([] { spec_with({"model.llm.moe.experts=0"}); })
-                .find("model.llm.moe.experts = 0: must be > 0"),
+  EXPECT_NE(error_of([] {
+              spec_with({"model.llm.moe.aux_loss=-1"});
+            }).find("model.llm.moe.aux_loss = -1"),
             std::string::npos);
-  EXPECT_NE(error_of([] { spec_with({"model.llm.moe.aux_loss=-1"}); })
-                .find("model.llm.moe.aux_loss = -1"),
-            std::string::npos);
-  EXPECT_NE(error_of([] { spec_with({"model.llm.moe.topk=2"}); })
-                .find("model.llm.moe.topk = 2: unknown key"),
+  EXPECT_NE(error_of([] {
+              spec_with({"model.llm.moe.topk=2"});
+            }).find("model.llm.moe.topk = 2: unknown key"),
             std::string::npos);
   EXPECT_NE(error_of([] {
               spec_with({"model.llm.moe.top_k=1", "model.llm.moe.norm_topk=true"});
@@ -91,11 +95,13 @@ TEST(MoeConfig, BadKeysNameTheFieldAndWhatWasExpected) {
 }
 
 TEST(MoePlan, ExpertParallelismIsValidatedUpFront) {
-  EXPECT_NE(error_of([] { make_plan(spec_with({"parallel.llm.ep=3"}), 3); })
-                .find("parallel.llm.ep = 3: must divide model.llm.moe.experts = 8"),
+  EXPECT_NE(error_of([] {
+              make_plan(spec_with({"parallel.llm.ep=3"}), 3);
+            }).find("parallel.llm.ep = 3: must divide model.llm.moe.experts = 8"),
             std::string::npos);
-  EXPECT_NE(error_of([] { make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.ep=2"}), 2); })
-                .find("parallel.llm.ep = 2: must divide cp * dp = 1 * 1 = 1"),
+  EXPECT_NE(error_of([] {
+              make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.ep=2"}), 2);
+            }).find("parallel.llm.ep = 2: must divide cp * dp = 1 * 1 = 1"),
             std::string::npos);
   EXPECT_NE(error_of([] { make_plan(spec_with({"parallel.vision.ep=2"}), 2); })
                 .find("parallel.vision.ep = 2: expert parallelism applies to a "
@@ -103,11 +109,13 @@ TEST(MoePlan, ExpertParallelismIsValidatedUpFront) {
             std::string::npos);
   Spec dense = spec_with({"parallel.llm.ep=2"});
   dense.model.llm.moe = {};
-  EXPECT_NE(error_of([&] { make_plan(dense, 2); })
-                .find("parallel.llm.ep = 2: expert parallelism needs a mixture-of-experts LLM"),
+  EXPECT_NE(error_of([&] {
+              make_plan(dense, 2);
+            }).find("parallel.llm.ep = 2: expert parallelism needs a mixture-of-experts LLM"),
             std::string::npos);
-  EXPECT_NE(error_of([] { make_plan(spec_with({"parallel.llm.tp=3", "parallel.llm.dp=1"}), 3); })
-                .find("parallel.llm.tp = 3"),
+  EXPECT_NE(error_of([] {
+              make_plan(spec_with({"parallel.llm.tp=3", "parallel.llm.dp=1"}), 3);
+            }).find("parallel.llm.tp = 3"),
             std::string::npos);
 }
 
@@ -115,19 +123,19 @@ TEST(MoePlan, ExpertGroupsSplitTheDataAndContextRanksOfEachTpRankAndStage) {
   // tp2 × cp2 × dp2 × pp2 = 16 ranks, ep = 2: at each (tp, pp) the cp·dp ranks in order
   // i = cp + 2·dp form EP groups {i0, i1}, {i2, i3} and expert-data-parallel groups {i0, i2},
   // {i1, i3}.
-  const Plan p = make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.cp=2", "parallel.llm.dp=2",
-                                      "parallel.llm.pp=2", "parallel.llm.ep=2",
-                                      "parallel.vision.dp=16"}),
-                           16);
+  const Plan p =
+      make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.cp=2", "parallel.llm.dp=2",
+                           "parallel.llm.pp=2", "parallel.llm.ep=2", "parallel.vision.dp=16"}),
+                16);
   const ModulePlan& llm = p.module("llm");
   const auto ep = llm.expert_groups(false), edp = llm.expert_groups(true);
   ASSERT_EQ(ep.size(), 8u);
   ASSERT_EQ(edp.size(), 8u);
   // rank = tp + 2·(cp + 2·(dp + 2·pp)).
-  EXPECT_EQ(ep[0], (std::vector<int64_t>{0, 2}));    // tp0 pp0: (cp0,dp0), (cp1,dp0)
-  EXPECT_EQ(ep[1], (std::vector<int64_t>{1, 3}));    // tp1 pp0
-  EXPECT_EQ(ep[2], (std::vector<int64_t>{4, 6}));    // tp0 pp0: (cp0,dp1), (cp1,dp1)
-  EXPECT_EQ(edp[0], (std::vector<int64_t>{0, 4}));   // tp0 pp0 EP rank 0: dp0, dp1
+  EXPECT_EQ(ep[0], (std::vector<int64_t>{0, 2}));   // tp0 pp0: (cp0,dp0), (cp1,dp0)
+  EXPECT_EQ(ep[1], (std::vector<int64_t>{1, 3}));   // tp1 pp0
+  EXPECT_EQ(ep[2], (std::vector<int64_t>{4, 6}));   // tp0 pp0: (cp0,dp1), (cp1,dp1)
+  EXPECT_EQ(edp[0], (std::vector<int64_t>{0, 4}));  // tp0 pp0 EP rank 0: dp0, dp1
   EXPECT_EQ(edp[1], (std::vector<int64_t>{1, 5}));
   EXPECT_EQ(edp[2], (std::vector<int64_t>{2, 6}));
   // Every rank of the module is in exactly one EP group and one expert-data-parallel group.
@@ -143,6 +151,37 @@ TEST(MoePlan, ExpertGroupsSplitTheDataAndContextRanksOfEachTpRankAndStage) {
   EXPECT_EQ(llm.edp_rank(c), 1);
   const auto j = nlohmann::json::parse(to_json(p));
   EXPECT_EQ(j["modules"].back()["layout"]["ep"], 2);
+}
+
+TEST(MoePlan, WholeExpertsSpreadTheExpertGroupsOverTensorParallelRanks) {
+  // etp = 1 under tp2 × dp2: token index i = tp + 2·dp, so ep = 4 spans all four ranks.
+  const Plan p =
+      make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.etp=1",
+                           "parallel.llm.ep=4", "parallel.vision.dp=4"}),
+                4);
+  const ModulePlan& llm = p.module("llm");
+  EXPECT_EQ(llm.layout.expert_tp(), 1);
+  EXPECT_EQ(llm.expert_groups(false), (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}}));
+  EXPECT_EQ(llm.expert_groups(true), (std::vector<std::vector<int64_t>>{{0}, {1}, {2}, {3}}));
+  EXPECT_EQ(llm.ep_rank(llm.coord(2)), 2);  // tp0, dp1
+  // Unset etp is tp: the experts split like the dense MLP.
+  EXPECT_EQ(make_plan(spec_with({"parallel.llm.tp=2"}), 2).module("llm").layout.expert_tp(), 2);
+  EXPECT_NE(
+      error_of([] {
+        make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.etp=3"}), 2);
+      }).find("parallel.llm.etp = 3: must be 1 (whole experts, tokens split over tp) or tp = 2"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        make_plan(spec_with({"parallel.llm.tp=2", "parallel.llm.etp=1", "parallel.llm.ep=8"}), 2);
+      }).find("parallel.llm.ep = 8: must divide tp * cp * dp = 2"),
+      std::string::npos);
+  EXPECT_NE(error_of([] {
+              make_plan(spec_with({"parallel.vision.etp=1", "parallel.vision.tp=2"}), 2);
+            })
+                .find("parallel.vision.etp = 1: expert parallelism applies to a mixture-of-experts "
+                      "LLM only"),
+            std::string::npos);
 }
 
 TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {

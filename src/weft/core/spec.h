@@ -201,12 +201,14 @@ struct OutputSpec {
 // every size 1.
 //
 // ep (expert parallelism, an MoE LLM only): the experts of each MoE block are sharded over ep
-// ranks that hold different tokens: groups of ep consecutive ranks in the (cp, dp) order of the
-// same tp rank and pipeline stage, so ep divides cp·dp and the layout's size does not change.
-// Expert weights are split over tp like the dense MLP; their gradients are summed over the
-// expert-data-parallel ranks (cp·dp / ep of them) only.
+// ranks that hold different tokens, so the layout's size does not change. etp (expert tensor
+// parallelism) is 1 or tp (0 = tp): with etp = tp the expert weights are split over tp like the
+// dense MLP and the ep ranks are cp·dp ranks of the same tp rank (ep divides cp·dp); with etp = 1
+// and tp > 1 every expert is whole, each tp rank routes 1/tp of the tokens, and the ep ranks
+// range over tp·cp·dp (ep divides it). Expert gradients are summed over the expert-data-parallel
+// ranks only (those holding the same experts). plan/plan.h ModulePlan::expert_groups.
 struct LayoutSpec {
-  int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1;
+  int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
   // First layer of each pipeline stage after the first (pp-1 entries); empty = chosen by the
   // frozen-aware partitioner (plan/partition.h).
   std::vector<int64_t> stages;

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "weft/core/error.h"
+
 namespace weft::dist {
 
 namespace {
@@ -82,6 +84,20 @@ struct GatherReplicated : torch::autograd::Function<GatherReplicated> {
   }
 };
 
+struct SplitReplicated : torch::autograd::Function<SplitReplicated> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
+                            int64_t dim) {
+    save_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    const int64_t chunk = x.size(dim) / group.size();
+    return x.narrow(dim, group.rank() * chunk, chunk);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {gathered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 struct AllToAll : torch::autograd::Function<AllToAll> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
                             std::vector<int64_t> send, std::vector<int64_t> recv) {
@@ -99,6 +115,18 @@ struct AllToAll : torch::autograd::Function<AllToAll> {
 };
 
 }  // namespace
+
+at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  dim = dim < 0 ? dim + x.dim() : dim;
+  WEFT_CHECK(x.size(dim) % group.size() == 0, "split_replicated: dim ", dim, " of size ",
+             x.size(dim), " over ", group.size(), " ranks");
+  if (!x.requires_grad()) {
+    const int64_t chunk = x.size(dim) / group.size();
+    return x.narrow(dim, group.rank() * chunk, chunk);
+  }
+  return SplitReplicated::apply(x, group, dim);
+}
 
 at::Tensor all_to_all(const at::Tensor& x, const Comm& group, std::vector<int64_t> send_counts,
                       std::vector<int64_t> recv_counts) {

@@ -27,6 +27,11 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim);
 // encoder's context-parallel output going on to the projector and the bridge.
 at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim);
 
+// The inverse of gather_replicated: forward this rank's chunk along `dim` (divisible by the group
+// size), backward the all-gather of every rank's chunk gradient (the input is replicated, so
+// each rank gets the whole gradient).
+at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim);
+
 // Forward all-to-all of rows (Comm::all_to_all: send_counts[r] rows to rank r, recv_counts[r]
 // from it), backward the all-to-all of the gradient rows back to where they came from (counts
 // swapped): expert parallelism's token dispatch and combine.

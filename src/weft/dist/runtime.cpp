@@ -172,6 +172,9 @@ struct Runtime::Impl {
     hosting.llm.shard.cp = module_group(*llm_plan, {Axis::kCp});
     llm_sync.group = module_group(*llm_plan, {Axis::kCp, Axis::kDp});
     expert_parallel = llm_plan->layout.ep > 1;
+    // Expert weights split like the dense MLP (etp = tp) or whole (etp = 1).
+    if (llm_plan->layout.expert_tp() == llm_plan->layout.tp)
+      hosting.llm.shard.etp = hosting.llm.shard.tp;
     if (expert_parallel) {
       for (bool edp : {false, true})
         for (const auto& ranks : llm_plan->expert_groups(edp)) {
@@ -208,12 +211,14 @@ struct Runtime::Impl {
       size_t e = 0;
       while (!is_llm && spec.encoders[e].name != module.substr(0, module.find('.'))) ++e;
       const Role& role = is_llm ? llm_role : enc_role[e];
-      const Comm& tp = is_llm ? hosting.llm.shard.tp : hosting.encoders[e].shard.tp;
+      const bool moe_expert = is_llm && name.find(".moe.experts.") != std::string::npos;
+      const Comm& tp = moe_expert ? hosting.llm.shard.etp
+                       : is_llm   ? hosting.llm.shard.tp
+                                  : hosting.encoders[e].shard.tp;
       const bool tied_copy = is_llm && tied_pp && name == "llm.embedding" && !role.first;
       // An expert lives on one EP rank of each expert-data-parallel group: the copy of
       // expert-data-parallel rank 0 represents it.
-      const bool expert =
-          expert_parallel && is_llm && name.find(".moe.experts.") != std::string::npos;
+      const bool expert = expert_parallel && moe_expert;
       const bool canonical =
           (expert ? llm_plan->edp_rank(role.c) == 0 : role.c.dp == 0 && role.c.cp == 0) &&
           !tied_copy;

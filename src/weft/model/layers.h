@@ -56,7 +56,8 @@ class ParamSet {
 struct Shard {
   dist::Comm tp;  // tensor parallel: heads, MLP features and vocabulary are split over it
   dist::Comm cp;  // context parallel (LLM): the sequence is split over it
-  dist::Comm ep;  // expert parallel (MoE LLM): the experts are split over it
+  dist::Comm ep;   // expert parallel (MoE LLM): the experts are split over it
+  dist::Comm etp;  // expert tensor parallel: expert weights are split over it (a subgroup of tp)
   Split split(int64_t dim, std::vector<int64_t> segments = {}) const {
     return {dim, std::move(segments), tp.rank(), tp.size()};
   }

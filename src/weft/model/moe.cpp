@@ -125,13 +125,17 @@ MoeMlp MoeMlp::make(const Scope& s, const LlmSpec& llm, int64_t layer, double ou
   m.tp = g.tp;
   m.cp = g.cp;
   m.ep = g.ep;
+  m.etp = g.etp;
   const int64_t E = m.spec.experts, P = m.ep.size(), F = llm.expert_ffn(), H = llm.hidden;
   WEFT_ASSERT(E % P == 0, "experts ", E, " over ", P, " expert-parallel ranks");
   m.router = s.normal("router.weight", {E, H}, 0.02);
   const int64_t local = E / P;
   m.first_expert = m.ep.rank() * local;
+  // Expert weights are split over the expert-TP group (whole when it is a single rank).
+  const Shard expert_shard{m.etp, m.cp, m.ep, m.etp};
+  const Scope experts{s.params, s.prefix, &expert_shard};
   for (int64_t j = m.first_expert; j < m.first_expert + local; ++j) {
-    const Scope x = s.sub("experts." + std::to_string(j));
+    const Scope x = experts.sub("experts." + std::to_string(j));
     m.gate_up.push_back(
         Linear::make(x.sub("gate_up"), H, 2 * F, false, 0.02, Par::kColumn, {F, F}));
     m.down.push_back(Linear::make(x.sub("down"), F, H, false, out_std, Par::kRow));
@@ -145,24 +149,15 @@ MoeMlp MoeMlp::make(const Scope& s, const LlmSpec& llm, int64_t layer, double ou
 
 namespace {
 
-// Steps 2-3 of the forward (moe.h): capacity, dispatch over EP, the local experts, combine.
-// Returns the routed experts' weighted sum per token, [N, H] in the compute dtype.
-at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& valid,
-                 const at::Tensor& top_w, const at::Tensor& top_e, const at::Tensor& T,
+// Step 3 of the forward (moe.h): dispatch over EP, the local experts, combine, for the tokens
+// `flat` [n, H] with their choices top_e / weights top_w [n, K] and which of those the experts
+// keep [n, K] (`chosen`: the real tokens' choices before capacity, for the statistics).
+// Returns the routed experts' weighted sum per token, [n, H] in the compute dtype.
+at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& keep,
+                 const at::Tensor& top_w, const at::Tensor& top_e, int64_t chosen,
                  const TokenInfo& info, bool counting) {
-  const int64_t B = valid.size(0), Sl = valid.size(1), N = flat.size(0), H = flat.size(1);
+  const int64_t N = flat.size(0), H = flat.size(1);
   const int64_t E = m.spec.experts, K = m.spec.top_k, P = m.ep.size(), local = E / P;
-  at::Tensor keep = valid.unsqueeze(-1).expand({B, Sl, K});
-  if (m.spec.capacity_factor > 0) {
-    const at::Tensor capacity =
-        (T * (m.spec.capacity_factor * static_cast<double>(K) / static_cast<double>(E)))
-            .ceil()
-            .to(at::kLong);
-    const at::Tensor index = info.index.defined() ? info.index : torch::arange(Sl, torch::kLong);
-    const int64_t L = info.row_length > 0 ? info.row_length : Sl;
-    keep =
-        keep.logical_and(capacity_keep(top_e.view({B, Sl, K}), valid, index, capacity, E, L, m.cp));
-  }
   // Kept assignments, as slots t·K + s of the [N·K] (token, choice) grid, sorted by expert
   // (then token); `where` maps every slot to its assignment (A: dropped or padding).
   const at::Tensor kept = keep.reshape({-1}).nonzero().squeeze(1);
@@ -179,7 +174,6 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
     if (load.empty()) load.assign(static_cast<size_t>(E), 0);
     const std::vector<int64_t> c = to_vector(per_expert);
     for (int64_t e = 0; e < E; ++e) load[e] += c[e];
-    const int64_t chosen = valid.sum().item<int64_t>() * K;
     info.stats->routed += chosen;
     info.stats->dropped += chosen - A;
   }
@@ -198,7 +192,7 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
       torch::arange(local, torch::kLong).repeat({P}).repeat_interleave(from.reshape({-1}));
   const at::Tensor perm = (expert_of_row * R + torch::arange(R, torch::kLong)).argsort();
   const at::Tensor unperm = perm.argsort();
-  const at::Tensor x_e = dist::copy_to(gather_rows(x_recv, perm, unperm), m.tp);
+  const at::Tensor x_e = dist::copy_to(gather_rows(x_recv, perm, unperm), m.etp);
   const std::vector<int64_t> rows = to_vector(from.sum(0));
   const std::vector<at::Tensor> parts = x_e.split_with_sizes(rows);
   std::vector<at::Tensor> ys;
@@ -207,9 +201,9 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& vali
         at::linear(parts[j], to_compute(m.gate_up[j].weight)).chunk(2, -1);
     ys.push_back(at::linear(at::silu(gu[0]) * gu[1], to_compute(m.down[j].weight)));
   }
-  // One reduction of every expert's partial output over TP, back to (source, expert) order, and
-  // home by the reverse all-to-all.
-  const at::Tensor y_e = dist::reduce_from(torch::cat(ys, 0), m.tp);
+  // One reduction of every expert's partial output over expert TP, back to (source, expert) order,
+  // and home by the reverse all-to-all.
+  const at::Tensor y_e = dist::reduce_from(torch::cat(ys, 0), m.etp);
   const at::Tensor y_back =
       dist::all_to_all(gather_rows(y_e, unperm, perm), m.ep, recv, send);  // [A, H]
   // Each token's weighted sum over its slots (dropped slots read a zero row), in fp32.
@@ -237,7 +231,7 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
   at::Tensor T = vf.sum(1).contiguous();
   cp.all_reduce_sum(T);
   const at::Tensor inv_T = torch::where(T > 0, 1.0 / T.clamp_min(1), torch::zeros_like(T));
-  const bool counting = info.stats && tp.rank() == 0 && !recomputing();
+  const bool counting = info.stats && tp.rank() == 0 && !recomputing();  // replicated over TP
   const bool training = info.aux_scale > 0 && router.requires_grad() &&
                         at::GradMode::is_enabled() && (spec.aux_loss > 0 || spec.z_loss > 0);
 
@@ -263,7 +257,40 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
     if (training) aux = info.aux_scale * (spec.aux_loss * balance + spec.z_loss * z);
   }
 
-  at::Tensor out = route(*this, flat, valid, top_w, top_e, T, info, counting);
+  // 2. Capacity: which choices the experts keep.
+  at::Tensor keep = valid.unsqueeze(-1).expand({B, Sl, K});
+  if (spec.capacity_factor > 0) {
+    const at::Tensor capacity =
+        (T * (spec.capacity_factor * static_cast<double>(K) / static_cast<double>(E)))
+            .ceil()
+            .to(at::kLong);
+    const at::Tensor index = info.index.defined() ? info.index : torch::arange(Sl, torch::kLong);
+    const int64_t L = info.row_length > 0 ? info.row_length : Sl;
+    keep =
+        keep.logical_and(capacity_keep(top_e.view({B, Sl, K}), valid, index, capacity, E, L, cp));
+  }
+  keep = keep.reshape({N, K});
+  // 3. Routed experts. With whole experts under TP (etp = 1 < tp) each TP rank routes its
+  // slice of the (replicated) tokens, and the slices are gathered back.
+  const int64_t slices = tp.size() / etp.size();
+  const bool count_load = info.stats && !recomputing() && (slices > 1 || tp.rank() == 0);
+  at::Tensor out;
+  if (slices == 1) {
+    out = route(*this, flat, keep, top_w, top_e, valid.sum().item<int64_t>() * K, info, count_load);
+  } else {
+    const int64_t n = (N + slices - 1) / slices, pad = n * slices - N;
+    auto padded = [&](const at::Tensor& t) {
+      std::vector<int64_t> shape = t.sizes().vec();
+      shape[0] = pad;
+      return pad == 0 ? t : torch::cat({t, torch::zeros(shape, t.options())});
+    };
+    auto mine = [&](const at::Tensor& t) { return padded(t).narrow(0, tp.rank() * n, n); };
+    const int64_t chosen = mine(valid.reshape({N})).sum().item<int64_t>() * K;
+    const at::Tensor part =
+        route(*this, dist::split_replicated(padded(flat), tp, 0), mine(keep),
+              dist::split_replicated(padded(top_w), tp, 0), mine(top_e), chosen, info, count_load);
+    out = dist::gather_replicated(part, tp, 0).narrow(0, 0, N);
+  }
   if (has_shared) out = out + shared(flat);
   if (aux.defined() && aux.requires_grad()) out = AttachAux::apply(out, aux);
   return out.view({B, Sl, H});

@@ -12,7 +12,9 @@
 //      all-to-all (uneven splits), each local expert runs on its rows (expert weights are split
 //      over TP like the dense MLP: copy in, one reduction of all expert outputs), the outputs go
 //      back by the reverse all-to-all, and each token sums weight · output over its kept slots
-//      (in fp32); padding tokens are not routed;
+//      (in fp32); padding tokens are not routed; with whole experts under tensor parallelism
+//      (etp = 1 < tp) each TP rank routes its 1/tp slice of the replicated tokens and the
+//      slices are gathered back (their gradients flow back whole to every TP rank);
 //   4. the shared expert (if any) is added for every token.
 // Backward is autograd's: the all-to-alls differentiate into the reverse exchange
 // (dist/collectives.h), and the weights carry the router's gradient.
@@ -36,8 +38,8 @@
 
 namespace weft::model {
 
-// Routing statistics of the MoE blocks this rank ran since clear() (tp-rank 0 only, so that a
-// sum over all ranks counts every token once).
+// Routing statistics of the MoE blocks this rank ran since clear(), counted so that a sum over
+// all ranks counts every token once (tp-rank 0 only, except loads of TP token slices).
 struct MoeStats {
   std::map<int64_t, std::vector<int64_t>> load;  // per MoE block: assignments kept per expert
   double balance = 0;   // Σ over blocks of this rank's part of the mean-over-rows balance loss
@@ -64,7 +66,7 @@ struct MoeMlp {
   std::vector<Linear> gate_up, down;  // per local expert: [2·ffn/tp, hidden], [hidden, ffn/tp]
   bool has_shared = false;
   SwiGlu shared;
-  dist::Comm tp, cp, ep;
+  dist::Comm tp, cp, ep, etp;  // etp: expert tensor parallel (tp, or one rank)
 
   static MoeMlp make(const Scope& s, const LlmSpec& llm, int64_t layer, double out_std);
   bool enabled() const { return spec.experts > 0; }

@@ -66,16 +66,20 @@ std::vector<std::vector<int64_t>> ModulePlan::groups(std::initializer_list<Axis>
 }
 
 std::vector<std::vector<int64_t>> ModulePlan::expert_groups(bool data_parallel) const {
-  const int64_t n = layout.cp * layout.dp, ep = layout.ep;
+  const int64_t etp = layout.expert_tp(), slices = layout.tp / etp;
+  const int64_t n = slices * layout.cp * layout.dp, ep = layout.ep;
   std::vector<std::vector<int64_t>> out;
   for (int64_t pp = 0; pp < layout.pp; ++pp)
-    for (int64_t tp = 0; tp < layout.tp; ++tp)
+    for (int64_t r = 0; r < etp; ++r)  // expert-TP rank
       for (int64_t g = 0; g < (data_parallel ? ep : n / ep); ++g) {
         std::vector<int64_t> ranks;
         for (int64_t j = 0; j < (data_parallel ? n / ep : ep); ++j) {
-          const int64_t i = data_parallel ? g + j * ep : g * ep + j;
-          ranks.push_back(rank_of({tp, i % layout.cp, i / layout.cp, pp}));
+          const int64_t i = data_parallel ? g + j * ep : g * ep + j;  // token index
+          const int64_t rest = i / slices;
+          ranks.push_back(
+              rank_of({(i % slices) * etp + r, rest % layout.cp, rest / layout.cp, pp}));
         }
+        std::sort(ranks.begin(), ranks.end());
         out.push_back(ranks);
       }
   std::sort(out.begin(), out.end());
@@ -115,8 +119,13 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     divides("model.llm.kv_heads", x.kv_heads);
     divides("model.llm.ffn", x.ffn);
     if (x.vocab > 0) divides("model.llm.vocab", x.vocab);
+    const int64_t etp = l.expert_tp();
+    WEFT_CHECK(etp == 1 || etp == l.tp, at, "etp = ", etp, ": must be 1 (whole experts, ",
+               "tokens split over tp) or tp = ", l.tp, " (experts split like the dense MLP)");
     if (x.moe.enabled()) {
-      divides("the expert width (model.llm.moe.ffn, or model.llm.ffn when 0)", x.expert_ffn());
+      WEFT_CHECK(x.expert_ffn() % etp == 0, at, "etp = ", etp,
+                 ": must divide the expert width (model.llm.moe.ffn, or model.llm.ffn when 0) = ",
+                 x.expert_ffn());
       if (x.moe.shared_ffn > 0) divides("model.llm.moe.shared_ffn", x.moe.shared_ffn);
       WEFT_CHECK(x.moe.experts % l.ep == 0, at, "ep = ", l.ep,
                  ": must divide model.llm.moe.experts = ", x.moe.experts,
@@ -124,15 +133,21 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     }
     WEFT_CHECK(l.ep == 1 || x.moe.enabled(), at, "ep = ", l.ep,
                ": expert parallelism needs a mixture-of-experts LLM ([model.llm.moe] experts)");
-    WEFT_CHECK((l.cp * l.dp) % l.ep == 0, at, "ep = ", l.ep, ": must divide cp * dp = ", l.cp,
-               " * ", l.dp, " = ", l.cp * l.dp,
-               " (expert-parallel ranks are data- or context-parallel ranks of the same tp rank "
-               "and pipeline stage)");
+    if (etp == l.tp)
+      WEFT_CHECK((l.cp * l.dp) % l.ep == 0, at, "ep = ", l.ep, ": must divide cp * dp = ", l.cp,
+                 " * ", l.dp, " = ", l.cp * l.dp,
+                 " (with etp = tp, expert-parallel ranks are data- or context-parallel ranks of "
+                 "the same tp rank and pipeline stage)");
+    else
+      WEFT_CHECK((l.tp * l.cp * l.dp) % l.ep == 0, at, "ep = ", l.ep,
+                 ": must divide tp * cp * dp = ", l.tp * l.cp * l.dp,
+                 " (with etp = 1, expert-parallel ranks are any ranks of a pipeline stage)");
     blocks = "model.llm.layers = " + std::to_string(x.layers);
   } else {
     const EncoderSpec& e = spec.model.encoders[m->encoder];
     const std::string model = "model." + e.name;
-    WEFT_CHECK(l.ep == 1, at, "ep = ", l.ep,
+    WEFT_CHECK(l.ep == 1 && l.etp == 0, at, l.ep != 1 ? "ep = " : "etp = ",
+               l.ep != 1 ? l.ep : l.etp,
                ": expert parallelism applies to a mixture-of-experts LLM only (", model,
                " is an encoder)");
     divides(model + ".heads", e.heads);
@@ -192,7 +207,7 @@ const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
 
 Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
-  return {l.dp, l.tp, l.pp, l.cp, l.ep};
+  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp > 0 ? l.etp : l.tp};
 }
 
 }  // namespace
@@ -312,7 +327,8 @@ std::string to_json(const Plan& plan) {
                     {"tp", m.layout.tp},
                     {"pp", m.layout.pp},
                     {"cp", m.layout.cp},
-                    {"ep", m.layout.ep}};
+                    {"ep", m.layout.ep},
+                    {"etp", m.layout.expert_tp()}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;

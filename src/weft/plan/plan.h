@@ -14,11 +14,13 @@
 
 namespace weft::plan {
 
-// ep (expert parallelism, MoE LLM only) does not add ranks: it groups the cp·dp ranks of each
-// (tp, pp) position, see ModulePlan::expert_groups.
+// ep (expert parallelism, MoE LLM only) does not add ranks: it groups ranks of each pipeline
+// stage that hold different tokens, see ModulePlan::expert_groups. etp: the expert weights'
+// tensor parallelism, 1 or tp; 0 = tp (core/spec.h LayoutSpec).
 struct Layout {
-  int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1;
+  int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
   int64_t size() const { return dp * tp * pp * cp; }
+  int64_t expert_tp() const { return etp > 0 ? etp : tp; }
 };
 
 enum class ModuleRole { kEncoder, kProjector, kLlm };
@@ -57,14 +59,20 @@ struct ModulePlan {
   // Every distinct such group of this module, ordered by first rank: every process can create
   // its communicators by walking this list, in the same order on all ranks.
   std::vector<std::vector<int64_t>> groups(std::initializer_list<Axis> axes) const;
-  // Expert parallelism: at each (tp, pp) the cp·dp ranks, in order i = cp + layout.cp · dp, form
-  // cp·dp / ep expert-parallel groups of ep consecutive ranks (EP rank i % ep shards the
-  // experts, i / ep is the expert-data-parallel rank). expert_groups(false): every EP group;
-  // expert_groups(true): every expert-data-parallel group (the ranks holding the same experts,
-  // over which expert gradients are summed). Ordered by first rank, like groups().
+  // Expert parallelism. A rank's tokens are its (cp, dp) share and, with etp = 1 < tp, the
+  // tp-th slice of them: its token index is i = tp / etp + (tp / etp) · (cp + layout.cp · dp)
+  // (the first tp is the coordinate, the second the layout's). At each pipeline stage and
+  // expert-TP rank (tp % etp) the ranks in order of i form groups of ep consecutive ranks (EP rank
+  // i % ep shards the experts; i / ep is the expert-data-parallel rank). expert_groups(false):
+  // every EP group; expert_groups(true): every expert-data-parallel group (the ranks holding the
+  // same experts, over which their gradients are summed). Ordered by first rank, like groups().
   std::vector<std::vector<int64_t>> expert_groups(bool data_parallel) const;
-  int64_t ep_rank(const Coord& c) const { return (c.cp + layout.cp * c.dp) % layout.ep; }
-  int64_t edp_rank(const Coord& c) const { return (c.cp + layout.cp * c.dp) / layout.ep; }
+  int64_t token_index(const Coord& c) const {
+    const int64_t etp = layout.expert_tp(), slices = layout.tp / etp;
+    return c.tp / etp + slices * (c.cp + layout.cp * c.dp);
+  }
+  int64_t ep_rank(const Coord& c) const { return token_index(c) % layout.ep; }
+  int64_t edp_rank(const Coord& c) const { return token_index(c) / layout.ep; }
   // Blocks [begin, end) that pipeline stage `stage` (0 <= stage < pp) runs; {0, 0} for a
   // projector (no blocks; it runs on its encoder's last stage).
   std::pair<int64_t, int64_t> stage_layers(int64_t stage) const;
