@@ -198,6 +198,15 @@ TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {
   EXPECT_DOUBLE_EQ(llm_block_forward_flops(l, t, 0),
                    attn + 2.0 * 10 * (32.0 * 8 + 2 * 3 * 32 * 32 + 3 * 32 * 16));
   EXPECT_DOUBLE_EQ(llm_block_forward_flops(l, t, 1), llm_block_forward_flops(dense, t, 1));
+  // Parameters: 8 experts of 3·32·32, the router and the shared expert; block 1 is dense.
+  const double attention = 32.0 * (32 + 2 * 16) + 32 * 32 + 2 * 32;
+  EXPECT_DOUBLE_EQ(llm_block_params(l, 0).experts, 8 * 3 * 32.0 * 32);
+  EXPECT_DOUBLE_EQ(llm_block_params(l, 0).total,
+                   attention + 8 * 3 * 32.0 * 32 + 32 * 8 + 3 * 32 * 16);
+  EXPECT_DOUBLE_EQ(llm_block_params(l, 1).total, attention + 3 * 32.0 * 64);
+  EXPECT_EQ(llm_block_params(l, 1).experts, 0);
+  EXPECT_DOUBLE_EQ(moe_all_to_all_bytes(l, t, 0, 2), 2.0 * 10 * 2 * 32 * 2);
+  EXPECT_EQ(moe_all_to_all_bytes(l, t, 1, 2), 0);
   // The mean block makes the total the sum over blocks.
   double sum = 0;
   for (int64_t i = 0; i < l.layers; ++i) sum += llm_block_forward_flops(l, t, i);

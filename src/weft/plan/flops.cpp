@@ -34,6 +34,29 @@ double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t, int64_t l
   return linear + 2.0 * q * t.sum_sq_doc_len;
 }
 
+BlockParams llm_block_params(const LlmSpec& llm, int64_t layer) {
+  const double h = static_cast<double>(llm.hidden);
+  const double q = static_cast<double>(llm.head_dim() * llm.heads);
+  const double kv = static_cast<double>(llm.head_dim() * llm.kv_heads);
+  BlockParams p;
+  p.total = h * (q + 2 * kv) + q * h + 2 * h + (llm.qkv_bias ? q + 2 * kv : 0.0);
+  const MoeSpec& moe = llm.moe;
+  if (!moe.is_moe_layer(layer)) {
+    p.total += 3 * h * static_cast<double>(llm.ffn);
+    return p;
+  }
+  p.experts = static_cast<double>(moe.experts) * 3 * h * static_cast<double>(llm.expert_ffn());
+  p.total += p.experts + h * static_cast<double>(moe.experts) +
+             3 * h * static_cast<double>(moe.shared_ffn);
+  return p;
+}
+
+double moe_all_to_all_bytes(const LlmSpec& llm, const LlmTokens& t, int64_t layer,
+                            double bytes_per_value) {
+  if (!llm.moe.is_moe_layer(layer)) return 0;
+  return 2.0 * static_cast<double>(t.tokens * llm.moe.top_k * llm.hidden) * bytes_per_value;
+}
+
 double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
   return 2.0 * static_cast<double>(t.logit_rows) * static_cast<double>(llm.hidden) *
          static_cast<double>(llm.vocab);

@@ -30,6 +30,19 @@ double encoder_forward_flops(const EncoderSpec& enc);
 // token and shared expert); layer = -1: the mean over the LLM's blocks.
 double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t, int64_t layer = -1);
 double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t);  // on t.logit_rows
+
+// Parameters of LLM block `layer`: attention, norms, and its SwiGLU or MoE feed-forward. For an
+// MoE block, `experts` is the part held by its experts (all of them), which expert parallelism
+// divides over ep ranks; 0 for a dense block.
+struct BlockParams {
+  double total = 0, experts = 0;
+};
+BlockParams llm_block_params(const LlmSpec& llm, int64_t layer);
+// Bytes one MoE block's expert-parallel all-to-alls move for `t` tokens in forward (token rows
+// out to the experts and back, top_k rows per token, `bytes_per_value` each); backward moves the
+// same. 0 for a dense block.
+double moe_all_to_all_bytes(const LlmSpec& llm, const LlmTokens& t, int64_t layer,
+                            double bytes_per_value);
 // Patch embedding (and conv stem) of a ViT, the two convolutions of a Whisper front end.
 double encoder_front_forward_flops(const EncoderSpec& enc);
 double encoder_block_forward_flops(const EncoderSpec& enc);
