@@ -108,7 +108,10 @@ int run_balance(const BalanceArgs& a) {
   const int64_t batch = a.batch > 0 ? a.batch : spec.train.batch;
   spec.train.batch = batch;
   if (a.microbatches > 0) spec.train.microbatches = a.microbatches;
-  for (auto& [name, layout] : spec.parallel.modules) layout = LayoutSpec{a.replicas};
+  for (auto& [name, layout] : spec.parallel.modules) {
+    layout = LayoutSpec{};
+    layout.dp = a.replicas;
+  }
   const plan::Plan p = plan::make_plan(spec, a.replicas);
   std::vector<plan::SampleShape> shapes;
   if (a.mix == "shapes") {
