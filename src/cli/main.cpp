@@ -1,4 +1,4 @@
-// The weft command line: `weft train`, `plan`, `launch`, `export`, `inspect`, `simulate`,
+// The weft command line: `weft train`, `plan`, `launch`, `export`, `inspect`, `simulate`, `report`,
 // `bench`. Errors from anywhere below end up here: printed as "weft: error: ..." with a
 // non-zero exit status.
 
@@ -13,6 +13,8 @@
 
 #include "cli/example.h"
 #include "cli/inspect.h"
+#include "cli/plan.h"
+#include "cli/report.h"
 #include "cli/simulate.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
@@ -24,6 +26,7 @@
 #include "weft/plan/plan.h"
 #include "weft/train/bench.h"
 #include "weft/train/peak.h"
+#include "weft/train/profile.h"
 #include "weft/train/trainer.h"
 
 namespace {
@@ -99,6 +102,19 @@ int cmd_bench_step(const std::string& config, const std::vector<std::string>& se
   return 0;
 }
 
+// `weft bench profile CONFIG`: the measured cost profile, JSON on stdout (and to --out FILE).
+int cmd_bench_profile(const std::string& config, const std::vector<std::string>& sets,
+                      const weft::train::ProfileOptions& opts, const std::string& out_path) {
+  const std::string result = weft::train::profile_config(weft::load_spec(config, sets), opts);
+  std::printf("%s\n", result.c_str());
+  if (!out_path.empty()) {
+    std::ofstream out(out_path, std::ios::trunc);
+    out << result << "\n";
+    WEFT_CHECK(out.flush(), "--out ", out_path, ": cannot write");
+  }
+  return 0;
+}
+
 // `weft export RUN_DIR --hf OUT_DIR`: the newest checkpoint of a run in Hugging Face layouts.
 int cmd_export(const std::string& run_dir, const std::string& out_dir, const std::string& dtype,
                double shard_mb) {
@@ -116,12 +132,6 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   for (const std::string& dir : weft::io::export_hf(spec.model, full, out_dir, type,
                                                     static_cast<int64_t>(shard_mb * (1 << 20))))
     std::printf("wrote %s\n", dir.c_str());
-  return 0;
-}
-
-int cmd_plan(const std::string& config, const std::vector<std::string>& sets, int64_t world) {
-  weft::Spec spec = weft::load_spec(config, sets);
-  std::printf("%s\n", weft::plan::to_json(weft::plan::make_plan(spec, world)).c_str());
   return 0;
 }
 
@@ -149,12 +159,7 @@ int main(int argc, char** argv) {
                    "seconds to wait for the other ranks at rendezvous and in any collective")
       ->check(CLI::PositiveNumber);
 
-  CLI::App* plan = app.add_subcommand("plan", "print the Plan a config resolves to (JSON)");
-  plan->add_option("config", config, "config file (TOML)")->required();
-  plan->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
-  int64_t plan_world = 1;
-  plan->add_option("--world-size", plan_world, "number of ranks to plan for")
-      ->check(CLI::PositiveNumber);
+  std::function<int()> run_plan = weft::cli::add_plan(app);
 
   weft::dist::LaunchOptions launch_opts;
   CLI::App* launch = app.add_subcommand(
@@ -204,6 +209,26 @@ int main(int argc, char** argv) {
                    "write a Chrome trace of the last step's operators to this file (that step is "
                    "then slower; time without it)");
 
+  CLI::App* prof = bench->add_subcommand(
+      "profile",
+      "measure each layer's forward, input- and weight-gradient seconds, activation bytes and "
+      "optimizer seconds at several microbatch shapes, the data preparation and the local "
+      "transport: the cost profile `weft simulate --profile` uses (JSON)");
+  weft::train::ProfileOptions prof_opts;
+  std::string prof_out;
+  bool prof_no_comm = false;
+  prof->add_option("config", config, "config file (TOML)")->required();
+  prof->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
+  prof->add_option("--out", prof_out, "also write the profile to this file");
+  prof->add_option("--reps", prof_opts.reps, "timed repetitions per measurement (median)")
+      ->check(CLI::PositiveNumber);
+  prof->add_option("--warmup", prof_opts.warmup, "untimed repetitions first")
+      ->check(CLI::NonNegativeNumber);
+  prof->add_flag("--no-comm", prof_no_comm, "skip the transport measurement");
+  bool prof_alone = false;
+  prof->add_flag("--alone", prof_alone,
+                 "measure layers alone only, not again while the other cores train");
+
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
   std::string export_run, export_out, export_dtype = "fp32";
@@ -230,6 +255,7 @@ int main(int argc, char** argv) {
 
   std::function<int()> run_inspect = weft::cli::add_inspect(app);
   std::function<int()> run_simulate = weft::cli::add_simulate(app);
+  std::function<int()> run_report = weft::cli::add_report(app);
 
   try {
     app.parse(argc, argv);
@@ -238,15 +264,21 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
-    if (*plan) return cmd_plan(config, sets, plan_world);
+    if (app.got_subcommand("plan")) return run_plan();
     if (*example_llava)
       return weft::cli::run_example_llava(example_out, example_samples, example_seed);
     if (*exp) return cmd_export(export_run, export_out, export_dtype, export_shard_mb);
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
     if (*step) return cmd_bench_step(config, sets, step_opts, step_json);
+    if (*prof) {
+      prof_opts.comm = !prof_no_comm;
+      prof_opts.shared = !prof_alone;
+      return cmd_bench_profile(config, sets, prof_opts, prof_out);
+    }
     if (app.got_subcommand("inspect")) return run_inspect();
     if (app.got_subcommand("simulate")) return run_simulate();
+    if (app.got_subcommand("report")) return run_report();
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\nweft: error: %s\n", e.what());

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -11,6 +12,8 @@
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/profile.h"
+#include "weft/plan/search.h"
 #include "weft/plan/simulate.h"
 
 namespace weft::cli {
@@ -19,6 +22,8 @@ namespace {
 
 struct SimulateArgs {
   std::string config, cluster, trace;
+  std::string plan;     // a Plan JSON (weft plan --out) instead of the config's own plan
+  std::string profile;  // measured costs (weft bench profile); "" = the FLOP model
   std::vector<std::string> sets;
   int64_t world = 0;  // 0 = every device of the cluster
 };
@@ -26,17 +31,41 @@ struct SimulateArgs {
 int run_simulate(const SimulateArgs& a) {
   const Spec spec = load_spec(a.config, a.sets);
   const plan::Cluster cluster = plan::load_cluster(a.cluster);
-  const int64_t world = a.world > 0 ? a.world : cluster.world_size();
-  const plan::Plan p = plan::make_plan(spec, world);
+  std::unique_ptr<plan::Profile> profile;
+  if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
+  plan::Plan p;
+  if (!a.plan.empty()) {
+    std::ifstream in(a.plan);
+    WEFT_CHECK(in, a.plan, ": cannot read the plan file");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    p = plan::plan_from_json(text, a.plan, spec);
+    WEFT_CHECK(a.world == 0 || a.world == p.world_size, "--world-size ", a.world, ": ", a.plan,
+               " is a plan for ", p.world_size, " ranks");
+  } else {
+    p = plan::make_plan(spec, a.world > 0 ? a.world : cluster.world_size(), profile.get());
+  }
+  const int64_t world = p.world_size;
   plan::SimOptions options;
   options.trace = !a.trace.empty();
-  const plan::SimResult r = plan::simulate(spec, p, cluster, options);
+  // FLOP model: the planner's costs (activation recomputation priced, as `weft plan` does).
+  const plan::SimResult r =
+      profile ? plan::simulate(spec, p, cluster, *profile, options)
+              : plan::simulate(spec, p, cluster, plan::planner_costs(spec, p, options.unset_vocab),
+                               options);
   nlohmann::ordered_json out;
   out["config"] = a.config;
   out["cluster"] = a.cluster;
   out["device"] = cluster.device.name;
   out["world_size"] = world;
+  if (profile) out["profile"] = a.profile;
+  if (!a.plan.empty()) out["plan_file"] = a.plan;
+  nlohmann::ordered_json stages;  // the plan's pipeline stages (chosen on the costs used)
+  for (const plan::ModulePlan& m : p.modules)
+    if (m.role != plan::ModuleRole::kProjector && m.layout.pp > 1)
+      stages[m.name] = m.stage_boundaries;
+  if (!stages.empty()) out["stage_boundaries"] = stages;
   out.update(nlohmann::ordered_json::parse(plan::to_json(r)));
+  out["plan"] = nlohmann::ordered_json::parse(plan::to_json(p));
   if (!a.trace.empty()) {
     std::ofstream f(a.trace);
     WEFT_CHECK(f, a.trace, ": cannot open the trace file for writing");
@@ -63,6 +92,12 @@ std::function<int()> add_simulate(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   sim->add_option("--set", args->sets, "override a config key: section.key=value (repeatable)");
   sim->add_option("--trace", args->trace, "write the timeline here (Chrome/Perfetto JSON)");
+  sim->add_option("--plan", args->plan,
+                  "simulate this Plan (JSON from `weft plan --out`), checked against the config, "
+                  "instead of the config's own");
+  sim->add_option("--profile", args->profile,
+                  "measured costs from `weft bench profile` instead of the FLOP model (stage "
+                  "boundaries and step)");
   return [sim, args]() -> int {
     if (*sim) return run_simulate(*args);
     return 1;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -385,6 +386,294 @@ TEST(Partition, MakePlanMovesLayersOffAnExpensiveHead) {
   // Explicit stages are kept as given.
   s.parallel.modules["llm"].stages = {4};
   EXPECT_EQ(make_plan(s, 2).module("llm").stage_boundaries, (std::vector<int64_t>{4}));
+}
+
+// ---- joint partition -----------------------------------------------------------------------
+
+// Every module's stage times and memory under given boundaries (sums front, blocks, back).
+struct Evaluated {
+  std::vector<double> time, memory;
+};
+Evaluated evaluate(const JointModule& m, const std::vector<int64_t>& cuts, int64_t M) {
+  const int64_t n = static_cast<int64_t>(m.costs.blocks.size()), P = m.stages;
+  Evaluated e;
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t begin = s == 0 ? 0 : cuts[static_cast<size_t>(s - 1)];
+    const int64_t end = s == P - 1 ? n : cuts[static_cast<size_t>(s)];
+    double time = 0, held = 0, act = 0;
+    const auto add = [&](const LayerCost& l) {
+      time += l.forward + l.input_grad + l.weight_grad;
+      held += l.param_bytes + l.train_state_bytes;
+      act += l.activation_bytes;
+    };
+    if (s == 0) add(m.costs.front);
+    for (int64_t b = begin; b < end; ++b) add(m.costs.blocks[static_cast<size_t>(b)]);
+    if (s == P - 1) add(m.costs.back);
+    const int64_t in_flight = m.all_in_flight ? M : std::min(P - s, M);
+    e.time.push_back(time);
+    e.memory.push_back(held + static_cast<double>(in_flight) * act);
+  }
+  return e;
+}
+
+// Every split of n blocks into P stages (the P - 1 cuts), lexicographically.
+std::vector<std::vector<int64_t>> all_cuts(int64_t n, int64_t P) {
+  std::vector<std::vector<int64_t>> out;
+  std::vector<int64_t> cuts(static_cast<size_t>(P - 1));
+  for (int64_t i = 0; i < P - 1; ++i) cuts[static_cast<size_t>(i)] = i + 1;
+  while (true) {
+    out.push_back(cuts);
+    int64_t i = P - 2;
+    while (i >= 0 && cuts[static_cast<size_t>(i)] == n - (P - 1 - i)) --i;
+    if (i < 0) return out;
+    ++cuts[static_cast<size_t>(i)];
+    for (int64_t k = i + 1; k < P - 1; ++k)
+      cuts[static_cast<size_t>(k)] = cuts[static_cast<size_t>(k - 1)] + 1;
+  }
+}
+
+// The joint objective of one choice of boundaries per module: the largest rank-class time
+// (colocated: class c of lcm(pp) hosts stage c·P/L of each module, loads add up; separate: each
+// stage alone), +inf when a class exceeds the memory limit.
+double joint_objective(const std::vector<JointModule>& ms,
+                       const std::vector<std::vector<int64_t>>& cuts, const JointOptions& o,
+                       double* peak) {
+  std::vector<Evaluated> e;
+  for (size_t k = 0; k < ms.size(); ++k) e.push_back(evaluate(ms[k], cuts[k], o.microbatches));
+  double worst = 0;
+  *peak = 0;
+  bool fits = true;
+  const auto account = [&](double t, double mem) {
+    worst = std::max(worst, t);
+    *peak = std::max(*peak, mem);
+    fits = fits && mem <= o.memory_limit_bytes;
+  };
+  if (!o.colocated) {
+    for (const Evaluated& x : e)
+      for (size_t s = 0; s < x.time.size(); ++s) account(x.time[s], x.memory[s]);
+  } else {
+    int64_t L = 1;
+    for (const JointModule& m : ms) L = std::lcm(L, m.stages);
+    for (int64_t c = 0; c < L; ++c) {
+      double t = 0, mem = 0;
+      for (size_t k = 0; k < ms.size(); ++k) {
+        const size_t s = static_cast<size_t>(c * ms[k].stages / L);
+        t += e[k].time[s], mem += e[k].memory[s];
+      }
+      account(t, mem);
+    }
+  }
+  return fits ? worst : kInf;
+}
+
+// The optimum over every combination of every free module's splits.
+struct JointBrute {
+  double best = kInf, min_peak = kInf;
+};
+JointBrute joint_brute_force(const std::vector<JointModule>& ms, const JointOptions& o) {
+  std::vector<std::vector<std::vector<int64_t>>> options;
+  for (const JointModule& m : ms)
+    options.push_back(m.stages > 1 && m.boundaries.empty()
+                          ? all_cuts(static_cast<int64_t>(m.costs.blocks.size()), m.stages)
+                          : std::vector<std::vector<int64_t>>{m.boundaries});
+  JointBrute out;
+  std::vector<size_t> pick(ms.size(), 0);
+  while (true) {
+    std::vector<std::vector<int64_t>> cuts;
+    for (size_t k = 0; k < ms.size(); ++k) cuts.push_back(options[k][pick[k]]);
+    double peak = 0;
+    out.best = std::min(out.best, joint_objective(ms, cuts, o, &peak));
+    out.min_peak = std::min(out.min_peak, peak);
+    size_t k = ms.size();
+    while (k > 0 && pick[k - 1] + 1 == options[k - 1].size()) pick[k - 1] = 0, --k;
+    if (k == 0) return out;
+    ++pick[k - 1];
+  }
+}
+
+std::string joint_error(const std::vector<JointModule>& ms, const JointOptions& o) {
+  try {
+    partition_joint(ms, o);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no weft::Error thrown)";
+}
+
+// Random modules: integer costs (exact sums) and memory limits; the pipelined ones of a
+// colocated case share one pp (`aligned`) or not.
+void check_joint(bool colocated, bool aligned, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const auto draw = [&](int hi) {
+    return static_cast<double>(std::uniform_int_distribution<int>(0, hi)(rng));
+  };
+  int feasible = 0, infeasible = 0, inexact = 0, optimal_inexact = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const int count = std::uniform_int_distribution<int>(1, 3)(rng);
+    const int64_t shared_pp = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+    JointOptions o;
+    o.colocated = colocated;
+    o.microbatches = std::uniform_int_distribution<int64_t>(1, 4)(rng);
+    std::vector<JointModule> ms;
+    for (int k = 0; k < count; ++k) {
+      JointModule m;
+      m.costs.module = "m" + std::to_string(k);
+      const int64_t n = std::uniform_int_distribution<int64_t>(1, 5)(rng);
+      const auto layer = [&] { return cost(draw(9), draw(9), draw(9), draw(9), draw(9), draw(9)); };
+      m.costs.front = layer();
+      for (int64_t b = 0; b < n; ++b) m.costs.blocks.push_back(layer());
+      m.costs.back = layer();
+      int64_t pp = aligned ? shared_pp : std::uniform_int_distribution<int64_t>(1, 4)(rng);
+      if (rng() % 4 == 0) pp = 1;
+      m.stages = std::min(pp, n);
+      if (aligned && m.stages != shared_pp && m.stages > 1) m.stages = 1;
+      m.all_in_flight = rng() % 2 == 0;
+      if (m.stages > 1 && rng() % 4 == 0) m.boundaries = all_cuts(n, m.stages).back();
+      ms.push_back(std::move(m));
+    }
+    if (trial % 2 == 1) o.memory_limit_bytes = draw(400) + 40;
+    const JointBrute want = joint_brute_force(ms, o);
+    const std::string at = "trial " + std::to_string(trial);
+    if (want.best == kInf) {
+      ++infeasible;
+      const std::string e = joint_error(ms, o);
+      EXPECT_TRUE(has(e, "memory limit")) << at << ": " << e;
+      continue;
+    }
+    const JointPartition got = partition_joint(ms, o);
+    std::vector<std::vector<int64_t>> cuts;
+    for (size_t k = 0; k < ms.size(); ++k) {
+      cuts.push_back(got.modules[k].boundaries);
+      if (!ms[k].boundaries.empty()) {
+        EXPECT_EQ(cuts.back(), ms[k].boundaries) << at;
+      }
+      EXPECT_EQ(cuts.back().size(), static_cast<size_t>(ms[k].stages - 1)) << at;
+    }
+    double peak = 0;
+    const double value = joint_objective(ms, cuts, o, &peak);
+    EXPECT_EQ(value, got.bottleneck) << at;  // what it reports is what its split does
+    EXPECT_LE(peak, o.memory_limit_bytes) << at;
+    if (got.exact) {
+      ++feasible;
+      EXPECT_EQ(got.bottleneck, want.best) << at;
+    } else {
+      ++inexact;
+      optimal_inexact += got.bottleneck == want.best;
+      EXPECT_GE(got.bottleneck, want.best) << at;
+      EXPECT_FALSE(aligned) << at;
+    }
+  }
+  EXPECT_GT(feasible + inexact, 50);
+  EXPECT_GT(infeasible, 5);
+  if (aligned || !colocated) {
+    EXPECT_EQ(inexact, 0);
+  } else {  // coordinate descent: mostly the optimum anyway
+    EXPECT_GT(inexact, 5);
+    EXPECT_GE(optimal_inexact, inexact * 3 / 4) << optimal_inexact << " of " << inexact;
+  }
+}
+
+TEST(JointPartition, ColocatedDpMatchesBruteForce) { check_joint(true, true, 3); }
+TEST(JointPartition, SeparateMatchesBruteForce) { check_joint(false, false, 4); }
+TEST(JointPartition, ColocatedUnequalStagesIsValidAndNeverBeatsBruteForce) {
+  check_joint(true, false, 5);
+}
+
+// Two colocated pipelines whose own optima stack their heavy stages on the same ranks: the joint
+// split shifts them apart.
+TEST(JointPartition, ColocatedSplitsTogetherNotEachAlone) {
+  JointModule vision, llm;
+  vision.costs.module = "vision";
+  vision.stages = llm.stages = 2;
+  for (int b = 0; b < 4; ++b) vision.costs.blocks.push_back(cost(1, 0, 0));
+  vision.costs.back = cost(6, 0, 0);  // a heavy projector: alone, vision cuts at 3 (3 | 7)
+  llm.costs.module = "llm";
+  llm.costs.front = cost(3, 0, 0);  // a heavy embedding: alone, cut at 1 (6 | 9; 9 | 6 ties)
+  for (int b = 0; b < 4; ++b) llm.costs.blocks.push_back(cost(1, 1, 1));
+  JointOptions o;
+  o.microbatches = 4;
+  PartitionOptions po;
+  po.stages = 2;
+  const auto alone_v = partition_stages(vision.costs, po),
+             alone_l = partition_stages(llm.costs, po);
+  EXPECT_EQ(alone_v.boundaries, (std::vector<int64_t>{3}));
+  EXPECT_EQ(alone_l.boundaries, (std::vector<int64_t>{1}));
+  const double alone = std::max(alone_v.stage_time[0] + alone_l.stage_time[0],
+                                alone_v.stage_time[1] + alone_l.stage_time[1]);
+  EXPECT_EQ(alone, 7 + 9);
+  // Together the ranks carry 25: the best is 13 | 12, the earliest such cuts vision [1], llm [3].
+  const JointPartition joint = partition_joint({vision, llm}, o);
+  EXPECT_TRUE(joint.exact);
+  EXPECT_EQ(joint.bottleneck, 13);
+  EXPECT_EQ(joint.rank_time, (std::vector<double>{13, 12}));
+  EXPECT_EQ(joint.modules[0].boundaries, (std::vector<int64_t>{1}));
+  EXPECT_EQ(joint.modules[1].boundaries, (std::vector<int64_t>{3}));
+  // Separate placement: each alone.
+  o.colocated = false;
+  const JointPartition sep = partition_joint({vision, llm}, o);
+  EXPECT_EQ(sep.modules[0].boundaries, alone_v.boundaries);
+  EXPECT_EQ(sep.modules[1].boundaries, alone_l.boundaries);
+  EXPECT_EQ(sep.rank_time, (std::vector<double>{3, 7, 6, 9}));
+  EXPECT_EQ(sep.bottleneck, 9);
+}
+
+TEST(JointPartition, EncodersKeepEveryMicrobatchInFlight) {
+  JointModule enc;
+  enc.costs.module = "vision";
+  enc.stages = 2;
+  for (int b = 0; b < 2; ++b) enc.costs.blocks.push_back(cost(1, 1, 1, 10, 100));
+  JointOptions o;
+  o.microbatches = 4;
+  o.colocated = false;
+  EXPECT_EQ(partition_joint({enc}, o).modules[0].stage_memory, (std::vector<double>{120, 110}));
+  enc.all_in_flight = true;  // all four microbatches' activations on both stages
+  EXPECT_EQ(partition_joint({enc}, o).modules[0].stage_memory, (std::vector<double>{140, 140}));
+  o.memory_limit_bytes = 130;
+  const std::string e = joint_error({enc}, o);
+  EXPECT_TRUE(has(e, "module 'vision'")) << e;
+  EXPECT_TRUE(has(e, "memory limit of 130 B")) << e;
+  // Bad input: stages past the blocks, given boundaries that are not a split.
+  enc.stages = 3;
+  EXPECT_TRUE(has(joint_error({enc}, o), "3 pipeline stages for 2 blocks"));
+  enc.stages = 2;
+  enc.boundaries = {2};
+  EXPECT_TRUE(has(joint_error({enc}, o), "strictly increasing block indices in [1, 1]"));
+}
+
+// make_plan's default boundaries of colocated pipelines: the joint optimum of the FLOP costs
+// (both modules on every rank with dp = tp = cp = 1 scale alike, so single-sample costs rank
+// every split the same way).
+TEST(JointPartition, MakePlanPartitionsColocatedModulesJointly) {
+  Spec s = vlm_spec();
+  s.model.llm.layers = 6;
+  s.model.llm.vocab = 4096;  // a heavy head
+  s.model.encoders[0].layers = 6;
+  s.model.encoders[0].image_size = 256;  // 256 tokens per image: comparable to the LLM
+  s.parallel.modules["llm"].pp = 2;
+  s.parallel.modules["vision"].pp = 2;
+  const Plan p = make_plan(s, 2);
+  std::vector<JointModule> ms(2);
+  const MicrobatchShape shape = single_sample_microbatch(s);
+  ms[0].costs = module_layer_costs(s, p.module("vision"), shape);
+  ms[1].costs = module_layer_costs(s, p.module("llm"), shape);
+  ms[0].stages = ms[1].stages = 2;
+  ms[0].all_in_flight = true;
+  JointOptions o;
+  o.microbatches = s.train.microbatches;
+  const JointBrute want = joint_brute_force(ms, o);
+  double peak = 0;
+  const double got = joint_objective(
+      ms, {p.module("vision").stage_boundaries, p.module("llm").stage_boundaries}, o, &peak);
+  EXPECT_NEAR(got, want.best, 1e-9 * want.best);
+  EXPECT_EQ(p.module("vision.projector").stage_boundaries, p.module("vision").stage_boundaries);
+  // Splitting each alone is never better.
+  PartitionOptions po;
+  po.stages = 2;
+  const double alone = joint_objective(
+      ms,
+      {partition_stages(ms[0].costs, po).boundaries, partition_stages(ms[1].costs, po).boundaries},
+      o, &peak);
+  EXPECT_LE(got, alone);
 }
 
 }  // namespace

@@ -339,10 +339,12 @@ TEST(Plan, StageLayers) {
   Plan p = make_plan(s, 4);
   const ModulePlan& llm = p.module("llm");
   EXPECT_EQ(llm.layers, 10);
-  // The partitioner's default (vocab 0: a free head, equal blocks): at most 3 blocks per stage,
-  // ties broken toward the earliest cuts (partition.h).
-  EXPECT_EQ(llm.stage_boundaries, (std::vector<int64_t>{1, 4, 7}));
-  const std::pair<int64_t, int64_t> balanced[] = {{0, 1}, {1, 4}, {4, 7}, {7, 10}};
+  // The joint partition's default (partition.h; vocab 0: a free head, equal blocks): colocated,
+  // LLM stages 0 and 1 share ranks 0 and 1 with vision stage 0 (its front end and a block),
+  // stages 2 and 3 ranks 2 and 3 with vision stage 1 (a block and the projector), so the LLM's
+  // first two stages take 2 blocks each and the last two 3 (alone, the LLM would split 1/3/3/3).
+  EXPECT_EQ(llm.stage_boundaries, (std::vector<int64_t>{2, 4, 7}));
+  const std::pair<int64_t, int64_t> balanced[] = {{0, 2}, {2, 4}, {4, 7}, {7, 10}};
   for (int64_t st = 0; st < 4; ++st) EXPECT_EQ(llm.stage_layers(st), balanced[st]) << st;
   EXPECT_THROW(llm.stage_layers(4), Error);
   const ModulePlan& vision = p.module("vision");

@@ -56,7 +56,8 @@ TEST(Cluster, ShippedFilesLoad) {
   const Cluster cpu = load_cluster(WEFT_SOURCE_DIR "/configs/clusters/cpu-local.toml");
   EXPECT_EQ(cpu.world_size(), 2);
   EXPECT_EQ(cpu.device.name, "cpu-core");
-  EXPECT_DOUBLE_EQ(cpu.device.effective_flops(Precision::kBf16), 0.25e12 * 0.7);
+  EXPECT_DOUBLE_EQ(cpu.device.effective_flops(Precision::kBf16), 0.21e12 * 0.35);  // measured
+  EXPECT_DOUBLE_EQ(cpu.intra_node.latency_seconds, 190e-6);
 }
 
 TEST(Cluster, InlineDevice) {
@@ -412,11 +413,14 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   SimOptions free = no_optimizer();
   free.tp_cp_comm = false;
   const SimResult r0 = simulate(s, make_plan(s, 2), c, free);
-  // Per LLM microbatch of 4 samples: 2 all-reduces per block (4) and the embedding's forward,
-  // 2 per block in backward, of [4·64 tokens × 128] bf16.
+  // Per LLM microbatch of 4 samples: 2 all-reduces per block (4) and the embedding's in
+  // forward, 2 per block and the loss rows' in backward, of [4·64 tokens × 128] bf16; the
+  // vocab-parallel loss's 3 fp32 reductions over its 4·64 rows in forward.
   const double ar = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 128 * 2);
-  EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (9 + 8) * ar, 1e-12);
-  EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (9 + 8) * ar, 1e-12);
+  const double loss = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4);
+  const double per_microbatch = (9 + 9) * ar + 3 * loss;
+  EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * per_microbatch, 1e-12);
+  EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * per_microbatch, 1e-12);
 }
 
 TEST(Simulate, TinyVlmOnThisMachine) {

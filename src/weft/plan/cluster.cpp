@@ -273,6 +273,11 @@ double all_gather_seconds(const Cluster& c, const std::vector<int64_t>& ranks, d
   return (n - 1) * l.latency_seconds + (n - 1) / n * bytes / l.bytes_per_second;
 }
 
+double all_to_all_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes) {
+  // Pairwise exchange: n - 1 rounds, each rank sending 1/n of its rows to one peer per round.
+  return all_gather_seconds(c, ranks, bytes);
+}
+
 double reduce_scatter_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes) {
   return all_gather_seconds(c, ranks, bytes);  // the same ring, run the other way
 }

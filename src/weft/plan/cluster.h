@@ -11,6 +11,7 @@
 //   ring all-reduce       2(n-1)·α + 2(n-1)/n · bytes/B
 //   ring all-gather       (n-1)·α + (n-1)/n · bytes/B       (bytes = the gathered tensor)
 //   ring reduce-scatter   (n-1)·α + (n-1)/n · bytes/B       (bytes = the tensor before scatter)
+//   all-to-all            (n-1)·α + (n-1)/n · bytes/B       (bytes = what one rank sends)
 //   tree all-reduce       2⌈log2 n⌉·α + 2 · bytes/B         (pipelined reduce + broadcast)
 // A group of one rank costs nothing; so does a p2p message to oneself.
 //
@@ -86,5 +87,8 @@ double all_reduce_seconds(const Cluster& c, const std::vector<int64_t>& ranks, d
                           CollectiveAlgo algo = CollectiveAlgo::kRing);
 double all_gather_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
 double reduce_scatter_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
+// All-to-all (expert parallelism's dispatch / combine) where every rank sends `bytes` in all,
+// spread evenly over the group: n - 1 pairwise rounds, (n-1)·α + (n-1)/n · bytes/B.
+double all_to_all_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
 
 }  // namespace weft::plan

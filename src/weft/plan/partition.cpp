@@ -216,15 +216,27 @@ StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions
              " pipeline stages for ", n, " blocks (expected 1 <= stages <= blocks)");
   WEFT_CHECK(o.microbatches >= 1, "[partition] module '", costs.module,
              "': microbatches = ", o.microbatches, " (expected >= 1)");
-  const auto in_flight = [&](int64_t s) { return std::min(P - s, o.microbatches); };
+  const auto offsets_ok = [&](const std::vector<double>& v) {
+    return v.empty() || static_cast<int64_t>(v.size()) == P;
+  };
+  WEFT_ASSERT(offsets_ok(o.time_offset) && offsets_ok(o.memory_offset), "stage offsets of ",
+              costs.module);
+  const auto offset = [](const std::vector<double>& v, int64_t s) {
+    return v.empty() ? 0.0 : v[static_cast<size_t>(s)];
+  };
+  const auto in_flight = [&](int64_t s) {
+    return o.all_in_flight ? o.microbatches : std::min(P - s, o.microbatches);
+  };
+  const auto memory = [&](int64_t s, const StageSums& sums) {
+    return sums.memory(in_flight(s)) + offset(o.memory_offset, s);
+  };
   const auto time_if_fits = [&](int64_t s, const StageSums& sums) {
-    return sums.memory(in_flight(s)) <= o.memory_limit_bytes ? sums.time : kInf;
+    return memory(s, sums) <= o.memory_limit_bytes ? sums.time + offset(o.time_offset, s) : kInf;
   };
   const auto best = suffix_minmax(costs, P, time_if_fits);
   const double bottleneck = best[0][0];
   if (bottleneck == kInf) {
-    const auto peak = suffix_minmax(
-        costs, P, [&](int64_t s, const StageSums& sums) { return sums.memory(in_flight(s)); });
+    const auto peak = suffix_minmax(costs, P, memory);
     WEFT_FAIL("[partition] module '", costs.module, "': no split of ", n, " blocks into ", P,
               " stages fits the memory limit of ", format_bytes(o.memory_limit_bytes),
               " per stage; the smallest achievable peak stage memory is ", format_bytes(peak[0][0]),
@@ -252,6 +264,350 @@ StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions
   }
   WEFT_ASSERT(begin == n, "partition of ", costs.module, " does not cover its blocks");
   return out;
+}
+
+// ---- joint partition ----------------------------------------------------------------------
+
+namespace {
+
+// One module of a joint partition, with the sums of every stage it can form.
+struct JointState {
+  const JointModule* m = nullptr;
+  int64_t n = 0, P = 1;
+  bool free = false;  // boundaries to choose
+  // range[i][j - i - 1]: the stage covering blocks [i, j), front / back included at the ends,
+  // accumulated left to right as for_each_stage does.
+  std::vector<std::vector<StageSums>> range;
+  std::vector<int64_t> boundaries;  // current: given, or chosen
+
+  const StageSums& sums(int64_t i, int64_t j) const {
+    return range[static_cast<size_t>(i)][static_cast<size_t>(j - i - 1)];
+  }
+  int64_t in_flight(int64_t s, int64_t M) const {
+    return m->all_in_flight ? M : std::min(P - s, M);
+  }
+  StagePartition evaluate(int64_t M) const {
+    StagePartition out;
+    out.boundaries = boundaries;
+    for (int64_t s = 0; s < P; ++s) {
+      const int64_t i = s == 0 ? 0 : boundaries[static_cast<size_t>(s - 1)];
+      const int64_t j = s == P - 1 ? n : boundaries[static_cast<size_t>(s)];
+      const StageSums& x = sums(i, j);
+      out.stage_time.push_back(x.time);
+      out.stage_memory.push_back(x.memory(in_flight(s, M)));
+      out.bottleneck = std::max(out.bottleneck, x.time);
+    }
+    return out;
+  }
+};
+
+JointState joint_state(const JointModule& m) {
+  JointState st;
+  st.m = &m;
+  st.n = static_cast<int64_t>(m.costs.blocks.size());
+  st.P = m.stages;
+  const std::string at = "[partition] module '" + m.costs.module + "': ";
+  WEFT_CHECK(st.P >= 1 && st.P <= st.n, at, st.P, " pipeline stages for ", st.n,
+             " blocks (expected 1 <= stages <= blocks)");
+  st.free = st.P > 1 && m.boundaries.empty();
+  if (!st.free) {
+    bool ok = static_cast<int64_t>(m.boundaries.size()) == st.P - 1;
+    for (size_t k = 0; ok && k < m.boundaries.size(); ++k)
+      ok = m.boundaries[k] >= 1 && m.boundaries[k] <= st.n - 1 &&
+           (k == 0 || m.boundaries[k] > m.boundaries[k - 1]);
+    WEFT_CHECK(ok, at, "given boundaries are not ", st.P - 1,
+               " strictly increasing block indices in [1, ", st.n - 1, "]");
+    st.boundaries = m.boundaries;
+  }
+  st.range.resize(static_cast<size_t>(st.n));
+  for (int64_t i = 0; i < st.n; ++i) {
+    StageSums sums;
+    if (i == 0) sums.add(m.costs.front);
+    for (int64_t j = i + 1; j <= st.n; ++j) {
+      sums.add(m.costs.blocks[static_cast<size_t>(j - 1)]);
+      StageSums x = sums;
+      if (j == st.n) x.add(m.costs.back);
+      st.range[static_cast<size_t>(i)].push_back(x);
+    }
+  }
+  return st;
+}
+
+int64_t lcm(int64_t a, int64_t b) {
+  int64_t x = a, y = b;
+  while (y != 0) x = std::exchange(y, x % y);
+  return a / x * b;
+}
+
+// Odometer over tuples v with lo_k <= v_k <= hi_k, the last entry fastest (lexicographic).
+template <typename F>
+void odometer(const std::vector<int64_t>& lo, const std::vector<int64_t>& hi, F f) {
+  for (size_t k = 0; k < lo.size(); ++k)
+    if (lo[k] > hi[k]) return;
+  std::vector<int64_t> v = lo;
+  while (true) {
+    f(v);
+    size_t k = v.size();
+    while (k > 0 && v[k - 1] == hi[k - 1]) v[k - 1] = lo[k - 1], --k;
+    if (k == 0) return;
+    ++v[k - 1];
+  }
+}
+
+// Exact DP for colocated modules whose pipelines all have P stages: over stages × the next block
+// of every free module (`free`), the fixed modules' per-stage time and memory added.
+class JointDp {
+ public:
+  JointDp(std::vector<JointState>* states, std::vector<size_t> free, int64_t P, int64_t M,
+          std::vector<double> fixed_time, std::vector<double> fixed_memory)
+      : st_(*states),
+        free_(std::move(free)),
+        P_(P),
+        M_(M),
+        fixed_time_(std::move(fixed_time)),
+        fixed_memory_(std::move(fixed_memory)) {
+    for (size_t f : free_) {
+      radix_.push_back(states_);
+      states_ *= st_[f].n + 1;
+    }
+  }
+  // Transitions the DP makes, at most: P · Π (n + 1)².
+  double work() const {
+    double w = static_cast<double>(P_);
+    for (size_t f : free_) w *= static_cast<double>((st_[f].n + 1) * (st_[f].n + 1));
+    return w;
+  }
+
+  // best[s][starts] = the smallest max over stages s..P-1 of value(s, time, memory) (+inf = not
+  // allowed), as suffix_minmax for one module.
+  template <typename Value>
+  std::vector<std::vector<double>> solve(Value value) const {
+    std::vector<std::vector<double>> best(static_cast<size_t>(P_ + 1),
+                                          std::vector<double>(static_cast<size_t>(states_), kInf));
+    std::vector<int64_t> ends;
+    for (size_t f : free_) ends.push_back(st_[f].n);
+    best[static_cast<size_t>(P_)][static_cast<size_t>(index(ends))] = -kInf;
+    for (int64_t s = P_ - 1; s >= 0; --s) {
+      std::vector<int64_t> lo, hi;
+      for (size_t f : free_) lo.push_back(s), hi.push_back(s == 0 ? 0 : st_[f].n - (P_ - s));
+      odometer(lo, hi, [&](const std::vector<int64_t>& b) {
+        double& slot = best[static_cast<size_t>(s)][static_cast<size_t>(index(b))];
+        transitions(s, b, [&](const std::vector<int64_t>& e, double t, double mem) {
+          slot = std::min(slot, std::max(value(s, t, mem), next(best, s, e)));
+        });
+      });
+    }
+    return best;
+  }
+
+  // Stage by stage, the earliest ends (modules in order) that still allow the optimum; written
+  // into the free modules' boundaries.
+  template <typename Value>
+  void recover(const std::vector<std::vector<double>>& best, Value value) {
+    const double optimum = best[0][0];
+    for (size_t f : free_) st_[f].boundaries.clear();
+    std::vector<int64_t> b(free_.size(), 0);
+    for (int64_t s = 0; s < P_; ++s) {
+      std::vector<int64_t> chosen;
+      transitions(s, b, [&](const std::vector<int64_t>& e, double t, double mem) {
+        if (chosen.empty() && value(s, t, mem) <= optimum && next(best, s, e) <= optimum)
+          chosen = e;
+      });
+      WEFT_ASSERT(!chosen.empty(), "no optimal joint stage ", s);
+      if (s + 1 < P_)
+        for (size_t k = 0; k < free_.size(); ++k) st_[free_[k]].boundaries.push_back(chosen[k]);
+      b = chosen;
+    }
+  }
+
+ private:
+  std::vector<JointState>& st_;
+  std::vector<size_t> free_;
+  int64_t P_, M_;
+  std::vector<double> fixed_time_, fixed_memory_;
+  std::vector<int64_t> radix_;
+  int64_t states_ = 1;
+
+  int64_t index(const std::vector<int64_t>& v) const {
+    int64_t i = 0;
+    for (size_t k = 0; k < v.size(); ++k) i += v[k] * radix_[k];
+    return i;
+  }
+  double next(const std::vector<std::vector<double>>& best, int64_t s,
+              const std::vector<int64_t>& e) const {
+    return best[static_cast<size_t>(s + 1)][static_cast<size_t>(index(e))];
+  }
+  // f(ends, time, memory) for every end tuple stage s can have from starts b (each module leaves
+  // a block for every later stage; the last stage ends at n).
+  template <typename F>
+  void transitions(int64_t s, const std::vector<int64_t>& b, F f) const {
+    std::vector<int64_t> lo, hi;
+    for (size_t k = 0; k < free_.size(); ++k) {
+      const int64_t n = st_[free_[k]].n;
+      lo.push_back(s == P_ - 1 ? n : b[k] + 1);
+      hi.push_back(s == P_ - 1 ? n : n - (P_ - 1 - s));
+    }
+    odometer(lo, hi, [&](const std::vector<int64_t>& e) {
+      double t = fixed_time_[static_cast<size_t>(s)], mem = fixed_memory_[static_cast<size_t>(s)];
+      for (size_t k = 0; k < free_.size(); ++k) {
+        const JointState& x = st_[free_[k]];
+        const StageSums& sums = x.sums(b[k], e[k]);
+        t += sums.time;
+        mem += sums.memory(x.in_flight(s, M_));
+      }
+      f(e, t, mem);
+    });
+  }
+};
+
+std::string module_list(const std::vector<JointState>& states) {
+  std::string out;
+  for (const JointState& s : states) out += (out.empty() ? "'" : ", '") + s.m->costs.module + "'";
+  return out;
+}
+
+}  // namespace
+
+JointPartition partition_joint(const std::vector<JointModule>& modules, const JointOptions& o) {
+  WEFT_CHECK(!modules.empty(), "[partition] no modules to partition");
+  WEFT_CHECK(o.microbatches >= 1, "[partition] microbatches = ", o.microbatches,
+             " (expected >= 1)");
+  const int64_t M = o.microbatches;
+  const double limit = o.memory_limit_bytes;
+  std::vector<JointState> st;
+  for (const JointModule& m : modules) st.push_back(joint_state(m));
+  const auto options_of = [&](const JointState& s) {
+    PartitionOptions po;
+    po.stages = s.P;
+    po.microbatches = M;
+    po.memory_limit_bytes = limit;
+    po.all_in_flight = s.m->all_in_flight;
+    return po;
+  };
+  JointPartition out;
+  if (!o.colocated) {  // independent pipelines: each module's own optimum
+    for (JointState& s : st) {
+      if (s.free) s.boundaries = partition_stages(s.m->costs, options_of(s)).boundaries;
+      const StagePartition sp = s.evaluate(M);
+      for (size_t k = 0; k < sp.stage_memory.size(); ++k)
+        WEFT_CHECK(sp.stage_memory[k] <= limit, "[partition] module '", s.m->costs.module,
+                   "': stage ", k, " of the given stages needs ", format_bytes(sp.stage_memory[k]),
+                   ", over the memory limit of ", format_bytes(limit), " per rank");
+      out.rank_time.insert(out.rank_time.end(), sp.stage_time.begin(), sp.stage_time.end());
+      out.rank_memory.insert(out.rank_memory.end(), sp.stage_memory.begin(), sp.stage_memory.end());
+      out.modules.push_back(sp);
+    }
+    out.bottleneck = *std::max_element(out.rank_time.begin(), out.rank_time.end());
+    return out;
+  }
+
+  // Colocated: rank class c of L hosts stage c · P_k / L of module k.
+  int64_t L = 1, pipelined = 0;
+  bool aligned = true;
+  std::vector<size_t> free;
+  for (size_t k = 0; k < st.size(); ++k) {
+    L = lcm(L, st[k].P);
+    if (st[k].P > 1) {
+      aligned = aligned && (pipelined == 0 || st[k].P == pipelined);
+      pipelined = st[k].P;
+    }
+    if (st[k].free) free.push_back(k);
+  }
+  const auto stage_of = [&](size_t k, int64_t c) { return static_cast<size_t>(c * st[k].P / L); };
+  // Per rank class: the time and memory of every module but `skip` (and, with `fixed_only`, but
+  // every free module).
+  const auto others = [&](size_t skip, bool fixed_only) {
+    std::vector<double> t(static_cast<size_t>(L), 0), mem(static_cast<size_t>(L), 0);
+    for (size_t k = 0; k < st.size(); ++k) {
+      if (k == skip || (fixed_only && st[k].free)) continue;
+      const StagePartition sp = st[k].evaluate(M);
+      for (int64_t c = 0; c < L; ++c) {
+        t[static_cast<size_t>(c)] += sp.stage_time[stage_of(k, c)];
+        mem[static_cast<size_t>(c)] += sp.stage_memory[stage_of(k, c)];
+      }
+    }
+    return std::make_pair(t, mem);
+  };
+  const auto finish = [&](bool exact) {
+    JointPartition jp;
+    jp.exact = exact;
+    for (const JointState& s : st) jp.modules.push_back(s.evaluate(M));
+    const auto [t, mem] = others(st.size(), false);
+    jp.rank_time = t;
+    jp.rank_memory = mem;
+    jp.bottleneck = *std::max_element(t.begin(), t.end());
+    for (int64_t c = 0; c < L; ++c)
+      WEFT_CHECK(mem[static_cast<size_t>(c)] <= limit, "[partition] modules ", module_list(st),
+                 " (colocated): no joint split fits the memory limit of ", format_bytes(limit),
+                 " per rank; the best split found needs ",
+                 format_bytes(mem[static_cast<size_t>(c)]), " on the ranks of stage ", c, " (", M,
+                 " microbatches; raise the limit, add stages or shard more)");
+    return jp;
+  };
+  if (free.empty()) return finish(true);
+
+  if (aligned) {  // every pipelined module has L stages: exact DP when small enough
+    const auto [fixed_time, fixed_memory] = others(st.size(), true);
+    JointDp dp(&st, free, L, M, fixed_time, fixed_memory);
+    if (dp.work() <= 4e7) {
+      const auto time_if_fits = [&](int64_t, double t, double mem) {
+        return mem <= limit ? t : kInf;
+      };
+      const auto best = dp.solve(time_if_fits);
+      if (best[0][0] == kInf) {
+        const auto peak = dp.solve([](int64_t, double, double mem) { return mem; });
+        WEFT_FAIL("[partition] modules ", module_list(st), " (colocated, ", L,
+                  " stages): no joint split fits the memory limit of ", format_bytes(limit),
+                  " per rank; the smallest achievable peak is ", format_bytes(peak[0][0]), " (", M,
+                  " microbatches; raise the limit, add stages or shard more)");
+      }
+      dp.recover(best, time_if_fits);
+      return finish(true);
+    }
+  }
+
+  // Coordinate descent: each free module's exact optimum given the others' load on its ranks.
+  const auto solve_one = [&](size_t k, bool fixed_only) {
+    const auto [t, mem] = others(k, fixed_only);
+    PartitionOptions po = options_of(st[k]);
+    po.time_offset.assign(static_cast<size_t>(st[k].P), 0);
+    po.memory_offset.assign(static_cast<size_t>(st[k].P), 0);
+    for (int64_t c = 0; c < L; ++c) {  // a stage's ranks: the worst class among them
+      const size_t s = stage_of(k, c);
+      po.time_offset[s] = std::max(po.time_offset[s], t[static_cast<size_t>(c)]);
+      po.memory_offset[s] = std::max(po.memory_offset[s], mem[static_cast<size_t>(c)]);
+    }
+    return partition_stages(st[k].m->costs, po);
+  };
+  const auto bottleneck = [&] {
+    const auto [t, mem] = others(st.size(), false);
+    double worst = 0;
+    for (int64_t c = 0; c < L; ++c)
+      worst =
+          std::max(worst, mem[static_cast<size_t>(c)] <= limit ? t[static_cast<size_t>(c)] : kInf);
+    return worst;
+  };
+  for (size_t k : free) st[k].boundaries = solve_one(k, true).boundaries;
+  double current = bottleneck();
+  for (int round = 0; round < 64; ++round) {
+    bool improved = false;
+    for (size_t k : free) {
+      const std::vector<int64_t> keep = st[k].boundaries;
+      try {
+        st[k].boundaries = solve_one(k, false).boundaries;
+      } catch (const Error&) {  // no split of this module fits beside the others: keep it
+        continue;
+      }
+      const double now = bottleneck();
+      if (now < current) {
+        current = now, improved = true;
+      } else {
+        st[k].boundaries = keep;
+      }
+    }
+    if (!improved) break;
+  }
+  return finish(free.size() == 1);
 }
 
 }  // namespace weft::plan

@@ -1,7 +1,9 @@
-// Frozen-aware pipeline partition of one module: a per-layer cost model (forward, input-gradient
-// and weight-gradient work, activation and parameter memory) and an exact partitioner that cuts
-// the module's blocks into contiguous pipeline stages minimising the slowest stage (the 1F1B
-// steady state runs at the pace of the bottleneck stage) under a per-stage memory limit.
+// Frozen-aware pipeline partition: a per-layer cost model (forward, input-gradient and
+// weight-gradient work, activation and parameter memory; FLOPs here, or measured seconds from a
+// profile, profile.h), an exact partitioner that cuts one module's blocks into contiguous
+// pipeline stages minimising the slowest stage (the 1F1B steady state runs at the pace of the
+// bottleneck stage) under a per-stage memory limit, and a joint partitioner of every module
+// together (encoders and LLM, colocated or on separate ranks; below), make_plan's default.
 //
 // Frozen rules (REFERENCES.md, "Pipelines with frozen modules"), per layer, from its module's
 // backward flags (plan.h ModulePlan):
@@ -81,12 +83,18 @@ struct PartitionOptions {
   int64_t stages = 1;                                                   // P
   int64_t microbatches = 1;                                             // per step, per pipeline
   double memory_limit_bytes = std::numeric_limits<double>::infinity();  // per stage
+  // Every stage keeps all microbatches' activations, not min(P - s, M): an encoder, whose
+  // forwards all run before the LLM and whose backwards all run after it (dist/runtime.h).
+  bool all_in_flight = false;
+  // Per stage (P entries, or empty = none): work and memory other modules put on the same ranks
+  // (the joint partition below); the bottleneck and the memory limit count them.
+  std::vector<double> time_offset, memory_offset;
 };
 
 struct StagePartition {
   std::vector<int64_t> boundaries;  // first block of each stage after the first (P - 1 entries)
-  std::vector<double> stage_time, stage_memory;  // per stage, under the frozen rules
-  double bottleneck = 0;                         // max stage_time
+  std::vector<double> stage_time, stage_memory;  // per stage, this module's, under the rules
+  double bottleneck = 0;                         // max over stages of offset + stage_time
 };
 
 // The exact contiguous partition (dynamic programming over blocks × stages, O(P · n²)) of the
@@ -95,5 +103,50 @@ struct StagePartition {
 // boundaries (earliest cuts). Throws weft::Error when P is outside [1, n] or no partition fits,
 // naming the module, the limit and the smallest peak stage memory any partition reaches.
 StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions& options);
+
+// ---- Joint partition: every module's stage boundaries together (make_plan's default) ------
+//
+// Each module's costs are the work one of its ranks does per LLM microbatch (its data-parallel
+// share, divided over its tp × cp ranks: the caller scales them), so the work of modules that
+// share a rank adds up. Objective: the largest per-rank work per microbatch under a per-rank
+// memory limit — 1F1B runs at the pace of its slowest stage, and with the total work fixed the
+// flow-shop makespan Σ t + (M − 1) · max t of a chain of stages is minimised by the same split.
+//   separate   each module's stages sit on ranks of their own; encoder stages feed the LLM's
+//              first stage, so the step is bounded by the slowest stage of any module and the
+//              joint optimum is every module's own optimum (exact).
+//   colocated  the modules share the ranks, pipeline stages being the slowest grid axis: rank
+//              class c of L = lcm(pp) hosts stage floor(c · pp / L) of each module, and its time
+//              (memory) is the sum over modules of their stage's. Exact dynamic programming over
+//              stages × every chosen module's next block when all pipelined modules have the
+//              same pp and the state space is small (O(P · Π n_i²)); otherwise coordinate
+//              descent — each module in turn gets its exact optimum given the others' loads as
+//              per-stage offsets, until a round improves nothing (a local optimum, exact = false).
+// Ties go to the earliest cuts, modules in order. Modules with given boundaries (parallel.<m>.
+// stages) or one stage are kept as they are and count as fixed load.
+struct JointModule {
+  ModuleCosts costs;
+  int64_t stages = 1;
+  std::vector<int64_t> boundaries;  // given (kept), or empty: chosen when stages > 1
+  bool all_in_flight = false;       // see PartitionOptions
+};
+
+struct JointOptions {
+  bool colocated = true;
+  int64_t microbatches = 1;
+  double memory_limit_bytes = std::numeric_limits<double>::infinity();  // per rank
+};
+
+struct JointPartition {
+  std::vector<StagePartition> modules;  // per module: its boundaries, stage times and memory
+  // Per rank class: colocated, the L classes in rank order; separate, every module's stages.
+  std::vector<double> rank_time, rank_memory;
+  double bottleneck = 0;  // max rank_time
+  bool exact = true;      // false: coordinate descent (see above)
+};
+
+// Throws weft::Error when a module's stages are outside [1, blocks], given boundaries are not a
+// valid split, or no split fits the memory limit (naming the modules and the limit).
+JointPartition partition_joint(const std::vector<JointModule>& modules,
+                               const JointOptions& options);
 
 }  // namespace weft::plan

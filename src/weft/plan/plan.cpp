@@ -6,6 +6,7 @@
 #include "weft/core/error.h"
 #include "weft/plan/balance.h"
 #include "weft/plan/partition.h"
+#include "weft/plan/profile.h"
 
 namespace weft::plan {
 
@@ -167,15 +168,7 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   WEFT_CHECK(l.pp <= m->layers, at, "pp = ", l.pp, ": more pipeline stages than blocks (", blocks,
              ")");
   m->stage_boundaries.clear();
-  if (stages.empty()) {  // the exact FLOP-balanced, frozen-aware split (partition.h)
-    if (l.pp == 1) return;
-    PartitionOptions o;
-    o.stages = l.pp;
-    o.microbatches = std::max<int64_t>(spec.train.microbatches, 1);
-    const MicrobatchShape shape = single_sample_microbatch(spec);
-    m->stage_boundaries = partition_stages(module_layer_costs(spec, *m, shape), o).boundaries;
-    return;
-  }
+  if (stages.empty()) return;  // chosen by choose_boundaries once every layout is known
   WEFT_CHECK(static_cast<int64_t>(stages.size()) == l.pp - 1, at, "stages = ", format_list(stages),
              ": needs pp - 1 = ", l.pp - 1,
              " entries (the first block of each stage after the first), got ", stages.size());
@@ -207,12 +200,68 @@ const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
 
 Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
-  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp > 0 ? l.etp : l.tp};
+  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp};
+}
+
+
+// FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
+// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp.
+ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
+  ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
+  const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
+  const double params = 1.0 / static_cast<double>(m.layout.tp);
+  const auto scale = [&](LayerCost& l) {
+    l.forward *= work, l.input_grad *= work, l.weight_grad *= work, l.activation_bytes *= work;
+    l.param_bytes *= params, l.train_state_bytes *= params;
+  };
+  scale(c.front);
+  for (LayerCost& l : c.blocks) scale(l);
+  scale(c.back);
+  return c;
+}
+
+// The default stage boundaries of every pipelined module without parallel.<m>.stages: the joint
+// partition (partition.h) of what one rank of each module does per LLM microbatch — its share of
+// the global microbatch's samples over its data-parallel ranks.
+void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
+  std::vector<JointModule> modules;
+  std::vector<size_t> index;
+  bool any = false;
+  const double per_microbatch = static_cast<double>(plan->global_batch) /
+                                static_cast<double>(std::max<int64_t>(plan->microbatches, 1));
+  for (size_t i = 0; i < plan->modules.size(); ++i) {
+    const ModulePlan& m = plan->modules[i];
+    if (m.role == ModuleRole::kProjector) continue;
+    JointModule j;
+    j.stages = m.layout.pp;
+    j.boundaries = m.stage_boundaries;
+    j.all_in_flight = m.role == ModuleRole::kEncoder;
+    const double samples = per_microbatch / static_cast<double>(m.layout.dp);
+    // Ranks of a multi-rank plan compute side by side: their costs measured under load.
+    j.costs = profile ? profile_module_costs(*profile, spec, m, samples, m.layout.tp, m.layout.cp,
+                                             plan->world_size > 1)
+                      : flop_costs(spec, m, samples);
+    any = any || (m.layout.pp > 1 && m.stage_boundaries.empty());
+    modules.push_back(std::move(j));
+    index.push_back(i);
+  }
+  if (!any) return;
+  JointOptions o;
+  o.colocated = plan->placement == "colocated";
+  o.microbatches = std::max<int64_t>(plan->microbatches, 1);
+  const JointPartition jp = partition_joint(modules, o);
+  for (size_t k = 0; k < index.size(); ++k) {
+    ModulePlan& m = plan->modules[index[k]];
+    m.stage_boundaries = jp.modules[k].boundaries;
+    if (m.role == ModuleRole::kEncoder)  // its projector (next in the list) follows it
+      plan->modules[index[k] + 1].stage_boundaries = m.stage_boundaries;
+  }
 }
 
 }  // namespace
 
-Plan make_plan(const Spec& spec, int64_t world_size) {
+Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile) {
+  if (profile) check_profile(*profile, spec);
   WEFT_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   const ParallelSpec& par = spec.parallel;
   WEFT_CHECK(par.placement == "colocated" || par.placement == "separate", spec.source,
@@ -306,6 +355,7 @@ Plan make_plan(const Spec& spec, int64_t world_size) {
              dp, " = ", t.batch / dp,
              " samples, fewer than its microbatches; lower train.microbatches or raise "
              "train.batch");
+  choose_boundaries(spec, profile, &plan);
   return plan;
 }
 

@@ -96,8 +96,20 @@ struct Plan {
 // order, then the LLM, tile [0, world_size) with disjoint spans (an all-ones layout is 1 rank);
 // projectors share their encoder's ranks. Rejects layouts that do not fit the model, the world
 // or the batch with a message naming the config, `parallel.<module>.<key>` and the numbers.
-Plan make_plan(const Spec& spec, int64_t world_size = 1);
+// Pipelined modules without parallel.<module>.stages get the joint partition of all modules
+// (partition.h partition_joint) on the FLOP model, or on a measured `profile` when given.
+struct Profile;  // plan/profile.h
+Plan make_plan(const Spec& spec, int64_t world_size = 1, const Profile* profile = nullptr);
 
 std::string to_json(const Plan& plan);
+
+// Reads to_json's output back (plan_json.cpp). The first form checks the JSON on its own (types,
+// every field present, no unknown key, rank spans matching layouts); the second also checks the
+// Plan against `spec`: it must be the Plan make_plan builds from the spec with the file's
+// placement, layouts, stage boundaries and microbatches, so a hand-edited file cannot describe a
+// run the config cannot. Errors name `source`, the field (`modules[2].layout.tp`) and what was
+// expected.
+Plan plan_from_json(const std::string& text, const std::string& source);
+Plan plan_from_json(const std::string& text, const std::string& source, const Spec& spec);
 
 }  // namespace weft::plan

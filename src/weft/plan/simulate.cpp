@@ -57,6 +57,10 @@ struct Op {
   int64_t arms = -1;        // the module whose gradient reduction this (last) backward starts
   int64_t collective = -1;  // index into Engine::collectives; a step-end collective
   bool llm = false;         // a forward / backward of the LLM
+  // Measured contention: seconds the op's compute takes on top of `base` while another rank of
+  // its node computes throughout (0 = none); `seconds` = base + the share of it that applies.
+  double base = 0, shared_extra = 0;
+  double last_start = 0, last_end = 0;  // where the last pass ran it
 };
 
 struct Collective {
@@ -93,6 +97,7 @@ class Engine {
     act_ = p == Precision::kBf16 ? 2.0 : 4.0;
     WEFT_CHECK(flops_per_second_ > 0, cluster.source, ": device \"", cluster.device.name,
                "\" has no ", to_string(p), " FLOP/s");
+    seq_ = o.llm_seq > 0 ? o.llm_seq : static_cast<double>(spec.model.llm.max_seq);
     llm_ = static_cast<int64_t>(plan.modules.size()) - 1;
     WEFT_ASSERT(plan.modules[llm_].role == ModuleRole::kLlm, "the LLM is the last plan module");
     D_ = plan.modules[llm_].layout.dp;
@@ -110,6 +115,15 @@ class Engine {
   SimResult run() {
     for (int64_t r = 0; r < plan_.world_size; ++r) build_rank(r);
     execute();
+    // Contention: an op is charged its shared cost for the part of it during which another rank
+    // of its node computes, taken from the previous pass's timeline (a few passes settle it).
+    bool shared = false;
+    for (const auto& ops : ops_)
+      for (const Op& op : ops) shared = shared || op.shared_extra != 0;
+    for (int pass = 0; shared && pass < kContentionPasses; ++pass) {
+      apply_contention();
+      execute();
+    }
     summarise();
     return std::move(result_);
   }
@@ -121,6 +135,7 @@ class Engine {
   const CostTable& costs_;
   const SimOptions& o_;
   double flops_per_second_ = 0, act_ = 2;
+  double seq_ = 0;  // tokens per LLM row
   int64_t llm_ = 0, D_ = 1, M_ = 1;
   std::vector<int64_t> mb_samples_;  // per microbatch: samples of each LLM replica
   std::vector<std::vector<Op>> ops_;
@@ -138,13 +153,33 @@ class Engine {
     return stage == m.layout.pp - 1 ? mod(i + 1).needs_backward() : m.weight_grads;
   }
   double all_reduce(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? all_reduce_seconds(cl_, g, bytes) : 0;
+    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
   }
   double all_gather(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? all_gather_seconds(cl_, g, bytes) : 0;
+    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
   double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? reduce_scatter_seconds(cl_, g, bytes) : 0;
+    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
+  }
+  // A collective over group g: an all-reduce, or an all-gather / reduce-scatter (the same cost);
+  // on a measured curve when the group sits on one node (SimOptions), else the cluster's links.
+  double ring(const CommCurve& curve, const std::vector<int64_t>& g, double bytes, bool reduce,
+              CollectiveAlgo algo) const {
+    const double n = static_cast<double>(g.size());
+    if (g.size() <= 1) return 0;
+    if (curve.empty() || cl_.node_of(g.front()) != cl_.node_of(g.back()))
+      return reduce ? all_reduce_seconds(cl_, g, bytes, algo) : all_gather_seconds(cl_, g, bytes);
+    return (reduce ? 1.0 : 0.5) * (n - 1) * curve.at(2 * bytes / n);
+  }
+  double message(int64_t src, int64_t dst, double bytes) const {
+    if (src == dst) return 0;
+    if (o_.p2p_curve.empty() || cl_.node_of(src) != cl_.node_of(dst))
+      return p2p_seconds(cl_, src, dst, bytes);
+    return o_.p2p_curve.at(bytes);
+  }
+  // An fp32 reduction inside an op (the vocab-parallel loss's).
+  double loss_all_reduce(const std::vector<int64_t>& g, double bytes) const {
+    return o_.tp_cp_comm ? ring(o_.grad_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
   }
   // Encoder DP ranks i holding items of replica d in microbatch m: {i, overlap items}.
   std::vector<std::pair<int64_t, int64_t>> encoder_ranks_of(int64_t e, int64_t m, int64_t d) const {
@@ -158,13 +193,32 @@ class Engine {
     return out;
   }
 
-  Op compute(std::string name, bool forward, double flops, double comm) const {
+  // A forward / backward op of a stage on n units of data, the per-unit work divided over
+  // `split` (tp × cp) ranks: measured seconds when the stage has them, else FLOPs at the
+  // device's effective rate; plus the op's TP / CP collectives.
+  Op compute(std::string name, bool forward, const StageCost& sc, double n, double split,
+             double comm) const {
     Op op;
     op.name = std::move(name);
     op.category = forward ? "forward" : "backward";
-    op.seconds = flops / flops_per_second_ + comm;
+    const double seconds =
+        sc.measured
+            ? (forward ? sc.forward_fixed_seconds : sc.backward_fixed_seconds) +
+                  n * (forward ? sc.forward_seconds : sc.backward_seconds) / split
+            : n * (forward ? sc.forward_flops : sc.backward_flops) / split / flops_per_second_;
+    op.seconds = op.base = seconds + comm;
     op.comm_seconds = comm;
+    if (sc.measured && sc.shared_measured) {
+      const double shared =
+          (forward ? sc.forward_fixed_seconds_shared : sc.backward_fixed_seconds_shared) +
+          n * (forward ? sc.forward_seconds_shared : sc.backward_seconds_shared) / split;
+      op.shared_extra = shared - seconds;
+    }
     return op;
+  }
+  // Activation bytes a forward of n units keeps on a rank holding 1/split of them.
+  static double kept_bytes(const StageCost& sc, double n, double split) {
+    return n * sc.activation_bytes / split + (sc.measured ? sc.activation_fixed_bytes : 0);
   }
 
   void add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
@@ -210,15 +264,15 @@ class Engine {
       if (a == b) continue;
       const double n = static_cast<double>(b - a);
       const double tokens = n * T / static_cast<double>(cp);  // this rank's
-      const double act_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      const double act_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
       const std::string id = " mb" + std::to_string(mb) + where;
       if (forward_pass) {
         const double comm =
             static_cast<double>(sc.blocks) *
-                (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv)) +
+                (2 * all_reduce(tp_group, tokens * h * act_) + 2 * all_gather(cp_group, kv / 2)) +
             (last ? all_gather(cp_group, n * T * H * act_) : 0);
-        Op op = compute(m.name + " fwd" + id, true, n * sc.forward_flops / (tp * cp), comm);
+        Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
         if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
         if (!last) {
           op.sends.push_back(
@@ -243,8 +297,8 @@ class Engine {
       }
       const double blocks_back = m.weight_grads ? static_cast<double>(sc.blocks) : 0;
       const double comm = blocks_back * (2 * all_reduce(tp_group, tokens * h * act_) +
-                                         reduce_scatter(cp_group, kv));
-      Op op = compute(m.name + " bwd" + id, false, n * sc.backward_flops / (tp * cp), comm);
+                                         2 * reduce_scatter(cp_group, kv / 2));
+      Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
         const int64_t per = mb_samples_[mb];
         for (int64_t d = 0; d < D_; ++d) {
@@ -271,7 +325,7 @@ class Engine {
     const int64_t s = c.pp, P = m.layout.pp, tp = m.layout.tp, cp = m.layout.cp, d = c.dp;
     const bool first = s == 0, last = s == P - 1;
     const StageCost& sc = costs_[llm_][s];
-    const double S = static_cast<double>(l.max_seq), H = static_cast<double>(l.hidden);
+    const double S = seq_, H = static_cast<double>(l.hidden);
     const double kv_width = static_cast<double>(l.head_dim() * l.kv_heads);
     const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage}); };
@@ -286,11 +340,14 @@ class Engine {
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
-      // TP: 2 all-reduces per block and the vocab-parallel embedding's; CP: K/V all-gathers.
+      // TP: 2 all-reduces per block, the vocab-parallel embedding's, and the vocab-parallel
+      // loss's three fp32 reductions over its rows (max, sum of exponentials, target logit);
+      // CP: a K and a V all-gather per block.
       const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
-                          blocks * all_gather(cp_group, kv);
-      Op op = compute("llm fwd mb" + std::to_string(mb) + where, true,
-                      n * sc.forward_flops / static_cast<double>(tp * cp), comm);
+                          (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
+                          2 * blocks * all_gather(cp_group, kv / 2);
+      Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
+                      static_cast<double>(tp * cp), comm);
       op.llm = true;
       if (first) {
         for (int64_t e = 0; e < llm_; ++e) {
@@ -305,17 +362,18 @@ class Engine {
       if (!last)
         op.sends.push_back(
             {{kLlmAct, llm_, mb, r, neighbour(s + 1)}, neighbour(s + 1), tokens * H * act_});
-      if (m.needs_backward())
-        op.keep_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      if (m.needs_backward()) op.keep_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
       ops_[r].push_back(std::move(op));
     };
     const auto backward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
-      const double comm = 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
-                          blocks * reduce_scatter(cp_group, kv);
-      Op op = compute("llm bwd mb" + std::to_string(mb) + where, false,
-                      n * sc.backward_flops / static_cast<double>(tp * cp), comm);
+      // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
+      // K and V gradients' reduce-scatters.
+      const double comm = (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+                          2 * blocks * reduce_scatter(cp_group, kv / 2);
+      Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
+                      static_cast<double>(tp * cp), comm);
       op.llm = true;
       if (!last) op.waits.push_back({kLlmGrad, llm_, mb, neighbour(s + 1), r});
       if (!first) {
@@ -337,7 +395,7 @@ class Engine {
               }
         }
       }
-      op.free_bytes = n * sc.activation_bytes / static_cast<double>(tp * cp);
+      op.free_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
       if (mb == M_ - 1) op.arms = llm_;
       ops_[r].push_back(std::move(op));
     };
@@ -371,13 +429,20 @@ class Engine {
     if (grad > 0) {
       const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
       add_collective(r, m.name + " grad all-reduce", group,
-                     all_reduce_seconds(cl_, group, grad, o_.grad_reduce_algo),
-                     all_reduce_seconds(cl_, group, std::min(grad, bucket), o_.grad_reduce_algo),
+                     ring(o_.grad_curve, group, grad, true, o_.grad_reduce_algo),
+                     ring(o_.grad_curve, group, std::min(grad, bucket), true, o_.grad_reduce_algo),
                      spec_.train.overlap_grad_reduce ? i : -1);
     }
   }
 
   void build_rank(int64_t r) {
+    if (o_.data_seconds_per_sample > 0) {  // the whole global batch, on every rank
+      Op op;
+      op.name = "data";
+      op.category = "data";
+      op.seconds = static_cast<double>(plan_.global_batch) * o_.data_seconds_per_sample;
+      ops_[r].push_back(std::move(op));
+    }
     std::vector<int64_t> encoders;
     for (int64_t i = 0; i < llm_; ++i)
       if (mod(i).role == ModuleRole::kEncoder && mod(i).hosts(r)) encoders.push_back(i);
@@ -398,29 +463,36 @@ class Engine {
                              static_cast<double>(spec_.model.llm.hidden) /
                              static_cast<double>(llm.layout.tp);
         add_collective(r, "llm tied embedding all-reduce", pair,
-                       all_reduce_seconds(cl_, pair, bytes));
+                       ring(o_.grad_curve, pair, bytes, true, CollectiveAlgo::kRing));
       }
     }
     std::vector<int64_t> world(static_cast<size_t>(plan_.world_size));
     for (int64_t k = 0; k < plan_.world_size; ++k) world[k] = k;
     add_collective(r, "loss and grad-norm all-reduce", world,
-                   2 * all_reduce_seconds(cl_, world, 8));
+                   2 * ring(o_.grad_curve, world, 8, true, CollectiveAlgo::kRing));
     // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.
     // Under ZeRO-1 a rank steps only its share of the CP × DP group's parameters.
-    double grad_bytes = 0;
+    // Measured stages charge their measured optimizer seconds instead.
+    double grad_bytes = 0, measured_seconds = 0;
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
       const double share =
           spec_.train.zero_stage == 1 ? 1.0 / static_cast<double>(m.layout.dp * m.layout.cp) : 1;
-      grad_bytes += costs_[i][m.coord(r).pp].grad_bytes / static_cast<double>(m.layout.tp) * share;
+      const StageCost& sc = costs_[i][m.coord(r).pp];
+      const double mine = share / static_cast<double>(m.layout.tp);
+      if (sc.measured)
+        measured_seconds += sc.optimizer_seconds * mine;
+      else
+        grad_bytes += sc.grad_bytes * mine;
     }
     const double hbm = cl_.device.hbm_bytes_per_second;
-    if (o_.optimizer_step && hbm > 0 && grad_bytes > 0) {
+    const double seconds = measured_seconds + (hbm > 0 ? 7 * grad_bytes / hbm : 0);
+    if (o_.optimizer_step && seconds > 0) {
       Op op;
       op.name = "optimizer";
       op.category = "optimizer";
-      op.seconds = 7 * grad_bytes / hbm;
+      op.seconds = seconds;
       ops_[r].push_back(std::move(op));
     }
   }
@@ -432,13 +504,60 @@ class Engine {
     if (o_.trace && seconds > 0) result_.trace.push_back({name, cat, r, start, seconds});
   }
 
+  static constexpr int kContentionPasses = 3;
+
+  // Each op's share of its time during which another rank on its node ran forward / backward /
+  // data work in the last pass, and its duration from it.
+  void apply_contention() {
+    const size_t R = ops_.size();
+    for (size_t r = 0; r < R; ++r) {
+      std::vector<std::pair<double, double>> others;  // busy intervals of the node's other ranks
+      for (size_t q = 0; q < R; ++q)
+        if (q != r && cl_.node_of(static_cast<int64_t>(q)) == cl_.node_of(static_cast<int64_t>(r)))
+          for (const Op& op : ops_[q])
+            if (op.category == "forward" || op.category == "backward" || op.category == "data")
+              others.push_back({op.last_start, op.last_end});
+      std::sort(others.begin(), others.end());
+      std::vector<std::pair<double, double>> merged;
+      for (const auto& iv : others) {
+        if (!merged.empty() && iv.first <= merged.back().second)
+          merged.back().second = std::max(merged.back().second, iv.second);
+        else
+          merged.push_back(iv);
+      }
+      for (Op& op : ops_[r]) {
+        if (op.shared_extra == 0) continue;
+        const double len = op.last_end - op.last_start;
+        double overlap = 0;
+        for (const auto& [a, b] : merged)
+          overlap += std::max(0.0, std::min(b, op.last_end) - std::max(a, op.last_start));
+        const double f = len > 0 ? overlap / len : 0;
+        op.seconds = op.base + f * op.shared_extra;
+      }
+    }
+  }
+
+  // Clears what a pass accumulates.
+  void reset_pass() {
+    for (RankReport& rep : result_.ranks) {
+      rep.busy_seconds = rep.comm_seconds = rep.collective_seconds = 0;
+      rep.optimizer_seconds = rep.data_seconds = rep.peak_activation_bytes = 0;
+    }
+    for (Collective& c : collectives_) c.arrived.assign(c.ranks.size(), false), c.count = 0;
+    result_.trace.clear();
+    result_.step_seconds = 0;
+    llm_compute_end_ = 0;
+  }
+
   void execute() {
+    reset_pass();
     const size_t R = ops_.size();
     std::vector<size_t> cursor(R, 0);
     std::vector<double> free_at(R, 0), activations(R, 0);
     std::map<MsgKey, double> arrival;
     std::vector<std::map<int64_t, std::pair<double, double>>> armed(R);  // module → [start, end)
     busy_.assign(R, {});
+    window_start_.assign(R, 0);
     bool done = false;
     while (!done) {
       bool progress = false;
@@ -470,16 +589,21 @@ class Engine {
           }
           if (!ready) break;
           const double end = start + op.seconds;
+          ops_[r][cursor[r]].last_start = start;
+          ops_[r][cursor[r]].last_end = end;
           for (const Send& s : op.sends) {
             WEFT_ASSERT(!arrival.count(s.key), "message sent twice: ", op.name);
-            arrival[s.key] = end + p2p_seconds(cl_, static_cast<int64_t>(r), s.dst, s.bytes);
+            arrival[s.key] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
           }
-          if (op.arms >= 0) armed[r][op.arms] = {start, end};
+          if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, end};
           activations[r] += op.keep_bytes;
           rep.peak_activation_bytes = std::max(rep.peak_activation_bytes, activations[r]);
           activations[r] -= op.free_bytes;
           if (op.category == "optimizer") {
             rep.optimizer_seconds += op.seconds;
+          } else if (op.category == "data") {
+            rep.data_seconds += op.seconds;
+            window_start_[r] = end;
           } else {
             rep.busy_seconds += op.seconds;
             rep.comm_seconds += op.comm_seconds;
@@ -529,11 +653,12 @@ class Engine {
 
   double llm_compute_end_ = 0;                                // end of the last LLM op
   std::vector<std::vector<std::pair<double, double>>> busy_;  // per rank: forward / backward ops
+  std::vector<double> window_start_;  // per rank: where its pipeline work may start (after data)
 
   void summarise() {
     SimResult& res = result_;
     const int64_t B = plan_.global_batch;
-    res.tokens_per_step = static_cast<double>(B * spec_.model.llm.max_seq);
+    res.tokens_per_step = static_cast<double>(B) * seq_;
     res.tokens_per_second = res.step_seconds > 0 ? res.tokens_per_step / res.step_seconds : 0;
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       double per_unit = 0;
@@ -550,17 +675,27 @@ class Engine {
       rep.peak_memory_bytes = rep.static_bytes + rep.peak_activation_bytes;
       res.memory_fits = res.memory_fits && rep.peak_memory_bytes <= cl_.device.memory_bytes;
       if (!mod(llm_).hosts(rep.rank) || llm_compute_end_ <= 0) continue;
-      double busy = 0;  // within [0, llm_compute_end_)
+      double busy = 0;  // within [start, llm_compute_end_)
+      const double start = window_start_[rep.rank];
       for (const auto& [a, b] : busy_[rep.rank])
         busy += std::max(0.0, std::min(b, llm_compute_end_) - a);
-      idle += llm_compute_end_ - busy;
-      total += llm_compute_end_;
+      idle += llm_compute_end_ - start - busy;
+      total += llm_compute_end_ - start;
     }
     res.bubble_fraction = total > 0 ? idle / total : 0;
   }
 };
 
 }  // namespace
+
+double CommCurve::at(double b) const {
+  WEFT_ASSERT(!bytes.empty() && bytes.size() == seconds.size(), "an empty cost curve");
+  if (bytes.size() == 1 || b <= bytes.front()) return seconds.front();
+  size_t k = 1;
+  while (k + 1 < bytes.size() && bytes[k] < b) ++k;
+  const double t = (b - bytes[k - 1]) / (bytes[k] - bytes[k - 1]);
+  return std::max(0.0, seconds[k - 1] + t * (seconds[k] - seconds[k - 1]));
+}
 
 CostTable stage_costs(const Spec& spec, const Plan& plan) {
   CostTable table(plan.modules.size());
@@ -625,6 +760,7 @@ std::string to_json(const SimResult& r) {
                      {"comm_seconds", k.comm_seconds},
                      {"collective_seconds", k.collective_seconds},
                      {"optimizer_seconds", k.optimizer_seconds},
+                     {"data_seconds", k.data_seconds},
                      {"static_bytes", k.static_bytes},
                      {"peak_activation_bytes", k.peak_activation_bytes},
                      {"peak_memory_bytes", k.peak_memory_bytes}});

@@ -29,6 +29,28 @@
 // per encoder; train.batch samples go to the LLM's DP replicas evenly, each replica's split into
 // train.microbatches as the loader does (sizes differ by at most one, larger first), and encoder
 // DP ranks take a global microbatch's items as the runtime does (fan-in, fan-out or even split).
+//
+// Measured costs (plan/profile.h: simulate(spec, plan, cluster, profile)). Checked against real
+// 2-rank runs on a 2-core CPU (bench/validate_sim.py), the FLOP model above misses what follows;
+// each is modelled from a measurement, none by a global factor:
+//  - per-call overhead: an op costs fixed + n · per-unit seconds, the fixed part (operator
+//    dispatch, autograd bookkeeping; most of a small microbatch on a CPU) not divided over TP / CP;
+//  - real rows: the data's padded row length, not max_seq (SimOptions::llm_seq), for messages and
+//    tokens/s; attention's quadratic part from a fit over two row lengths;
+//  - per-stage work: every LLM stage builds the attention mask and RoPE tables per microbatch;
+//  - data preparation: every rank draws and collates the whole global batch at the start of the
+//    step (SimOptions::data_seconds_per_sample; an op of its own, not pipeline idle time);
+//  - the optimizer: measured AdamW + gradient-norm seconds of the rank's trainable layers (the
+//    FLOP model charges 7 fp32 passes over memory);
+//  - the transport: measured cost curves in place of the cluster's intra-node link —
+//    point-to-point, fp32 reductions, and activation collectives in the compute dtype, which Gloo
+//    1.13 reduces in fp32 (twice the bytes, plus conversions); mean times, since a fraction of
+//    Gloo's collectives wait a scheduler time slice on a small machine (SimOptions::*_curve);
+//  - no free overlap on CPU ranks: Gloo's work runs on the core that computes, so a gradient
+//    reduction overlapped with backward only delays that backward (SimOptions::comm_occupies_rank);
+//  - contention: ranks of one node that compute at the same time share caches and memory
+//    bandwidth; each op is charged its cost measured under load for the share of its time during
+//    which another rank of its node computes, from the previous pass's timeline (3 passes).
 #pragma once
 
 #include <cstdint>
@@ -53,11 +75,34 @@ struct StageCost {
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
+  // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
+  // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
+  // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
+  bool measured = false;
+  double forward_seconds = 0, backward_seconds = 0;              // per unit of data
+  double forward_fixed_seconds = 0, backward_fixed_seconds = 0;  // per op
+  double activation_fixed_bytes = 0;                             // per op, on top of the above
+  // The same seconds with the node's other ranks computing throughout (measured under load,
+  // plan/profile.h): an op is charged them for the share of its time during which another
+  // rank of its node runs forward, backward or data work.
+  bool shared_measured = false;
+  double forward_seconds_shared = 0, backward_seconds_shared = 0;
+  double forward_fixed_seconds_shared = 0, backward_fixed_seconds_shared = 0;
+  double optimizer_seconds = 0;  // per step: AdamW + gradient norm of the trainable parameters
 };
 
 // Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
 using CostTable = std::vector<std::vector<StageCost>>;
 CostTable stage_costs(const Spec& spec, const Plan& plan);
+
+// A measured cost curve on one node (plan/profile.h): seconds of a point-to-point message, or of
+// a two-rank collective, at increasing sizes in bytes; linear between the points, extrapolated
+// along the last two, the first point's below it.
+struct CommCurve {
+  std::vector<double> bytes, seconds;
+  bool empty() const { return bytes.empty(); }
+  double at(double bytes) const;
+};
 
 struct SimOptions {
   CollectiveAlgo grad_reduce_algo = CollectiveAlgo::kRing;
@@ -67,6 +112,21 @@ struct SimOptions {
   // the vocabulary the simulator assumes then.
   int64_t unset_vocab = 64;
   bool trace = true;  // keep the timeline (SimResult::trace)
+  // Every rank draws and collates the whole global batch at the start of a step: seconds per
+  // sample (a measured profile's; 0 = not modelled).
+  double data_seconds_per_sample = 0;
+  // Tokens per LLM row (padded) the messages and tokens/s assume; 0 = model.llm.max_seq.
+  double llm_seq = 0;
+  // Measured costs between ranks of one node, in place of the cluster's intra_node link where
+  // given: point-to-point messages (pipeline, bridge), fp32 reductions (gradients, loss, norm)
+  // and the TP / CP collectives of activations in the compute dtype. A group of n ranks runs a
+  // ring: an all-reduce is 2(n − 1) steps of bytes / n, (n − 1) · curve(2 · bytes / n), an
+  // all-gather or a reduce-scatter half of that (two ranks: the curve, and half of it).
+  CommCurve p2p_curve, grad_curve, activation_curve;
+  // The transport runs on the ranks' own cores (Gloo over TCP on CPU ranks of one core each):
+  // a gradient reduction overlapped with backward would take the core the backward runs on, so
+  // it starts after the backward instead, as without train.overlap_grad_reduce.
+  bool comm_occupies_rank = false;
 };
 
 struct RankReport {
@@ -76,6 +136,7 @@ struct RankReport {
   double comm_seconds = 0;          // of busy_seconds: TP / CP collectives inside the ops
   double collective_seconds = 0;    // exposed step-end collectives (gradients, loss, norm)
   double optimizer_seconds = 0;
+  double data_seconds = 0;  // drawing and collating the global batch
   double static_bytes = 0;  // parameters + gradients + optimizer state
   double peak_activation_bytes = 0;
   double peak_memory_bytes = 0;  // static + peak activations

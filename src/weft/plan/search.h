@@ -1,0 +1,167 @@
+// Layout search: the planner behind `weft plan CONFIG --cluster CLUSTER`. It chooses, for a Spec
+// on a Cluster, everything of a run the config leaves open — each module's layout {dp, tp, pp,
+// cp}, the placement (colocated: every module on every rank; separate: disjoint rank spans, the
+// DistTrain-style split of the GPUs between the encoders and the LLM), the stage boundaries
+// (each module's exact frozen-aware FLOP-balanced split, partition.h), the microbatch count,
+// ZeRO-1 and activation recomputation per module — and predicts its step with the simulator.
+//
+// The search space (SearchOptions narrows it):
+//   llm       tp | heads, kv_heads, ffn, vocab (tp <= max_tp, default a node); cp a power of two
+//             <= max_cp with at least min_cp_tokens tokens per CP rank; pp <= min(layers,
+//             max_pp); dp | train.batch
+//   encoder   tp | heads, ffn (and llm.hidden for an mlp projector); cp a power of two dividing
+//             its tokens per item (no [CLS] token); pp <= min(blocks, max_encoder_pp);
+//             colocated: dp fills the LLM's ranks; separate: dp divides the LLM's dp or is a
+//             multiple of it, at most the items of one global microbatch
+//   ranks     at most the cluster's devices (a plan may leave some idle: the step time, not the
+//             device count, is what is minimised)
+//   microbatches  M | train.batch, M <= batch / llm dp, M <= max_microbatches
+//   zero_stage    0 or 1; recompute per module that keeps activations (off or on)
+//
+// Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
+// every node has an analytic lower bound on the simulated step time, built from the same op
+// durations the simulator charges (forward / backward with their TP / CP collectives, and
+// point-to-point hops, priced at the cheapest link the group can use):
+//   - each representative rank's own ops, then its gradient reduction (the whole all-reduce from
+//     the start of its last backward when overlapped, its last bucket after it) — the loss
+//     all-reduce and the optimizer follow on every rank;
+//   - 1F1B on every LLM stage: the fill chain before its first op (after the encoders' first
+//     microbatch), chains of microbatch round trips through the stages above it and its own ops
+//     around them (exact for a uniform pipeline; it sees the bubbles of uneven stages and
+//     microbatch sizes), the drain below it; separate encoders' last forward before the LLM's
+//     last microbatch and their backwards after the LLM's;
+//   - encoders not chosen yet: their FLOPs spread over every rank they could get.
+// Nodes whose per-rank memory (parameters, gradients, optimizer state sharded by ZeRO-1, peak
+// activations under the schedule) exceeds the device are dropped before any simulation.
+// Complete candidates are simulated in bound order until the bound reaches the best simulated
+// step time, so the winner is the simulator's optimum over the space unless the simulation
+// budget ran out first (SearchStats::complete says which); tests check on exhaustive spaces
+// that the bound never exceeds the simulated step. Everything runs on one thread; the
+// simulator is called with SimOptions::trace = false.
+//
+// Expert parallelism (LayoutSpec::ep) is not searched (ep = 1): the simulator does not price it
+// yet (no all-to-all, expert parameters not sharded over ep). The hook: Space::roots in
+// search_space.cpp, where the LLM's layouts are enumerated, and Space::work, which prices them.
+//
+// Activation recomputation (model.<module>.recompute) is priced here, not in the simulator:
+// planner_costs() adds one more forward of each recomputed block to its backward and keeps only
+// each block's input (bf16: 2 bytes per element) as its activations. The repeated forward's TP
+// all-reduces are not charged.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weft/core/spec.h"
+#include "weft/plan/cluster.h"
+#include "weft/plan/plan.h"
+#include "weft/plan/simulate.h"
+
+namespace weft::plan {
+
+// One point of the search space.
+struct Candidate {
+  // "colocated", "separate", or "megatron": Megatron-LM's multimodal baseline — every encoder
+  // runs on the ranks of the LLM's first pipeline stage with the LLM's tp (or the largest
+  // divisor of it the encoder allows), pp = cp = 1, data parallel over the rest of those ranks;
+  // the LLM's layers split evenly over its stages (not a placement make_plan can build).
+  std::string placement = "colocated";
+  // Per encoder in spec order, then the LLM (last): layout and stage boundaries (pp - 1).
+  std::vector<LayoutSpec> layouts;
+  std::vector<bool> recompute;  // aligned with layouts
+  int64_t world_size = 1;       // ranks the plan uses (<= the cluster's devices)
+  int64_t microbatches = 1;
+  int64_t zero_stage = 0;
+};
+
+struct SearchOptions {
+  int64_t max_ranks = 0;  // devices to plan for; 0 = every device of the cluster
+  // Placements to search: any of "colocated", "separate", "megatron" (the baseline above).
+  std::vector<std::string> placements = {"colocated", "separate"};
+  int64_t max_tp = 0;  // 0 = the cluster's gpus_per_node
+  int64_t max_pp = 32, max_encoder_pp = 8;
+  int64_t max_cp = 16;
+  int64_t min_cp_tokens = 512;  // LLM tokens per CP rank at least
+  int64_t max_microbatches = 128;
+  bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)
+  bool recompute = true;  // also try activation recomputation per module
+  int64_t top = 5;        // distinct layouts to report (the winner first)
+  // Also simulate candidates whose bound is within this fraction of the best step time, so the
+  // runner-ups in the table are exact too; the winner is exact regardless.
+  double report_slack = 0.15;
+  int64_t max_simulations = 400;  // stop (SearchStats::complete = false) after this many
+  double time_budget_seconds = 50;
+  SimOptions sim;  // how candidates are simulated (trace is ignored)
+};
+
+struct Evaluation {
+  Candidate candidate;
+  Plan plan;
+  SimResult sim;  // without the trace
+  double lower_bound = 0;
+};
+
+struct SearchStats {
+  int64_t nodes = 0;            // partial and complete candidates bounded
+  int64_t memory_filtered = 0;  // of those, dropped by the analytic memory filter
+  int64_t simulated = 0;
+  int64_t simulated_over_memory = 0;  // simulated, but a rank's peak exceeds the device
+  double seconds = 0;
+  // True when every candidate left had a bound at least the winner's step time: the winner is
+  // the optimum of the space. False when max_simulations or the time budget stopped the search;
+  // `open_bound` is then the smallest bound not yet simulated.
+  bool complete = true;
+  double open_bound = 0;
+};
+
+struct SearchResult {
+  std::vector<Evaluation> best;  // distinct layouts, fastest first; best[0] is the plan
+  // The fastest simulated candidate that did not fit the device memory, when it beats best[0]
+  // (what the memory limit costs); empty otherwise.
+  std::vector<Evaluation> over_memory;
+  SearchStats stats;
+  std::string why;  // one line: why best[0] beat the runner-up
+};
+
+// Searches `spec` on `cluster`. Throws weft::Error naming the config when no candidate fits
+// (e.g. the model does not fit the devices' memory however it is sharded).
+SearchResult search(const Spec& spec, const Cluster& cluster, const SearchOptions& options = {});
+
+// ---- Building blocks (the CLI, the scenario benchmark and the tests use them) --------------
+
+// The spec with a candidate's choices written into it: parallel.placement and
+// parallel.<module>.{dp,tp,pp,cp,stages}, train.microbatches, train.zero_stage and
+// model.<module>.recompute ("megatron" is written as colocated; candidate_plan moves the
+// encoders).
+Spec apply_candidate(const Spec& spec, const Candidate& candidate);
+Plan candidate_plan(const Spec& spec, const Candidate& candidate);
+// The simulator's stage costs (stage_costs) with the spec's activation recomputation priced in
+// (see above); model.llm.vocab = 0 is taken as `unset_vocab` like the simulator does.
+CostTable planner_costs(const Spec& spec, const Plan& plan, int64_t unset_vocab = 64);
+// The recomputation pricing of one module's stages (as planner_costs applies it).
+void add_recompute_costs(const Spec& spec, const ModulePlan& module,
+                         std::vector<StageCost>* stages);
+// Simulates a candidate (planner_costs, options.trace off).
+Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& candidate,
+                    const SimOptions& options = {});
+
+// Every complete candidate of the space, in enumeration order, with its analytic bound — what
+// the branch and bound prunes (for tests; large spaces are large).
+struct BoundedCandidate {
+  Candidate candidate;
+  double lower_bound = 0;   // seconds
+  double memory_bytes = 0;  // analytic per-rank peak (a lower bound of the simulated one)
+  bool fits_memory = true;  // memory_bytes <= the device's
+};
+std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Cluster& cluster,
+                                                   const SearchOptions& options = {});
+
+// "separate | vision tp1 dp16 | llm tp8 pp4 dp2 | mb 8 zero1 recompute llm".
+std::string describe(const Spec& spec, const Candidate& candidate);
+// The config that reproduces a candidate: TOML ([parallel], [parallel.<module>], [train],
+// [model.<module>] recompute) and the same as --set overrides.
+std::string config_snippet(const Spec& spec, const Candidate& candidate);
+std::vector<std::string> config_overrides(const Spec& spec, const Candidate& candidate);
+
+}  // namespace weft::plan

@@ -1,0 +1,196 @@
+// The search's building blocks that turn a Candidate into a config, a Plan, costs and a
+// simulation (search.h), and back into text: describe, the TOML snippet, --set overrides.
+#include <algorithm>
+#include <sstream>
+
+#include "weft/core/error.h"
+#include "weft/plan/partition.h"
+#include "weft/plan/search.h"
+
+namespace weft::plan {
+
+namespace {
+
+std::string list(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+std::vector<std::string> module_names(const Spec& spec) {
+  std::vector<std::string> names;
+  for (const EncoderSpec& e : spec.model.encoders) names.push_back(e.name);
+  names.push_back("llm");
+  return names;
+}
+
+void check_shape(const Spec& spec, const Candidate& c) {
+  WEFT_CHECK(
+      c.layouts.size() == spec.model.encoders.size() + 1 && c.recompute.size() == c.layouts.size(),
+      "[search] a candidate needs one layout and one recompute flag per encoder and the "
+      "LLM (",
+      spec.model.encoders.size() + 1, "), got ", c.layouts.size(), " and ", c.recompute.size());
+  WEFT_CHECK(c.placement == "colocated" || c.placement == "separate" || c.placement == "megatron",
+             "[search] unknown placement \"", c.placement,
+             "\" (expected colocated, separate or megatron)");
+}
+
+}  // namespace
+
+void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<StageCost>* stages) {
+  const MicrobatchShape unit = single_sample_microbatch(spec);  // items = 1, as stage_costs
+  const ModuleCosts costs = module_layer_costs(spec, m, unit);
+  const double act = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
+  double input_bytes = 0;  // what a recomputed block keeps: its input, tokens × width
+  if (m.role == ModuleRole::kLlm) {
+    input_bytes = act * static_cast<double>(spec.model.llm.max_seq * spec.model.llm.hidden);
+  } else {
+    const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(m.encoder)];
+    input_bytes = act * static_cast<double>(e.tokens_per_item() * e.hidden);
+  }
+  for (int64_t s = 0; s < static_cast<int64_t>(stages->size()); ++s) {
+    const auto [begin, end] = m.stage_layers(s);
+    StageCost& sc = (*stages)[static_cast<size_t>(s)];
+    for (int64_t b = begin; b < end; ++b) {
+      const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
+      if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
+      sc.backward_flops += l.forward;         // the block's forward once more, in backward
+      sc.activation_bytes -= l.activation_bytes - std::min(l.activation_bytes, input_bytes);
+    }
+  }
+}
+
+CostTable planner_costs(const Spec& spec_in, const Plan& plan, int64_t unset_vocab) {
+  Spec spec = spec_in;
+  if (spec.model.llm.vocab == 0) spec.model.llm.vocab = unset_vocab;
+  CostTable table = stage_costs(spec, plan);
+  for (size_t i = 0; i < plan.modules.size(); ++i) {
+    const ModulePlan& m = plan.modules[i];
+    if (m.role == ModuleRole::kProjector) continue;
+    const bool recompute = m.role == ModuleRole::kLlm
+                               ? spec.model.llm.recompute
+                               : spec.model.encoders[static_cast<size_t>(m.encoder)].recompute;
+    if (recompute) add_recompute_costs(spec, m, &table[i]);
+  }
+  return table;
+}
+
+Spec apply_candidate(const Spec& spec_in, const Candidate& c) {
+  check_shape(spec_in, c);
+  Spec spec = spec_in;
+  const bool megatron = c.placement == "megatron";
+  spec.parallel.placement = megatron ? "colocated" : c.placement;
+  const auto names = module_names(spec);
+  for (size_t k = 0; k < names.size(); ++k) {
+    LayoutSpec l = c.layouts[k];
+    if (megatron && k + 1 < names.size()) {  // make_plan's colocated stand-in (candidate_plan)
+      l.dp = c.world_size / l.tp;
+      l.stages.clear();
+    }
+    spec.parallel.modules[names[k]] = l;
+    if (k + 1 < names.size())
+      spec.model.encoders[k].recompute = c.recompute[k];
+    else
+      spec.model.llm.recompute = c.recompute[k];
+  }
+  spec.train.microbatches = c.microbatches;
+  spec.train.zero_stage = c.zero_stage;
+  return spec;
+}
+
+Plan candidate_plan(const Spec& spec, const Candidate& c) {
+  Plan plan = make_plan(apply_candidate(spec, c), c.world_size);
+  if (c.placement != "megatron") return plan;
+  // Every encoder (and its projector) on the ranks of the LLM's first stage: [0, tp·cp·dp).
+  for (ModulePlan& m : plan.modules) {
+    if (m.role == ModuleRole::kLlm) continue;
+    const LayoutSpec& l = c.layouts[static_cast<size_t>(m.encoder)];
+    m.layout = Layout{};
+    m.layout.dp = l.dp;
+    m.layout.tp = l.tp;
+    m.first_rank = 0;
+    m.stage_boundaries.clear();
+  }
+  return plan;
+}
+
+Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c,
+                    const SimOptions& options) {
+  Evaluation e;
+  e.candidate = c;
+  e.plan = candidate_plan(spec, c);
+  const Spec applied = apply_candidate(spec, c);
+  SimOptions o = options;
+  o.trace = false;
+  e.sim = simulate(applied, e.plan, cluster, planner_costs(applied, e.plan, o.unset_vocab), o);
+  return e;
+}
+
+std::string describe(const Spec& spec, const Candidate& c) {
+  check_shape(spec, c);
+  const auto names = module_names(spec);
+  std::ostringstream os;
+  os << c.placement;
+  for (size_t k = 0; k < names.size(); ++k) {
+    const LayoutSpec& l = c.layouts[k];
+    os << " | " << names[k] << " tp" << l.tp;
+    if (l.cp > 1) os << " cp" << l.cp;
+    if (l.ep > 1) os << " ep" << l.ep;
+    if (l.etp > 0) os << " etp" << l.etp;
+    os << " pp" << l.pp << " dp" << l.dp;
+  }
+  os << " | mb " << c.microbatches;
+  if (c.zero_stage > 0) os << " zero" << c.zero_stage;
+  std::string rc;
+  for (size_t k = 0; k < names.size(); ++k)
+    if (c.recompute[k]) rc += (rc.empty() ? "" : ",") + names[k];
+  if (!rc.empty()) os << " recompute " << rc;
+  return os.str();
+}
+
+std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) {
+  check_shape(spec, c);
+  WEFT_CHECK(c.placement != "megatron",
+             "[search] the megatron baseline puts encoders on the LLM's first-stage ranks, which "
+             "no config can express");
+  std::vector<std::string> out = {"parallel.placement=" + c.placement};
+  const auto names = module_names(spec);
+  for (size_t k = 0; k < names.size(); ++k) {
+    const LayoutSpec& l = c.layouts[k];
+    const std::string p = "parallel." + names[k] + ".";
+    out.push_back(p + "dp=" + std::to_string(l.dp));
+    out.push_back(p + "tp=" + std::to_string(l.tp));
+    out.push_back(p + "pp=" + std::to_string(l.pp));
+    out.push_back(p + "cp=" + std::to_string(l.cp));
+    if (l.ep > 1) out.push_back(p + "ep=" + std::to_string(l.ep));
+    if (l.etp > 0) out.push_back(p + "etp=" + std::to_string(l.etp));
+    out.push_back(p + "stages=" + list(l.stages));
+  }
+  out.push_back("train.microbatches=" + std::to_string(c.microbatches));
+  out.push_back("train.zero_stage=" + std::to_string(c.zero_stage));
+  for (size_t k = 0; k < names.size(); ++k)
+    out.push_back("model." + names[k] + ".recompute=" + (c.recompute[k] ? "true" : "false"));
+  return out;
+}
+
+std::string config_snippet(const Spec& spec, const Candidate& c) {
+  config_overrides(spec, c);  // the same checks
+  const auto names = module_names(spec);
+  std::ostringstream os;
+  os << "[parallel]\nplacement = \"" << c.placement << "\"\n";
+  for (size_t k = 0; k < names.size(); ++k) {
+    const LayoutSpec& l = c.layouts[k];
+    os << "\n[parallel." << names[k] << "]\ndp = " << l.dp << "\ntp = " << l.tp << "\npp = " << l.pp
+       << "\ncp = " << l.cp << "\n";
+    if (l.ep > 1) os << "ep = " << l.ep << "\n";
+    if (l.etp > 0) os << "etp = " << l.etp << "\n";
+    os << "stages = " << list(l.stages) << "\n";
+  }
+  os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
+  for (size_t k = 0; k < names.size(); ++k)
+    os << "\n[model." << names[k] << "]\nrecompute = " << (c.recompute[k] ? "true" : "false")
+       << "\n";
+  return os.str();
+}
+
+}  // namespace weft::plan

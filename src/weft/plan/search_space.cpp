@@ -1,0 +1,700 @@
+// The layout search's tree and its analytic bound (search_space.h).
+#include "weft/plan/search_space.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "weft/core/error.h"
+#include "weft/plan/partition.h"
+
+namespace weft::plan::search_space {
+
+namespace {
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) {
+      out.push_back(d);
+      if (d * d != n) out.push_back(n / d);
+    }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// [begin, end) of part `part` when n things are split into `parts`, larger parts first (the
+// loader's split) — as the simulator has it.
+std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t begin = part * base + std::min(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
+
+// Items of a global microbatch (`per_replica` in each of D LLM replicas) that encoder DP rank i
+// of edp runs — the runtime's (and the simulator's) encoder_range.
+int64_t encoder_items(int64_t per_replica, int64_t D, int64_t edp, int64_t i) {
+  if (D % edp == 0) return D / edp * per_replica;
+  if (edp % D == 0) {
+    const auto [a, b] = even_part(per_replica, edp / D, i % (edp / D));
+    return b - a;
+  }
+  const auto [a, b] = even_part(per_replica * D, edp, i);
+  return b - a;
+}
+
+// Microbatch sizes of one LLM replica as runs of equal sizes: {samples, count}, in order.
+std::vector<std::pair<int64_t, int64_t>> microbatch_runs(int64_t per, int64_t M) {
+  const int64_t base = per / M, extra = per % M;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  if (extra > 0) runs.push_back({base + 1, extra});
+  if (M - extra > 0) runs.push_back({base, M - extra});
+  return runs;
+}
+
+double kept(const StageCost& sc, double n, double split) {
+  return n * sc.activation_bytes / split + (sc.measured ? sc.activation_fixed_bytes : 0);
+}
+
+}  // namespace
+
+Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options)
+    : spec_(spec), cl_(cluster), o_(options) {
+  costed_ = spec;
+  if (costed_.model.llm.vocab == 0) costed_.model.llm.vocab = o_.sim.unset_vocab;
+  E_ = static_cast<int64_t>(spec.model.encoders.size());
+  B_ = spec.train.batch;
+  max_ranks_ = o_.max_ranks > 0 ? o_.max_ranks : cluster.world_size();
+  WEFT_CHECK(max_ranks_ <= cluster.world_size(), "[plan] --world-size ", max_ranks_,
+             " is more than the ", cluster.world_size(), " devices of ", cluster.source);
+  gpn_ = cluster.gpus_per_node;
+  const int64_t max_tp = o_.max_tp > 0 ? o_.max_tp : gpn_;
+  flops_ = cluster.device.effective_flops(spec.train.precision);
+  WEFT_CHECK(flops_ > 0, cluster.source, ": device \"", cluster.device.name, "\" has no ",
+             to_string(spec.train.precision), " FLOP/s");
+  act_ = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
+  data_ = o_.sim.data_seconds_per_sample * static_cast<double>(B_);
+  const LlmSpec& l = spec.model.llm;
+  S_ = o_.sim.llm_seq > 0 ? o_.sim.llm_seq : static_cast<double>(l.max_seq);
+  H_ = static_cast<double>(l.hidden);
+  kvw_ = static_cast<double>(l.head_dim() * l.kv_heads);
+  for (const std::string& p : o_.placements) {
+    const auto* it = std::find(std::begin(kPlacementNames), std::end(kPlacementNames), p);
+    WEFT_CHECK(it != std::end(kPlacementNames), "[plan] unknown placement \"", p,
+               "\" (expected colocated, separate or megatron)");
+    const int kind = static_cast<int>(it - std::begin(kPlacementNames));
+    if (std::find(placements_.begin(), placements_.end(), kind) == placements_.end())
+      placements_.push_back(kind);
+  }
+  // Without encoders every placement is the same plan: search it once.
+  if (E_ == 0 && placements_.size() > 1) placements_.resize(1);
+
+  // The modules' flags (frozen rules) from the config's own plan on one rank.
+  Spec base = costed_;
+  base.parallel.placement = "colocated";
+  for (auto& [name, layout] : base.parallel.modules) layout = LayoutSpec{};
+  base.train.microbatches = 1;
+  base_ = make_plan(base, 1);
+  const auto pow2_upto = [](int64_t limit, auto ok) {
+    std::vector<int64_t> out;
+    for (int64_t v = 1; v <= limit; v *= 2)
+      if (v == 1 || ok(v)) out.push_back(v);
+    return out;
+  };
+  for (int64_t k = 0; k <= E_; ++k) {
+    ModuleInfo mi;
+    mi.llm = k == E_;
+    mi.plan_index = static_cast<size_t>(mi.llm ? 2 * E_ : 2 * k);
+    const ModulePlan& m = base_.modules[mi.plan_index];
+    mi.weight_grads = m.weight_grads;
+    if (mi.llm) {
+      mi.backward = m.needs_backward();
+      mi.keeps_activations = mi.backward;
+      for (int64_t t = 1; t <= max_tp; ++t) {
+        bool ok = l.heads % t == 0 && l.kv_heads % t == 0 && l.ffn % t == 0 &&
+                  (l.vocab == 0 || l.vocab % t == 0);
+        if (l.moe.enabled())
+          ok =
+              ok && l.expert_ffn() % t == 0 && (l.moe.shared_ffn == 0 || l.moe.shared_ffn % t == 0);
+        if (ok) mi.tps.push_back(t);
+      }
+      mi.cps = pow2_upto(o_.max_cp, [&](int64_t c) {
+        return static_cast<double>(l.max_seq) / static_cast<double>(c) >=
+               static_cast<double>(o_.min_cp_tokens);
+      });
+      mi.max_pp = std::min(l.layers, o_.max_pp);
+    } else {
+      const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(k)];
+      mi.enc = &e;
+      mi.backward = base_.modules[mi.plan_index + 1].needs_backward();  // its projector
+      mi.keeps_activations = m.weight_grads;
+      for (int64_t t = 1; t <= max_tp; ++t)
+        if (e.heads % t == 0 && e.ffn % t == 0 &&
+            (e.projector.kind != ProjectorKind::kMlp || l.hidden % t == 0))
+          mi.tps.push_back(t);
+      mi.cps = pow2_upto(o_.max_cp,
+                         [&](int64_t c) { return !e.class_token && e.tokens_per_item() % c == 0; });
+      mi.max_pp = std::min(m.layers, o_.max_encoder_pp);
+    }
+    info_.push_back(mi);
+  }
+  for (int64_t k = 0; k <= E_; ++k)
+    info_[static_cast<size_t>(k)].min_unit_seconds =
+        staged(static_cast<int>(k), 1, false, false).unit_seconds;
+  trains_ = false;
+  for (const ModulePlan& m : base_.modules) trains_ = trains_ || m.weight_grads;
+}
+
+// ---- costs --------------------------------------------------------------------------------
+
+const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even) {
+  auto& slot = staged_[{k, pp, recompute, even}];
+  if (slot) return *slot;
+  auto st = std::make_unique<Staged>();
+  ModulePlan m = base_.modules[info(k).plan_index];
+  m.layout = Layout{};
+  m.layout.pp = pp;
+  if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
+    for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
+  } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
+    ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
+    if (recompute) {
+      std::vector<StageCost> one(static_cast<size_t>(m.layers));
+      ModulePlan per_block = m;  // one "stage" per block, to price each block's recompute
+      per_block.layout.pp = m.layers;
+      per_block.stage_boundaries.clear();
+      for (int64_t b = 1; b < m.layers; ++b) per_block.stage_boundaries.push_back(b);
+      add_recompute_costs(costed_, per_block, &one);
+      for (size_t b = 0; b < one.size(); ++b) {
+        costs.blocks[b].input_grad += one[b].backward_flops;
+        costs.blocks[b].activation_bytes += one[b].activation_bytes;  // <= 0: the saving
+      }
+    }
+    PartitionOptions po;
+    po.stages = pp;
+    st->boundaries = partition_stages(costs, po).boundaries;
+  }
+  m.stage_boundaries = st->boundaries;
+  Plan one;
+  one.modules = {m};
+  st->stages = stage_costs(costed_, one)[0];
+  if (recompute) add_recompute_costs(costed_, m, &st->stages);
+  for (const StageCost& sc : st->stages)
+    st->unit_seconds += sc.measured ? sc.forward_seconds + sc.backward_seconds
+                                    : (sc.forward_flops + sc.backward_flops) / flops_;
+  slot = std::move(st);
+  return *slot;
+}
+
+// A collective over n ranks spanning `span` consecutive ranks, over the cheapest link such a
+// group can have (one node when span <= gpus_per_node).
+double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
+                         CollectiveAlgo algo) const {
+  if (n <= 1 || (tp_cp && !o_.sim.tp_cp_comm)) return 0;
+  const bool inter = span > gpn_;
+  auto& ranks = groups_[{n, inter}];
+  if (ranks.empty()) {  // a stand-in group on one node, or spanning two
+    for (int64_t r = 0; r < n; ++r) ranks.push_back(inter && r > 0 ? gpn_ + r - 1 : r);
+  }
+  return kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
+                            : all_gather_seconds(cl_, ranks, bytes);
+}
+
+// A message between ranks `stride` apart (0: unknown, at best on one node).
+double Space::hop(double bytes, int64_t stride) const {
+  return p2p_seconds(cl_, 0, stride >= gpn_ ? gpn_ : 1, bytes);
+}
+
+double Space::op_seconds(const StageCost& sc, bool forward, double n, double split) const {
+  if (sc.measured)
+    return (forward ? sc.forward_fixed_seconds : sc.backward_fixed_seconds) +
+           n * (forward ? sc.forward_seconds : sc.backward_seconds) / split;
+  return n * (forward ? sc.forward_flops : sc.backward_flops) / split / flops_;
+}
+
+// Module k's stage s on the rank with data-parallel index i, mirroring the simulator's ops.
+Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const {
+  const ModuleInfo& mi = info(k);
+  const StageCost& sc = c.staged->stages[static_cast<size_t>(s)];
+  const double tp = static_cast<double>(c.tp), cp = static_cast<double>(c.cp);
+  const double split = tp * cp, blocks = static_cast<double>(sc.blocks);
+  const bool first = s == 0, last = s == c.pp - 1;
+  const int64_t span_cp = c.tp * (c.cp - 1) + 1;
+  Work w;
+  const int64_t group = c.cp * c.dp;
+  const double grad = sc.grad_bytes / tp, share = n.zero == 1 ? 1.0 / group : 1.0;
+  w.static_bytes = sc.param_bytes / tp + grad + (sc.train_state_bytes - sc.grad_bytes) / tp * share;
+  if (sc.measured)
+    w.opt_seconds = sc.optimizer_seconds * share / tp;
+  else
+    w.opt_bytes = grad * share;
+  if (grad > 0 && group > 1) {
+    const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
+    const int64_t span = c.tp * (group - 1) + 1;
+    w.full = collective(kAllReduce, group, span, grad, false, o_.sim.grad_reduce_algo);
+    w.tail = spec_.train.overlap_grad_reduce
+                 ? collective(kAllReduce, group, span, std::min(grad, bucket), false,
+                              o_.sim.grad_reduce_algo)
+                 : w.full;
+  }
+  const auto runs = microbatch_runs(B_ / n.D, n.M);
+  if (mi.llm) {
+    w.backward = mi.backward;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const double m = static_cast<double>(runs[r].first),
+                   count = static_cast<double>(runs[r].second);
+      const double tokens = m * S_ / cp, kv = m * S_ * 2 * kvw_ / tp * act_;
+      const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * H_ * act_, true);
+      const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
+      const double f =
+          op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar + blocks * cp_ag;
+      w.fwd += count * f;
+      const double to_next = last ? 0 : hop(tokens * H_ * act_, c.size() / c.pp);
+      if (r == 0) w.first_fwd = f, w.hop_first = to_next;
+      w.last_fwd = f, w.hop_last = to_next;
+      if (!w.backward) continue;
+      const double b = op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag;
+      w.bwd += count * b;
+      if (r == 0) w.first_bwd = b;
+      w.last_bwd = b;
+    }
+    if (w.backward) {  // 1F1B keeps min(P - s, M) microbatches alive, the largest first
+      int64_t alive = std::min(c.pp - s, n.M);
+      for (const auto& [m, count] : runs) {
+        const int64_t take = std::min(alive, count);
+        w.act += static_cast<double>(take) * kept(sc, static_cast<double>(m), split);
+        alive -= take;
+      }
+    }
+    return w;
+  }
+  const EncoderSpec& e = *mi.enc;
+  w.backward = last ? mi.backward : mi.weight_grads;
+  const double T = static_cast<double>(e.tokens_per_item()), h = static_cast<double>(e.hidden);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const double items = static_cast<double>(encoder_items(runs[r].first, n.D, c.dp, i));
+    const double count = static_cast<double>(runs[r].second);
+    if (items == 0) continue;
+    const double tokens = items * T / cp, kv = items * T * 2 * h / tp * act_;
+    const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, true);
+    const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
+    const double f =
+        op_seconds(sc, true, items, split) + blocks * (2 * tp_ar + cp_ag) +
+        (last ? collective(kAllGather, c.cp, span_cp, items * T * H_ * act_, true) : 0);
+    w.fwd += count * f;
+    // The last stage sends replica 0's items (data-parallel rank 0 holds the first) over the
+    // bridge, one message per LLM replica.
+    const double replica0 = std::min(items, static_cast<double>(runs[r].first));
+    const double to_next = last ? hop(replica0 * T * H_ * act_ / static_cast<double>(n.llm.cp), 0)
+                                : hop(tokens * h * act_, c.size() / c.pp);
+    if (r == 0) w.first_fwd = f, w.hop_first = to_next;
+    w.last_fwd = f, w.hop_last = to_next;
+    if (!w.backward) continue;
+    const double b =
+        op_seconds(sc, false, items, split) + (mi.weight_grads ? blocks : 0) * (2 * tp_ar + cp_ag);
+    w.bwd += count * b;
+    if (r == 0) w.first_bwd = b;
+    w.last_bwd = b;
+    w.act += count * kept(sc, items, split);
+  }
+  return w;
+}
+
+std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n) const {
+  std::vector<Work> out;
+  for (int64_t s = 0; s < c.pp; ++s) out.push_back(work(k, c, s, 0, n));
+  return out;
+}
+
+double Space::optimizer_seconds(double bytes, double measured) const {
+  if (!o_.sim.optimizer_step) return 0;
+  const double hbm = cl_.device.hbm_bytes_per_second;
+  return measured + (hbm > 0 ? 7 * bytes / hbm : 0);
+}
+
+// A representative rank: the modules it hosts in its op order (its encoders' forwards, the
+// LLM, its encoders' backwards) and whether it is on the LLM's fill / drain chain (replica 0).
+struct Space::Rank {
+  std::vector<std::pair<int64_t, Work>> enc;  // {encoder, its stage's work}
+  int64_t enc_stage = -1;                     // separate placement: that encoder's stage
+  std::optional<Work> llm;
+  int64_t llm_stage = -1;
+  bool chain = false;
+  // Shared placements: per encoder, the time its microbatch 0 needs to reach this rank's stage
+  // (through the encoder's earlier stages, on the ranks of the same data-parallel index); its
+  // encoders' forwards end no earlier than enc_ready.
+  std::vector<double> fill;
+  double enc_ready = 0;
+};
+
+Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& w,
+                           int64_t r) const {
+  Rank x;
+  const auto at = [&](int64_t k, const Choice& c, int64_t* stage) -> std::optional<Work> {
+    if (r < c.first_rank || r >= c.first_rank + c.size()) return std::nullopt;
+    const int64_t q = (r - c.first_rank) / (c.tp * c.cp);
+    const int64_t dp = q % c.dp;
+    *stage = q / c.dp;
+    if (dp != 0 && !info(k).llm) return work(k, c, *stage, dp, n);
+    return w[static_cast<size_t>(k)][static_cast<size_t>(*stage)];
+  };
+  int64_t stage = 0;
+  x.enc_ready = data_;
+  for (size_t k = 0; k < n.enc.size(); ++k)
+    if (auto wk = at(static_cast<int64_t>(k), n.enc[k], &stage)) {
+      const Choice& c = n.enc[k];
+      const int64_t dp = (r - c.first_rank) / (c.tp * c.cp) % c.dp;
+      double fill = 0;
+      for (int64_t j = 0; j < stage; ++j) {
+        const Work below =
+            dp == 0 ? w[k][static_cast<size_t>(j)] : work(static_cast<int64_t>(k), c, j, dp, n);
+        fill += below.first_fwd + below.hop_first;
+      }
+      x.enc_ready = std::max(x.enc_ready, data_ + fill) + wk->fwd;
+      x.enc.push_back({static_cast<int64_t>(k), *wk});
+      x.fill.push_back(fill);
+    }
+  x.llm = at(E_, n.llm, &x.llm_stage);
+  x.chain = x.llm && r == x.llm_stage * (n.llm.size() / n.llm.pp);
+  return x;
+}
+
+// The analytic lower bound of a node's (every completion's) simulated step, and the largest
+// per-rank memory it certainly needs.
+Bound Space::bound(const Node& n) const {
+  Bound out;
+  const bool shared = n.placement != kSeparate;
+  const bool overlap = spec_.train.overlap_grad_reduce;
+  std::vector<std::vector<Work>> w(static_cast<size_t>(E_ + 1));
+  for (size_t k = 0; k < n.enc.size(); ++k) w[k] = works(static_cast<int64_t>(k), n.enc[k], n);
+  const std::vector<Work>& lw = w[static_cast<size_t>(E_)] = works(E_, n.llm, n);
+  const int64_t P = n.llm.pp;
+
+  std::vector<Rank> ranks;
+  if (shared) {  // the first rank of every stage of every module
+    std::vector<int64_t> reps;
+    for (size_t k = 0; k < n.enc.size(); ++k)
+      for (int64_t s = 0; s < n.enc[k].pp; ++s)
+        reps.push_back(n.enc[k].first_rank + s * n.enc[k].size() / n.enc[k].pp);
+    for (int64_t s = 0; s < P; ++s) reps.push_back(s * n.llm.size() / P);
+    std::sort(reps.begin(), reps.end());
+    reps.erase(std::unique(reps.begin(), reps.end()), reps.end());
+    for (int64_t r : reps) ranks.push_back(rank_at(n, w, r));
+  } else {  // every module stage on its own ranks (data-parallel rank 0: the most items)
+    for (size_t k = 0; k < n.enc.size(); ++k)
+      for (size_t s = 0; s < w[k].size(); ++s) {
+        Rank x;
+        x.enc.push_back({static_cast<int64_t>(k), w[k][s]});
+        x.enc_stage = static_cast<int64_t>(s);
+        ranks.push_back(std::move(x));
+      }
+    for (int64_t s = 0; s < P; ++s) {
+      Rank x;
+      x.llm = lw[static_cast<size_t>(s)];
+      x.llm_stage = s;
+      x.chain = true;
+      ranks.push_back(std::move(x));
+    }
+  }
+
+  // 1F1B fill and drain through the LLM's stages (replica 0): start[s] bounds the start of
+  // stage s's first LLM op, end[s] the end of its last. The first waits for the encoders' first
+  // microbatch: on its own rank (shared) or through every encoder's stages (separate).
+  std::vector<double> enc_ready(static_cast<size_t>(P), data_), start(static_cast<size_t>(P)),
+      end(static_cast<size_t>(P));
+  // The end of the encoders' forward of the LLM's first / last microbatch (through their stages,
+  // to their last one), at least; E0 from the end of the data op.
+  double E0 = 0, enc_done = 0;
+  for (const Rank& x : ranks)
+    if (x.chain) enc_ready[static_cast<size_t>(x.llm_stage)] = x.enc_ready;
+  if (shared)  // the LLM's microbatch m waits for every encoder's last stage to forward it
+    for (size_t k = 0; k < n.enc.size(); ++k) {
+      const Choice& c = n.enc[k];
+      const Rank x = rank_at(n, w, c.first_rank + (c.pp - 1) * (c.size() / c.pp));
+      double t = data_;
+      for (size_t i = 0; i < x.enc.size(); ++i) {
+        const Work& e = x.enc[i].second;
+        const double begin = std::max(t, data_ + x.fill[i]);
+        if (x.enc[i].first == static_cast<int64_t>(k)) {  // (the bridge may be rank-local)
+          E0 = std::max(E0, begin + e.first_fwd - data_);
+          enc_done = std::max(enc_done, begin + e.fwd);
+          break;
+        }
+        t = begin + e.fwd;
+      }
+    }
+  else
+    for (size_t k = 0; k < n.enc.size(); ++k) {
+      const std::vector<Work>& ew = w[k];
+      double f = 0;
+      for (const Work& x : ew) f += x.first_fwd + x.hop_first;
+      E0 = std::max(E0, f);
+      for (size_t s = 0; s < ew.size(); ++s) {  // microbatch 0 up to s, all on s, the last on
+        double done = data_ + ew[s].fwd + ew[s].hop_last;
+        for (size_t j = 0; j < ew.size(); ++j)
+          done += j < s   ? ew[j].first_fwd + ew[j].hop_first
+                  : j > s ? ew[j].last_fwd + ew[j].hop_last
+                          : 0;
+        enc_done = std::max(enc_done, done);
+      }
+    }
+  for (int64_t s = 0; s < P; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    start[i] =
+        s == 0 ? std::max(enc_ready[0], data_ + E0)
+               : std::max(start[i - 1] + lw[i - 1].first_fwd + lw[i - 1].hop_first, enc_ready[i]);
+  }
+  // The LLM's 1F1B schedule of replica 0, replayed with these op durations: every stage runs
+  // its ops in the runtime's order (warm-up forwards, forward / backward pairs, the remaining
+  // backwards) from start[s], a forward after the stage below sent it, a backward after the
+  // stage above sent its gradient. This is the simulator's schedule of those ranks with every
+  // other constraint dropped, so its ends are lower bounds; it sees the fill and drain, the
+  // bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
+  const auto runs = microbatch_runs(B_ / n.D, n.M);
+  const int64_t M = n.M, big = runs.size() == 2 ? runs[0].second : M;
+  const bool backward = lw.front().backward;
+  const int64_t ops = backward ? 2 * M : M;
+  std::vector<double> tf(static_cast<size_t>(P * M), -1), tb(tf);
+  std::vector<int64_t> cursor(static_cast<size_t>(P), 0);
+  std::vector<double> clock(start);  // per stage: the end of its last op so far
+  for (bool left = true; left;) {
+    left = false;
+    bool progress = false;
+    for (int64_t s = 0; s < P; ++s) {
+      const size_t i = static_cast<size_t>(s);
+      const Work& x = lw[i];
+      const int64_t W = std::min(P - s, M);
+      for (int64_t& c = cursor[i]; c < ops; ++c) {
+        bool fwd = true;
+        int64_t mb = c;
+        if (backward && c >= W) {
+          const int64_t t = c - W;
+          if (t < 2 * (M - W))
+            fwd = t % 2 == 1, mb = fwd ? W + t / 2 : t / 2;
+          else
+            fwd = false, mb = M - W + (t - 2 * (M - W));
+        }
+        const bool first = mb < big;
+        double ready = clock[i];
+        if (fwd && s > 0) {
+          const double sent = tf[static_cast<size_t>((s - 1) * M + mb)];
+          if (sent < 0) break;
+          const Work& below = lw[i - 1];
+          ready = std::max(ready, sent + (first ? below.hop_first : below.hop_last));
+        } else if (!fwd && s + 1 < P) {
+          const double sent = tb[static_cast<size_t>((s + 1) * M + mb)];
+          if (sent < 0) break;
+          ready = std::max(ready, sent + (first ? x.hop_first : x.hop_last));
+        }
+        clock[i] =
+            ready + (fwd ? (first ? x.first_fwd : x.last_fwd) : (first ? x.first_bwd : x.last_bwd));
+        (fwd ? tf : tb)[static_cast<size_t>(s * M + mb)] = clock[i];
+        progress = true;
+      }
+      left = left || cursor[i] < ops;
+    }
+    WEFT_ASSERT(progress || !left, "the bound's pipeline replay deadlocks");
+  }
+  // The last microbatch leaves the encoders at enc_done, then crosses every stage and back.
+  std::vector<double> up(static_cast<size_t>(P) + 1, 0);  // up[s]: Σ last forwards below s
+  for (size_t i = 0; i < lw.size(); ++i) up[i + 1] = up[i] + lw[i].last_fwd + lw[i].hop_last;
+  double down = 0;
+  for (int64_t s = P - 1; s >= 0; --s) {
+    const size_t i = static_cast<size_t>(s);
+    const Work& x = lw[i];
+    // (clock[i] includes the stage's own op time: start[i] + x.fwd + x.bwd at least.)
+    end[i] = clock[i];
+    if (x.backward && s + 1 < P) end[i] = std::max(end[i], end[i + 1] + x.hop_last + x.last_bwd);
+    down += x.last_bwd + x.hop_last;
+    if (enc_done > 0)
+      end[i] = std::max(end[i], enc_done + (x.backward ? up.back() + down : up[i + 1]));
+  }
+  // Microbatch 0's gradient reaches the encoders at bwd0 (separate), at least.
+  double bwd0 = start[static_cast<size_t>(P - 1)] + lw.back().first_fwd;
+  for (const Work& x : lw) bwd0 += x.first_bwd + x.hop_first;
+
+  double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
+  for (const Rank& x : ranks) {
+    double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0;
+    for (const auto& e : x.enc) {
+      fwd += e.second.fwd, bytes += e.second.opt_bytes, measured += e.second.opt_seconds;
+      static_bytes += e.second.static_bytes, act += e.second.act;
+    }
+    if (x.llm) {
+      bytes += x.llm->opt_bytes, measured += x.llm->opt_seconds;
+      static_bytes += x.llm->static_bytes, act += x.llm->act;
+    }
+    out.memory = std::max(out.memory, static_bytes + act);
+    opt = std::max(opt, optimizer_seconds(bytes, measured));
+    double bound = 0, full = 0, tail = 0, t = 0;
+    if (x.enc_stage >= 0) {  // an encoder stage of its own; its last backward follows the LLM's
+      const int64_t k = x.enc.front().first;
+      const Work& e = x.enc.front().second;
+      t = data_ + e.fwd + e.bwd;
+      if (e.backward && info(k).backward) {
+        const std::vector<Work>& ew = w[static_cast<size_t>(k)];
+        double last = end[0], first = bwd0 + e.bwd;
+        for (size_t s = static_cast<size_t>(x.enc_stage); s < ew.size(); ++s)
+          if (ew[s].backward) {
+            last += ew[s].last_bwd;
+            if (s > static_cast<size_t>(x.enc_stage)) first += ew[s].first_bwd;
+          }
+        t = std::max({t, last, first});
+      }
+      if (overlap && e.full > 0) bound = std::max(bound, t - e.last_bwd + e.full);
+      full = e.full;
+      tail = e.backward ? e.tail : 0;
+    } else {  // its encoders' forwards, its LLM stage, its encoders' backwards
+      t = std::max(data_ + fwd, x.enc_ready) + (x.llm ? x.llm->fwd + x.llm->bwd : 0);
+      if (x.chain) t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
+      if (x.llm) {
+        if (overlap && x.llm->full > 0) bound = std::max(bound, t - x.llm->last_bwd + x.llm->full);
+        full += x.llm->full;
+        tail = x.llm->backward ? x.llm->tail : 0;
+      }
+      for (const auto& e : x.enc) {
+        t += e.second.bwd;
+        if (e.second.backward) tail = e.second.tail;
+        if (overlap && e.second.full > 0)
+          bound = std::max(bound, t - e.second.last_bwd + e.second.full);
+        full += e.second.full;
+      }
+    }
+    bound = std::max(bound, t + (overlap ? tail : full));
+    arrival = std::max(arrival, bound);
+  }
+
+  // Work not yet placed: spread over every rank it could get.
+  double unknown = 0;
+  for (int64_t k = static_cast<int64_t>(n.enc.size()); k < E_; ++k)
+    unknown += static_cast<double>(B_) * info(k).min_unit_seconds;
+  int64_t world = 0;
+  if (shared) {
+    world = n.llm.size();
+    double total = unknown;
+    for (const Work& x : lw) total += (x.fwd + x.bwd) * static_cast<double>(n.llm.size() / P);
+    for (const Choice& c : n.enc) total += static_cast<double>(B_) * c.staged->unit_seconds;
+    arrival = std::max(arrival, data_ + total / static_cast<double>(world));
+  } else {
+    world = n.llm.size();
+    for (const Choice& c : n.enc) world += c.size();
+    const int64_t open = E_ - static_cast<int64_t>(n.enc.size());
+    const int64_t left = max_ranks_ - world;
+    if (left < open) {
+      out.feasible = false;
+      return out;
+    }
+    if (open > 0) arrival = std::max(arrival, data_ + unknown / static_cast<double>(left));
+    world += open;
+  }
+  const double loss = 2 * collective(kAllReduce, world, world, 8, false);
+  out.seconds = arrival + loss + opt;
+  return out;
+}
+
+// ---- the tree ------------------------------------------------------------------------------
+
+std::vector<int64_t> Space::zero_stages() const {
+  if (o_.zero && trains_ && max_ranks_ > 1) return {0, 1};
+  return {0};
+}
+std::vector<bool> Space::recompute_options(int64_t k) const {
+  if (o_.recompute && info(k).keeps_activations) return {false, true};
+  return {false};
+}
+
+// A leaf whose ZeRO-1 shards nothing is the same plan as with zero_stage = 0.
+bool Space::redundant(const Node& n) const {
+  if (n.zero == 0) return false;
+  const auto shards = [&](int64_t k, const Choice& c) {
+    return c.cp * c.dp > 1 && (info(k).weight_grads || (!info(k).llm && info(k).backward));
+  };
+  bool any = shards(E_, n.llm);
+  for (size_t k = 0; k < n.enc.size(); ++k) any = any || shards(static_cast<int64_t>(k), n.enc[k]);
+  return !any;
+}
+
+void Space::roots(const std::function<void(Node&&)>& emit) {
+  const ModuleInfo& li = info(E_);
+  for (int p : placements_)
+    for (int64_t tp : li.tps)
+      for (int64_t cp : li.cps) {
+        if (p == kMegatron && cp > 1) continue;
+        for (int64_t pp = 1; pp <= li.max_pp; ++pp)
+          for (int64_t D : divisors(B_)) {
+            const int64_t ranks = tp * cp * pp * D;
+            if (ranks + (p == kSeparate ? E_ : 0) > max_ranks_) continue;
+            for (int64_t M : divisors(B_)) {
+              if (M > B_ / D || M > o_.max_microbatches) continue;
+              for (int64_t zero : zero_stages())
+                for (bool rc : recompute_options(E_)) {
+                  Node n;
+                  n.placement = p;
+                  n.D = D, n.M = M, n.zero = zero;
+                  n.llm = Choice{
+                      tp, cp, pp, D, 0, rc, &staged(static_cast<int>(E_), pp, rc, p == kMegatron)};
+                  emit(std::move(n));
+                }
+            }
+          }
+      }
+}
+
+void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
+  const int64_t k = static_cast<int64_t>(n.enc.size());
+  const ModuleInfo& mi = info(k);
+  const auto push = [&](Choice c) {
+    for (bool rc : recompute_options(k)) {
+      c.recompute = rc;
+      c.staged = &staged(static_cast<int>(k), c.pp, rc, false);
+      Node child = n;
+      child.enc.push_back(c);
+      emit(std::move(child));
+    }
+  };
+  if (n.placement == kMegatron) {  // the LLM's tp (or its largest divisor the encoder allows)
+    Choice c;
+    for (int64_t t : mi.tps)
+      if (n.llm.tp % t == 0) c.tp = t;
+    c.dp = n.llm.size() / n.llm.pp / c.tp;
+    push(c);
+    return;
+  }
+  int64_t used = n.llm.size();
+  for (const Choice& c : n.enc) used += c.size();
+  const int64_t per_microbatch = (B_ / n.D + n.M - 1) / n.M * n.D;  // items, at most
+  for (int64_t tp : mi.tps)
+    for (int64_t cp : mi.cps)
+      for (int64_t pp = 1; pp <= mi.max_pp; ++pp) {
+        const int64_t grid = tp * cp * pp;
+        if (n.placement == kColocated) {
+          if (n.llm.size() % grid == 0) push(Choice{tp, cp, pp, n.llm.size() / grid, 0});
+          continue;
+        }
+        std::vector<int64_t> dps = divisors(n.D);
+        for (int64_t m = 2 * n.D; m <= per_microbatch; m += n.D) dps.push_back(m);
+        for (int64_t dp : dps)
+          if (used + grid * dp + (E_ - k - 1) <= max_ranks_) push(Choice{tp, cp, pp, dp, 0});
+      }
+}
+
+Candidate Space::to_candidate(const Node& n) const {
+  Candidate c;
+  c.placement = kPlacementNames[n.placement];
+  c.microbatches = n.M;
+  c.zero_stage = n.zero;
+  int64_t next = 0;
+  const auto add = [&](const Choice& x) {
+    LayoutSpec l;
+    l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp;
+    l.stages = x.staged->boundaries;
+    c.layouts.push_back(l);
+    c.recompute.push_back(x.recompute);
+    next += x.size();
+  };
+  for (const Choice& x : n.enc) add(x);
+  add(n.llm);
+  c.world_size = n.placement == kSeparate ? next : n.llm.size();
+  return c;
+}
+
+}  // namespace weft::plan::search_space

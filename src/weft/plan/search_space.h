@@ -1,0 +1,128 @@
+// Internal to the layout search (search.h): its tree — a node is the LLM's choice and the
+// encoders' chosen so far, in spec order; a leaf is a complete Candidate — and the analytic lower
+// bound and memory of a node that prune it (search_space.cpp). search.cpp runs the branch and
+// bound over it. Not a public interface.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "weft/plan/search.h"
+
+namespace weft::plan::search_space {
+
+enum PlacementKind { kColocated = 0, kSeparate = 1, kMegatron = 2 };
+inline constexpr const char* kPlacementNames[] = {"colocated", "separate", "megatron"};
+
+// One module's stage costs at `pp` stages with its boundaries (cached per module, pp, recompute,
+// even split).
+struct Staged {
+  std::vector<int64_t> boundaries;
+  std::vector<StageCost> stages;
+  double unit_seconds = 0;  // Σ over stages of one unit's forward + backward at the FLOP rate
+};
+
+// What the search knows about a module (encoders in spec order, then the LLM).
+struct ModuleInfo {
+  size_t plan_index = 0;  // in the base plan's modules
+  bool llm = false;
+  const EncoderSpec* enc = nullptr;
+  std::vector<int64_t> tps, cps;
+  int64_t max_pp = 1;
+  bool weight_grads = false;
+  bool backward = false;  // LLM: needs backward; encoder: its last stage (the projector) does
+  bool keeps_activations = false;
+  double min_unit_seconds = 0;  // unit_seconds at pp = 1 without recomputation
+};
+
+// One module's choice in a search node.
+struct Choice {
+  int64_t tp = 1, cp = 1, pp = 1, dp = 1, first_rank = 0;
+  bool recompute = false;
+  const Staged* staged = nullptr;
+  int64_t size() const { return tp * cp * pp * dp; }
+};
+
+// A node of the search tree: the LLM's choice and the encoders' chosen so far (spec order).
+struct Node {
+  int placement = kColocated;
+  int64_t D = 1, M = 1, zero = 0;
+  Choice llm;
+  std::vector<Choice> enc;
+};
+
+// One rank's share of one module stage over a step.
+struct Work {
+  double fwd = 0, bwd = 0;              // Σ forward / backward op seconds
+  double first_fwd = 0, first_bwd = 0;  // microbatch 0's forward and backward
+  double last_fwd = 0, last_bwd = 0;    // the last microbatch's
+  // Point-to-point time of microbatch 0's / the last one's activations to the next stage (the
+  // encoder's last stage: its features over the bridge), over the cheapest possible link.
+  double hop_first = 0, hop_last = 0;
+  double act = 0;                         // peak activation bytes it holds
+  double static_bytes = 0;                // parameters, gradients, optimizer state
+  double opt_bytes = 0, opt_seconds = 0;  // optimizer: gradient bytes stepped, measured seconds
+  double tail = 0;  // gradient reduction still running after its last backward, at least
+  double full = 0;  // the whole gradient all-reduce
+  bool backward = false;
+};
+
+struct Bound {
+  double seconds = 0, memory = 0;
+  bool feasible = true;
+};
+
+class Space {
+ public:
+  Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options);
+
+  // The analytic bound of every completion of `n` and the per-rank memory it certainly needs.
+  Bound bound(const Node& n) const;
+  // A leaf whose ZeRO-1 shards nothing: the same plan as with zero_stage = 0.
+  bool redundant(const Node& n) const;
+  // The LLM's choices (the roots), and a node's children (the next encoder's choices).
+  void roots(const std::function<void(Node&&)>& emit);
+  void children(const Node& n, const std::function<void(Node&&)>& emit);
+  Candidate to_candidate(const Node& n) const;
+  int64_t encoders() const { return E_; }
+  int64_t max_ranks() const { return max_ranks_; }
+
+ private:
+  const Spec& spec_;
+  Spec costed_;  // model.llm.vocab set
+  const Cluster& cl_;
+  SearchOptions o_;
+  std::vector<int> placements_;
+  Plan base_;
+  std::vector<ModuleInfo> info_;
+  int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
+  double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
+  bool trains_ = true;
+  std::map<std::tuple<int, int64_t, bool, bool>, std::unique_ptr<Staged>> staged_;
+  mutable std::map<std::pair<int64_t, bool>, std::vector<int64_t>> groups_;
+
+  const ModuleInfo& info(int64_t k) const { return info_[static_cast<size_t>(k)]; }
+
+  const Staged& staged(int k, int64_t pp, bool recompute, bool even);
+  enum Kind { kAllReduce, kAllGather };
+  double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
+                    CollectiveAlgo algo = CollectiveAlgo::kRing) const;
+  double hop(double bytes, int64_t stride) const;
+  double op_seconds(const StageCost& sc, bool forward, double n, double split) const;
+  Work work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const;
+  std::vector<Work> works(int64_t k, const Choice& c, const Node& n) const;
+  double optimizer_seconds(double bytes, double measured) const;
+  struct Rank;
+  Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
+  std::vector<int64_t> zero_stages() const;
+  std::vector<bool> recompute_options(int64_t k) const;
+};
+
+}  // namespace weft::plan::search_space

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# `weft bench profile`: profiles a small config quickly; the JSON has the device, threads,
+# precision, the profiled shape, the data preparation and, per module, every layer's measured
+# seconds, bytes and fit; `weft simulate --profile` accepts it and predicts a positive step that
+# differs from the FLOP model's; bad flags, files and mismatched configs are clear errors.
+set -u
+weft=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+die() { echo "FAIL: $*"; exit 1; }
+cfg="$src/configs/tiny-valm.toml"
+small=(--set train.batch=8 --set train.threads=1)
+
+"$weft" bench profile "$cfg" "${small[@]}" --reps 2 --warmup 1 --out "$tmp/p.json" \
+  > "$tmp/stdout.json" || die "bench profile failed"
+cmp -s "$tmp/p.json" "$tmp/stdout.json" || die "--out differs from stdout"
+python3 - "$tmp/p.json" <<'PY' || die "bad profile JSON"
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["format"] == "weft-profile-1" and p["threads"] == 1 and p["precision"] == "bf16", p
+assert p["device"] and p["shape"]["samples"] == 8 and 0 < p["shape"]["seq"] <= 64, p["shape"]
+assert p["shape"]["max_seq"] == 64 and p["data"]["seconds_per_sample"] > 0, p
+assert p["comm"]["all_reduce"]["bandwidth_gbs"] > 0 and p["comm"]["p2p"]["latency_us"] > 0
+mods = {m["name"]: m for m in p["modules"]}
+assert set(mods) == {"llm", "vision", "audio"}, set(mods)
+parts = {"llm": ["front", "stage", "block", "back"], "vision": ["front", "block", "back"],
+         "audio": ["front", "block", "back"]}
+for name, m in mods.items():
+    layers = {l["part"]: l for l in m["layers"]}
+    assert sorted(layers) == sorted(parts[name]), (name, sorted(layers))
+    assert m["model"]["hidden"] > 0 and m["units_per_sample"] > 0, m
+    for part, l in layers.items():
+        for key in ("forward", "input_grad", "weight_grad", "activation_bytes", "param_bytes",
+                    "optimizer"):
+            assert l[key] >= 0, (name, part, key, l[key])
+        assert l["forward"] > 0, (name, part)
+        assert len(l["fit"]["forward"]) == 3 and min(l["fit"]["forward"]) >= 0, l["fit"]
+        assert len(l["points"]) >= 2, (name, part, l["points"])
+    block = layers["block"]
+    assert block["input_grad"] > 0 and block["weight_grad"] >= 0, block
+    assert block["activation_bytes"] > 0 and block["param_bytes"] > 0 and block["params"] > 0
+    assert layers["front"]["weight_grad"] > 0, (name, layers["front"])
+    if name != "llm":  # an encoder's front end takes data: no input gradient
+        assert layers["front"]["input_grad"] == 0, layers["front"]
+    else:  # the LLM's quadratic term was measured at two sequence lengths
+        assert {q["seq"] for q in block["points"]} == {p["shape"]["profiled_seq"],
+                                                       p["shape"]["profiled_seq"] // 2}
+print("profile:", p["device"], "| llm block fwd %.2e s, input grad %.2e s, weight grad %.2e s"
+      % (mods["llm"]["layers"][2]["forward"], mods["llm"]["layers"][2]["input_grad"],
+         mods["llm"]["layers"][2]["weight_grad"]))
+PY
+
+cluster="$src/configs/clusters/cpu-local.toml"
+sim=(simulate "$cfg" --cluster "$cluster" "${small[@]}" --set parallel.llm.pp=2
+     --set train.microbatches=2)
+"$weft" "${sim[@]}" > "$tmp/flops.json" || die "simulate (FLOP model) failed"
+"$weft" "${sim[@]}" --profile "$tmp/p.json" > "$tmp/measured.json" \
+  || die "simulate --profile failed"
+python3 - "$tmp/flops.json" "$tmp/measured.json" <<'PY' || die "bad simulate --profile output"
+import json, sys
+f, m = (json.load(open(x)) for x in sys.argv[1:3])
+assert m["profile"].endswith("p.json") and "profile" not in f
+fs, ms = f["step_seconds"], m["step_seconds"]
+assert ms > 0 and ms != fs, (fs, ms)
+assert all(r["data_seconds"] > 0 for r in m["ranks"]), m["ranks"]
+assert all(r["data_seconds"] == 0 for r in f["ranks"]), f["ranks"]
+assert len(m["stage_boundaries"]["llm"]) == 1, m["stage_boundaries"]
+print("simulated PP2 step: FLOP model %.4f s, measured profile %.4f s" % (fs, ms))
+PY
+
+# Errors: a profile of another model, a broken file, bad flags.
+"$weft" "${sim[@]}" --set model.llm.hidden=192 --profile "$tmp/p.json" > "$tmp/out" 2>&1 \
+  && die "a profile of another model was accepted"
+grep -q "p.json: module 'llm' was profiled with hidden = 128" "$tmp/out" \
+  || { cat "$tmp/out"; die "mismatch error does not name the file, module and field"; }
+python3 - "$tmp/p.json" "$tmp/broken.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+del p["modules"][0]["layers"][2]["fit"]
+json.dump(p, open(sys.argv[2], "w"))
+PY
+"$weft" "${sim[@]}" --profile "$tmp/broken.json" > "$tmp/out" 2>&1 \
+  && die "a broken profile was accepted"
+grep -q "broken.json: modules\[0\].layers\[2\].fit: missing" "$tmp/out" \
+  || { cat "$tmp/out"; die "broken-profile error does not name the file and field"; }
+"$weft" bench profile "$cfg" --reps 0 > "$tmp/out" 2>&1 && die "--reps 0 accepted"
+grep -q -- "--reps" "$tmp/out" || { cat "$tmp/out"; die "unclear error for --reps 0"; }
+"$weft" bench profile "$tmp/none.toml" > "$tmp/out" 2>&1 && die "a missing config was accepted"
+grep -q "none.toml" "$tmp/out" || { cat "$tmp/out"; die "error does not name the config"; }
+echo "PASS"

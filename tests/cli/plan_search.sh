@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# `weft plan --cluster`: the layout search writes a Plan and a config snippet; the snippet fed back
+# (as --set flags) gives the same Plan; `weft simulate --plan` predicts the step the search
+# reported; bad plan files and flags are clear errors; without --cluster `weft plan` prints the
+# config's own Plan as before; and DistTrain's 72B + 6B model on 1172 H100s plans within a
+# generous bound (bench/RESULTS.md has the measured time).
+set -u
+weft=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+die() { echo "FAIL: $*"; exit 1; }
+config="$src/configs/small-vlm.toml"
+cluster="$src/configs/clusters/h200-8x4.toml"
+
+"$weft" plan "$config" --cluster "$cluster" --out "$tmp/plan.json" --snippet "$tmp/snippet.toml" \
+  --json "$tmp/search.json" > "$tmp/out.txt" || { cat "$tmp/out.txt"; die "weft plan --cluster failed"; }
+grep -q "^why: " "$tmp/out.txt" || { cat "$tmp/out.txt"; die "no line on why the winner won"; }
+grep -q "step s.*MFU.*GiB/GPU" "$tmp/out.txt" || die "no table of candidates"
+head -12 "$tmp/out.txt"
+
+# The snippet as --set flags reproduces the plan, and simulating that plan gives the predicted step.
+/usr/bin/python3 - "$tmp/snippet.toml" "$tmp/search.json" > "$tmp/sets" <<'PY' || die "bad snippet or summary"
+import json, sys, tomllib
+snippet = tomllib.load(open(sys.argv[1], "rb"))
+summary = json.load(open(sys.argv[2]))
+assert summary["stats"]["complete"] and summary["best"], summary
+sets = []
+def walk(prefix, table):
+    for k, v in table.items():
+        if isinstance(v, dict):
+            walk(prefix + k + ".", v)
+        else:
+            sets.append(prefix + k + "=" + json.dumps(v).replace(" ", ""))
+walk("", snippet)
+norm = lambda l: sorted(s.replace('"', "").replace(" ", "") for s in l)
+assert norm(sets) == norm(summary["best"][0]["overrides"]), (sets, summary["best"][0]["overrides"])
+steps = [b["step_seconds"] for b in summary["best"]]
+assert steps == sorted(steps), steps
+print(" ".join("--set " + s for s in sets))
+PY
+world=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["world_size"])' "$tmp/plan.json")
+# shellcheck disable=SC2046
+"$weft" plan "$config" --world-size "$world" $(cat "$tmp/sets") > "$tmp/again.json" \
+  || die "the snippet does not make a valid config"
+/usr/bin/python3 - "$tmp/plan.json" "$tmp/again.json" <<'PY' || die "the snippet does not reproduce the plan"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+assert a == b, (a, b)
+print("the snippet reproduces the plan:", a["placement"], [(m["name"], m["layout"]) for m in a["modules"] if m["role"] != "projector"])
+PY
+# shellcheck disable=SC2046
+"$weft" simulate "$config" --cluster "$cluster" --plan "$tmp/plan.json" $(grep -o -- '--set [^ ]*\(zero_stage\|recompute\)=[^ ]*' "$tmp/sets") \
+  --trace "$tmp/trace.json" > "$tmp/sim.json" || die "weft simulate --plan failed"
+/usr/bin/python3 - "$tmp/sim.json" "$tmp/search.json" <<'PY' || die "simulate --plan disagrees with the search"
+import json, sys
+sim, summary = (json.load(open(p)) for p in sys.argv[1:])
+want = summary["best"][0]["step_seconds"]
+assert abs(sim["step_seconds"] - want) <= 1e-9 * want, (sim["step_seconds"], want)
+assert sim["plan"]["world_size"] == sim["world_size"], sim["world_size"]
+print("weft simulate --plan predicts the searched step:", sim["step_seconds"], "s")
+PY
+
+# A plan file edited by hand: the error names the file and the field.
+/usr/bin/python3 - "$tmp/plan.json" "$tmp/bad.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+p["modules"][-1]["layout"]["tp"] = "eight"
+json.dump(p, open(sys.argv[2], "w"))
+PY
+"$weft" simulate "$config" --cluster "$cluster" --plan "$tmp/bad.json" > "$tmp/err" 2>&1 \
+  && die "a bad plan file was accepted"
+grep -q 'bad.json: modules\[2\].layout.tp = "eight": expected an integer' "$tmp/err" \
+  || { cat "$tmp/err"; die "unclear error for a bad plan file"; }
+echo "bad plan file: $(grep -o 'error:.*' "$tmp/err")"
+"$weft" plan "$config" --out "$tmp/x.json" > "$tmp/err" 2>&1 && die "--out without --cluster was accepted"
+grep -q "need --cluster" "$tmp/err" || { cat "$tmp/err"; die "unclear error for --out without --cluster"; }
+
+# Without --cluster: the config's own plan, as before.
+"$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2 --set parallel.llm.pp=2 > "$tmp/own.json" \
+  || die "weft plan without --cluster failed"
+grep -q '"schedule": "1f1b"' "$tmp/own.json" || die "weft plan without --cluster lost its output"
+
+# DistTrain's MLLM-72B scale on 1172 H100s (147 nodes, 1172 devices used at most).
+cat > "$tmp/h100-147.toml" <<'EOF'
+nodes = 147
+gpus_per_node = 8
+device = "h100"
+[intra_node]
+bandwidth_gbs = 450
+latency_us = 3
+[inter_node]
+bandwidth_gbs = 50
+latency_us = 8
+EOF
+start=$(date +%s)
+"$weft" plan "$src/configs/scenarios/disttrain-72b.toml" --cluster "$tmp/h100-147.toml" \
+  --world-size 1172 --json "$tmp/72b.json" > "$tmp/72b.txt" || { cat "$tmp/72b.txt"; die "72B plan failed"; }
+seconds=$(( $(date +%s) - start ))
+grep -E "^ *1 |^why" "$tmp/72b.txt"
+echo "72B + 6B on 1172 H100s planned in ${seconds} s"
+[ "$seconds" -le 120 ] || die "planning 72B on 1172 GPUs took ${seconds} s (the target is a minute)"

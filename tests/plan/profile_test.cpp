@@ -1,0 +1,401 @@
+// Measured cost profiles: the non-negative fit against known coefficients, reading a profile
+// (and the errors that name the file and field), the rescaling to microbatches, TP/CP shards and
+// the frozen rules, the simulator on measured costs against hand-computed step times, and
+// make_plan's boundaries from a profile.
+#include "weft/plan/profile.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "support/errors.h"
+#include "support/plan_specs.h"
+#include "weft/core/error.h"
+#include "weft/plan/cluster.h"
+#include "weft/plan/plan.h"
+#include "weft/plan/simulate.h"
+
+namespace weft::plan {
+namespace {
+
+using json = nlohmann::json;
+using testing::error_of;
+using testing::vlm_spec;
+
+bool has(const std::string& message, const std::string& needle) {
+  return message.find(needle) != std::string::npos;
+}
+
+TEST(ProfileFit, RecoversExactCoefficients) {
+  // q = 2e-4 + n · (3e-6 · S + 5e-9 · S²), measured at n ∈ {4, 8, 16}, S ∈ {32, 64}.
+  std::vector<CostPoint> pts;
+  for (double s : {32.0, 64.0})
+    for (double n : {4.0, 8.0, 16.0}) pts.push_back({n, s, 2e-4 + n * (3e-6 * s + 5e-9 * s * s)});
+  const CostFit f = fit_cost(pts, true);
+  EXPECT_NEAR(f.fixed, 2e-4, 1e-12);
+  EXPECT_NEAR(f.linear, 3e-6, 1e-14);
+  EXPECT_NEAR(f.quadratic, 5e-9, 1e-16);
+  EXPECT_NEAR(f.at(10, 48), 2e-4 + 10 * (3e-6 * 48 + 5e-9 * 48 * 48), 1e-12);
+  // Linear model (encoders: S = 1): fixed + n · per item.
+  const CostFit g = fit_cost({{1, 1, 7}, {2, 1, 9}, {4, 1, 13}}, false);
+  EXPECT_NEAR(g.fixed, 5, 1e-12);
+  EXPECT_NEAR(g.linear, 2, 1e-12);
+  EXPECT_EQ(g.quadratic, 0);
+  EXPECT_THROW(fit_cost({}, false), Error);
+}
+
+TEST(ProfileFit, CoefficientsStayNonNegative) {
+  // Costs that fall with n (noise): unconstrained least squares gives a negative slope; the
+  // fit keeps every coefficient >= 0 and takes the best such (the mean as fixed cost).
+  const CostFit f = fit_cost({{1, 1, 6}, {2, 1, 5}, {4, 1, 4}}, false);
+  EXPECT_EQ(f.linear, 0);
+  EXPECT_NEAR(f.fixed, 5, 1e-12);
+  // Pure per-unit cost without overhead: fixed is 0, not slightly negative.
+  const CostFit g = fit_cost({{1, 10, 10}, {2, 10, 20}, {4, 10, 40}}, true);
+  EXPECT_GE(g.fixed, 0);
+  EXPECT_GE(g.quadratic, 0);
+  EXPECT_NEAR(g.at(3, 10), 30, 1e-9);
+  // A point at n = 0 (nothing) that costs something: all of it fixed.
+  const CostFit h = fit_cost({{0, 1, 3}}, false);
+  EXPECT_NEAR(h.fixed, 3, 1e-12);
+}
+
+TEST(ProfileFit, RelativeErrorsKeepTheLatency) {
+  // Message times: 100 us latency, 1 GB/s, from 4 B to 4 MB. Absolute least squares is ruled by
+  // the big messages; relative errors honour the small ones too.
+  std::vector<CostPoint> pts;
+  for (double b : {4.0, 4096.0, 65536.0, 1048576.0, 4194304.0})
+    pts.push_back({b, 1, 1e-4 + b / 1e9});
+  pts[3].value *= 1.1;  // one noisy point
+  const CostFit rel = fit_cost(pts, false, true), abs = fit_cost(pts, false);
+  EXPECT_NEAR(rel.fixed, 1e-4, 1e-5);
+  EXPECT_LT(std::abs(rel.at(4, 1) - 1e-4), std::abs(abs.at(4, 1) - 1e-4));
+}
+
+TEST(ProfileFit, CommCurveInterpolates) {
+  CommCurve c;
+  c.bytes = {4, 1000, 3000};
+  c.seconds = {1e-4, 2e-4, 6e-4};
+  EXPECT_DOUBLE_EQ(c.at(1), 1e-4);  // below the first point: the first
+  EXPECT_DOUBLE_EQ(c.at(4), 1e-4);
+  EXPECT_NEAR(c.at(2000), 4e-4, 1e-15);  // between points: linear
+  EXPECT_NEAR(c.at(5000), 1e-3, 1e-15);  // past the end: along the last two
+  EXPECT_TRUE(CommCurve{}.empty());
+}
+
+// A profile of vlm_spec (LLM hidden 128, vocab 256; one ViT "vision") with simple numbers.
+json layer(const std::string& name, const std::string& part, double fwd, double in, double wg,
+           double act, double params, double opt) {
+  return {{"name", name},
+          {"part", part},
+          {"forward", fwd},
+          {"input_grad", in},
+          {"weight_grad", wg},
+          {"activation_bytes", act},
+          {"param_bytes", 4 * params},
+          {"params", params},
+          {"tensors", 2},
+          {"optimizer", opt},
+          {"fit",
+           {{"forward", {fwd, 0, 0}},
+            {"input_grad", {in, 0, 0}},
+            {"weight_grad", {wg, 0, 0}},
+            {"activation_bytes", {act, 0, 0}}}}};
+}
+
+json model_fields(const Spec& s, const std::string& module) {
+  json m;
+  for (const auto& [k, v] : profile_model_fields(s, module)) m[k] = v;
+  return m;
+}
+
+// Per sample: LLM block 1 ms forward + 1 (input) + 1 (weight), embed / head small; the LLM is
+// profiled at 64-token rows (max_seq 64 → seq 40). Vision per item: 0.5 ms a block.
+json tiny_profile(const Spec& s) {
+  json llm_layers = json::array();
+  json embed = layer("llm.embed", "front", 0, 0, 0, 0, 256 * 128, 1e-4);
+  embed["fit"]["forward"] = {1e-4, 1e-6, 0};  // per token
+  embed["fit"]["weight_grad"] = {0, 2e-6, 0};
+  llm_layers.push_back(embed);
+  json block = layer("llm.block", "block", 0, 0, 0, 0, 200000, 2e-4);
+  block["fit"]["forward"] = {1e-4, 2e-5, 1e-7};  // + n (2e-5 S + 1e-7 S²)
+  block["fit"]["input_grad"] = {0, 2e-5, 1e-7};
+  block["fit"]["weight_grad"] = {0, 2e-5, 0};
+  block["fit"]["activation_bytes"] = {1000, 5000, 0};
+  llm_layers.push_back(block);
+  json head = layer("llm.head", "back", 0, 0, 0, 0, 128, 1e-5);
+  head["fit"]["forward"] = {0, 1e-5, 0};
+  head["fit"]["weight_grad"] = {0, 1e-5, 0};
+  llm_layers.push_back(head);
+  json stage = layer("llm.stage", "stage", 0, 0, 0, 0, 0, 0);
+  stage["fit"]["forward"] = {3e-5, 0, 1e-8};
+  llm_layers.push_back(stage);
+  json vis = json::array();
+  vis.push_back(layer("vision.front", "front", 0, 0, 0, 0, 1000, 1e-5));
+  vis.back()["fit"]["forward"] = {0, 1e-4, 0};
+  vis.back()["fit"]["weight_grad"] = {0, 1e-4, 0};
+  vis.push_back(layer("vision.block", "block", 0, 0, 0, 0, 3000, 3e-5));
+  vis.back()["fit"]["forward"] = {5e-5, 5e-4, 0};
+  vis.back()["fit"]["input_grad"] = {0, 5e-4, 0};
+  vis.back()["fit"]["weight_grad"] = {0, 5e-4, 0};
+  vis.push_back(layer("vision.projector", "back", 0, 0, 0, 0, 500, 1e-5));
+  vis.back()["fit"]["forward"] = {0, 1e-4, 0};
+  vis.back()["fit"]["input_grad"] = {0, 1e-4, 0};
+  vis.back()["fit"]["weight_grad"] = {0, 1e-4, 0};
+  json j;
+  j["format"] = "weft-profile-1";
+  j["device"] = "test cpu (1 thread)";
+  j["threads"] = 1;
+  j["precision"] = "bf16";
+  j["shape"] = {{"samples", 8}, {"seq", 40}, {"max_seq", 64}, {"tokens_per_sample", 33}};
+  j["data"] = {{"seconds_per_sample", 1e-3}};
+  j["comm"] = {{"p2p", {{"latency_us", 80}, {"bandwidth_gbs", 1.5}}},
+               {"all_reduce", {{"latency_us", 120}, {"bandwidth_gbs", 1.0}}}};
+  j["modules"] = {{{"name", "llm"},
+                   {"role", "llm"},
+                   {"unit", "sample"},
+                   {"model", model_fields(s, "llm")},
+                   {"layers", llm_layers}},
+                  {{"name", "vision"},
+                   {"role", "encoder"},
+                   {"unit", "item"},
+                   {"units_per_sample", 2},
+                   {"model", model_fields(s, "vision")},
+                   {"layers", vis}}};
+  return j;
+}
+
+Spec profiled_spec() {
+  Spec s = vlm_spec();
+  s.model.llm.max_seq = 64;
+  return s;
+}
+
+TEST(Profile, ParsesEveryField) {
+  const Spec s = profiled_spec();
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  EXPECT_EQ(p.source, "tiny.json");
+  EXPECT_EQ(p.device, "test cpu (1 thread)");
+  EXPECT_EQ(p.threads, 1);
+  EXPECT_EQ(p.precision, "bf16");
+  EXPECT_EQ(p.samples, 8);
+  EXPECT_EQ(p.seq, 40);
+  EXPECT_EQ(p.max_seq, 64);
+  EXPECT_DOUBLE_EQ(p.data_seconds_per_sample, 1e-3);
+  EXPECT_DOUBLE_EQ(p.p2p.latency_seconds, 80e-6);
+  EXPECT_DOUBLE_EQ(p.all_reduce.bytes_per_second, 1e9);
+  ASSERT_EQ(p.modules.size(), 2u);
+  const ModuleProfile& llm = p.module("llm");
+  EXPECT_TRUE(llm.llm);
+  EXPECT_DOUBLE_EQ(llm.block.forward.linear, 2e-5);
+  EXPECT_DOUBLE_EQ(llm.block.forward.quadratic, 1e-7);
+  EXPECT_DOUBLE_EQ(llm.stage.forward.fixed, 3e-5);
+  EXPECT_DOUBLE_EQ(llm.front.param_bytes, 4.0 * 256 * 128);
+  EXPECT_DOUBLE_EQ(p.module("vision").units_per_sample, 2);
+  EXPECT_DOUBLE_EQ(p.module("vision").back.optimizer_seconds, 1e-5);
+  EXPECT_NO_THROW(check_profile(p, s));
+  EXPECT_TRUE(has(error_of([&] { p.module("audio"); }),
+                  "tiny.json: the profile has no module "
+                  "'audio' (it has llm, vision)"));
+}
+
+TEST(Profile, BadFilesNameTheFileAndField) {
+  const Spec s = profiled_spec();
+  const auto fails = [&](const std::function<void(json&)>& edit, const std::string& want) {
+    json j = tiny_profile(s);
+    edit(j);
+    const std::string e = error_of([&] { parse_profile(j.dump(), "bad.json"); });
+    EXPECT_TRUE(has(e, want)) << e << "\n(expected: " << want << ")";
+  };
+  fails([](json& j) { j["format"] = "other"; }, "bad.json: format = \"other\"");
+  fails([](json& j) { j.erase("data"); }, "bad.json: data: missing");
+  fails([](json& j) { j["shape"]["seq"] = -1; }, "bad.json: shape.seq = -1: must be a finite");
+  fails([](json& j) { j["shape"]["samples"] = "eight"; },
+        "shape.samples = \"eight\": expected a number");
+  fails([](json& j) { j["precision"] = "fp8"; }, "precision = \"fp8\"");
+  fails([](json& j) { j["modules"][0]["layers"][1]["fit"].erase("input_grad"); },
+        "bad.json: modules[0].layers[1].fit.input_grad: missing");
+  fails(
+      [](json& j) {
+        j["modules"][0]["layers"][1]["fit"]["forward"] = {1, -2, 0};
+      },
+      "modules[0].layers[1].fit.forward = [1,-2,0]: coefficients must be finite numbers >= 0");
+  fails([](json& j) { j["modules"][0]["layers"][1]["part"] = "middle"; },
+        "modules[0].layers[1].part = \"middle\"");
+  fails([](json& j) { j["modules"][1]["layers"].erase(1); },
+        "modules[1] ('vision'): no \"block\" layer");
+  fails([](json& j) { j["comm"]["p2p"]["bandwidth_gbs"] = 0; },
+        "comm.p2p.bandwidth_gbs = 0: must be a finite number > 0");
+  EXPECT_TRUE(
+      has(error_of([] { parse_profile("{not json", "x.json"); }), "x.json: not valid JSON"));
+  EXPECT_TRUE(has(error_of([] { load_profile("/nonexistent/p.json"); }),
+                  "/nonexistent/p.json: cannot read profile file"));
+
+  // A profile of another model or precision.
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  Spec other = s;
+  other.model.llm.hidden = 256;
+  EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
+                  "tiny.json: module 'llm' was profiled with hidden = 128 but test.toml has 256"));
+  other = s;
+  other.model.encoders[0].image_size = 128;
+  EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }), "module 'vision' was profiled with"));
+  other = s;
+  other.train.precision = Precision::kFp32;
+  EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
+                  "tiny.json: measured in bf16 but test.toml trains in fp32"));
+  other = s;
+  other.model.llm.layers = 12;  // layer counts may differ
+  EXPECT_NO_THROW(check_profile(p, other));
+  other.model.llm.vocab = 0;  // taken from the tokenizer: not compared
+  EXPECT_NO_THROW(check_profile(p, other));
+}
+
+TEST(Profile, RescalesToMicrobatchesShardsAndFrozenRules) {
+  const Spec s = profiled_spec();
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  const Plan plan = make_plan(s);
+  const ModulePlan& llm = plan.module("llm");
+  EXPECT_EQ(profile_seq(p, s), 40);  // the profiled data's rows
+  const double S = 40, per = 2e-5 * S + 1e-7 * S * S;
+  const ModuleCosts c = profile_module_costs(p, s, llm, 6);
+  ASSERT_EQ(c.blocks.size(), 4u);
+  EXPECT_NEAR(c.blocks[2].forward, 1e-4 + 6 * per, 1e-15);
+  EXPECT_NEAR(c.blocks[2].input_grad, 6 * per, 1e-15);
+  EXPECT_NEAR(c.blocks[2].weight_grad, 6 * 2e-5 * S, 1e-15);
+  EXPECT_NEAR(c.blocks[0].activation_bytes, 1000 + 6 * 5000 * S, 1e-6);
+  EXPECT_EQ(c.blocks[0].param_bytes, 800000);
+  EXPECT_EQ(c.blocks[0].train_state_bytes, 3 * 800000);
+  EXPECT_NEAR(c.front.forward, 1e-4 + 6 * 1e-6 * S, 1e-15);
+  EXPECT_EQ(c.front.input_grad, 0);        // the encoder trains but nothing flows to it here
+  EXPECT_EQ(c.back.param_bytes, 4 * 128);  // tied head, not pipelined: no embedding copy
+  // tp = 2, cp = 2: per-unit work and activations over 4, parameters over 2, fixed kept.
+  const ModuleCosts sh = profile_module_costs(p, s, llm, 6, 2, 2);
+  EXPECT_NEAR(sh.blocks[1].forward, 1e-4 + 6 * per / 4, 1e-15);
+  EXPECT_EQ(sh.blocks[1].param_bytes, 400000);
+  // Another max_seq: rows assumed full.
+  Spec longer = s;
+  longer.model.llm.max_seq = 128;
+  EXPECT_EQ(profile_seq(p, longer), 128);
+  EXPECT_NEAR(profile_module_costs(p, longer, make_plan(longer).module("llm"), 1).blocks[0].forward,
+              1e-4 + 2e-5 * 128 + 1e-7 * 128 * 128, 1e-15);
+  // Encoders: items per sample from the profile.
+  const ModuleCosts v = profile_module_costs(p, s, plan.module("vision"), 3);
+  EXPECT_NEAR(v.blocks[0].forward, 5e-5 + 6 * 5e-4, 1e-15);
+  EXPECT_EQ(v.front.input_grad, 0);
+  EXPECT_NEAR(v.front.weight_grad, 6 * 1e-4, 1e-15);
+  // Frozen LLM with a trainable encoder: input gradients only, and the embedding routes the
+  // feature gradients; frozen encoder with nothing upstream: forward only.
+  Spec frozen = s;
+  frozen.model.llm.frozen = true;
+  const ModuleCosts f = profile_module_costs(p, frozen, make_plan(frozen).module("llm"), 6);
+  EXPECT_EQ(f.blocks[0].weight_grad, 0);
+  EXPECT_NEAR(f.blocks[0].input_grad, 6 * per, 1e-15);
+  EXPECT_EQ(f.blocks[0].train_state_bytes, 0);
+  frozen = s;
+  frozen.model.encoders[0].frozen = true;
+  const Plan fp = make_plan(frozen);
+  const ModuleCosts fv = profile_module_costs(p, frozen, fp.module("vision"), 3);
+  EXPECT_EQ(fv.blocks[0].input_grad + fv.blocks[0].weight_grad + fv.blocks[0].activation_bytes, 0);
+  EXPECT_EQ(fv.back.input_grad, 0);  // the trainable projector after a frozen encoder
+  EXPECT_NEAR(fv.back.weight_grad, 6 * 1e-4, 1e-15);
+}
+
+// One rank, one microbatch of 8 samples: the step is data + vision + LLM + optimizer, each the
+// profile's numbers; two ranks (DP2) add the measured all-reduce of the gradients.
+TEST(Profile, SimulatorUsesMeasuredCosts) {
+  Spec s = profiled_spec();
+  s.train.microbatches = 1;
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  const Cluster c = parse_cluster(R"(
+nodes = 1
+gpus_per_node = 2
+device = "cpu-core"
+[intra_node]
+bandwidth_gbs = 1
+latency_us = 100
+)",
+                                  "c.toml");
+  const Plan one = make_plan(s, 1, &p);
+  SimOptions o;
+  const SimResult r = simulate(s, one, c, p, o);
+  const double S = 40, n = 8, items = 16;
+  const double llm_fixed = 1e-4 + 4 * 1e-4 + 3e-5;  // embed, blocks, stage forward
+  const double llm_per = 1e-6 * S + 4 * (2e-5 * S + 1e-7 * S * S) + 1e-5 * S + 1e-8 * S * S;
+  const double llm_bwd = 2e-6 * S + 4 * (2e-5 * S + 1e-7 * S * S + 2e-5 * S) + 1e-5 * S;
+  const double vis = 3 * 5e-5 + items * (1e-4 + 3 * 5e-4 + 1e-4);
+  const double vis_bwd = items * (1e-4 + 3 * 1e-3 + 2e-4);
+  const double opt = 1e-4 + 4 * 2e-4 + 1e-5 + 1e-5 + 3 * 3e-5 + 1e-5;
+  const double want = 8 * 1e-3 + vis + llm_fixed + n * llm_per + n * llm_bwd + vis_bwd + opt;
+  EXPECT_NEAR(r.step_seconds, want, 1e-12);
+  EXPECT_NEAR(r.ranks[0].data_seconds, 8e-3, 1e-15);
+  EXPECT_NEAR(r.ranks[0].optimizer_seconds, opt, 1e-15);
+  EXPECT_DOUBLE_EQ(r.tokens_per_step, 8 * S);
+  // Measured activation memory: 4 blocks of 1000 + 8 · 40 · 5000 bytes.
+  EXPECT_DOUBLE_EQ(r.ranks[0].peak_activation_bytes, 4 * (1000 + 8 * S * 5000));
+  // The FLOP model gives another step.
+  EXPECT_NE(simulate(s, one, c).step_seconds, r.step_seconds);
+
+  // DP2: each rank half the samples (fixed costs stay), plus the gradient all-reduce.
+  s.train.overlap_grad_reduce = false;
+  const Plan two = make_plan(s, 2, &p);
+  const SimResult r2 = simulate(s, two, c, p, o);
+  EXPECT_LT(r2.step_seconds, r.step_seconds);
+  EXPECT_GT(r2.ranks[0].collective_seconds, 0);
+  const double half = 8 * 1e-3 + 3 * 5e-5 + 8 * (1e-4 + 3 * 5e-4 + 1e-4) + llm_fixed + 4 * llm_per +
+                      4 * llm_bwd + 8 * (1e-4 + 3 * 1e-3 + 2e-4) + opt;
+  EXPECT_NEAR(r2.step_seconds - r2.ranks[0].collective_seconds, half, 1e-12);
+
+  // Measured curves replace the cluster's link on one node: every all-reduce of the step (the
+  // two modules' gradients, the loss and the norm) costs the curve's value at its size, and the
+  // reductions start after the backward (the transport runs on the ranks' cores).
+  json with_points = tiny_profile(s);
+  with_points["comm"]["points"] = json::array();
+  for (double b : {8.0, 1e6, 1e7})
+    with_points["comm"]["points"].push_back({{"bytes", b},
+                                             {"p2p", 1e-4 + b * 1e-9},
+                                             {"all_reduce", 2e-3 + b * 1e-9},
+                                             {"compute_bytes", b / 2},
+                                             {"all_reduce_compute", 3e-3}});
+  with_points["comm"]["on_compute"] = true;
+  const Profile pc = parse_profile(with_points.dump(), "points.json");
+  ASSERT_EQ(pc.all_reduce_curve.bytes.size(), 3u);
+  EXPECT_TRUE(pc.comm_on_compute);
+  s.train.overlap_grad_reduce = true;  // has no effect: nothing overlaps on CPU ranks
+  const SimResult r3 = simulate(s, make_plan(s, 2, &pc), c, pc, o);
+  const CostTable t = profile_stage_costs(pc, s, make_plan(s, 2, &pc));
+  double reductions = 2 * pc.all_reduce_curve.at(8);  // loss and norm
+  for (const auto& module : t)
+    for (const StageCost& sc : module) reductions += pc.all_reduce_curve.at(sc.grad_bytes);
+  EXPECT_NEAR(r3.ranks[0].collective_seconds, reductions, 1e-12);
+  EXPECT_NEAR(r3.step_seconds, half + reductions, 1e-12);
+  json bad = with_points;
+  bad["comm"]["points"][1]["bytes"] = 4;
+  EXPECT_TRUE(has(error_of([&] { parse_profile(bad.dump(), "b.json"); }),
+                  "b.json: comm.points[1].bytes = 4: sizes must increase"));
+}
+
+TEST(Profile, MakePlanPartitionsOnMeasuredCosts) {
+  Spec s = profiled_spec();
+  s.parallel.modules["llm"].pp = 2;
+  json j = tiny_profile(s);
+  const Profile flat = parse_profile(j.dump(), "flat.json");
+  // A head with the forward of three blocks moves the cut toward the end.
+  j["modules"][0]["layers"][2]["fit"]["forward"] = {0, 3 * 2e-5, 3 * 1e-7};
+  j["modules"][0]["layers"][2]["fit"]["input_grad"] =
+      j["modules"][0]["layers"][1]["fit"]["input_grad"];
+  const Profile heavy = parse_profile(j.dump(), "heavy.json");
+  const Plan a = make_plan(s, 2, &flat), b = make_plan(s, 2, &heavy);
+  EXPECT_EQ(a.module("llm").stage_boundaries, (std::vector<int64_t>{2}));
+  EXPECT_EQ(b.module("llm").stage_boundaries, (std::vector<int64_t>{3}));
+  Spec other = s;
+  other.model.llm.heads = 8;
+  EXPECT_TRUE(has(error_of([&] { make_plan(other, 2, &flat); }), "was profiled with heads = 4"));
+}
+
+}  // namespace
+}  // namespace weft::plan

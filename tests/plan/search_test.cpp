@@ -1,0 +1,266 @@
+// The layout search against brute force: on spaces small enough to simulate every candidate, the
+// analytic bound is a true lower bound of the simulated step (and the analytic memory of the
+// simulated peak), branch and bound finds the simulator's optimum, the memory filter keeps the
+// plan within the device when the fastest layout does not fit, and the result is no slower than
+// the fixed baselines. Also: recomputation pricing, and the config the search writes reproduces
+// its plan.
+#include "weft/plan/search.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "support/errors.h"
+#include "weft/core/config.h"
+#include "weft/core/error.h"
+#include "weft/plan/cluster.h"
+#include "weft/plan/plan.h"
+#include "weft/plan/simulate.h"
+
+namespace weft::plan {
+namespace {
+
+// A ~1B-parameter LLM behind a ViT-B-like encoder: big enough that tensor, pipeline and data
+// parallelism trade off on H100s, small enough to simulate every layout of 8-16 GPUs.
+Spec small_vlm(bool frozen_vision = false) {
+  Spec s = parse_spec(R"(
+[model.llm]
+vocab = 32000
+hidden = 2048
+layers = 8
+heads = 16
+kv_heads = 8
+ffn = 5632
+max_seq = 1024
+tie_embeddings = false
+
+[model.vision]
+kind = "vit"
+hidden = 768
+layers = 6
+heads = 12
+ffn = 3072
+image_size = 224
+patch = 16
+
+[train]
+batch = 32
+)",
+                      "small.toml");
+  s.model.encoders[0].frozen = frozen_vision;
+  return s;
+}
+
+// `nodes` × 8 H100s: NVLink inside a node, 50 GB/s per GPU between nodes.
+Cluster h100(int64_t nodes, double memory_gib = 80) {
+  return parse_cluster("nodes = " + std::to_string(nodes) +
+                           "\ngpus_per_node = 8\n[device]\nbase = \"h100\"\nmemory_gib = " +
+                           std::to_string(memory_gib) +
+                           "\n[intra_node]\nbandwidth_gbs = 450\nlatency_us = 3\n"
+                           "[inter_node]\nbandwidth_gbs = 50\nlatency_us = 8\n",
+                       "h100.toml");
+}
+
+// A space small enough to simulate exhaustively.
+SearchOptions small_space() {
+  SearchOptions o;
+  o.max_pp = 4;
+  o.max_encoder_pp = 2;
+  o.max_cp = 2;
+  o.max_microbatches = 8;
+  o.top = 3;
+  o.max_simulations = 100000;
+  o.time_budget_seconds = 1e9;
+  return o;
+}
+
+double peak_memory(const SimResult& r) {
+  double peak = 0;
+  for (const RankReport& k : r.ranks) peak = std::max(peak, k.peak_memory_bytes);
+  return peak;
+}
+
+// Simulates every candidate: checks the bound and the analytic memory against the simulator and
+// returns the fastest candidate that fits.
+Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOptions& o,
+                       int64_t* count) {
+  const std::vector<BoundedCandidate> all = enumerate_candidates(spec, cluster, o);
+  Evaluation best;
+  best.sim.step_seconds = 1e30;
+  *count = 0;
+  for (const BoundedCandidate& b : all) {
+    const Evaluation e = evaluate(spec, cluster, b.candidate, o.sim);
+    ++*count;
+    const std::string what = describe(spec, b.candidate);
+    EXPECT_LE(b.lower_bound, e.sim.step_seconds * (1 + 1e-9)) << what;
+    EXPECT_LE(b.memory_bytes, peak_memory(e.sim) * (1 + 1e-9) + 1) << what;
+    if (!b.fits_memory) {
+      EXPECT_FALSE(e.sim.memory_fits) << what;
+    }
+    if (e.sim.memory_fits && e.sim.step_seconds < best.sim.step_seconds) best = e;
+  }
+  return best;
+}
+
+TEST(Search, BoundIsALowerBoundAndPruningKeepsTheOptimum) {
+  struct Case {
+    const char* name;
+    Spec spec;
+    int64_t nodes;
+  };
+  const Case cases[] = {{"trainable vision, 8 GPUs", small_vlm(), 1},
+                        {"frozen vision, 16 GPUs on 2 nodes", small_vlm(true), 2}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Cluster cluster = h100(c.nodes);
+    const SearchOptions o = small_space();
+    int64_t count = 0;
+    const Evaluation best = brute_force(c.spec, cluster, o, &count);
+    ASSERT_GT(count, 500) << "the space should be large enough to prune";
+    const SearchResult r = search(c.spec, cluster, o);
+    ASSERT_FALSE(r.best.empty());
+    EXPECT_TRUE(r.stats.complete);
+    EXPECT_NEAR(r.best.front().sim.step_seconds, best.sim.step_seconds,
+                1e-12 * best.sim.step_seconds)
+        << "search: " << describe(c.spec, r.best.front().candidate)
+        << "\nbrute force: " << describe(c.spec, best.candidate);
+    EXPECT_LT(r.stats.simulated * 5, count) << "branch and bound should simulate far fewer";
+    for (size_t i = 1; i < r.best.size(); ++i)
+      EXPECT_LE(r.best[i - 1].sim.step_seconds, r.best[i].sim.step_seconds);
+    EXPECT_FALSE(r.why.empty());
+  }
+}
+
+TEST(Search, BoundHoldsForTheMegatronBaseline) {
+  const Spec spec = small_vlm();
+  const Cluster cluster = h100(2);
+  SearchOptions o = small_space();
+  o.placements = {"megatron"};
+  int64_t count = 0;
+  brute_force(spec, cluster, o, &count);  // bound and memory checks inside
+  EXPECT_GT(count, 100);
+}
+
+TEST(Search, MemoryFilterRejectsTheFastestLayoutWhenItDoesNotFit) {
+  const Spec spec = small_vlm();
+  SearchOptions o = small_space();
+  o.zero = false;
+  o.recompute = false;
+  const SearchResult roomy = search(spec, h100(1, 1000), o);
+  const Evaluation& fastest = roomy.best.front();
+  const double need = peak_memory(fastest.sim);
+  // A device just too small for the unconstrained optimum.
+  const double gib = need * 0.95 / (1024.0 * 1024 * 1024);
+  const Cluster tight = h100(1, gib);
+  const SearchResult r = search(spec, tight, o);
+  const Evaluation& win = r.best.front();
+  EXPECT_TRUE(win.sim.memory_fits);
+  EXPECT_LE(peak_memory(win.sim), tight.device.memory_bytes);
+  EXPECT_GT(win.sim.step_seconds, fastest.sim.step_seconds);
+  EXPECT_GT(r.stats.memory_filtered + r.stats.simulated_over_memory, 0);
+  ASSERT_EQ(r.over_memory.size(), 1u) << "the faster layout that does not fit is reported";
+  EXPECT_LT(r.over_memory.front().sim.step_seconds, win.sim.step_seconds);
+  EXPECT_NE(r.why.find("over memory"), std::string::npos) << r.why;
+  // Nothing fits a device smaller than the model's parameters: a clear error.
+  const std::string err = testing::error_of([&] { search(spec, h100(1, 0.01), o); });
+  EXPECT_NE(err.find("small.toml: no layout fits 8 h100 devices"), std::string::npos) << err;
+}
+
+TEST(Search, NoSlowerThanFixedBaselines) {
+  for (int64_t nodes : {1, 2}) {
+    SCOPED_TRACE(std::to_string(nodes) + " node(s)");
+    const Spec spec = small_vlm();
+    const Cluster cluster = h100(nodes);
+    SearchOptions o;
+    o.top = 2;
+    const SearchResult weft = search(spec, cluster, o);
+    const double best = weft.best.front().sim.step_seconds;
+    for (const char* placement : {"megatron", "colocated", "separate"}) {
+      SearchOptions b = o;
+      b.placements = {placement};
+      const SearchResult baseline = search(spec, cluster, b);
+      EXPECT_LE(best, baseline.best.front().sim.step_seconds * (1 + 1e-12)) << placement;
+    }
+    // Hand-written layouts: pure data parallelism, and the LLM pipelined over the nodes with the
+    // encoder data-parallel, colocated.
+    const int64_t world = cluster.world_size();
+    Candidate dp;
+    dp.world_size = world;
+    dp.layouts.resize(2);
+    dp.recompute = {false, false};
+    dp.layouts[0].dp = dp.layouts[1].dp = world;
+    dp.microbatches = 1;
+    Candidate pipe = dp;
+    pipe.layouts[1].dp = world / (2 * nodes);
+    pipe.layouts[1].pp = 2 * nodes;
+    pipe.microbatches = 4;
+    for (Candidate c : {dp, pipe}) {
+      c.layouts[1].stages = candidate_plan(spec, c).modules.back().stage_boundaries;
+      const Evaluation e = evaluate(spec, cluster, c);
+      if (e.sim.memory_fits) {
+        EXPECT_LE(best, e.sim.step_seconds) << describe(spec, c);
+      }
+    }
+  }
+}
+
+TEST(Search, RecomputationTradesComputeForActivationMemory) {
+  Spec spec = small_vlm();
+  Candidate c;
+  c.world_size = 2;
+  c.layouts.resize(2);
+  c.layouts[0].dp = 2;
+  c.layouts[1].pp = 2;
+  c.layouts[1].stages = {4};
+  c.recompute = {false, false};
+  c.microbatches = 4;
+  const Plan plan = candidate_plan(spec, c);
+  const CostTable off = planner_costs(apply_candidate(spec, c), plan);
+  Candidate rc = c;
+  rc.recompute = {true, true};
+  const CostTable on = planner_costs(apply_candidate(spec, rc), plan);
+  for (size_t m : {size_t{0}, plan.modules.size() - 1})
+    for (size_t s = 0; s < off[m].size(); ++s) {
+      EXPECT_GT(on[m][s].backward_flops, off[m][s].backward_flops);
+      EXPECT_EQ(on[m][s].forward_flops, off[m][s].forward_flops);
+      EXPECT_LT(on[m][s].activation_bytes, off[m][s].activation_bytes / 2);
+    }
+  // One more forward of every LLM block: backward grows by exactly the blocks' forward FLOPs.
+  const StageCost& a = off.back()[0];
+  const StageCost& b = on.back()[0];
+  EXPECT_NEAR(b.backward_flops - a.backward_flops, a.forward_flops, 1e-6 * a.forward_flops);
+  const Cluster cluster = h100(1);
+  const Evaluation e_off = evaluate(spec, cluster, c), e_on = evaluate(spec, cluster, rc);
+  EXPECT_GT(e_on.sim.step_seconds, e_off.sim.step_seconds);
+  EXPECT_LT(peak_memory(e_on.sim), peak_memory(e_off.sim));
+}
+
+TEST(Search, ConfigSnippetReproducesThePlan) {
+  const Spec spec = small_vlm();
+  const Cluster cluster = h100(2);
+  SearchOptions o;
+  o.top = 1;
+  for (const char* placement : {"colocated", "separate"}) {
+    o.placements = {placement};
+    const SearchResult r = search(spec, cluster, o);
+    const Evaluation& win = r.best.front();
+    const Spec again =
+        parse_spec(spec_to_toml(spec), "again.toml", config_overrides(spec, win.candidate));
+    EXPECT_EQ(to_json(make_plan(again, win.candidate.world_size)), to_json(win.plan)) << placement;
+    const std::string snippet = config_snippet(spec, win.candidate);
+    EXPECT_NE(snippet.find(std::string("placement = \"") + placement + "\""), std::string::npos);
+    EXPECT_NE(snippet.find("[parallel.llm]"), std::string::npos);
+    EXPECT_NE(snippet.find("microbatches = "), std::string::npos);
+  }
+  Candidate m;
+  m.placement = "megatron";
+  m.layouts.resize(2);
+  m.recompute = {false, false};
+  const std::string err = testing::error_of([&] { config_overrides(spec, m); });
+  EXPECT_NE(err.find("no config can express"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace weft::plan
