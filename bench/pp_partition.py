@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import validate_sim as vs  # noqa: E402  (shared: quiet machine, runs, cluster file)
+import results_md  # noqa: E402  (bench/RESULTS.md sections)
 
 ROOT = vs.ROOT
 BEGIN, END = "<!-- bench/pp_partition begin -->", "<!-- bench/pp_partition end -->"
@@ -123,16 +124,7 @@ def main():
               "", END]
     print("\n".join(lines[1:-1]))
     if args.write:
-        path = os.path.join(ROOT, "bench", "RESULTS.md")
-        text = open(path).read()
-        block = "\n".join(lines) + "\n"
-        if BEGIN in text and END in text:
-            text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}")
+        results_md.write_section(lines, BEGIN, END)
 
 
 if __name__ == "__main__":

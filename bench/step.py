@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import results_md  # bench/RESULTS.md sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = "/usr/bin/python3"
@@ -256,16 +257,7 @@ def main():
         print("\n".join(sc), flush=True)
     lines.append(END)
     if args.write:
-        path = os.path.join(ROOT, "bench", "RESULTS.md")
-        text = open(path).read()
-        block = "\n".join(lines) + "\n"
-        if BEGIN in text and END in text:
-            text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}")
+        results_md.write_section(lines, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import results_md  # bench/RESULTS.md sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- bench/validate_sim begin -->", "<!-- bench/validate_sim end -->"
@@ -255,16 +256,7 @@ def main():
               "run.", "", END]
     print("\n".join(lines[1:-1]))
     if args.write:
-        path = os.path.join(ROOT, "bench", "RESULTS.md")
-        text = open(path).read()
-        block = "\n".join(lines) + "\n"
-        if BEGIN in text and END in text:
-            text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}")
+        results_md.write_section(lines, BEGIN, END)
 
 
 if __name__ == "__main__":
