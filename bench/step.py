@@ -20,7 +20,6 @@ the model was built (the same definition on both sides; Linux /proc/self/status)
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -66,18 +65,9 @@ def mib(b):
 
 
 def machine(args):
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     torch = subprocess.run([PY, "-c", "import torch; print(torch.__version__)"],
                            capture_output=True, text=True).stdout.strip()
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}; PyTorch (Python) {torch}"
+    return f"{results_md.machine()}; PyTorch (Python) {torch}"
 
 
 def compare(args, config, rounds):

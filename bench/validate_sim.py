@@ -27,7 +27,6 @@ bench/RESULTS.md.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -180,16 +179,7 @@ def write_cluster(profile, path):
 
 
 def machine():
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}"
+    return results_md.machine()
 
 
 def main():

@@ -54,8 +54,8 @@ class ParamSet {
 
 // This rank's groups for the module being built (default: one rank each, no parallelism).
 struct Shard {
-  dist::Comm tp;  // tensor parallel: heads, MLP features and vocabulary are split over it
-  dist::Comm cp;  // context parallel (LLM): the sequence is split over it
+  dist::Comm tp;   // tensor parallel: heads, MLP features and vocabulary are split over it
+  dist::Comm cp;   // context parallel (LLM): the sequence is split over it
   dist::Comm ep;   // expert parallel (MoE LLM): the experts are split over it
   dist::Comm etp;  // expert tensor parallel: expert weights are split over it (a subgroup of tp)
   Split split(int64_t dim, std::vector<int64_t> segments = {}) const {

@@ -147,8 +147,8 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   } else {
     const EncoderSpec& e = spec.model.encoders[m->encoder];
     const std::string model = "model." + e.name;
-    WEFT_CHECK(l.ep == 1 && l.etp == 0, at, l.ep != 1 ? "ep = " : "etp = ",
-               l.ep != 1 ? l.ep : l.etp,
+    WEFT_CHECK(l.ep == 1 && l.etp == 0, at,
+               l.ep != 1 ? "ep = " : "etp = ", l.ep != 1 ? l.ep : l.etp,
                ": expert parallelism applies to a mixture-of-experts LLM only (", model,
                " is an encoder)");
     divides(model + ".heads", e.heads);
@@ -202,7 +202,6 @@ Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
   return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp};
 }
-
 
 // FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
 // (one item each for an encoder), work and activations divided over tp × cp, parameters over tp.
@@ -373,12 +372,8 @@ std::string to_json(const Plan& plan) {
     nlohmann::ordered_json mj;
     mj["name"] = m.name;
     mj["role"] = role_name(m.role);
-    mj["layout"] = {{"dp", m.layout.dp},
-                    {"tp", m.layout.tp},
-                    {"pp", m.layout.pp},
-                    {"cp", m.layout.cp},
-                    {"ep", m.layout.ep},
-                    {"etp", m.layout.expert_tp()}};
+    mj["layout"] = {{"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp},
+                    {"cp", m.layout.cp}, {"ep", m.layout.ep}, {"etp", m.layout.expert_tp()}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;
