@@ -130,6 +130,7 @@ int main(int argc, char** argv) {
        {"model.vision.frozen=true"},
        {64, 256}},
       {"LLaVA-1.5-7B (CLIP-L/336 + Vicuna-7B)", "llava15-7b.toml", {}, {64, 256}},
+      {"LLaVA-style CLIP-L/336 + Mixtral-8x7B (MoE)", "clip-mixtral-8x7b.toml", {}, {64, 256}},
       {"DistTrain MLLM-72B scale (InternViT-6B + Qwen2-72B)", "disttrain-72b.toml", {}, {1172}},
   };
   std::ostringstream md;

@@ -68,6 +68,12 @@ TEST(MoeLayouts, WholeExpertsOverTheTp2RanksEp2) {
                     "moe_tp2_etp1_ep2");
 }
 
+TEST(MoeLayouts, WholeExpertsReplicatedOverTp2WithoutEp) {
+  // etp = 1, ep = 1: every TP rank holds every expert and routes its half of the tokens, so the
+  // experts' gradients are summed over the TP ranks too (their expert-data-parallel group).
+  expect_equivalent(2, with(kMoe, {"parallel.llm.tp=2", "parallel.llm.etp=1"}), "moe_tp2_etp1");
+}
+
 TEST(MoeLayouts, WholeExpertsEp4AcrossTp2Dp2) {
   expect_equivalent(4,
                     with(kMoe, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.etp=1",

@@ -1,16 +1,20 @@
 // Mixture of experts on the torch-free side: [model.llm.moe] parsing and its errors, expert
-// parallelism in make_plan (validation, EP and expert-data-parallel groups, JSON), and the FLOP
-// model of MoE blocks.
+// parallelism in make_plan (validation, EP and expert-data-parallel groups, JSON), the FLOP
+// model of MoE blocks, and how the simulator prices expert parallelism (expert memory over
+// ep · etp, the all-to-alls, the expert-data-parallel gradient reduction).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "support/errors.h"
 #include "weft/core/config.h"
+#include "weft/plan/cluster.h"
 #include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/simulate.h"
 
 namespace weft::plan {
 namespace {
@@ -211,6 +215,105 @@ TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {
   double sum = 0;
   for (int64_t i = 0; i < l.layers; ++i) sum += llm_block_forward_flops(l, t, i);
   EXPECT_DOUBLE_EQ(llm_forward_flops(l, t), sum + llm_head_forward_flops(l, t));
+}
+
+// ---- The simulator's expert parallelism --------------------------------------------------
+
+Cluster one_node() {
+  return parse_cluster(
+      "nodes = 1\ngpus_per_node = 8\n[device]\nbase = \"h100\"\n"
+      "[intra_node]\nbandwidth_gbs = 450\nlatency_us = 3\n"
+      "[inter_node]\nbandwidth_gbs = 50\nlatency_us = 8\n",
+      "node.toml");
+}
+
+// Simulates the spec on `world` ranks, LLM and vision data-parallel over all of them.
+SimResult simulate_on(int64_t world, std::vector<std::string> sets) {
+  sets.push_back("parallel.vision.dp=" + std::to_string(world));
+  sets.push_back("train.microbatches=1");
+  const Spec s = spec_with(sets);
+  return simulate(s, make_plan(s, world), one_node());
+}
+
+// Σ over the LLM's blocks of the parameters its experts hold.
+double expert_params(const Spec& s) {
+  double n = 0;
+  for (int64_t b = 0; b < s.model.llm.layers; ++b) n += llm_block_params(s.model.llm, b).experts;
+  return n;
+}
+
+TEST(MoeSim, ExpertStateIsDividedOverTheExpertParallelRanks) {
+  // Per expert parameter, a rank holds 4 B of weights, 4 B of gradient and 8 B of moments when
+  // it holds the expert: 16 B / ep. ZeRO-1 shards the moments over the expert-data-parallel
+  // group (dp4 / ep2 = 2 ranks), the dense weights' over all four.
+  const double E = expert_params(spec_with({}));
+  const auto bytes = [](const SimResult& r) { return r.ranks[0].static_bytes; };
+  const double ep1 = bytes(simulate_on(4, {"parallel.llm.dp=4"}));
+  const double ep2 = bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2"}));
+  const double ep4 = bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=4"}));
+  EXPECT_NEAR(ep1 - ep2, 16 * E / 2, 1e-6 * ep1);
+  EXPECT_NEAR(ep1 - ep4, 16 * E * 3 / 4, 1e-6 * ep1);
+  const double z1 =
+      bytes(simulate_on(4, {"parallel.llm.dp=4", "train.zero_stage=1"}));  // moments / 4
+  const double z2 =
+      bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2", "train.zero_stage=1"}));
+  // Experts: ep1 holds 8E + 8E/4, ep2 holds 8E/2 + 8E/2/2.
+  EXPECT_NEAR(z1 - z2, (8 * E + 8 * E / 4) - (8 * E / 2 + 8 * E / 4), 1e-6 * z1);
+  // etp = 1 under tp2: whole experts on each TP rank (dense weights halved, experts not), then
+  // ep = 2 across the TP ranks halves them.
+  const double tp2 = bytes(simulate_on(2, {"parallel.llm.tp=2"}));
+  const double tp2_etp1 = bytes(simulate_on(2, {"parallel.llm.tp=2", "parallel.llm.etp=1"}));
+  const double tp2_etp1_ep2 =
+      bytes(simulate_on(2, {"parallel.llm.tp=2", "parallel.llm.etp=1", "parallel.llm.ep=2"}));
+  EXPECT_NEAR(tp2_etp1 - tp2, 16 * E / 2, 1e-6 * tp2);
+  EXPECT_NEAR(tp2_etp1_ep2, tp2, 1e-6 * tp2);
+}
+
+TEST(MoeSim, EachMoeBlockExchangesItsTokenRowsByTwoAllToAllsEachWay) {
+  // tp = cp = 1: the only collectives inside the ops are the all-to-alls. Blocks 0 and 2 are MoE
+  // (every = 2); a rank's 4 samples of max_seq tokens send top_k rows of hidden bf16 values.
+  const Spec s = spec_with({});
+  const double rows = 4.0 * static_cast<double>(s.model.llm.max_seq) * 2;
+  const double a2a = all_to_all_seconds(one_node(), {0, 1}, rows * 32 * 2);
+  const SimResult ep1 = simulate_on(2, {"parallel.llm.dp=2"});
+  const SimResult ep2 = simulate_on(2, {"parallel.llm.dp=2", "parallel.llm.ep=2"});
+  EXPECT_EQ(ep1.ranks[0].comm_seconds, 0);
+  // 2 MoE blocks × 2 all-to-alls × (forward + backward).
+  EXPECT_NEAR(ep2.ranks[0].comm_seconds, 2 * 2 * 2 * a2a, 1e-12);
+  // ... inside the rank's forward and backward ops (the step itself also changes: the experts'
+  // gradients are no longer reduced over the two ranks).
+  EXPECT_NEAR(ep2.ranks[0].busy_seconds - ep1.ranks[0].busy_seconds, 8 * a2a, 1e-12);
+  // With a pipeline, each stage pays for its own MoE blocks: one each.
+  const SimResult pp2 =
+      simulate_on(4, {"parallel.llm.dp=2", "parallel.llm.pp=2", "parallel.llm.ep=2"});
+  for (const RankReport& r : pp2.ranks) EXPECT_NEAR(r.comm_seconds, 4 * a2a, 1e-12);
+}
+
+TEST(MoeSim, ExpertGradientsAreReducedOverTheExpertDataParallelGroupOnly) {
+  const auto collectives = [](const SimResult& r) {
+    std::vector<std::string> names;
+    for (const TraceEvent& e : r.trace)
+      if (e.category == "collective" && e.rank == 0) names.push_back(e.name);
+    return names;
+  };
+  const std::vector<std::string> serial = {"train.overlap_grad_reduce=false"};
+  // ep = 1: the experts are plain data-parallel weights, reduced with the rest.
+  const auto ep1 = collectives(simulate_on(4, {"parallel.llm.dp=4", serial[0]}));
+  EXPECT_EQ(std::count(ep1.begin(), ep1.end(), "llm expert grad all-reduce"), 0);
+  const SimResult r = simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2", serial[0]});
+  const auto ep2 = collectives(r);
+  EXPECT_EQ(std::count(ep2.begin(), ep2.end(), "llm grad all-reduce"), 1);
+  EXPECT_EQ(std::count(ep2.begin(), ep2.end(), "llm expert grad all-reduce"), 1);
+  // ep = 4 over dp = 4: every rank holds its own experts, nothing to reduce.
+  const auto ep4 =
+      collectives(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=4", serial[0]}));
+  EXPECT_EQ(std::count(ep4.begin(), ep4.end(), "llm expert grad all-reduce"), 0);
+  // What is reduced apart: the gradients of the rank's experts, half of them under ep = 2.
+  const Spec s = spec_with({"parallel.llm.dp=4", "parallel.llm.ep=2"});
+  const Plan p = make_plan(s, 4);
+  const CostTable costs = stage_costs(s, p);
+  const Holding h = rank_holding(costs.back()[0], p.module("llm").layout, false);
+  EXPECT_NEAR(h.expert_grads, 4 * expert_params(s) / 2, 1e-6);
 }
 
 }  // namespace

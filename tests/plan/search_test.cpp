@@ -237,6 +237,53 @@ TEST(Search, RecomputationTradesComputeForActivationMemory) {
   EXPECT_LT(peak_memory(e_on.sim), peak_memory(e_off.sim));
 }
 
+// The LLM as a mixture of experts: 8 experts of the dense width, top-2, in every block.
+Spec moe_vlm() {
+  Spec s = small_vlm();
+  s.model.llm.moe.experts = 8;
+  s.model.llm.moe.top_k = 2;
+  return s;
+}
+
+TEST(Search, BoundHoldsWithExpertParallelism) {
+  const Spec spec = moe_vlm();
+  const Cluster cluster = h100(1);
+  SearchOptions o = small_space();
+  o.max_pp = 2;
+  int64_t count = 0;
+  const Evaluation best = brute_force(spec, cluster, o, &count);  // bound and memory checks
+  // The space has expert layouts of both kinds: ep over the data ranks, and whole experts.
+  bool ep = false, whole = false;
+  for (const BoundedCandidate& b : enumerate_candidates(spec, cluster, o)) {
+    ep = ep || (b.candidate.layouts.back().ep > 1 && b.candidate.layouts.back().etp == 0);
+    whole = whole || b.candidate.layouts.back().etp == 1;
+  }
+  EXPECT_TRUE(ep && whole);
+  const SearchResult r = search(spec, cluster, o);
+  ASSERT_FALSE(r.best.empty());
+  EXPECT_NEAR(r.best.front().sim.step_seconds, best.sim.step_seconds, 1e-12 * best.sim.step_seconds)
+      << "search: " << describe(spec, r.best.front().candidate)
+      << "\nbrute force: " << describe(spec, best.candidate);
+}
+
+TEST(Search, ExpertParallelismWhenTheExpertsDoNotFitOneDevice) {
+  // 2.2B expert parameters (35 GB of weights, gradients and moments) on 24 GiB devices, with
+  // only data and expert parallelism allowed: the experts must be split over ep >= 2 ranks.
+  const Spec spec = moe_vlm();
+  SearchOptions o = small_space();
+  o.max_tp = 1, o.max_pp = 1, o.max_cp = 1, o.max_encoder_pp = 1;
+  o.zero = o.recompute = false;
+  const Cluster tight = h100(1, 24);
+  const SearchResult r = search(spec, tight, o);
+  const Evaluation& win = r.best.front();
+  EXPECT_TRUE(win.sim.memory_fits);
+  EXPECT_GE(win.candidate.layouts.back().ep, 2) << describe(spec, win.candidate);
+  EXPECT_EQ(win.plan.module("llm").layout.ep, win.candidate.layouts.back().ep);
+  o.max_ep = 1;
+  const std::string err = testing::error_of([&] { search(spec, tight, o); });
+  EXPECT_NE(err.find("no layout fits"), std::string::npos) << err;
+}
+
 TEST(Search, ConfigSnippetReproducesThePlan) {
   const Spec spec = small_vlm();
   const Cluster cluster = h100(2);

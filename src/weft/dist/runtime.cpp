@@ -87,7 +87,8 @@ struct Runtime::Impl {
   };
   std::vector<SyncGroup> enc_sync;  // per encoder (with its projector)
   SyncGroup llm_sync;
-  // MoE LLM with ep > 1: expert parameters, summed over the expert-data-parallel group only.
+  // MoE LLM whose experts are not held like the dense weights (ep > 1, or whole experts under
+  // TP: etp = 1 < tp): expert parameters, summed over the expert-data-parallel group only.
   SyncGroup expert_sync;
   bool expert_parallel = false;
   model::MoeStats moe_stats;  // this rank's, during a step
@@ -171,7 +172,8 @@ struct Runtime::Impl {
     hosting.llm.shard.tp = module_group(*llm_plan, {Axis::kTp});
     hosting.llm.shard.cp = module_group(*llm_plan, {Axis::kCp});
     llm_sync.group = module_group(*llm_plan, {Axis::kCp, Axis::kDp});
-    expert_parallel = llm_plan->layout.ep > 1;
+    expert_parallel =
+        llm_plan->layout.ep > 1 || llm_plan->layout.expert_tp() != llm_plan->layout.tp;
     // Expert weights split like the dense MLP (etp = tp) or whole (etp = 1).
     if (llm_plan->layout.expert_tp() == llm_plan->layout.tp)
       hosting.llm.shard.etp = hosting.llm.shard.tp;

@@ -9,7 +9,7 @@
 namespace weft::plan {
 
 LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads) {
-  if (!weight_grads) c.weight_grad = c.train_state_bytes = 0;
+  if (!weight_grads) c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
   if (!weight_grads && !input_grads) c.input_grad = c.activation_bytes = 0;
   return c;
 }
@@ -22,6 +22,15 @@ double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads) {
 double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight) {
   const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads);
   return c.param_bytes + c.train_state_bytes + static_cast<double>(in_flight) * c.activation_bytes;
+}
+
+void shard_experts(LayerCost* c, const Layout& layout) {
+  const double f = static_cast<double>(layout.tp) /
+                   static_cast<double>(layout.ep * layout.expert_tp());  // from 1/tp to 1/(ep·etp)
+  c->param_bytes += (f - 1) * c->expert_param_bytes;
+  c->train_state_bytes += (f - 1) * c->expert_train_state_bytes;
+  c->expert_param_bytes *= f;
+  c->expert_train_state_bytes *= f;
 }
 
 MicrobatchShape single_sample_microbatch(const Spec& spec) {
@@ -65,14 +74,25 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   // The embedding is a lookup: no FLOPs, no input gradient (its inputs are ids).
   out.front = rules(matmul_layer("llm.embed", 0, V * h, 0));
   out.front.input_grad = 0;
-  // Kept per token: both norms' inputs and outputs, q/k/v, the attention output, the MLP's
-  // gate, up, activation and product.
-  const double block_params = h * (q + 2 * kv) + q * h + 3 * h * F + 2 * h;
-  const double block_act = act * T * (4 * h + 2 * q + 2 * kv + 4 * F);
-  const double block = llm_block_forward_flops(l, t);
-  for (int64_t b = 0; b < m.layers; ++b)
-    out.blocks.push_back(
-        rules(matmul_layer("llm.layers." + std::to_string(b), block, block_params, block_act)));
+  // Kept per token: both norms' inputs and outputs, q/k/v, the attention output, and the
+  // feed-forward's tensors — a dense MLP's gate, up, activation and product; an MoE block's
+  // top_k routed rows with their SwiGLU tensors, the shared expert's, and the fp32 router
+  // logits and probabilities. Each block has its own FLOPs and parameters (flops.h).
+  const MoeSpec& moe = l.moe;
+  const double k = static_cast<double>(moe.top_k), Fe = static_cast<double>(l.expert_ffn());
+  const double moe_ffn_act = k * (h + 4 * Fe) + 4 * static_cast<double>(moe.shared_ffn) +
+                             2 * static_cast<double>(moe.experts) * 4 / act;
+  for (int64_t b = 0; b < m.layers; ++b) {
+    const bool is_moe = moe.is_moe_layer(b);
+    const BlockParams p = llm_block_params(l, b);
+    const double block_act = act * T * (4 * h + 2 * q + 2 * kv + (is_moe ? moe_ffn_act : 4 * F));
+    LayerCost c = matmul_layer("llm.layers." + std::to_string(b), llm_block_forward_flops(l, t, b),
+                               p.total, block_act);
+    c.expert_param_bytes = kParamBytes * p.experts;
+    c.expert_train_state_bytes = kTrainStateBytes * p.experts;
+    c.all_to_all_bytes = moe_all_to_all_bytes(l, t, b, act);
+    out.blocks.push_back(rules(std::move(c)));
+  }
   // Final norm + head; a tied head keeps its own copy of the embedding when pipelined. Logits
   // are fp32.
   const bool own_weight = !l.tie_embeddings || m.layout.pp > 1;

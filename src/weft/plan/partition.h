@@ -39,6 +39,12 @@ struct LayerCost {
   double activation_bytes = 0;   // kept from forward to backward
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
+  // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes held by
+  // the experts, which expert parallelism divides over ep · etp ranks instead of tp; and the
+  // bytes the block's two expert-parallel all-to-alls move in forward (token rows out to the
+  // experts and back, flops.h moe_all_to_all_bytes; backward moves as much again). 0 elsewhere.
+  double expert_param_bytes = 0, expert_train_state_bytes = 0;
+  double all_to_all_bytes = 0;
 };
 
 // The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed.
@@ -46,6 +52,10 @@ LayerCost apply_frozen_rules(LayerCost raw, bool weight_grads, bool input_grads)
 // Work per microbatch, and memory with `in_flight` microbatches alive, under the frozen rules.
 double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads);
 double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight);
+
+// `c` costed with all its parameters divided over the module's tp ranks, as one rank of
+// `layout` holds it: an MoE block's experts divided over ep · etp ranks instead.
+void shard_experts(LayerCost* c, const Layout& layout);
 
 // One module as the partitioner sees it. `front` runs before block 0 and always sits on the first
 // stage (LLM embedding; encoder patch embedding / conv stem / Whisper convs); `back` runs after

@@ -204,14 +204,18 @@ Layout layout_of(const Spec& spec, const std::string& name) {
 }
 
 // FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
-// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp.
+// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp
+// (an MoE block's experts over ep · etp).
 ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
   const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
   const double params = 1.0 / static_cast<double>(m.layout.tp);
   const auto scale = [&](LayerCost& l) {
     l.forward *= work, l.input_grad *= work, l.weight_grad *= work, l.activation_bytes *= work;
+    l.all_to_all_bytes *= work;
     l.param_bytes *= params, l.train_state_bytes *= params;
+    l.expert_param_bytes *= params, l.expert_train_state_bytes *= params;
+    shard_experts(&l, m.layout);
   };
   scale(c.front);
   for (LayerCost& l : c.blocks) scale(l);
@@ -237,9 +241,13 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     j.all_in_flight = m.role == ModuleRole::kEncoder;
     const double samples = per_microbatch / static_cast<double>(m.layout.dp);
     // Ranks of a multi-rank plan compute side by side: their costs measured under load.
-    j.costs = profile ? profile_module_costs(*profile, spec, m, samples, m.layout.tp, m.layout.cp,
-                                             plan->world_size > 1)
-                      : flop_costs(spec, m, samples);
+    if (profile) {
+      j.costs = profile_module_costs(*profile, spec, m, samples, m.layout.tp, m.layout.cp,
+                                     plan->world_size > 1);
+      for (LayerCost& l : j.costs.blocks) shard_experts(&l, m.layout);
+    } else {
+      j.costs = flop_costs(spec, m, samples);
+    }
     any = any || (m.layout.pp > 1 && m.stage_boundaries.empty());
     modules.push_back(std::move(j));
     index.push_back(i);

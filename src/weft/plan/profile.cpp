@@ -391,6 +391,11 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   for (int64_t b = 0; b < m.layers; ++b) {
     LayerCost c = layer_cost(mp.block, units, seq, tp, cp, shared);
     c.name = m.name + ".layers." + std::to_string(b);
+    if (llm && spec.model.llm.moe.enabled()) {  // the experts' share of the block's parameters
+      const BlockParams p = llm_block_params(spec.model.llm, b);
+      c.expert_param_bytes = c.param_bytes * p.experts / p.total;
+      c.expert_train_state_bytes = c.train_state_bytes * p.experts / p.total;
+    }
     out.blocks.push_back(rules(c));
   }
   LayerCost back = layer_cost(mp.back, units, seq, tp, cp, shared);
@@ -443,6 +448,12 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.forward_flops = sc.forward_flops;
       fresh.backward_flops = sc.backward_flops;
       fresh.blocks = sc.blocks;
+      // The model's structure: what the experts hold and move (from the spec, not measured).
+      fresh.moe_blocks = sc.moe_blocks;
+      fresh.expert_param_bytes = sc.expert_param_bytes;
+      fresh.expert_train_state_bytes = sc.expert_train_state_bytes;
+      fresh.expert_grad_bytes = sc.expert_grad_bytes;
+      fresh.all_to_all_bytes = sc.all_to_all_bytes;
       fresh.measured = true;
       sc = fresh;
       const std::vector<const LayerCost*> l0 = layers_of(c0, s), l1 = layers_of(c1, s);

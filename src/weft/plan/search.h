@@ -8,7 +8,9 @@
 // The search space (SearchOptions narrows it):
 //   llm       tp | heads, kv_heads, ffn, vocab (tp <= max_tp, default a node); cp a power of two
 //             <= max_cp with at least min_cp_tokens tokens per CP rank; pp <= min(layers,
-//             max_pp); dp | train.batch
+//             max_pp); dp | train.batch; an MoE LLM also ep | experts (ep <= max_ep) with
+//             expert TP = tp and ep | cp · dp, or (tp > 1, expert_tp_one) expert TP 1 and
+//             ep | tp · cp · dp
 //   encoder   tp | heads, ffn (and llm.hidden for an mlp projector); cp a power of two dividing
 //             its tokens per item (no [CLS] token); pp <= min(blocks, max_encoder_pp);
 //             colocated: dp fills the LLM's ranks; separate: dp divides the LLM's dp or is a
@@ -24,7 +26,8 @@
 // point-to-point hops, priced at the cheapest link the group can use):
 //   - each representative rank's own ops, then its gradient reduction (the whole all-reduce from
 //     the start of its last backward when overlapped, its last bucket after it) — the loss
-//     all-reduce and the optimizer follow on every rank;
+//     all-reduce and the optimizer follow on every rank (under ZeRO-1, then the parameter
+//     all-gathers);
 //   - 1F1B on every LLM stage: the fill chain before its first op (after the encoders' first
 //     microbatch), chains of microbatch round trips through the stages above it and its own ops
 //     around them (exact for a uniform pipeline; it sees the bubbles of uneven stages and
@@ -39,9 +42,10 @@
 // that the bound never exceeds the simulated step. Everything runs on one thread; the
 // simulator is called with SimOptions::trace = false.
 //
-// Expert parallelism (LayoutSpec::ep) is not searched (ep = 1): the simulator does not price it
-// yet (no all-to-all, expert parameters not sharded over ep). The hook: Space::roots in
-// search_space.cpp, where the LLM's layouts are enumerated, and Space::work, which prices them.
+// Expert parallelism is priced as the simulator does (simulate.h): the experts' parameters,
+// gradients and moments over ep · etp ranks (ZeRO-1: moments over the expert-data-parallel
+// group), their gradients reduced over that group, two all-to-alls per MoE block and direction
+// over the EP group, routing assumed balanced.
 //
 // Activation recomputation (model.<module>.recompute) is priced here, not in the simulator:
 // planner_costs() adds one more forward of each recomputed block to its backward and keeps only
@@ -82,6 +86,8 @@ struct SearchOptions {
   int64_t max_tp = 0;  // 0 = the cluster's gpus_per_node
   int64_t max_pp = 32, max_encoder_pp = 8;
   int64_t max_cp = 16;
+  int64_t max_ep = 0;           // MoE LLM: largest ep to try; 0 = the number of experts
+  bool expert_tp_one = true;    // MoE LLM with tp > 1: also try expert TP 1 (parallel.llm.etp)
   int64_t min_cp_tokens = 512;  // LLM tokens per CP rank at least
   int64_t max_microbatches = 128;
   bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)

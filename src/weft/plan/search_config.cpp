@@ -55,6 +55,7 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
       if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
+      sc.recompute_flops += l.forward;
       sc.activation_bytes -= l.activation_bytes - std::min(l.activation_bytes, input_bytes);
     }
   }

@@ -122,6 +122,9 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
                static_cast<double>(o_.min_cp_tokens);
       });
       mi.max_pp = std::min(l.layers, o_.max_pp);
+      if (l.moe.enabled())
+        for (int64_t e : divisors(l.moe.experts))
+          if (o_.max_ep <= 0 || e <= o_.max_ep) mi.eps.push_back(e);
     } else {
       const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(k)];
       mi.enc = &e;
@@ -221,38 +224,68 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const int64_t span_cp = c.tp * (c.cp - 1) + 1;
   Work w;
   const int64_t group = c.cp * c.dp;
-  const double grad = sc.grad_bytes / tp, share = n.zero == 1 ? 1.0 / group : 1.0;
-  w.static_bytes = sc.param_bytes / tp + grad + (sc.train_state_bytes - sc.grad_bytes) / tp * share;
+  const Layout layout = c.layout();
+  const Holding held = rank_holding(sc, layout, n.zero == 1);
+  w.static_bytes = held.total();
   if (sc.measured)
-    w.opt_seconds = sc.optimizer_seconds * share / tp;
+    w.opt_seconds = sc.optimizer_seconds * held.step_fraction;
   else
-    w.opt_bytes = grad * share;
-  if (grad > 0 && group > 1) {
+    w.opt_bytes = sc.grad_bytes * held.step_fraction;
+  // The gradient reductions: the CP × DP group's, and the experts' over their expert-data-
+  // parallel group (ranks ep · etp apart in token order). Overlapped, both start with the last
+  // backward and run side by side; otherwise one after the other.
+  const bool overlap = spec_.train.overlap_grad_reduce;
+  const auto reduce = [&](int64_t ranks, int64_t span, double bytes) {
+    if (bytes <= 0 || ranks <= 1) return;
     const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
-    const int64_t span = c.tp * (group - 1) + 1;
-    w.full = collective(kAllReduce, group, span, grad, false, o_.sim.grad_reduce_algo);
-    w.tail = spec_.train.overlap_grad_reduce
-                 ? collective(kAllReduce, group, span, std::min(grad, bucket), false,
-                              o_.sim.grad_reduce_algo)
-                 : w.full;
+    const double full = collective(kAllReduce, ranks, span, bytes, false, o_.sim.grad_reduce_algo);
+    const double tail = overlap ? collective(kAllReduce, ranks, span, std::min(bytes, bucket),
+                                             false, o_.sim.grad_reduce_algo)
+                                : full;
+    w.full = overlap ? std::max(w.full, full) : w.full + full;
+    w.tail = overlap ? std::max(w.tail, tail) : w.tail + tail;
+  };
+  const int64_t etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
+  const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
+  reduce(group, span, held.grads - held.expert_grads);
+  reduce(edp, expert_span, held.expert_grads);
+  if (n.zero == 1) {  // the stepped parameters, all-gathered over the same groups
+    const auto gather = [&](int64_t ranks, int64_t span_of, double bytes) {
+      return bytes > 0 ? collective(kAllGather, ranks, span_of, bytes, false) : 0.0;
+    };
+    w.gather = gather(group, span, held.grads - held.expert_grads) +
+               gather(edp, expert_span, held.expert_grads);
   }
   const auto runs = microbatch_runs(B_ / n.D, n.M);
   if (mi.llm) {
     w.backward = mi.backward;
+    // MoE blocks (the simulator's moe_comm): two all-to-alls each way over the EP group (token
+    // indices consecutive, ranks etp apart), and with etp = 1 < tp a TP all-gather in place of
+    // the block's second all-reduce.
+    const double moe = static_cast<double>(sc.moe_blocks);
+    const int64_t etp = layout.expert_tp(), slices = c.tp / etp;
+    const double sliced = slices > 1 ? moe : 0;
     for (size_t r = 0; r < runs.size(); ++r) {
       const double m = static_cast<double>(runs[r].first),
                    count = static_cast<double>(runs[r].second);
       const double tokens = m * S_ / cp, kv = m * S_ * 2 * kvw_ / tp * act_;
       const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * H_ * act_, true);
       const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
-      const double f =
-          op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar + blocks * cp_ag;
+      double moe_comm = 0;
+      if (moe > 0) {
+        const double bytes = sc.all_to_all_bytes / (2 * moe) * m / cp / static_cast<double>(slices);
+        moe_comm = 2 * moe * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
+                   sliced * (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
+      }
+      const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
+                       blocks * cp_ag + moe_comm;
       w.fwd += count * f;
       const double to_next = last ? 0 : hop(tokens * H_ * act_, c.size() / c.pp);
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
       w.last_fwd = f, w.hop_last = to_next;
       if (!w.backward) continue;
-      const double b = op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag;
+      const double b =
+          op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag + moe_comm;
       w.bwd += count * b;
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
@@ -514,17 +547,17 @@ Bound Space::bound(const Node& n) const {
 
   double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
   for (const Rank& x : ranks) {
-    double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0;
+    double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0, gather = 0;
     for (const auto& e : x.enc) {
       fwd += e.second.fwd, bytes += e.second.opt_bytes, measured += e.second.opt_seconds;
-      static_bytes += e.second.static_bytes, act += e.second.act;
+      static_bytes += e.second.static_bytes, act += e.second.act, gather += e.second.gather;
     }
     if (x.llm) {
       bytes += x.llm->opt_bytes, measured += x.llm->opt_seconds;
-      static_bytes += x.llm->static_bytes, act += x.llm->act;
+      static_bytes += x.llm->static_bytes, act += x.llm->act, gather += x.llm->gather;
     }
     out.memory = std::max(out.memory, static_bytes + act);
-    opt = std::max(opt, optimizer_seconds(bytes, measured));
+    opt = std::max(opt, optimizer_seconds(bytes, measured) + gather);
     double bound = 0, full = 0, tail = 0, t = 0;
     if (x.enc_stage >= 0) {  // an encoder stage of its own; its last backward follows the LLM's
       const int64_t k = x.enc.front().first;
@@ -606,11 +639,28 @@ std::vector<bool> Space::recompute_options(int64_t k) const {
 bool Space::redundant(const Node& n) const {
   if (n.zero == 0) return false;
   const auto shards = [&](int64_t k, const Choice& c) {
-    return c.cp * c.dp > 1 && (info(k).weight_grads || (!info(k).llm && info(k).backward));
+    const int64_t experts = c.tp / c.layout().expert_tp() * c.cp * c.dp / c.ep;  // expert DP
+    return (c.cp * c.dp > 1 || (info(k).llm && info(k).eps.size() > 0 && experts > 1)) &&
+           (info(k).weight_grads || (!info(k).llm && info(k).backward));
   };
   bool any = shards(E_, n.llm);
   for (size_t k = 0; k < n.enc.size(); ++k) any = any || shards(static_cast<int64_t>(k), n.enc[k]);
   return !any;
+}
+
+// The LLM's expert layouts {ep, etp} at this tp and cp · dp: {1, 0} for a dense LLM; for an MoE
+// LLM every ep of the space dividing the cp · dp ranks (etp = tp, written 0), and with tp > 1
+// also expert TP 1 (experts whole, each TP rank routing 1/tp of the tokens): ep | tp · cp · dp.
+std::vector<std::pair<int64_t, int64_t>> Space::expert_layouts(int64_t tp, int64_t cp_dp) const {
+  const ModuleInfo& li = info(E_);
+  if (li.eps.empty()) return {{1, 0}};
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t ep : li.eps)
+    if (cp_dp % ep == 0) out.push_back({ep, 0});
+  if (tp > 1 && o_.expert_tp_one)
+    for (int64_t ep : li.eps)
+      if ((tp * cp_dp) % ep == 0) out.push_back({ep, 1});
+  return out;
 }
 
 void Space::roots(const std::function<void(Node&&)>& emit) {
@@ -625,15 +675,17 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
             if (ranks + (p == kSeparate ? E_ : 0) > max_ranks_) continue;
             for (int64_t M : divisors(B_)) {
               if (M > B_ / D || M > o_.max_microbatches) continue;
-              for (int64_t zero : zero_stages())
-                for (bool rc : recompute_options(E_)) {
-                  Node n;
-                  n.placement = p;
-                  n.D = D, n.M = M, n.zero = zero;
-                  n.llm = Choice{
-                      tp, cp, pp, D, 0, rc, &staged(static_cast<int>(E_), pp, rc, p == kMegatron)};
-                  emit(std::move(n));
-                }
+              for (const auto& [ep, etp] : expert_layouts(tp, cp * D))
+                for (int64_t zero : zero_stages())
+                  for (bool rc : recompute_options(E_)) {
+                    Node n;
+                    n.placement = p;
+                    n.D = D, n.M = M, n.zero = zero;
+                    n.llm = Choice{
+                        tp, cp, pp, D, 0, rc, &staged(static_cast<int>(E_), pp, rc, p == kMegatron),
+                        ep, etp};
+                    emit(std::move(n));
+                  }
             }
           }
       }
@@ -685,7 +737,7 @@ Candidate Space::to_candidate(const Node& n) const {
   int64_t next = 0;
   const auto add = [&](const Choice& x) {
     LayoutSpec l;
-    l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp;
+    l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp, l.ep = x.ep, l.etp = x.etp;
     l.stages = x.staged->boundaries;
     c.layouts.push_back(l);
     c.recompute.push_back(x.recompute);

@@ -35,6 +35,7 @@ struct ModuleInfo {
   bool llm = false;
   const EncoderSpec* enc = nullptr;
   std::vector<int64_t> tps, cps;
+  std::vector<int64_t> eps;  // MoE LLM: expert-parallel sizes (divisors of the experts)
   int64_t max_pp = 1;
   bool weight_grads = false;
   bool backward = false;  // LLM: needs backward; encoder: its last stage (the projector) does
@@ -47,7 +48,9 @@ struct Choice {
   int64_t tp = 1, cp = 1, pp = 1, dp = 1, first_rank = 0;
   bool recompute = false;
   const Staged* staged = nullptr;
+  int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
   int64_t size() const { return tp * cp * pp * dp; }
+  Layout layout() const { return {dp, tp, pp, cp, ep, etp}; }
 };
 
 // A node of the search tree: the LLM's choice and the encoders' chosen so far (spec order).
@@ -69,8 +72,9 @@ struct Work {
   double act = 0;                         // peak activation bytes it holds
   double static_bytes = 0;                // parameters, gradients, optimizer state
   double opt_bytes = 0, opt_seconds = 0;  // optimizer: gradient bytes stepped, measured seconds
-  double tail = 0;  // gradient reduction still running after its last backward, at least
-  double full = 0;  // the whole gradient all-reduce
+  double tail = 0;    // gradient reduction still running after its last backward, at least
+  double full = 0;    // the whole gradient all-reduce
+  double gather = 0;  // ZeRO-1: the parameter all-gathers after the optimizer
   bool backward = false;
 };
 
@@ -123,6 +127,7 @@ class Space {
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
+  std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
 };
 
 }  // namespace weft::plan::search_space

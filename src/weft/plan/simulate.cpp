@@ -31,6 +31,10 @@ void add(StageCost* s, const LayerCost& c) {
   // partition.h charges 12 train-state bytes per trainable parameter: the fp32 gradient (4) and
   // AdamW's two fp32 moments.
   s->grad_bytes += c.train_state_bytes / 3;
+  s->expert_param_bytes += c.expert_param_bytes;
+  s->expert_train_state_bytes += c.expert_train_state_bytes;
+  s->expert_grad_bytes += c.expert_train_state_bytes / 3;
+  s->all_to_all_bytes += c.all_to_all_bytes;
 }
 
 Spec with_vocab(Spec spec, const SimOptions& o) {
@@ -161,6 +165,26 @@ class Engine {
   double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
     return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
+  // Every rank sends `bytes` in all, evenly over the group: the pairwise exchange costs what a
+  // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
+  double all_to_all(const std::vector<int64_t>& g, double bytes) const {
+    return all_gather(g, bytes);
+  }
+  // The LLM's expert-parallel group through rank r (data_parallel: its expert-data-parallel
+  // group), from ModulePlan::expert_groups, computed once.
+  const std::vector<int64_t>& expert_group(int64_t r, bool data_parallel) {
+    auto& index = expert_group_index_[data_parallel ? 1 : 0];
+    auto& groups = expert_groups_[data_parallel ? 1 : 0];
+    if (index.empty()) {
+      groups = mod(llm_).expert_groups(data_parallel);
+      index.assign(static_cast<size_t>(plan_.world_size), -1);
+      for (size_t g = 0; g < groups.size(); ++g)
+        for (int64_t q : groups[g]) index[static_cast<size_t>(q)] = static_cast<int64_t>(g);
+    }
+    return groups[static_cast<size_t>(index[static_cast<size_t>(r)])];
+  }
+  std::vector<std::vector<int64_t>> expert_groups_[2];
+  std::vector<int64_t> expert_group_index_[2];
   // A collective over group g: an all-reduce, or an all-gather / reduce-scatter (the same cost);
   // on a measured curve when the group sits on one node (SimOptions), else the cluster's links.
   double ring(const CommCurve& curve, const std::vector<int64_t>& g, double bytes, bool reduce,
@@ -337,15 +361,31 @@ class Engine {
       *kv = *n * S * 2 * kv_width / static_cast<double>(tp) * act_;
     };
     const double blocks = static_cast<double>(sc.blocks);
+    // MoE blocks: a dispatch and a combine all-to-all over the EP group each way, of the rank's
+    // token rows (1/slices of them with expert TP 1 < tp: then each such block gathers its
+    // output over TP instead of all-reducing it, and its backward gathers the input gradient).
+    const double moe = static_cast<double>(sc.moe_blocks);
+    const int64_t slices = tp / m.layout.expert_tp();
+    const double sliced = slices > 1 ? moe : 0;
+    const std::vector<int64_t> no_group = {r};
+    const std::vector<int64_t>& ep_group = moe > 0 ? expert_group(r, false) : no_group;
+    const auto moe_comm = [&](double n, double tokens) {
+      if (moe == 0) return 0.0;
+      const double bytes = sc.all_to_all_bytes / (2 * moe) * n / static_cast<double>(cp) /
+                           static_cast<double>(slices);
+      return 2 * moe * all_to_all(ep_group, bytes) +
+             sliced * (all_gather(tp_group, tokens * H * act_) -
+                       all_reduce(tp_group, tokens * H * act_));
+    };
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
       // TP: 2 all-reduces per block, the vocab-parallel embedding's, and the vocab-parallel
       // loss's three fp32 reductions over its rows (max, sum of exponentials, target logit);
-      // CP: a K and a V all-gather per block.
+      // CP: a K and a V all-gather per block; EP: see moe_comm.
       const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
                           (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
-                          2 * blocks * all_gather(cp_group, kv / 2);
+                          2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(n, tokens);
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
@@ -371,7 +411,7 @@ class Engine {
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
       // K and V gradients' reduce-scatters.
       const double comm = (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
-                          2 * blocks * reduce_scatter(cp_group, kv / 2);
+                          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(n, tokens);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
@@ -418,21 +458,22 @@ class Engine {
     const ModulePlan& m = mod(i);
     const Coord c = m.coord(r);
     const StageCost& sc = costs_[i][c.pp];
-    const double tp = static_cast<double>(m.layout.tp);
     const auto group = m.group(r, {Axis::kCp, Axis::kDp});
-    const double grad = sc.grad_bytes / tp;
-    // ZeRO-1 shards AdamW's moments (2/3 of the train state) over the CP × DP group.
-    const double moments = (sc.train_state_bytes - sc.grad_bytes) / tp /
-                           (spec_.train.zero_stage == 1 ? static_cast<double>(group.size()) : 1);
+    const Holding held = rank_holding(sc, m.layout, spec_.train.zero_stage == 1);
     RankReport& rep = result_.ranks[r];
-    rep.static_bytes += sc.param_bytes / tp + grad + moments;
-    if (grad > 0) {
-      const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
-      add_collective(r, m.name + " grad all-reduce", group,
-                     ring(o_.grad_curve, group, grad, true, o_.grad_reduce_algo),
-                     ring(o_.grad_curve, group, std::min(grad, bucket), true, o_.grad_reduce_algo),
+    rep.static_bytes += held.total();
+    // Gradients are summed over the CP × DP group, experts apart over their expert-data-parallel
+    // group; both start with the module's last backward when overlapped.
+    const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
+    const auto reduce = [&](const std::string& name, const std::vector<int64_t>& g, double bytes) {
+      if (bytes <= 0) return;
+      add_collective(r, name, g, ring(o_.grad_curve, g, bytes, true, o_.grad_reduce_algo),
+                     ring(o_.grad_curve, g, std::min(bytes, bucket), true, o_.grad_reduce_algo),
                      spec_.train.overlap_grad_reduce ? i : -1);
-    }
+    };
+    reduce(m.name + " grad all-reduce", group, held.grads - held.expert_grads);
+    if (held.expert_grads > 0)
+      reduce(m.name + " expert grad all-reduce", expert_group(r, true), held.expert_grads);
   }
 
   void build_rank(int64_t r) {
@@ -477,14 +518,12 @@ class Engine {
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
-      const double share =
-          spec_.train.zero_stage == 1 ? 1.0 / static_cast<double>(m.layout.dp * m.layout.cp) : 1;
       const StageCost& sc = costs_[i][m.coord(r).pp];
-      const double mine = share / static_cast<double>(m.layout.tp);
+      const Holding held = rank_holding(sc, m.layout, spec_.train.zero_stage == 1);
       if (sc.measured)
-        measured_seconds += sc.optimizer_seconds * mine;
+        measured_seconds += sc.optimizer_seconds * held.step_fraction;
       else
-        grad_bytes += sc.grad_bytes * mine;
+        grad_bytes += sc.grad_bytes * held.step_fraction;
     }
     const double hbm = cl_.device.hbm_bytes_per_second;
     const double seconds = measured_seconds + (hbm > 0 ? 7 * grad_bytes / hbm : 0);
@@ -494,6 +533,25 @@ class Engine {
       op.category = "optimizer";
       op.seconds = seconds;
       ops_[r].push_back(std::move(op));
+    }
+    // ZeRO-1: every rank then takes the parameters the others stepped (the runtime broadcasts
+    // each from its owner): an all-gather of the trainable fp32 parameters over each group that
+    // shards their moments, module by module.
+    if (spec_.train.zero_stage != 1) return;
+    for (size_t i = 0; i < plan_.modules.size(); ++i) {
+      const ModulePlan& m = plan_.modules[i];
+      if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
+      const Holding held = rank_holding(costs_[i][m.coord(r).pp], m.layout, true);
+      const auto gather = [&](const std::string& name, const std::vector<int64_t>& g,
+                              double bytes) {
+        if (bytes > 0)
+          add_collective(r, name, g, ring(o_.grad_curve, g, bytes, false, CollectiveAlgo::kRing));
+      };
+      gather(m.name + " ZeRO-1 parameter all-gather", m.group(r, {Axis::kCp, Axis::kDp}),
+             held.grads - held.expert_grads);
+      if (held.expert_grads > 0)
+        gather(m.name + " ZeRO-1 expert parameter all-gather", expert_group(r, true),
+               held.expert_grads);
     }
   }
 
@@ -662,7 +720,8 @@ class Engine {
     res.tokens_per_second = res.step_seconds > 0 ? res.tokens_per_step / res.step_seconds : 0;
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       double per_unit = 0;
-      for (const StageCost& sc : costs_[i]) per_unit += sc.forward_flops + sc.backward_flops;
+      for (const StageCost& sc : costs_[i])
+        per_unit += sc.forward_flops + sc.backward_flops - sc.recompute_flops;
       res.model_flops += per_unit * static_cast<double>(B);
       if (static_cast<int64_t>(i) == llm_) res.llm_flops = per_unit * static_cast<double>(B);
     }
@@ -688,6 +747,26 @@ class Engine {
 
 }  // namespace
 
+Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {
+  const int64_t etp = l.expert_tp();
+  const double tp = static_cast<double>(l.tp), experts = static_cast<double>(l.ep * etp);
+  const double group = static_cast<double>(l.cp * l.dp);                    // CP × DP
+  const double edp = static_cast<double>(l.tp / etp * l.cp * l.dp / l.ep);  // expert DP
+  const double dense_grad = (sc.grad_bytes - sc.expert_grad_bytes) / tp;
+  const double expert_grad = sc.expert_grad_bytes / experts;
+  const double expert_moments = sc.expert_train_state_bytes - sc.expert_grad_bytes;
+  const double dense_moments = sc.train_state_bytes - sc.grad_bytes - expert_moments;
+  const double dense_share = zero1 ? 1 / group : 1, expert_share = zero1 ? 1 / edp : 1;
+  Holding h;
+  h.params = (sc.param_bytes - sc.expert_param_bytes) / tp + sc.expert_param_bytes / experts;
+  h.grads = dense_grad + expert_grad;
+  h.moments = dense_moments / tp * dense_share + expert_moments / experts * expert_share;
+  h.expert_grads = l.ep > 1 || etp != l.tp ? expert_grad : 0;
+  const double stepped = dense_grad * dense_share + expert_grad * expert_share;
+  h.step_fraction = sc.grad_bytes > 0 ? stepped / sc.grad_bytes : 0;
+  return h;
+}
+
 double CommCurve::at(double b) const {
   WEFT_ASSERT(!bytes.empty() && bytes.size() == seconds.size(), "an empty cost curve");
   if (bytes.size() == 1 || b <= bytes.front()) return seconds.front();
@@ -709,7 +788,10 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
       StageCost sc;
       const auto [begin, end] = m.stage_layers(s);
       if (s == 0) add(&sc, costs.front);
-      for (int64_t b = begin; b < end; ++b) add(&sc, costs.blocks[static_cast<size_t>(b)]);
+      for (int64_t b = begin; b < end; ++b) {
+        add(&sc, costs.blocks[static_cast<size_t>(b)]);
+        if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b)) ++sc.moe_blocks;
+      }
       if (s == m.layout.pp - 1) add(&sc, costs.back);
       sc.blocks = end - begin;
       table[i].push_back(sc);

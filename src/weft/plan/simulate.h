@@ -25,6 +25,15 @@
 // added to the op that issues them. Activation memory: what a forward keeps (partition.h's
 // activation_bytes, split over tp × cp) is held until its backward.
 //
+// Mixture of experts (model.llm.moe, parallel.llm.ep / etp): an MoE block's FLOPs count its
+// router, top_k experts per token and shared expert (flops.h); routing is taken as balanced, so
+// each rank's expert work is its own tokens' share. Each MoE block adds two all-to-alls of the
+// rank's token rows (top_k per token) over its EP group per direction, and with whole experts
+// under TP (etp = 1 < tp) the rank routes 1/tp of them and gathers the block's output over TP
+// instead of all-reducing it. The experts' parameters, gradients and moments are divided over
+// ep · etp ranks (rank_holding), and their gradients are reduced over the expert-data-parallel
+// group (plan.h ModulePlan::expert_groups), beside the CP × DP group's reduction.
+//
 // Data: each sample is model.llm.max_seq tokens (one document, loss on every token) with one item
 // per encoder; train.batch samples go to the LLM's DP replicas evenly, each replica's split into
 // train.microbatches as the loader does (sizes differ by at most one, larger first), and encoder
@@ -69,12 +78,21 @@ namespace weft::plan {
 // projector, the LLM's first the embedding and its last the head.
 struct StageCost {
   double forward_flops = 0;
-  double backward_flops = 0;  // input + weight gradients
+  double backward_flops = 0;  // input + weight gradients (and recomputed forwards)
+  // Of backward_flops, the forwards activation recomputation runs again (search.h
+  // add_recompute_costs): charged as time, not counted as model FLOPs in MFU.
+  double recompute_flops = 0;
   double activation_bytes = 0;
   double param_bytes = 0;
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
+  // MoE blocks (LLM): the experts' part of param_bytes / train_state_bytes / grad_bytes, which
+  // ep · etp ranks share instead of tp, and the bytes per unit of data the blocks' expert-parallel
+  // all-to-alls move in forward (token rows out to their experts and back; backward the same).
+  int64_t moe_blocks = 0;
+  double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_grad_bytes = 0;
+  double all_to_all_bytes = 0;
   // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
   // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
   // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
@@ -94,6 +112,20 @@ struct StageCost {
 // Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
 using CostTable = std::vector<std::vector<StageCost>>;
 CostTable stage_costs(const Spec& spec, const Plan& plan);
+
+// What one rank of a module with `layout` holds of a stage (bytes): parameters, fp32 gradients
+// and AdamW moments, the dense part divided over tp and an MoE block's experts over ep · etp.
+// ZeRO-1 (zero1) shards the moments over the ranks that hold the same parameters: the CP × DP
+// group, and for experts the expert-data-parallel group (plan.h ModulePlan::expert_groups).
+// `expert_grads` is the part of `grads` reduced over that group rather than the CP × DP group
+// (0 when the experts are replicated exactly like the dense weights: ep = 1, etp = tp).
+struct Holding {
+  double params = 0, grads = 0, moments = 0;
+  double expert_grads = 0;
+  double step_fraction = 1;  // of the stage's whole optimizer work, what this rank steps
+  double total() const { return params + grads + moments; }
+};
+Holding rank_holding(const StageCost& stage, const Layout& layout, bool zero1);
 
 // A measured cost curve on one node (plan/profile.h): seconds of a point-to-point message, or of
 // a two-rank collective, at increasing sizes in bytes; linear between the points, extrapolated
@@ -146,7 +178,7 @@ struct SimResult {
   double step_seconds = 0;
   double tokens_per_step = 0;  // LLM tokens (train.batch × max_seq)
   double tokens_per_second = 0;
-  double model_flops = 0, llm_flops = 0;  // per step, under the frozen rules
+  double model_flops = 0, llm_flops = 0;  // per step, under the frozen rules, no recomputation
   // flops / (step_seconds · world · the device's peak for train.precision)
   double mfu = 0, mfu_llm_only = 0;
   // Idle time of the LLM's ranks while its pipeline runs: Σ (T - busy) / (ranks · T), T = end of
