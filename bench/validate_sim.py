@@ -2,7 +2,7 @@
 """The simulator against real runs: measured cost profile -> simulated step vs measured step.
 
     /usr/bin/python3 bench/validate_sim.py [--build build] [--steps 40] [--rounds 2]
-                                           [--config configs/tiny-vlm.toml] [--write]
+                                           [--config configs/tiny-vlm.toml] [--moe] [--write]
 
 1. `weft bench profile CONFIG --set train.threads=1` measures every layer of the config on one
    core, the data preparation and the local Gloo transport — right before and right after each
@@ -17,6 +17,10 @@
    wall time of the whole step: batch preparation, forward, backward, gradient sync,
    optimizer). Rounds repeat every run; the table takes the median over rounds.
 4. `weft simulate CONFIG --profile PROFILE --cluster CLUSTER` predicts each plan's step.
+
+--moe checks expert parallelism instead, on configs/tiny-vlm-moe.toml (its own RESULTS.md
+section): the experts replicated over DP2, split over the 2 ranks (EP2, all-to-all dispatch), and
+whole experts under LLM TP2 with EP2 across the TP ranks.
 
 Prints plan, measured, simulated, simulated/measured and the FLOP model's prediction (no
 profile: configs/clusters/cpu-local.toml's measured peak and efficiency) for comparison. The machine is
@@ -44,6 +48,13 @@ PLANS = [
     ("CP2 (LLM)", ["parallel.llm.cp=2"]),
     ("encoder, LLM on separate ranks", ["parallel.placement=separate"]),
 ]
+MOE_PLANS = [
+    ("DP2, experts replicated", []),
+    ("EP2 (experts over the 2 DP ranks)", ["parallel.llm.ep=2"]),
+    ("TP2 (LLM), whole experts, EP2 across the TP ranks",
+     ["parallel.llm.tp=2", "parallel.llm.etp=1", "parallel.llm.ep=2"]),
+]
+MOE_BEGIN, MOE_END = "<!-- bench/validate_sim_moe begin -->", "<!-- bench/validate_sim_moe end -->"
 
 
 def busy_compilers():
@@ -185,20 +196,26 @@ def machine():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default="build")
-    ap.add_argument("--config", default="configs/tiny-vlm.toml")
+    ap.add_argument("--config", default=None, help="default configs/tiny-vlm.toml "
+                    "(configs/tiny-vlm-moe.toml with --moe)")
+    ap.add_argument("--moe", action="store_true", help="expert-parallel plans of an MoE config")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7, help="profile repetitions per measurement")
     ap.add_argument("--max-wait", type=float, default=900, help="seconds to wait for quiet")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
+    plans = MOE_PLANS if args.moe else PLANS
+    begin, end = (MOE_BEGIN, MOE_END) if args.moe else (BEGIN, END)
+    if args.config is None:
+        args.config = "configs/tiny-vlm-moe.toml" if args.moe else "configs/tiny-vlm.toml"
     args.build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
     quiet = Quiet(args.max_wait)
     weft = os.path.join(args.build, "weft")
-    runs = {name: [] for name, _ in PLANS}  # per round: (measured, simulated)
+    runs = {name: [] for name, _ in plans}  # per round: (measured, simulated)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, extra in PLANS:
+            for name, extra in plans:
                 # The machine's speed drifts by tens of percent over minutes: every run is
                 # bracketed by two profiles, and simulated with each (the mean is reported).
                 before, after = profile_pair(args, tmp, weft, quiet)
@@ -213,7 +230,7 @@ def main():
                 print(f"round {r + 1}: {name}: measured {got:.4f} s, simulated {sim:.4f} s",
                       flush=True)
         rows = []
-        for name, extra in PLANS:
+        for name, extra in plans:
             got = statistics.median(g for g, _ in runs[name])
             sim = statistics.median(x for _, x in runs[name])
             ratio = statistics.median(x / g for g, x in runs[name])
@@ -221,8 +238,11 @@ def main():
             rows.append((name, got, sim, ratio, flop, runs[name]))
 
     comm = prof["comm"]
-    lines = [BEGIN, "## Simulator vs real runs (bench/validate_sim.py)", "",
-             f"Machine: {machine()}. Reproduce: `/usr/bin/python3 bench/validate_sim.py --write`. "
+    title = ("Simulator vs real runs, expert parallelism (bench/validate_sim.py --moe)" if args.moe
+             else "Simulator vs real runs (bench/validate_sim.py)")
+    lines = [begin, f"## {title}", "",
+             f"Machine: {machine()}. Reproduce: `/usr/bin/python3 bench/validate_sim.py"
+             f"{' --moe' if args.moe else ''} --write`. "
              f"Config `{args.config}`, 2 local ranks with one intra-op thread each, "
              f"{args.steps} steps per run, median step time after the first fifth, median over "
              f"{args.rounds} rounds. Machine state: {quiet.describe()}.", "",
@@ -243,10 +263,10 @@ def main():
               "(the ratio is the median over rounds of the simulated / measured ratio of the same "
               "round). The last profile taken is described above; each simulated value is the "
               "mean of the predictions from the profiles taken right before and right after its "
-              "run.", "", END]
+              "run.", "", end]
     print("\n".join(lines[1:-1]))
     if args.write:
-        results_md.write_section(lines, BEGIN, END)
+        results_md.write_section(lines, begin, end)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # `weft bench profile`: profiles a small config quickly; the JSON has the device, threads,
 # precision, the profiled shape, the data preparation and, per module, every layer's measured
 # seconds, bytes and fit; `weft simulate --profile` accepts it and predicts a positive step that
-# differs from the FLOP model's; bad flags, files and mismatched configs are clear errors.
+# differs from the FLOP model's; an MoE config gets a dense and an MoE block, and expert
+# parallelism is priced on them; bad flags, files and mismatched configs are clear errors.
 set -u
 weft=$1; src=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -82,6 +83,44 @@ PY
   && die "a broken profile was accepted"
 grep -q "broken.json: modules\[0\].layers\[2\].fit: missing" "$tmp/out" \
   || { cat "$tmp/out"; die "broken-profile error does not name the file and field"; }
+# An MoE LLM: a dense block and an MoE block (block 0; block 1 dense with every = 2), and the
+# simulator prices expert parallelism on the measured costs.
+moe=(--set train.batch=8 --set train.threads=1 --set model.llm.moe.every=2)
+"$weft" bench profile "$src/configs/tiny-vlm-moe.toml" "${moe[@]}" --reps 2 --warmup 1 \
+  --no-comm --out "$tmp/moe.json" > /dev/null || die "bench profile of the MoE config failed"
+for ep in 1 2; do
+  "$weft" simulate "$src/configs/tiny-vlm-moe.toml" --cluster "$cluster" --world-size 2 \
+    "${moe[@]}" --set parallel.llm.dp=2 --set parallel.vision.dp=2 --set parallel.llm.ep=$ep \
+    --profile "$tmp/moe.json" > "$tmp/moe_ep$ep.json" || die "simulate --profile (MoE, ep $ep)"
+done
+python3 - "$tmp/moe.json" "$tmp/moe_ep1.json" "$tmp/moe_ep2.json" <<'PY' || die "bad MoE profile"
+import json, sys
+p, e1, e2 = (json.load(open(x)) for x in sys.argv[1:4])
+llm = next(m for m in p["modules"] if m["name"] == "llm")
+layers = {l["part"]: l for l in llm["layers"]}
+assert sorted(layers) == ["back", "block", "front", "moe_block", "stage"], sorted(layers)
+assert llm["model"]["moe_experts"] == 4 and llm["model"]["moe_top_k"] == 2, llm["model"]
+dense, moe = layers["block"], layers["moe_block"]
+assert moe["params"] > dense["params"] and moe["forward"] > 0 and moe["weight_grad"] >= 0, moe
+# EP2: the all-to-alls inside the ops, and half the experts' state per rank.
+assert all(r["comm_seconds"] == 0 for r in e1["ranks"]), e1["ranks"]
+assert all(r["comm_seconds"] > 0 for r in e2["ranks"]), e2["ranks"]
+assert e2["ranks"][0]["static_bytes"] < e1["ranks"][0]["static_bytes"]
+print("MoE profile: dense block fwd %.2e s, MoE block fwd %.2e s; EP2 step %.4f s vs %.4f s"
+      % (dense["forward"], moe["forward"], e2["step_seconds"], e1["step_seconds"]))
+PY
+python3 - "$tmp/moe.json" "$tmp/nomoe.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+llm = next(m for m in p["modules"] if m["name"] == "llm")
+llm["layers"] = [l for l in llm["layers"] if l["part"] != "moe_block"]
+json.dump(p, open(sys.argv[2], "w"))
+PY
+"$weft" simulate "$src/configs/tiny-vlm-moe.toml" --cluster "$cluster" "${moe[@]}" \
+  --profile "$tmp/nomoe.json" > "$tmp/out" 2>&1 && die "a profile without an MoE block was accepted"
+grep -q 'nomoe.json: has no "moe_block" layer' "$tmp/out" \
+  || { cat "$tmp/out"; die "missing-moe_block error does not name the file and the layer"; }
+
 "$weft" bench profile "$cfg" --reps 0 > "$tmp/out" 2>&1 && die "--reps 0 accepted"
 grep -q -- "--reps" "$tmp/out" || { cat "$tmp/out"; die "unclear error for --reps 0"; }
 "$weft" bench profile "$tmp/none.toml" > "$tmp/out" 2>&1 && die "a missing config was accepted"

@@ -305,6 +305,45 @@ TEST(Profile, RescalesToMicrobatchesShardsAndFrozenRules) {
   EXPECT_NEAR(fv.back.weight_grad, 6 * 1e-4, 1e-15);
 }
 
+// An MoE LLM (blocks 0 and 2 MoE): those blocks take the "moe_block" layer's costs, the others
+// the dense block's; the experts' share of the measured parameters is split off for expert
+// parallelism; a dense profile, or one without the MoE block, is rejected naming what is missing.
+TEST(Profile, MoeBlocksTakeTheMoeBlockCosts) {
+  Spec s = profiled_spec();
+  s.model.llm.moe.experts = 4;
+  s.model.llm.moe.top_k = 2;
+  s.model.llm.moe.every = 2;
+  json j = tiny_profile(s);
+  json moe = layer("llm.moe_block", "moe_block", 0, 0, 0, 0, 500000, 5e-4);
+  moe["fit"]["forward"] = {3e-4, 7e-5, 0};
+  j["modules"][0]["layers"].push_back(moe);
+  const Profile p = parse_profile(j.dump(), "moe.json");
+  EXPECT_TRUE(p.module("llm").has_moe_block);
+  const ModuleCosts c = profile_module_costs(p, s, make_plan(s).module("llm"), 1);
+  ASSERT_EQ(c.blocks.size(), 4u);
+  const double S = 40;
+  EXPECT_NEAR(c.blocks[0].forward, 3e-4 + 7e-5 * S, 1e-15);
+  EXPECT_NEAR(c.blocks[2].forward, 3e-4 + 7e-5 * S, 1e-15);
+  EXPECT_NEAR(c.blocks[1].forward, 1e-4 + 2e-5 * S + 1e-7 * S * S, 1e-15);
+  EXPECT_EQ(c.blocks[0].param_bytes, 2000000);
+  const BlockParams bp = llm_block_params(s.model.llm, 0);
+  EXPECT_NEAR(c.blocks[0].expert_param_bytes, 2000000 * bp.experts / bp.total, 1e-6);
+  EXPECT_EQ(c.blocks[1].expert_param_bytes, 0);
+  // The optimizer: two MoE and two dense blocks' measured seconds.
+  const CostTable t = profile_stage_costs(p, s, make_plan(s));
+  EXPECT_NEAR(t.back()[0].optimizer_seconds, 1e-4 + 2 * 2e-4 + 2 * 5e-4 + 1e-5, 1e-15);
+  // A profile of the dense model lacks the MoE fields; one without "moe_block" says so.
+  const std::string dense = testing::error_of(
+      [&] { check_profile(parse_profile(tiny_profile(profiled_spec()).dump(), "dense.json"), s); });
+  EXPECT_NE(dense.find("dense.json: module 'llm': model.moe_experts missing"), std::string::npos)
+      << dense;
+  const std::string none =
+      testing::error_of([&] { check_profile(parse_profile(tiny_profile(s).dump(), "n.json"), s); });
+  EXPECT_NE(none.find("n.json: has no \"moe_block\" layer"), std::string::npos) << none;
+  // The dense model may use an MoE profile's dense block.
+  EXPECT_NO_THROW(check_profile(p, profiled_spec()));
+}
+
 // One rank, one microbatch of 8 samples: the step is data + vision + LLM + optimizer, each the
 // profile's numbers; two ranks (DP2) add the measured all-reduce of the gradients.
 TEST(Profile, SimulatorUsesMeasuredCosts) {

@@ -280,22 +280,24 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
       m.model.emplace_back(key, r.number(model, key, where + ".model"));
     const json& layers = r.at(mj, "layers", where);
     WEFT_CHECK(layers.is_array(), source, ": ", where, ".layers: expected an array");
-    bool seen[4] = {false, false, false, false};
-    const char* parts[4] = {"front", "block", "back", "stage"};
+    bool seen[5] = {false, false, false, false, false};
+    const char* parts[5] = {"front", "block", "back", "stage", "moe_block"};
     for (size_t k = 0; k < layers.size(); ++k) {
       const std::string lw = where + ".layers[" + std::to_string(k) + "]";
       const std::string part = r.string(layers[k], "part", lw);
-      const auto it = std::find(parts, parts + 4, part);
-      WEFT_CHECK(it != parts + 4 && (m.llm || part != "stage"), source, ": ", lw, ".part = \"",
-                 part, "\": expected \"front\", \"block\", \"back\"",
-                 m.llm ? " or \"stage\"" : " (an encoder has no \"stage\")");
+      const auto it = std::find(parts, parts + 5, part);
+      WEFT_CHECK(
+          it != parts + 5 && (m.llm || (part != "stage" && part != "moe_block")), source, ": ", lw,
+          ".part = \"", part, "\": expected \"front\", \"block\", \"back\"",
+          m.llm ? ", \"stage\" or \"moe_block\"" : " (\"stage\" and \"moe_block\" are the LLM's)");
       const int idx = static_cast<int>(it - parts);
       WEFT_CHECK(!seen[idx], source, ": ", lw, ": a second \"", part, "\" layer in module '",
                  m.name, "'");
       seen[idx] = true;
-      LayerProfile* dst[4] = {&m.front, &m.block, &m.back, &m.stage};
+      LayerProfile* dst[5] = {&m.front, &m.block, &m.back, &m.stage, &m.moe_block};
       *dst[idx] = r.layer(layers[k], lw);
     }
+    m.has_moe_block = seen[4];
     for (int k = 0; k < 3; ++k)
       WEFT_CHECK(seen[k], source, ": ", where, " ('", m.name, "'): no \"", parts[k], "\" layer");
     p.modules.push_back(std::move(m));
@@ -316,8 +318,17 @@ std::vector<std::pair<std::string, double>> profile_model_fields(const Spec& spe
   const auto d = [](int64_t v) { return static_cast<double>(v); };
   if (module == "llm") {
     const LlmSpec& l = spec.model.llm;
-    return {{"hidden", d(l.hidden)}, {"heads", d(l.heads)}, {"kv_heads", d(l.kv_heads)},
-            {"ffn", d(l.ffn)},       {"vocab", d(l.vocab)}, {"tied", l.tie_embeddings ? 1.0 : 0}};
+    std::vector<std::pair<std::string, double>> f = {
+        {"hidden", d(l.hidden)}, {"heads", d(l.heads)}, {"kv_heads", d(l.kv_heads)},
+        {"ffn", d(l.ffn)},       {"vocab", d(l.vocab)}, {"tied", l.tie_embeddings ? 1.0 : 0}};
+    if (l.moe.enabled())  // what an MoE block's costs depend on (not which blocks are MoE)
+      f.insert(f.end(), {{"moe_experts", d(l.moe.experts)},
+                         {"moe_top_k", d(l.moe.top_k)},
+                         {"moe_ffn", d(l.expert_ffn())},
+                         {"moe_shared_ffn", d(l.moe.shared_ffn)},
+                         {"moe_sigmoid", l.moe.sigmoid ? 1.0 : 0},
+                         {"moe_capacity_factor", l.moe.capacity_factor}});
+    return f;
   }
   const EncoderSpec* e = spec.encoder(module);
   WEFT_CHECK(e, spec.source, ": the model has no module '", module, "'");
@@ -345,8 +356,6 @@ void check_profile(const Profile& p, const Spec& spec) {
   WEFT_CHECK(p.precision == to_string(spec.train.precision), p.source, ": measured in ",
              p.precision, " but ", spec.source, " trains in ", to_string(spec.train.precision),
              " (train.precision); profile it in that precision");
-  WEFT_CHECK(!spec.model.llm.moe.enabled(), spec.source,
-             ": model.llm.moe: mixture-of-experts blocks are not profiled yet");
   std::vector<std::string> names = {"llm"};
   for (const EncoderSpec& e : spec.model.encoders) names.push_back(e.name);
   for (const std::string& name : names) {
@@ -364,6 +373,9 @@ void check_profile(const Profile& p, const Spec& spec) {
                  "; profile this config with `weft bench profile`");
     }
   }
+  WEFT_CHECK(!spec.model.llm.moe.enabled() || p.module("llm").has_moe_block, p.source,
+             ": has no \"moe_block\" layer for the mixture-of-experts blocks of ", spec.source,
+             " (model.llm.moe); profile this config with `weft bench profile`");
 }
 
 double profile_seq(const Profile& p, const Spec& spec) {
@@ -389,7 +401,8 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   if (!llm || !m.input_grads) front.input_grad = 0;
   out.front = rules(front);
   for (int64_t b = 0; b < m.layers; ++b) {
-    LayerCost c = layer_cost(mp.block, units, seq, tp, cp, shared);
+    LayerCost c =
+        layer_cost(llm ? mp.block_at(spec.model.llm, b) : mp.block, units, seq, tp, cp, shared);
     c.name = m.name + ".layers." + std::to_string(b);
     if (llm && spec.model.llm.moe.enabled()) {  // the experts' share of the block's parameters
       const BlockParams p = llm_block_params(spec.model.llm, b);
@@ -432,7 +445,8 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
     const ModuleCosts c1 = profile_module_costs(profile, spec, m, 1);
     const ModuleCosts s0 = profile_module_costs(profile, spec, m, 0, 1, 1, true);
     const ModuleCosts s1 = profile_module_costs(profile, spec, m, 1, 1, 1, true);
-    const bool shared = mp.front.shared && mp.block.shared && mp.back.shared;
+    const bool shared = mp.front.shared && mp.block.shared && mp.back.shared &&
+                        (!mp.has_moe_block || mp.moe_block.shared);
     const auto layers_of = [&](const ModuleCosts& c, int64_t s) {
       const auto [begin, end] = m.stage_layers(s);
       std::vector<const LayerCost*> out;
@@ -481,7 +495,9 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       // Optimizer seconds of the stage's trainable parts (a tied head's embedding copy too).
       if (m.weight_grads) {
         if (s == 0) sc.optimizer_seconds += mp.front.optimizer_seconds;
-        sc.optimizer_seconds += static_cast<double>(end - begin) * mp.block.optimizer_seconds;
+        for (int64_t b = begin; b < end; ++b)
+          sc.optimizer_seconds +=
+              (llm ? mp.block_at(spec.model.llm, b) : mp.block).optimizer_seconds;
       }
       if (s == m.layout.pp - 1 && back_trains(spec, m)) {
         sc.optimizer_seconds += mp.back.optimizer_seconds;

@@ -4,7 +4,9 @@
 // (partition.h) in place of the FLOP model.
 //
 // Layers measured per module: the LLM's embedding ("front": lookup and the scatter of encoder
-// features), one block, its final norm + head + loss ("back"), and the "stage" work every LLM
+// features), one block (and for an MoE LLM one mixture-of-experts block, "moe_block": routing
+// with its auxiliary losses, the experts of the real routing, the shared expert), its final norm
+// + head + loss ("back"), and the "stage" work every LLM
 // pipeline stage repeats per microbatch (building the attention mask and the RoPE tables); per
 // encoder its front end (ViT stem / patch embedding / positions, Whisper convolutions), one
 // block, and its projector ("back"; with a Whisper encoder's final LayerNorm). For each:
@@ -52,7 +54,8 @@
 //           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute"}]}
 //          (optional; the simulator uses the points, the fits are for cluster files),
 //  "modules": [{"name", "role": "llm"|"encoder", "unit": "sample"|"item", "units_per_sample",
-//     "model": {shape fields}, "layers": [{"name", "part": "front"|"block"|"back"|"stage",
+//     "model": {shape fields}, "layers": [{"name",
+//     "part": "front"|"block"|"back"|"stage"|"moe_block" (the last two LLM only),
 //     "forward", "input_grad", "weight_grad", "activation_bytes" (at the profiled shape),
 //     "param_bytes", "params", "tensors", "optimizer",
 //     "fit": {"forward": [fixed, linear, quadratic], "input_grad": [...], "weight_grad": [...],
@@ -108,6 +111,13 @@ struct ModuleProfile {
   double units_per_sample = 1;  // encoders: items per sample in the profiled data
   LayerProfile front, block, back;
   LayerProfile stage;  // LLM only: per pipeline stage and microbatch (forward)
+  // LLM with [model.llm.moe]: one mixture-of-experts block ("moe_block"); `block` is then a dense
+  // block of the same width. Costs use it for the blocks model.llm.moe makes MoE.
+  bool has_moe_block = false;
+  LayerProfile moe_block;
+  const LayerProfile& block_at(const LlmSpec& llm, int64_t layer) const {
+    return has_moe_block && llm.moe.is_moe_layer(layer) ? moe_block : block;
+  }
   std::vector<std::pair<std::string, double>> model;  // shape fields the costs hold for
 };
 

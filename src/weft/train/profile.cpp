@@ -362,12 +362,22 @@ at::Tensor crop_rows(const at::Tensor& rows, int64_t S, int64_t n, int64_t s, at
 json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
                 const TrainSpec& t) {
   const LlmSpec& l = spec.model.llm;
-  model::ParamSet set;
-  model::Llm llm;
+  // Block 0, and for an MoE LLM a dense block too: block 1 when it is dense, else one of a
+  // dense copy of the LLM (the same widths).
+  const bool moe = l.moe.enabled();
+  const bool dense_second = moe && l.layers > 1 && !l.moe.is_moe_layer(1);
+  model::ParamSet set, dense_set;
+  model::Llm llm, dense_llm;
   {
     model::InitSeedGuard seed(spec.train.seed);
     llm = model::Llm::make(model::Scope{&set, "llm", nullptr}, l,
-                           model::StageRange{0, 1, true, true});
+                           model::StageRange{0, dense_second ? 2 : 1, true, true});
+    if (moe && !dense_second) {
+      LlmSpec dense = l;
+      dense.moe = MoeSpec{};
+      dense_llm = model::Llm::make(model::Scope{&dense_set, "llm", nullptr}, dense,
+                                   model::StageRange{0, 1, false, false});
+    }
   }
   const int64_t B = in.tokens.size(0), S = in.tokens.size(1), H = l.hidden;
   std::vector<Shape> shapes, full_seq;
@@ -431,31 +441,50 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
   };
   layers.push_back(stage);
 
-  Layer block;
-  block.name = "llm.block";
-  block.part = "block";
-  block.params = params_of(set, {"llm.layers.0."});
-  block.shapes = shapes;
-  block.prepare = [&, H](const Shape& sh) {
-    Prepared p;
-    const model::AttentionMask mask{model::visible_mask(cropped(in.doc, sh), cropped(in.item, sh))};
-    const model::Rope rope =
-        model::Rope::make(cropped(in.positions, sh), l.head_dim(), l.rope_theta, l.rope_scaling);
-    p.leaves.push_back(randn({sh.units, sh.seq, H}));
-    const at::Tensor x = p.leaves[0];
-    const bool recompute = l.recompute;
-    p.forward = [&llm, x, mask, rope, recompute] {
-      const model::LlmBlock& b = llm.blocks[0];
-      if (!recompute) return b(x, mask, rope);
-      return model::recompute(
-          [b, mask, rope](const at::Tensor& h, const std::vector<at::Tensor>& ps) {
-            return model::with_params(b, ps)(h, mask, rope);
-          },
-          x, model::block_params(b));
+  // A block's layer: its forward on random inputs under the data's mask; an MoE block routes the
+  // real tokens (padding excluded) and adds its auxiliary losses as training does.
+  const auto block_layer = [&, H](std::string name, std::string part, const model::LlmBlock* b,
+                                  model::NamedTensors params) {
+    Layer layer;
+    layer.name = std::move(name);
+    layer.part = std::move(part);
+    layer.params = std::move(params);
+    layer.shapes = shapes;
+    layer.prepare = [&, b, H](const Shape& sh) {
+      Prepared p;
+      const at::Tensor doc = cropped(in.doc, sh);
+      const model::AttentionMask mask{model::visible_mask(doc, cropped(in.item, sh))};
+      const model::Rope rope =
+          model::Rope::make(cropped(in.positions, sh), l.head_dim(), l.rope_theta, l.rope_scaling);
+      model::TokenInfo tokens;
+      tokens.valid = doc.ge(0);
+      tokens.aux_scale = 1.0 / static_cast<double>(sh.units);
+      p.leaves.push_back(randn({sh.units, sh.seq, H}));
+      const at::Tensor x = p.leaves[0];
+      const bool recompute = l.recompute;
+      p.forward = [b, x, mask, rope, tokens, recompute] {
+        if (!recompute) return (*b)(x, mask, rope, tokens);
+        return model::recompute(
+            [b, mask, rope, tokens](const at::Tensor& h, const std::vector<at::Tensor>& ps) {
+              return model::with_params(*b, ps)(h, mask, rope, tokens);
+            },
+            x, model::block_params(*b));
+      };
+      return p;
     };
-    return p;
+    return layer;
   };
-  layers.push_back(block);
+  if (!moe) {
+    layers.push_back(
+        block_layer("llm.block", "block", &llm.blocks[0], params_of(set, {"llm.layers.0."})));
+  } else {
+    layers.push_back(block_layer("llm.block", "block",
+                                 dense_second ? &llm.blocks[1] : &dense_llm.blocks[0],
+                                 dense_second ? params_of(set, {"llm.layers.1."})
+                                              : params_of(dense_set, {"llm.layers.0."})));
+    layers.push_back(block_layer("llm.moe_block", "moe_block", &llm.blocks[0],
+                                 params_of(set, {"llm.layers.0."})));
+  }
 
   Layer back;
   back.name = "llm.head";
@@ -637,8 +666,6 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
 std::string profile_config(Spec spec, const ProfileOptions& o) {
   WEFT_CHECK(o.reps >= 1, "weft bench profile: --reps must be at least 1");
   WEFT_CHECK(o.warmup >= 0, "weft bench profile: --warmup must be non-negative");
-  WEFT_CHECK(!spec.model.llm.moe.enabled(), spec.source,
-             ": model.llm.moe: mixture-of-experts blocks are not profiled yet");
   TrainSpec& ts = spec.train;
   const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
                                      : static_cast<int>(std::thread::hardware_concurrency());
