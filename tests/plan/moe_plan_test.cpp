@@ -14,6 +14,7 @@
 #include "weft/plan/cluster.h"
 #include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/search.h"
 #include "weft/plan/simulate.h"
 
 namespace weft::plan {
@@ -287,6 +288,12 @@ TEST(MoeSim, EachMoeBlockExchangesItsTokenRowsByTwoAllToAllsEachWay) {
   const SimResult pp2 =
       simulate_on(4, {"parallel.llm.dp=2", "parallel.llm.pp=2", "parallel.llm.ep=2"});
   for (const RankReport& r : pp2.ranks) EXPECT_NEAR(r.comm_seconds, 4 * a2a, 1e-12);
+  // Recomputed MoE blocks exchange their tokens again in backward (planner_costs prices it).
+  const Spec rc = spec_with({"parallel.llm.dp=2", "parallel.llm.ep=2", "parallel.vision.dp=2",
+                             "train.microbatches=1", "model.llm.recompute=true"});
+  const Plan rp = make_plan(rc, 2);
+  const SimResult again = simulate(rc, rp, one_node(), planner_costs(rc, rp));
+  EXPECT_NEAR(again.ranks[0].comm_seconds, 3 * 2 * 2 * a2a, 1e-12);
 }
 
 TEST(MoeSim, ExpertGradientsAreReducedOverTheExpertDataParallelGroupOnly) {

@@ -47,10 +47,11 @@
 // group), their gradients reduced over that group, two all-to-alls per MoE block and direction
 // over the EP group, routing assumed balanced.
 //
-// Activation recomputation (model.<module>.recompute) is priced here, not in the simulator:
-// planner_costs() adds one more forward of each recomputed block to its backward and keeps only
-// each block's input (bf16: 2 bytes per element) as its activations. The repeated forward's TP
-// all-reduces are not charged.
+// Activation recomputation (model.<module>.recompute) is priced by planner_costs(), which the
+// search and `weft simulate` use: one more forward of each recomputed block in its backward
+// (its TP / CP collectives and expert all-to-alls again too: StageCost::recompute), only each
+// block's input (bf16: 2 bytes per element) kept as its activations, and the repeated FLOPs
+// left out of MFU.
 #pragma once
 
 #include <cstdint>

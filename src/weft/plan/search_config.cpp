@@ -56,6 +56,7 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
       sc.recompute_flops += l.forward;
+      sc.recompute = true;
       sc.activation_bytes -= l.activation_bytes - std::min(l.activation_bytes, input_bytes);
     }
   }

@@ -284,8 +284,9 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
       w.last_fwd = f, w.hop_last = to_next;
       if (!w.backward) continue;
+      const double again = sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm : 0;
       const double b =
-          op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag + moe_comm;
+          op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + again;
       w.bwd += count * b;
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
@@ -323,7 +324,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     w.last_fwd = f, w.hop_last = to_next;
     if (!w.backward) continue;
     const double b =
-        op_seconds(sc, false, items, split) + (mi.weight_grads ? blocks : 0) * (2 * tp_ar + cp_ag);
+        op_seconds(sc, false, items, split) +
+        ((mi.weight_grads ? blocks : 0) + (sc.recompute ? blocks : 0)) * (2 * tp_ar + cp_ag);
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;

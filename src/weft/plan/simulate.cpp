@@ -319,9 +319,15 @@ class Engine {
         ops_[r].push_back(std::move(op));
         continue;
       }
+      // (A recomputed block runs its forward's collectives again.)
       const double blocks_back = m.weight_grads ? static_cast<double>(sc.blocks) : 0;
-      const double comm = blocks_back * (2 * all_reduce(tp_group, tokens * h * act_) +
-                                         2 * reduce_scatter(cp_group, kv / 2));
+      const double comm =
+          blocks_back *
+              (2 * all_reduce(tp_group, tokens * h * act_) + 2 * reduce_scatter(cp_group, kv / 2)) +
+          (sc.recompute
+               ? static_cast<double>(sc.blocks) * (2 * all_reduce(tp_group, tokens * h * act_) +
+                                                   2 * all_gather(cp_group, kv / 2))
+               : 0);
       Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
         const int64_t per = mb_samples_[mb];
@@ -410,8 +416,12 @@ class Engine {
       sizes(mb, &n, &tokens, &kv);
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
       // K and V gradients' reduce-scatters.
-      const double comm = (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
-                          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(n, tokens);
+      const double comm =
+          (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(n, tokens) +
+          (sc.recompute ? 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
+                              2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(n, tokens)
+                        : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;

@@ -82,6 +82,7 @@ struct StageCost {
   // Of backward_flops, the forwards activation recomputation runs again (search.h
   // add_recompute_costs): charged as time, not counted as model FLOPs in MFU.
   double recompute_flops = 0;
+  bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
   double activation_bytes = 0;
   double param_bytes = 0;
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
