@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/model_specs.h"
 #include "weft/core/error.h"
 #include "weft/data/collate.h"
 #include "weft/train/inputs.h"
@@ -23,36 +24,8 @@ namespace {
 constexpr int64_t kPad = 0, kBos = 1, kImage = 2, kAudio = 3;
 
 ModelSpec tiny_spec() {
-  ModelSpec m;
-  m.llm.vocab = 20;
-  m.llm.hidden = 32;
-  m.llm.layers = 2;
-  m.llm.heads = 4;
-  m.llm.kv_heads = 2;
-  m.llm.ffn = 64;
-  m.llm.max_seq = 32;
+  ModelSpec m = testing::tiny_multimodal_spec();
   m.llm.tie_embeddings = false;  // so the embedding gradient shows which rows were looked up
-  EncoderSpec v;
-  v.name = "vision";
-  v.kind = EncoderKind::kVit;
-  v.image_size = 16;
-  v.patch = 8;
-  v.channels = 3;
-  v.hidden = 16;
-  v.layers = 2;
-  v.heads = 2;
-  v.ffn = 32;
-  EncoderSpec a;
-  a.name = "audio";
-  a.kind = EncoderKind::kWhisper;
-  a.mels = 8;
-  a.frames = 8;
-  a.hidden = 16;
-  a.layers = 2;
-  a.heads = 2;
-  a.ffn = 32;
-  a.projector.kind = ProjectorKind::kLinear;
-  m.encoders = {v, a};
   return m;
 }
 

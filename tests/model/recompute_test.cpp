@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "support/model_specs.h"
 #include "weft/data/collate.h"
 #include "weft/model/multimodal.h"
 #include "weft/train/inputs.h"
@@ -25,42 +26,18 @@ namespace {
 
 constexpr int64_t kPad = 0, kBos = 1, kImage = 2, kAudio = 3;
 
+// tiny_multimodal_spec with QKV biases, and a ViT with a conv stem, a [CLS] token and LLaVA-style
+// features (the last of 3 blocks built but not run).
 ModelSpec tiny_spec(bool recompute) {
-  ModelSpec m;
-  m.llm.vocab = 20;
-  m.llm.hidden = 32;
-  m.llm.layers = 2;
-  m.llm.heads = 4;
-  m.llm.kv_heads = 2;
-  m.llm.ffn = 64;
-  m.llm.max_seq = 32;
+  ModelSpec m = testing::tiny_multimodal_spec();
   m.llm.qkv_bias = true;
   m.llm.recompute = recompute;
-  EncoderSpec v;
-  v.name = "vision";
-  v.kind = EncoderKind::kVit;
-  v.image_size = 16;
-  v.patch = 8;
+  EncoderSpec& v = m.encoders[0];
   v.stem_channels = 4;
   v.class_token = true;
-  v.hidden = 16;
   v.layers = 3;
-  v.feature_layer = -2;  // LLaVA-style: the last block is built but not run
-  v.heads = 2;
-  v.ffn = 32;
-  v.recompute = recompute;
-  EncoderSpec a;
-  a.name = "audio";
-  a.kind = EncoderKind::kWhisper;
-  a.mels = 8;
-  a.frames = 8;
-  a.hidden = 16;
-  a.layers = 2;
-  a.heads = 2;
-  a.ffn = 32;
-  a.projector.kind = ProjectorKind::kLinear;
-  a.recompute = recompute;
-  m.encoders = {v, a};
+  v.feature_layer = -2;
+  for (EncoderSpec& e : m.encoders) e.recompute = recompute;
   return m;
 }
 
