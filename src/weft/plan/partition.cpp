@@ -90,7 +90,6 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
                                p.total, block_act);
     c.expert_param_bytes = kParamBytes * p.experts;
     c.expert_train_state_bytes = kTrainStateBytes * p.experts;
-    c.all_to_all_bytes = moe_all_to_all_bytes(l, t, b, act);
     out.blocks.push_back(rules(std::move(c)));
   }
   // Final norm + head; a tied head keeps its own copy of the embedding when pipelined. Logits

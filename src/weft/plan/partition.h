@@ -40,11 +40,8 @@ struct LayerCost {
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
   // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes held by
-  // the experts, which expert parallelism divides over ep · etp ranks instead of tp; and the
-  // bytes the block's two expert-parallel all-to-alls move in forward (token rows out to the
-  // experts and back, flops.h moe_all_to_all_bytes; backward moves as much again). 0 elsewhere.
+  // the experts, which expert parallelism divides over ep · etp ranks instead of tp; 0 elsewhere.
   double expert_param_bytes = 0, expert_train_state_bytes = 0;
-  double all_to_all_bytes = 0;
 };
 
 // The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed.

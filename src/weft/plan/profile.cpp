@@ -467,7 +467,6 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.expert_param_bytes = sc.expert_param_bytes;
       fresh.expert_train_state_bytes = sc.expert_train_state_bytes;
       fresh.expert_grad_bytes = sc.expert_grad_bytes;
-      fresh.all_to_all_bytes = sc.all_to_all_bytes;
       fresh.measured = true;
       sc = fresh;
       const std::vector<const LayerCost*> l0 = layers_of(c0, s), l1 = layers_of(c1, s);

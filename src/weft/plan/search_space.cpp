@@ -273,7 +273,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
       double moe_comm = 0;
       if (moe > 0) {
-        const double bytes = sc.all_to_all_bytes / (2 * moe) * m / cp / static_cast<double>(slices);
+        const double bytes = moe_all_to_all_bytes(spec_.model.llm, LlmTokens{1, 1, 1}, 0, act_) /
+                             2 * tokens / static_cast<double>(slices);
         moe_comm = 2 * moe * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
                    sliced * (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
       }

@@ -34,7 +34,6 @@ void add(StageCost* s, const LayerCost& c) {
   s->expert_param_bytes += c.expert_param_bytes;
   s->expert_train_state_bytes += c.expert_train_state_bytes;
   s->expert_grad_bytes += c.expert_train_state_bytes / 3;
-  s->all_to_all_bytes += c.all_to_all_bytes;
 }
 
 Spec with_vocab(Spec spec, const SimOptions& o) {
@@ -375,10 +374,11 @@ class Engine {
     const double sliced = slices > 1 ? moe : 0;
     const std::vector<int64_t> no_group = {r};
     const std::vector<int64_t>& ep_group = moe > 0 ? expert_group(r, false) : no_group;
-    const auto moe_comm = [&](double n, double tokens) {
+    // One exchange moves top_k rows per token (flops.h moe_all_to_all_bytes is both).
+    const double a2a_per_token = moe_all_to_all_bytes(l, LlmTokens{1, 1, 1}, 0, act_) / 2;
+    const auto moe_comm = [&](double tokens) {
       if (moe == 0) return 0.0;
-      const double bytes = sc.all_to_all_bytes / (2 * moe) * n / static_cast<double>(cp) /
-                           static_cast<double>(slices);
+      const double bytes = a2a_per_token * tokens / static_cast<double>(slices);
       return 2 * moe * all_to_all(ep_group, bytes) +
              sliced * (all_gather(tp_group, tokens * H * act_) -
                        all_reduce(tp_group, tokens * H * act_));
@@ -391,7 +391,7 @@ class Engine {
       // CP: a K and a V all-gather per block; EP: see moe_comm.
       const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
                           (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
-                          2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(n, tokens);
+                          2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(tokens);
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
@@ -418,9 +418,9 @@ class Engine {
       // K and V gradients' reduce-scatters.
       const double comm =
           (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
-          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(n, tokens) +
+          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(tokens) +
           (sc.recompute ? 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
-                              2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(n, tokens)
+                              2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(tokens)
                         : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);

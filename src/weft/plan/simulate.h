@@ -88,12 +88,10 @@ struct StageCost {
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
-  // MoE blocks (LLM): the experts' part of param_bytes / train_state_bytes / grad_bytes, which
-  // ep · etp ranks share instead of tp, and the bytes per unit of data the blocks' expert-parallel
-  // all-to-alls move in forward (token rows out to their experts and back; backward the same).
+  // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes,
+  // which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
   double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_grad_bytes = 0;
-  double all_to_all_bytes = 0;
   // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
   // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
   // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
