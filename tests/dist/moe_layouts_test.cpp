@@ -1,6 +1,10 @@
 // Expert parallelism: an MoE LLM under each layout trains exactly like one process — losses,
 // the auxiliary losses, per-expert loads, every gradient and parameter (support/equivalence.h).
+// A Hugging Face Mixtral checkpoint initialises the LLM under expert and tensor parallelism,
+// each rank with only its experts.
 #include "support/equivalence.h"
+#include "weft/io/hf.h"
+#include "weft/model/multimodal.h"
 
 namespace weft::testing {
 namespace {
@@ -86,6 +90,61 @@ TEST(MoeLayouts, FrozenEncoderAndZeroOneUnderEp2Dp2) {
                     with(kMoe, {"model.vision.frozen=true", "parallel.llm.dp=4",
                                 "parallel.llm.ep=2", "train.zero_stage=1"}),
                     "moe_frozen_zero1");
+}
+
+TEST(MoeLayouts, MixtralCheckpointInitialisesTp2Ep2Dp2) {
+  // Export the tiny VLM's MoE LLM (4 experts, top-2) as Mixtral with random weights, then start
+  // a 4-rank run from it: tp = 2, dp = 2, ep = 2 (each rank two of the four experts, each split
+  // over its TP pair).
+  const std::vector<std::string> moe = {"model.llm.vocab=64", "model.llm.moe.experts=4",
+                                        "model.llm.moe.top_k=2"};
+  const Spec native = parse_spec(kTinyVlm, "tiny", moe);
+  model::MultimodalModel m(native.model, 7);
+  std::map<std::string, at::Tensor> full;
+  {
+    torch::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+    for (const auto& [name, p] : m.parameters()) {
+      p.copy_(at::normal(0.0, 0.5, p.sizes(), gen));
+      full[name] = p.detach().clone();
+    }
+  }
+  const std::filesystem::path dir = temp_dir("mixtral_tp2_ep2");
+  ModelSpec llm_only = native.model;  // the tower (a conv stem) has no Hugging Face layout
+  llm_only.encoders.clear();
+  io::export_hf(llm_only, full, dir.string());
+
+  const Spec spec = parse_spec(kTinyVlm, "tiny",
+                               {"model.llm.hf=\"" + (dir / "llm").string() + "\"",
+                                "parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.ep=2"});
+  ASSERT_EQ(spec.model.llm.moe.experts, 4);
+  std::vector<std::map<std::string, at::Tensor>> gathered(4);
+  run_ranks(4, [&](const dist::Comm& comm) {
+    train::TrainerOptions o;
+    o.out_dir = (dir / "run").string();
+    o.progress = false;
+    o.peak_flops = 1e12;
+    o.eval = false;
+    o.comm = comm;
+    train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+    std::vector<at::Tensor> local;
+    int64_t experts = 0;
+    for (const auto& [name, p] : t.model().parameters()) {
+      local.push_back(p.detach());
+      experts += name.find(".moe.experts.") != std::string::npos;
+    }
+    EXPECT_EQ(experts, 2 * 2 * 2) << "rank " << comm.rank();  // layers x local experts x 2
+    for (auto& [name, v] : t.runtime().gather_full(local)) gathered[comm.rank()][name] = v.clone();
+  });
+  int64_t compared = 0;
+  for (const auto& [name, t] : full) {
+    if (name.rfind("llm.", 0) != 0) continue;  // only the LLM comes from the checkpoint
+    ASSERT_TRUE(gathered[0].count(name)) << name;
+    EXPECT_TRUE(torch::equal(gathered[0].at(name), t)) << name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 1 + 2 * (4 + 1 + 2 * 4) + 1);  // embedding, blocks, final norm (tied head)
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
-// Hugging Face checkpoints: weft → HF layout → weft is bit-identical for Llama/Qwen2 LLMs,
-// CLIP/SigLIP towers, the Whisper encoder and LLaVA projectors (single file and sharded, fp32
-// and bf16); the loaded model's logits equal the native model's; config.json drives the spec;
-// wrong checkpoints fail naming the file and the tensor. Also the HF-compatibility model
-// variants (quick/tanh GELU, Llama-3.1 RoPE scaling, [CLS] token).
+// Hugging Face checkpoints: weft → HF layout → weft is bit-identical for Llama/Qwen2/Mixtral
+// LLMs, CLIP/SigLIP towers, the Whisper encoder and LLaVA projectors (single file and sharded,
+// fp32 and bf16); the loaded model's logits equal the native model's; config.json drives the
+// spec; wrong checkpoints fail naming the file and the tensor. Mixtral's MoE block is checked
+// against transformers' formula on the exported tensors, and its stacked (transformers 5)
+// expert layout loads too. Also the HF-compatibility model variants (quick/tanh GELU, Llama-3.1
+// RoPE scaling, [CLS] token).
 #include "weft/io/hf.h"
 
 #include <gtest/gtest.h>
@@ -11,7 +13,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -87,6 +91,20 @@ ModelSpec qwen_siglip() {
   m.llm.rope_scaling.factor = 4.0;
   m.llm.rope_scaling.original_max_position = 16;
   m.encoders = {vit("vision", false)};
+  return m;
+}
+
+// Mixtral-shaped MoE LLM (every block: 4 experts, top-2, experts narrower than `ffn`, untied
+// head, Mixtral's RoPE base) with the CLIP-like tower.
+ModelSpec mixtral_clip() {
+  ModelSpec m = llama_clip_whisper();
+  m.llm.tie_embeddings = false;
+  m.llm.rope_theta = 1e6;
+  m.llm.moe.experts = 4;
+  m.llm.moe.top_k = 2;
+  m.llm.moe.ffn = 48;
+  m.llm.moe.aux_loss = 0.02;
+  m.encoders = {vit("vision", true)};
   return m;
 }
 
@@ -367,6 +385,336 @@ TEST(HfCheckpoint, WrongCheckpointsNameFileAndTensor) {
   // No weights at all.
   e = error_of([&] { HfCheckpoint c(dir.string()); });
   EXPECT_NE(e.find("no model.safetensors or model.safetensors.index.json"), std::string::npos) << e;
+  fs::remove_all(dir);
+}
+
+// --- Mixtral (an MoE LLM) ----------------------------------------------------------------------
+
+TEST(HfCheckpoint, MixtralRoundTripIsBitIdentical) {
+  expect_round_trip(mixtral_clip(), "mixtral", int64_t{1} << 30);
+  expect_round_trip(mixtral_clip(), "mixtral_sharded", 8 << 10);
+}
+
+std::map<std::string, at::Tensor> hf_tensors(const fs::path& dir) {
+  std::map<std::string, at::Tensor> out;
+  for (auto& [name, t] : load_safetensors((dir / "model.safetensors").string()).tensors)
+    out[name] = t;
+  return out;
+}
+
+TEST(HfCheckpoint, MixtralBlockMatchesTransformersFormula) {
+  // transformers' MixtralSparseMoeBlock on the exported tensors, in double: router logits
+  // x·gateᵀ, softmax over all experts, top-k, the k weights divided by their sum, and
+  // Σ_k w_k · w2(silu(w1 x) · w3 x). A swapped w1/w3 or a wrong expert order fails here (a round
+  // trip alone would not see it).
+  const ModelSpec spec = mixtral_clip();
+  MultimodalModel native(spec, 7);
+  const std::map<std::string, at::Tensor> full = randomised(native);
+  const fs::path dir = testing::temp_dir("hf_mixtral_formula");
+  export_hf(spec, full, dir.string());
+  const std::map<std::string, at::Tensor> hf = hf_tensors(dir / "llm");
+  const int64_t H = spec.llm.hidden, E = spec.llm.moe.experts, K = spec.llm.moe.top_k;
+  EXPECT_EQ(hf.at("model.layers.0.block_sparse_moe.experts.3.w1.weight").sizes(),
+            (std::vector<int64_t>{spec.llm.moe.ffn, H}));
+  EXPECT_EQ(hf.at("model.layers.0.block_sparse_moe.experts.3.w2.weight").sizes(),
+            (std::vector<int64_t>{H, spec.llm.moe.ffn}));
+  torch::manual_seed(3);
+  const at::Tensor x = torch::randn({2, 5, H}) * 0.3;
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < spec.llm.layers; ++i) {
+    const at::Tensor got = native.llm().blocks[i].moe(x, {}).to(at::kDouble).reshape({-1, H});
+    const std::string b = "model.layers." + std::to_string(i) + ".block_sparse_moe.";
+    const at::Tensor xs = x.to(at::kDouble).reshape({-1, H});
+    const at::Tensor probs = xs.matmul(hf.at(b + "gate.weight").to(at::kDouble).t()).softmax(-1);
+    auto [top_w, top_e] = probs.topk(K, -1);
+    top_w = top_w / top_w.sum(-1, true);
+    at::Tensor want = torch::zeros_like(xs);
+    for (int64_t t = 0; t < xs.size(0); ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = top_e[t][k].item<int64_t>();
+        ASSERT_LT(e, E);
+        auto w = [&](const char* n) {
+          return hf.at(b + "experts." + std::to_string(e) + "." + n + ".weight").to(at::kDouble);
+        };
+        const at::Tensor xt = xs[t];
+        want[t] += top_w[t][k] * w("w2").matmul(at::silu(w("w1").matmul(xt)) * w("w3").matmul(xt));
+      }
+    const double err = (got - want).abs().max().item<double>();
+    EXPECT_LT(err, 1e-4 * std::max(1.0, want.abs().max().item<double>())) << "layer " << i;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(HfCheckpoint, MixtralStackedExpertLayoutLoads) {
+  // transformers 5 keeps a Mixtral's experts stacked (conversion_mapping.py): mlp.gate, and
+  // mlp.experts.gate_up_proj [E, 2F, H] = cat(w1, w3) per expert, down_proj [E, H, F] = w2.
+  const ModelSpec spec = mixtral_clip();
+  MultimodalModel native(spec, 7);
+  const std::map<std::string, at::Tensor> full = randomised(native);
+  const fs::path dir = testing::temp_dir("hf_mixtral_stacked");
+  export_hf(spec, full, dir.string(), at::kBFloat16);
+  const std::map<std::string, at::Tensor> hf = hf_tensors(dir / "llm");
+  TensorMap stacked;
+  for (const auto& [name, t] : hf)
+    if (name.find(".block_sparse_moe.") == std::string::npos) stacked.emplace_back(name, t);
+  for (int64_t i = 0; i < spec.llm.layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    std::vector<at::Tensor> gate_up, down;
+    for (int64_t j = 0; j < spec.llm.moe.experts; ++j) {
+      const std::string e = l + "block_sparse_moe.experts." + std::to_string(j) + ".";
+      gate_up.push_back(torch::cat({hf.at(e + "w1.weight"), hf.at(e + "w3.weight")}, 0));
+      down.push_back(hf.at(e + "w2.weight"));
+    }
+    stacked.emplace_back(l + "mlp.gate.weight", hf.at(l + "block_sparse_moe.gate.weight"));
+    stacked.emplace_back(l + "mlp.experts.gate_up_proj", torch::stack(gate_up));
+    stacked.emplace_back(l + "mlp.experts.down_proj", torch::stack(down));
+  }
+  save_safetensors((dir / "llm" / "model.safetensors").string(), stacked);
+  const HfWeights weights(with_hf(spec, dir));
+  for (const auto& [name, t] : full) {
+    ASSERT_TRUE(weights.provides(name)) << name;
+    EXPECT_TRUE(torch::equal(weights.full(name), t.to(at::kBFloat16).to(at::kFloat))) << name;
+  }
+  const std::string summary = weights.summary().at(0);
+  EXPECT_EQ(summary.find("not used"), std::string::npos) << summary;
+  fs::remove_all(dir);
+}
+
+TEST(HfConfig, MixtralConfigDrivesTheMoeSpec) {
+  const ModelSpec spec = mixtral_clip();
+  MultimodalModel native(spec, 7);
+  const fs::path dir = testing::temp_dir("hf_mixtral_config");
+  export_hf(spec, randomised(native), dir.string());
+  std::ifstream config(dir / "llm" / "config.json");
+  const nlohmann::json j = nlohmann::json::parse(config);
+  EXPECT_EQ(j["architectures"][0], "MixtralForCausalLM");
+  EXPECT_EQ(j["model_type"], "mixtral");
+  EXPECT_EQ(j["intermediate_size"], 48);
+  EXPECT_EQ(j["num_local_experts"], 4);
+  EXPECT_EQ(j["num_experts_per_tok"], 2);
+  EXPECT_EQ(j["router_aux_loss_coef"], 0.02);  // 2 layers, top-2: the same number
+  {  // 4 layers, top-2: weft's per-block weight is half transformers' coefficient
+    LlmSpec four = spec.llm;
+    four.layers = 4;
+    four.moe.aux_loss = 0.01;
+    EXPECT_DOUBLE_EQ(nlohmann::json::parse(hf_llm_config_json(four))["router_aux_loss_coef"], 0.02);
+  }
+  EXPECT_EQ(j["router_jitter_noise"], 0.0);
+  EXPECT_TRUE(j["sliding_window"].is_null());
+
+  const std::string toml = "[model.llm]\nhf = \"" + (dir / "llm").string() + "\"\nmax_seq = 32\n";
+  const Spec parsed = parse_spec(toml, "<string>");
+  const LlmSpec& l = parsed.model.llm;
+  EXPECT_EQ(l.hidden, 32);
+  EXPECT_EQ(l.ffn, 48);
+  EXPECT_EQ(l.rope_theta, 1e6);
+  EXPECT_FALSE(l.tie_embeddings);
+  EXPECT_FALSE(l.qkv_bias);
+  const MoeSpec& m = l.moe;
+  EXPECT_EQ(m.experts, 4);
+  EXPECT_EQ(m.top_k, 2);
+  EXPECT_EQ(l.expert_ffn(), 48);
+  EXPECT_EQ(m.every, 1);
+  EXPECT_FALSE(m.sigmoid);
+  EXPECT_TRUE(m.norm_topk);
+  EXPECT_EQ(m.shared_ffn, 0);
+  EXPECT_EQ(m.aux_loss, 0.02);
+  EXPECT_EQ(m.z_loss, 0);
+  EXPECT_EQ(m.capacity_factor, 0);
+  // The saved run config (it writes the whole [model.llm.moe] table) reads back the same.
+  EXPECT_EQ(spec_to_toml(parse_spec(spec_to_toml(parsed), "<string>")), spec_to_toml(parsed));
+
+  // Training settings are the run's; architecture keys may repeat config.json's values.
+  const Spec tuned = parse_spec(toml +
+                                    "[model.llm.moe]\nexperts = 4\ntop_k = 2\nffn = 0\nevery = 1\n"
+                                    "gating = \"softmax\"\naux_loss = 0.05\nz_loss = 0.01\n"
+                                    "capacity_factor = 1.25\n",
+                                "<string>");
+  EXPECT_EQ(tuned.model.llm.moe.experts, 4);
+  EXPECT_EQ(tuned.model.llm.expert_ffn(), 48);
+  EXPECT_EQ(tuned.model.llm.moe.aux_loss, 0.05);
+  EXPECT_EQ(tuned.model.llm.moe.z_loss, 0.01);
+  EXPECT_EQ(tuned.model.llm.moe.capacity_factor, 1.25);
+  // ... and must not change the architecture.
+  auto disagrees = [&](const std::string& set, const std::string& want) {
+    const std::string e = error_of([&] { parse_spec(toml, "<string>", {set}); });
+    EXPECT_NE(e.find(want), std::string::npos) << set << ": " << e;
+    EXPECT_NE(e.find("config.json (which says"), std::string::npos) << set << ": " << e;
+  };
+  disagrees("model.llm.moe.experts=8", "model.llm.moe.experts = 8: disagrees with");
+  disagrees("model.llm.moe.top_k=1", "model.llm.moe.top_k = 1: disagrees with");
+  disagrees("model.llm.moe.ffn=64", "model.llm.moe.ffn = 64: disagrees with");
+  disagrees("model.llm.moe.every=2", "model.llm.moe.every = 2: disagrees with");
+  disagrees("model.llm.moe.gating=\"sigmoid\"", "model.llm.moe.gating = \"sigmoid\": disagrees");
+  disagrees("model.llm.moe.norm_topk=false", "model.llm.moe.norm_topk = false: disagrees");
+  disagrees("model.llm.moe.shared_ffn=16", "model.llm.moe.shared_ffn = 16: disagrees with");
+
+  // A dense checkpoint takes no [model.llm.moe].
+  const fs::path dense = testing::temp_dir("hf_dense_with_moe");
+  MultimodalModel llama(llama_clip_whisper(), 7);
+  export_hf(llama_clip_whisper(), randomised(llama), dense.string());
+  const std::string e = error_of([&] {
+    parse_spec("[model.llm]\nhf = \"" + (dense / "llm").string() + "\"\n", "<string>",
+               {"model.llm.moe.experts=4"});
+  });
+  EXPECT_NE(e.find("model.llm.moe: mixture-of-experts layers need a Mixtral checkpoint"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("is a dense llama one"), std::string::npos) << e;
+  fs::remove_all(dir);
+  fs::remove_all(dense);
+}
+
+TEST(HfConfig, MixtralConfigWithTransformersDefaults) {
+  const fs::path dir = testing::temp_dir("hf_mixtral_defaults");
+  // Every absent field takes MixtralConfig's default.
+  write(dir / "config.json",
+        R"({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})");
+  HfLlmConfig c = read_hf_llm_config(dir.string());
+  EXPECT_EQ(c.model_type, "mixtral");
+  EXPECT_EQ(c.llm.vocab, 32000);
+  EXPECT_EQ(c.llm.hidden, 4096);
+  EXPECT_EQ(c.llm.layers, 32);
+  EXPECT_EQ(c.llm.heads, 32);
+  EXPECT_EQ(c.llm.kv_heads, 8);
+  EXPECT_EQ(c.llm.ffn, 14336);
+  EXPECT_EQ(c.llm.rope_theta, 1e6);
+  EXPECT_EQ(c.llm.norm_eps, 1e-5);
+  EXPECT_FALSE(c.llm.tie_embeddings);
+  EXPECT_FALSE(c.llm.rope_scaling.llama3);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.llm.moe.experts, 8);
+  EXPECT_EQ(c.llm.moe.top_k, 2);
+  EXPECT_EQ(c.llm.expert_ffn(), 14336);
+  EXPECT_EQ(c.llm.moe.every, 1);
+  EXPECT_TRUE(c.llm.moe.norm_topk);
+  EXPECT_FALSE(c.llm.moe.sigmoid);
+  EXPECT_DOUBLE_EQ(c.llm.moe.aux_loss, 0.001 * 2 / 32);  // transformers' strength (top_k / layers)
+  EXPECT_EQ(c.llm.moe.z_loss, 0);
+  EXPECT_EQ(c.llm.moe.capacity_factor, 0);
+
+  // The shape of mistralai/Mixtral-8x22B-v0.1's config.json.
+  write(dir / "config.json", R"({
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 6144, "initializer_range": 0.02,
+    "intermediate_size": 16384, "max_position_embeddings": 65536, "model_type": "mixtral",
+    "num_attention_heads": 48, "num_experts_per_tok": 2, "num_hidden_layers": 56,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000, "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0, "sliding_window": null, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 32768})");
+  c = read_hf_llm_config(dir.string());
+  EXPECT_EQ(c.llm.vocab, 32768);
+  EXPECT_EQ(c.llm.hidden, 6144);
+  EXPECT_EQ(c.llm.layers, 56);
+  EXPECT_EQ(c.llm.heads, 48);
+  EXPECT_EQ(c.llm.expert_ffn(), 16384);
+  EXPECT_EQ(c.sliding_window, 0);
+
+  // transformers 5 writes rope_parameters; a sliding window is kept as for Mistral; a top-1
+  // Mixtral keeps transformers' renormalisation (a weight of 1).
+  write(dir / "config.json", R"({"model_type": "mixtral", "num_local_experts": 4,
+    "num_experts_per_tok": 1, "sliding_window": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
+  c = read_hf_llm_config(dir.string());
+  EXPECT_EQ(c.llm.rope_theta, 500000.0);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_EQ(c.llm.moe.experts, 4);
+  EXPECT_EQ(c.llm.moe.top_k, 1);
+  EXPECT_TRUE(c.llm.moe.norm_topk);
+  fs::remove_all(dir);
+}
+
+TEST(HfConfig, UnsupportedMixtralConfigsNameFileAndField) {
+  const fs::path dir = testing::temp_dir("hf_bad_mixtral");
+  auto err = [&](const std::string& json) {
+    write(dir / "config.json", json);
+    return error_of([&] { read_hf_llm_config(dir.string()); });
+  };
+  std::string e = err(R"({"model_type": "mixtral", "router_jitter_noise": 0.01})");
+  EXPECT_NE(e.find("config.json: router_jitter_noise = 0.01: weft does not implement router "
+                   "jitter"),
+            std::string::npos)
+      << e;
+  e = err(R"({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3})");
+  EXPECT_NE(e.find("num_experts_per_tok = 3: must be <= num_local_experts = 2"), std::string::npos)
+      << e;
+  e = err(R"({"model_type": "mixtral", "router_aux_loss_coef": -1})");
+  EXPECT_NE(e.find("router_aux_loss_coef = -1: must be >= 0"), std::string::npos) << e;
+  e = err(R"({"model_type": "mixtral", "hidden_act": "gelu"})");
+  EXPECT_NE(e.find("hidden_act = \"gelu\""), std::string::npos) << e;
+  e = err(R"({"model_type": "mixtral", "rope_parameters": {"rope_type": "yarn"}})");
+  EXPECT_NE(e.find("rope_parameters.rope_type = \"yarn\""), std::string::npos) << e;
+  fs::remove_all(dir);
+}
+
+TEST(HfCheckpoint, NonMixtralMoeExportNamesWhatMixtralCannotExpress) {
+  const fs::path dir = testing::temp_dir("hf_not_mixtral");
+  auto err = [&](const std::function<void(ModelSpec*)>& change) {
+    ModelSpec spec = mixtral_clip();
+    change(&spec);
+    return error_of([&] { export_hf(spec, {}, dir.string()); });
+  };
+  std::string e = err([](ModelSpec* s) { s->llm.moe.every = 2; });
+  EXPECT_NE(e.find("export: model.llm.moe.every = 2 cannot be written as a Hugging Face Mixtral "
+                   "(MixtralForCausalLM) checkpoint, which has experts in every block"),
+            std::string::npos)
+      << e;
+  e = err([](ModelSpec* s) { s->llm.moe.sigmoid = true; });
+  EXPECT_NE(e.find("model.llm.moe.gating = \"sigmoid\" cannot be written"), std::string::npos) << e;
+  e = err([](ModelSpec* s) { s->llm.moe.norm_topk = false; });
+  EXPECT_NE(e.find("model.llm.moe.norm_topk = false cannot be written"), std::string::npos) << e;
+  e = err([](ModelSpec* s) { s->llm.moe.shared_ffn = 16; });
+  EXPECT_NE(e.find("model.llm.moe.shared_ffn = 16 cannot be written"), std::string::npos) << e;
+  e = err([](ModelSpec* s) { s->llm.qkv_bias = true; });
+  EXPECT_NE(e.find("model.llm.qkv_bias = true cannot be written"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir));  // nothing was written
+}
+
+TEST(HfCheckpoint, MixtralMissingExpertTensorIsNamed) {
+  const ModelSpec spec = mixtral_clip();
+  MultimodalModel native(spec, 7);
+  const fs::path dir = testing::temp_dir("hf_mixtral_missing");
+  export_hf(spec, randomised(native), dir.string());
+  const fs::path llm = dir / "llm" / "model.safetensors";
+  const SafetensorsFile f = load_safetensors(llm.string());
+  TensorMap fewer;
+  for (const auto& nt : f.tensors)
+    if (nt.first != "model.layers.1.block_sparse_moe.experts.3.w3.weight") fewer.push_back(nt);
+  save_safetensors(llm.string(), fewer);
+  std::string e = error_of([&] { HfWeights w(with_hf(spec, dir)); });
+  EXPECT_NE(e.find("missing tensor 'model.layers.1.block_sparse_moe.experts.3.w3.weight' (for "
+                   "model.llm parameter llm.layers.1.moe.experts.3.gate_up.weight)"),
+            std::string::npos)
+      << e;
+
+  // A dense checkpoint's tensors under a Mixtral config: no expert weights at all.
+  TensorMap dense;
+  for (const auto& nt : f.tensors)
+    if (nt.first.find(".block_sparse_moe.") == std::string::npos) dense.push_back(nt);
+  save_safetensors(llm.string(), dense);
+  e = error_of([&] { HfWeights w(with_hf(spec, dir)); });
+  EXPECT_NE(e.find("no mixture-of-experts weights found for model.llm (looked for "
+                   "'model.layers.0.block_sparse_moe.gate.weight' and "
+                   "'model.layers.0.mlp.experts.gate_up_proj'"),
+            std::string::npos)
+      << e;
+
+  // A stacked tensor with fewer experts than the model.
+  TensorMap stacked = dense;
+  for (int64_t i = 0; i < spec.llm.layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    stacked.emplace_back(l + "mlp.gate.weight", torch::zeros({4, 32}));
+    stacked.emplace_back(l + "mlp.experts.gate_up_proj", torch::zeros({3, 96, 32}));
+    stacked.emplace_back(l + "mlp.experts.down_proj", torch::zeros({4, 32, 48}));
+  }
+  save_safetensors(llm.string(), stacked);
+  e = error_of([&] { HfWeights w(with_hf(spec, dir)); });
+  EXPECT_NE(e.find("tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape [3, 96, 32]; "
+                   "model.llm parameter llm.layers.0.moe.experts.3.gate_up.weight needs entry 3 "
+                   "along dim 0"),
+            std::string::npos)
+      << e;
   fs::remove_all(dir);
 }
 

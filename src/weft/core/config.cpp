@@ -390,21 +390,38 @@ void read_or_agree(const Section& s, std::string_view key, T* out, const std::st
   }
 }
 
-void read_moe(const Section& s, MoeSpec* m) {
+// With a Mixtral checkpoint (`hf_file`, which has already set *m) the architecture keys must
+// agree with its config.json; the training settings (aux_loss, z_loss, capacity_factor) are the
+// run's to choose.
+void read_moe(const Section& s, MoeSpec* m, const std::string& hf_file) {
   s.only(keys(kMoeKeys));
-  s.count("experts", &m->experts);
-  s.count("top_k", &m->top_k);
-  s.count("ffn", &m->ffn, /*positive=*/false);
-  s.count("every", &m->every);
   std::string gating = m->sigmoid ? "sigmoid" : "softmax";
-  s.choice("gating", keys(kGatings), &gating);
+  if (hf_file.empty()) {
+    s.count("experts", &m->experts);
+    s.count("top_k", &m->top_k);
+    s.count("ffn", &m->ffn, /*positive=*/false);
+    s.count("every", &m->every);
+    s.choice("gating", keys(kGatings), &gating);
+    s.read("norm_topk", &m->norm_topk);
+    s.count("shared_ffn", &m->shared_ffn, /*positive=*/false);
+  } else {
+    read_or_agree(s, "experts", &m->experts, hf_file);
+    read_or_agree(s, "top_k", &m->top_k, hf_file);
+    int64_t ffn = m->ffn;  // 0 (= model.llm.ffn, also config.json's intermediate_size) agrees
+    if (s.read("ffn", &ffn) && ffn != 0 && ffn != m->ffn)
+      s.fail("ffn", "disagrees with " + hf_file + " (which says " + std::to_string(m->ffn) +
+                        "); leave it out to take the checkpoint's value");
+    read_or_agree(s, "every", &m->every, hf_file);
+    read_or_agree(s, "gating", &gating, hf_file);
+    read_or_agree(s, "norm_topk", &m->norm_topk, hf_file);
+    read_or_agree(s, "shared_ffn", &m->shared_ffn, hf_file);
+  }
   m->sigmoid = gating == "sigmoid";
-  s.read("norm_topk", &m->norm_topk);
-  s.count("shared_ffn", &m->shared_ffn, /*positive=*/false);
   const std::pair<const char*, double*> weights[] = {
       {"aux_loss", &m->aux_loss}, {"z_loss", &m->z_loss}, {"capacity_factor", &m->capacity_factor}};
   for (const auto& [k, v] : weights)
     if (s.read(k, v) && *v < 0) s.fail(k, "must be >= 0");
+  if (!hf_file.empty()) return;  // config.json's top_k and norm_topk, as transformers runs them
   if (m->top_k > m->experts)
     s.fail("top_k", "must be <= experts (" + std::to_string(m->experts) + ")");
   // Top-1 softmax renormalised is a weight of 1 for every token: the router would learn from the
@@ -422,12 +439,13 @@ void read_llm(const Section& s, LlmSpec* l) {
   if (s.find("kind"))
     s.fail("kind", "[model.llm] is the decoder; \"llm\" is reserved and cannot name an encoder");
   s.only(keys(kLlmKeys));
-  std::string hf_file;
+  std::string hf_file, hf_type;
   int64_t sliding_window = 0;
   if (s.read("hf", &l->hf)) {
     l->hf = resolve_path(s.source(), l->hf);
     const HfLlmConfig c = read_hf_llm_config(l->hf);
     hf_file = hf_config_path(l->hf);
+    hf_type = c.model_type;
     const LlmSpec keep = *l;
     *l = c.llm;
     l->hf = keep.hf;
@@ -466,10 +484,10 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.read("frozen", &l->frozen);
   s.read("recompute", &l->recompute);
   if (const toml::table* t = s.table("moe")) {
-    WEFT_CHECK(hf_file.empty(), s.source(), ": ", s.path("moe"),
-               ": mixture-of-experts layers cannot be combined with model.llm.hf (weft reads "
-               "dense Llama / Mistral / Qwen2 checkpoints only)");
-    read_moe(Section(s.source(), *t, s.path("moe")), &l->moe);
+    WEFT_CHECK(hf_file.empty() || l->moe.enabled(), s.source(), ": ", s.path("moe"),
+               ": mixture-of-experts layers need a Mixtral checkpoint, and ", hf_file,
+               " is a dense ", hf_type, " one (leave [", s.path("moe"), "] out)");
+    read_moe(Section(s.source(), *t, s.path("moe")), &l->moe, hf_file);
   }
   if (l->rope_scaling.llama3 &&
       !(l->rope_scaling.high_freq_factor > l->rope_scaling.low_freq_factor))

@@ -1,5 +1,6 @@
 #include "weft/core/hf_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -74,16 +75,33 @@ class Fields {
   std::string file_, prefix_;
 };
 
+// transformers' defaults for the LLM fields a config.json leaves out (0: required; weft does not
+// guess the shape of a Llama, Mistral or Qwen2 checkpoint).
+struct LlmDefaults {
+  int64_t vocab = 0, hidden = 0, layers = 0, heads = 0, ffn = 0;
+  int64_t kv_heads = 0;  // 0 = num_attention_heads
+  double rope_theta = 10000.0, norm_eps = 1e-6;
+};
+
+LlmDefaults defaults_of(const std::string& model_type) {
+  if (model_type == "mixtral") return {32000, 4096, 32, 32, 14336, 8, 1e6, 1e-5};  // MixtralConfig
+  return {};
+}
+
 LlmSpec llm_from(const Fields& f, const std::string& model_type) {
+  const LlmDefaults d = defaults_of(model_type);
+  auto count = [&](const char* key, int64_t fallback) {
+    return fallback > 0 ? f.integer(key, fallback) : f.integer(key);
+  };
   LlmSpec l;
-  l.vocab = f.integer("vocab_size");
-  l.hidden = f.integer("hidden_size");
-  l.layers = f.integer("num_hidden_layers");
-  l.heads = f.integer("num_attention_heads");
-  l.kv_heads = f.integer("num_key_value_heads", l.heads);
-  l.ffn = f.integer("intermediate_size");
-  l.rope_theta = f.number("rope_theta", model_type == "qwen2" ? 10000.0 : 10000.0);
-  l.norm_eps = f.number("rms_norm_eps", 1e-6);
+  l.vocab = count("vocab_size", d.vocab);
+  l.hidden = count("hidden_size", d.hidden);
+  l.layers = count("num_hidden_layers", d.layers);
+  l.heads = count("num_attention_heads", d.heads);
+  l.kv_heads = f.integer("num_key_value_heads", d.kv_heads > 0 ? d.kv_heads : l.heads);
+  l.ffn = count("intermediate_size", d.ffn);
+  l.rope_theta = f.number("rope_theta", d.rope_theta);
+  l.norm_eps = f.number("rms_norm_eps", d.norm_eps);
   l.tie_embeddings = f.boolean("tie_word_embeddings", false);
   l.qkv_bias = model_type == "qwen2";
   if (f.string("hidden_act", "silu") != "silu")
@@ -98,9 +116,13 @@ LlmSpec llm_from(const Fields& f, const std::string& model_type) {
   if (f.has("head_dim") && f.integer("head_dim") != l.hidden / l.heads)
     f.fail("head_dim", "must be hidden_size / num_attention_heads = " +
                            std::to_string(l.hidden / l.heads) + " (weft derives it)");
-  if (f.has("rope_scaling")) {
-    const Fields r = f.sub("rope_scaling");
-    const std::string type = r.string("rope_type", r.string("type", ""));
+  // transformers >= 5 writes rope_theta and the scaling together as rope_parameters (rope_type
+  // "default" when unscaled); earlier versions rope_theta and rope_scaling at the top level.
+  const bool parameters = f.has("rope_parameters");
+  if (parameters || f.has("rope_scaling")) {
+    const Fields r = f.sub(parameters ? "rope_parameters" : "rope_scaling");
+    l.rope_theta = r.number("rope_theta", l.rope_theta);
+    const std::string type = r.string("rope_type", r.string("type", parameters ? "default" : ""));
     if (type != "llama3" && type != "default")
       r.fail("rope_type", "only \"llama3\" rope scaling is supported");
     if (type == "llama3") {
@@ -113,7 +135,42 @@ LlmSpec llm_from(const Fields& f, const std::string& model_type) {
         r.fail("high_freq_factor", "must be > low_freq_factor");
     }
   }
+  if (!(l.rope_theta > 0)) f.fail("rope_theta", "must be > 0");
   return l;
+}
+
+// Mixtral's sparse MoE block (transformers' MixtralSparseMoeBlock) in weft's terms: every block,
+// softmax over all experts in fp32, top-k, the k weights renormalised to sum to 1, no shared
+// expert, dropless; the z-loss is off. The load-balancing loss keeps transformers' strength:
+// transformers computes one loss over every layer's tokens, E·Σ_e (Σ_k f_ke)·P_e, which is
+// top_k times weft's per-block E·Σ_e f_e·P_e (f normalised over the top-k slots), while weft sums
+// its loss over the MoE blocks; so router_aux_loss_coef c becomes aux_loss = c · top_k / layers
+// (and export writes aux_loss · layers / top_k). transformers adds the loss only with
+// output_router_logits; weft always trains with it.
+double mixtral_aux_scale(const LlmSpec& l) {
+  return static_cast<double>(l.moe.top_k) / static_cast<double>(std::max<int64_t>(l.layers, 1));
+}
+
+void mixtral_moe(const Fields& f, LlmSpec* l) {
+  MoeSpec& m = l->moe;
+  m.experts = f.integer("num_local_experts", 8);
+  m.top_k = f.integer("num_experts_per_tok", 2);
+  if (m.top_k > m.experts)
+    f.fail("num_experts_per_tok", "must be <= num_local_experts = " + std::to_string(m.experts));
+  m.ffn = l->ffn;
+  m.every = 1;
+  m.sigmoid = false;
+  m.norm_topk = true;
+  m.shared_ffn = 0;
+  const double coef = f.number("router_aux_loss_coef", 0.001);
+  if (coef < 0) f.fail("router_aux_loss_coef", "must be >= 0");
+  m.aux_loss = coef * mixtral_aux_scale(*l);
+  m.z_loss = 0;
+  m.capacity_factor = 0;
+  if (f.number("router_jitter_noise", 0.0) != 0)
+    f.fail("router_jitter_noise",
+           "weft does not implement router jitter (training-time noise on the router's input); "
+           "expected 0");
 }
 
 // transformers' CLIPVisionConfig / SiglipVisionConfig defaults for absent fields.
@@ -164,6 +221,9 @@ EncoderSpec whisper_from(const Fields& f) {
   if (e.hidden % e.heads != 0) f.fail("encoder_attention_heads", "must divide d_model");
   return e;
 }
+bool known_llm(const std::string& type) {
+  return type == "llama" || type == "mistral" || type == "mixtral" || type == "qwen2";
+}
 }  // namespace
 
 std::string hf_config_path(const std::string& dir) {
@@ -181,20 +241,21 @@ HfLlmConfig read_hf_llm_config(const std::string& dir) {
     const Fields t = f.sub("text_config");
     HfLlmConfig c;
     c.model_type = t.string("model_type", "llama");
-    if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2")
-      t.fail("model_type", "expected llama, mistral or qwen2");
+    if (!known_llm(c.model_type)) t.fail("model_type", "expected llama, mistral, mixtral or qwen2");
     c.llm = llm_from(t, c.model_type);
-    if (c.model_type == "mistral" && t.has("sliding_window"))
+    if (c.model_type == "mixtral") mixtral_moe(t, &c.llm);
+    if ((c.model_type == "mistral" || c.model_type == "mixtral") && t.has("sliding_window"))
       c.sliding_window = t.integer("sliding_window");
     return c;
   }
-  if (type != "llama" && type != "mistral" && type != "qwen2")
-    f.fail("model_type", "expected llama, mistral, qwen2 or llava (an LLM checkpoint)");
+  if (!known_llm(type))
+    f.fail("model_type", "expected llama, mistral, mixtral, qwen2 or llava (an LLM checkpoint)");
   HfLlmConfig c;
   c.model_type = type;
   c.llm = llm_from(f, type);
+  if (type == "mixtral") mixtral_moe(f, &c.llm);
   if (type != "llama" && f.has("sliding_window") &&
-      (type == "mistral" || f.boolean("use_sliding_window", false)))
+      (type == "mistral" || type == "mixtral" || f.boolean("use_sliding_window", false)))
     c.sliding_window = f.integer("sliding_window");
   return c;
 }
@@ -253,13 +314,39 @@ HfEncoderConfig read_hf_encoder_config(const std::string& dir) {
   return c;
 }
 
+namespace {
+// An MoE LLM exports as Mixtral only if it is one.
+void check_mixtral_shaped(const LlmSpec& l) {
+  const MoeSpec& m = l.moe;
+  const char* what = "export: model.llm.moe.";
+  const char* why = " cannot be written as a Hugging Face Mixtral (MixtralForCausalLM) checkpoint";
+  WEFT_CHECK(m.every == 1 || l.layers == 1, what, "every = ", m.every, why,
+             ", which has experts in every block (expected every = 1)");
+  WEFT_CHECK(!m.sigmoid, what, "gating = \"sigmoid\"", why,
+             ", whose router is a softmax (expected gating = \"softmax\")");
+  WEFT_CHECK(m.norm_topk, what, "norm_topk = false", why,
+             ", which renormalises the top-k weights (expected norm_topk = true)");
+  WEFT_CHECK(m.shared_ffn == 0, what, "shared_ffn = ", m.shared_ffn, why,
+             ", which has no shared expert (expected shared_ffn = 0)");
+  WEFT_CHECK(!l.qkv_bias, "export: model.llm.qkv_bias = true", why,
+             ", which has no Q/K/V biases (expected qkv_bias = false)");
+}
+}  // namespace
+
 std::string hf_llm_config_json(const LlmSpec& l) {
+  const bool mixtral = l.moe.enabled();
+  if (mixtral) check_mixtral_shaped(l);
   const bool qwen = l.qkv_bias;
-  json j = {{"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-            {"model_type", qwen ? "qwen2" : "llama"},
+  json j = {{"architectures",
+             {mixtral ? "MixtralForCausalLM"
+              : qwen  ? "Qwen2ForCausalLM"
+                      : "LlamaForCausalLM"}},
+            {"model_type", mixtral ? "mixtral"
+                           : qwen  ? "qwen2"
+                                   : "llama"},
             {"vocab_size", l.vocab},
             {"hidden_size", l.hidden},
-            {"intermediate_size", l.ffn},
+            {"intermediate_size", mixtral ? l.expert_ffn() : l.ffn},
             {"num_hidden_layers", l.layers},
             {"num_attention_heads", l.heads},
             {"num_key_value_heads", l.kv_heads},
@@ -269,7 +356,17 @@ std::string hf_llm_config_json(const LlmSpec& l) {
             {"rope_theta", l.rope_theta},
             {"tie_word_embeddings", l.tie_embeddings},
             {"torch_dtype", "float32"}};
-  if (!qwen) j["attention_bias"] = false;
+  if (mixtral) {
+    // Training-only settings without a Mixtral field (z_loss, capacity_factor) are not written.
+    j["num_local_experts"] = l.moe.experts;
+    j["num_experts_per_tok"] = l.moe.top_k;
+    j["router_aux_loss_coef"] = l.moe.aux_loss / mixtral_aux_scale(l);
+    j["router_jitter_noise"] = 0.0;
+    j["output_router_logits"] = false;
+    j["sliding_window"] = nullptr;
+  } else if (!qwen) {
+    j["attention_bias"] = false;
+  }
   if (l.rope_scaling.llama3)
     j["rope_scaling"] = {
         {"rope_type", "llama3"},

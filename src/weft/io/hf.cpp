@@ -33,19 +33,27 @@ std::string read_text(const std::string& path) {
 
 // One weft parameter as Hugging Face tensors: the weft tensor is the concatenation along `dim`
 // of `parts` (HF names relative to the module's prefix; "" = a block of zeros HF does not
-// store) with `sizes` rows each.
+// store) with `sizes` rows each. `select` >= 0: each part is entry `select` along dim 0 of the
+// HF tensor (one expert of a stacked [experts, ...] tensor).
 struct MapEntry {
   std::string weft;
   std::vector<std::string> parts;
   std::vector<int64_t> sizes;  // empty = one part, the whole tensor
   int64_t dim = 0;
+  int64_t select = -1;
 };
+
+// How a Mixtral checkpoint stores its MoE blocks: per-expert w1/w2/w3 under block_sparse_moe
+// (every checkpoint on the Hub, and what export writes), or transformers 5's in-memory layout
+// (conversion_mapping.py "mixtral"): mlp.gate, and stacked mlp.experts.gate_up_proj
+// [experts, 2·ffn, hidden] (gate rows, then up) and mlp.experts.down_proj [experts, hidden, ffn].
+enum class MoeLayout { kPerExpert, kStacked };
 
 std::string layer(int64_t i) { return std::to_string(i); }
 
 // The LLM's map; HF names relative to the body prefix ("model."), except "lm_head.weight",
 // which is marked with a leading '@' (relative to the checkpoint's head prefix).
-std::vector<MapEntry> llm_map(const LlmSpec& l) {
+std::vector<MapEntry> llm_map(const LlmSpec& l, MoeLayout moe = MoeLayout::kPerExpert) {
   const int64_t D = l.head_dim();
   const std::vector<int64_t> qkv = {l.heads * D, l.kv_heads * D, l.kv_heads * D};
   std::vector<MapEntry> m = {{"llm.embedding", {"embed_tokens.weight"}, {}, 0}};
@@ -65,6 +73,28 @@ std::vector<MapEntry> llm_map(const LlmSpec& l) {
            0});
     m.push_back({w + "attn.out.weight", {h + "self_attn.o_proj.weight"}, {}, 0});
     m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, {}, 0});
+    if (l.moe.is_moe_layer(i)) {
+      const std::string x = w + "moe.experts.";
+      if (moe == MoeLayout::kStacked) {
+        m.push_back({w + "moe.router.weight", {h + "mlp.gate.weight"}, {}, 0});
+        for (int64_t j = 0; j < l.moe.experts; ++j) {
+          m.push_back(
+              {x + layer(j) + ".gate_up.weight", {h + "mlp.experts.gate_up_proj"}, {}, 0, j});
+          m.push_back({x + layer(j) + ".down.weight", {h + "mlp.experts.down_proj"}, {}, 0, j});
+        }
+      } else {
+        const std::string b = h + "block_sparse_moe.";
+        m.push_back({w + "moe.router.weight", {b + "gate.weight"}, {}, 0});
+        for (int64_t j = 0; j < l.moe.experts; ++j) {
+          const std::string e = b + "experts." + layer(j) + ".";
+          const int64_t F = l.expert_ffn();
+          m.push_back(
+              {x + layer(j) + ".gate_up.weight", {e + "w1.weight", e + "w3.weight"}, {F, F}, 0});
+          m.push_back({x + layer(j) + ".down.weight", {e + "w2.weight"}, {}, 0});
+        }
+      }
+      continue;
+    }
     m.push_back({w + "mlp.gate_up.weight",
                  {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
                  {l.ffn, l.ffn},
@@ -217,6 +247,15 @@ at::Tensor HfCheckpoint::read(const std::string& name) const {
   return t;
 }
 
+at::Tensor HfCheckpoint::read_row(const std::string& name, int64_t row) const {
+  auto it = where_.find(name);
+  WEFT_CHECK(it != where_.end(), dir_, ": no tensor '", name, "'");
+  at::Tensor t = files_[it->second]->read_rows(name, row, 1, at::kFloat);
+  WEFT_CHECK(t.is_floating_point(), files_[it->second]->path(), ": tensor '", name,
+             "' is not floating point");
+  return t.squeeze(0);
+}
+
 std::vector<std::string> HfCheckpoint::names() const {
   std::vector<std::string> out;
   for (const auto& [name, f] : where_) out.push_back(name);
@@ -230,6 +269,7 @@ struct HfWeights::Rule {
   std::vector<std::string> parts;  // full HF names; "" = zeros
   std::vector<int64_t> sizes;
   int64_t dim = 0;
+  int64_t select = -1;         // MapEntry::select
   std::vector<int64_t> shape;  // of the whole weft tensor
 };
 
@@ -248,6 +288,7 @@ HfWeights::HfWeights(const ModelSpec& spec) {
       r->ckpt = ck;
       r->sizes = e.sizes;
       r->dim = e.dim;
+      r->select = e.select;
       for (size_t k = 0; k < e.parts.size(); ++k) {
         const std::string& p = e.parts[k];
         const std::string full = p.empty() ? "" : p[0] == '@' ? head + p.substr(1) : prefix + p;
@@ -256,7 +297,13 @@ HfWeights::HfWeights(const ModelSpec& spec) {
         WEFT_CHECK(ck->contains(full), ck->dir(), ": missing tensor '", full, "' (for ", module,
                    " parameter ", e.weft, ")");
         used[ck->dir()].insert(full);
-        const std::vector<int64_t> s = ck->shape(full);
+        std::vector<int64_t> s = ck->shape(full);
+        if (e.select >= 0) {
+          WEFT_CHECK(s.size() >= 2 && s[0] > e.select, ck->dir(), ": tensor '", full,
+                     "' has shape ", at::IntArrayRef(s), "; ", module, " parameter ", e.weft,
+                     " needs entry ", e.select, " along dim 0");
+          s.erase(s.begin());
+        }
         if (!e.sizes.empty())
           WEFT_CHECK(static_cast<int64_t>(s.size()) > e.dim && s[e.dim] == e.sizes[k], ck->dir(),
                      ": tensor '", full, "' has shape ", at::IntArrayRef(s), "; ", module,
@@ -273,7 +320,16 @@ HfWeights::HfWeights(const ModelSpec& spec) {
         find_prefix(*ck, {"model.", "language_model.model.", "model.language_model.", ""},
                     "embed_tokens.weight", "LLM");
     const std::string head = body == "language_model.model." ? "language_model." : "";
-    add(ck, llm_map(spec.llm), body, head, "model.llm");
+    MoeLayout moe = MoeLayout::kPerExpert;
+    if (spec.llm.moe.enabled()) {
+      const std::string per_expert = body + "layers.0.block_sparse_moe.gate.weight";
+      const std::string stacked = body + "layers.0.mlp.experts.gate_up_proj";
+      if (!ck->contains(per_expert) && ck->contains(stacked)) moe = MoeLayout::kStacked;
+      WEFT_CHECK(ck->contains(per_expert) || ck->contains(stacked), ck->dir(),
+                 ": no mixture-of-experts weights found for model.llm (looked for '", per_expert,
+                 "' and '", stacked, "'; a Mixtral checkpoint has one of them)");
+    }
+    add(ck, llm_map(spec.llm, moe), body, head, "model.llm");
   }
   for (const EncoderSpec& e : spec.encoders) {
     if (e.hf.empty()) continue;
@@ -333,7 +389,8 @@ at::Tensor HfWeights::full(const std::string& name) const {
   std::vector<at::Tensor> parts;
   for (size_t k = 0; k < r.parts.size(); ++k) {
     if (!r.parts[k].empty()) {
-      parts.push_back(r.ckpt->read(r.parts[k]));
+      parts.push_back(r.select >= 0 ? r.ckpt->read_row(r.parts[k], r.select)
+                                    : r.ckpt->read(r.parts[k]));
     } else {
       std::vector<int64_t> s = r.shape;
       s[r.dim] = r.sizes[k];
@@ -405,10 +462,7 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
                                    int64_t shard_bytes) {
   WEFT_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
              "export: dtype must be fp32, bf16 or fp16");
-  WEFT_CHECK(!spec.llm.moe.enabled(),
-             "export: the LLM has mixture-of-experts blocks ([model.llm.moe]); the Hugging Face "
-             "export writes dense Llama / Qwen2 checkpoints only (the weights stay readable in the "
-             "run's checkpoints)");
+  const std::string llm_config = hf_llm_config_json(spec.llm);  // Error before writing anything
   std::vector<std::string> dirs;
   auto write = [&](const std::string& name, const std::string& config,
                    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
@@ -420,7 +474,7 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
   {
     std::vector<std::pair<std::string, at::Tensor>> t;
     export_map(llm_map(spec.llm), full, "model.", "", dtype, &t);
-    write("llm", hf_llm_config_json(spec.llm), t);
+    write("llm", llm_config, t);
   }
   for (const EncoderSpec& e : spec.encoders) {
     std::vector<std::pair<std::string, at::Tensor>> t;

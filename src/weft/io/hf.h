@@ -4,11 +4,17 @@
 // fp32 whatever dtype they were stored in (bf16, fp16, fp32).
 //
 // Name maps (weft name <- Hugging Face name; weft fuses Q/K/V and gate/up):
-//   LLM (Llama, Mistral, Qwen2):  llm.embedding <- model.embed_tokens.weight,
+//   LLM (Llama, Mistral, Qwen2, Mixtral):  llm.embedding <- model.embed_tokens.weight,
 //     llm.layers.i.attn.qkv.{weight,bias} <- cat(self_attn.{q,k,v}_proj), .out <- o_proj,
 //     norm1 <- input_layernorm, norm2 <- post_attention_layernorm,
 //     mlp.gate_up <- cat(mlp.gate_proj, mlp.up_proj), mlp.down <- down_proj,
 //     llm.final_norm <- model.norm, llm.head <- lm_head (untied).
+//   Mixtral (an MoE LLM, every block): layers.i.moe.router <- block_sparse_moe.gate,
+//     moe.experts.j.gate_up <- cat(block_sparse_moe.experts.j.w1, .w3), .down <- .w2; or, in
+//     transformers 5's stacked layout, router <- mlp.gate, gate_up <- mlp.experts.gate_up_proj[j],
+//     down <- mlp.experts.down_proj[j] (import only; export writes the per-expert layout). Each
+//     rank reads only the experts it holds (expert parallelism), one expert's rows of a stacked
+//     tensor at a time.
 //   CLIP / SigLIP vision: patch <- embeddings.patch_embedding, class <- class_embedding,
 //     position <- position_embedding, pre_ln <- pre_layrnorm, layers.i.{ln1,ln2} <-
 //     layer_norm{1,2}, attn.qkv <- cat(self_attn.{q,k,v}_proj), attn.out <- out_proj, mlp.fc{1,2}.
@@ -45,6 +51,9 @@ class HfCheckpoint {
   bool contains(const std::string& name) const { return where_.count(name) > 0; }
   std::vector<int64_t> shape(const std::string& name) const;
   at::Tensor read(const std::string& name) const;  // fp32
+  // Entry `row` along dim 0 of tensor `name` (one expert of a stacked tensor), fp32; reads only
+  // its bytes.
+  at::Tensor read_row(const std::string& name, int64_t row) const;
   std::vector<std::string> names() const;
 
  private:
@@ -76,12 +85,14 @@ class HfWeights {
 };
 
 // Writes `full` (every weft parameter of `spec` at full shape, fp32) as Hugging Face
-// checkpoints under out_dir: llm/ (LlamaForCausalLM, or Qwen2ForCausalLM with qkv_bias) and one
-// directory per encoder (CLIPVisionModel / SiglipVisionModel / WhisperModel's encoder) that
-// also holds the encoder's projector as LLaVA's multi_modal_projector.* (linear_1/linear_2 for
-// mlp; "linear" for a linear projector), so the directory loads back with its projector. Each
-// gets config.json and model.safetensors, or shards of at most `shard_bytes` with
-// model.safetensors.index.json. `dtype`: kFloat, kBFloat16 or kHalf. Returns the directories.
+// checkpoints under out_dir: llm/ (LlamaForCausalLM, Qwen2ForCausalLM with qkv_bias, or
+// MixtralForCausalLM for an MoE LLM; an MoE that Mixtral cannot express is an Error before
+// anything is written, see core/hf_config.h) and one directory per encoder (CLIPVisionModel /
+// SiglipVisionModel / WhisperModel's encoder) that also holds the encoder's projector as
+// LLaVA's multi_modal_projector.* (linear_1/linear_2 for mlp; "linear" for a linear
+// projector), so the directory loads back with its projector. Each gets config.json and
+// model.safetensors, or shards of at most `shard_bytes` with model.safetensors.index.json.
+// `dtype`: kFloat, kBFloat16 or kHalf. Returns the directories.
 std::vector<std::string> export_hf(const ModelSpec& spec,
                                    const std::map<std::string, at::Tensor>& full,
                                    const std::string& out_dir, at::ScalarType dtype = at::kFloat,

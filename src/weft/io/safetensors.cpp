@@ -384,6 +384,28 @@ at::Tensor SafetensorsReader::read(const std::string& name,
   return t;
 }
 
+at::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t begin, int64_t count,
+                                        c10::optional<at::ScalarType> float_dtype) const {
+  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(impl_->path),
+             ": float_dtype must be a floating type, got ", *float_dtype);
+  auto it = impl_->index.find(name);
+  WEFT_CHECK(it != impl_->index.end(), where(impl_->path, name), ": no such tensor");
+  const Entry& e = impl_->entries[it->second];
+  WEFT_CHECK(!e.shape.empty() && begin >= 0 && count >= 0 && begin + count <= e.shape[0],
+             where(impl_->path, name), ": rows [", begin, ", ", begin + count,
+             ") are outside its shape ", at::IntArrayRef(e.shape));
+  WEFT_CHECK(e.type != at::kBool, where(impl_->path, name), ": read_rows of a BOOL tensor");
+  std::vector<int64_t> shape = e.shape;
+  shape[0] = count;
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(e.type));
+  const uint64_t row_bytes = e.shape[0] > 0 ? (e.end - e.begin) / e.shape[0] : 0;
+  if (t.nbytes() > 0)
+    std::memcpy(t.data_ptr(), impl_->buffer + e.begin + begin * row_bytes, count * row_bytes);
+  if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
+    t = t.to(*float_dtype);
+  return t;
+}
+
 SafetensorsFile load_safetensors(const std::string& path,
                                  c10::optional<at::ScalarType> float_dtype) {
   WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(path),

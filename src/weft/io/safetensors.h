@@ -52,6 +52,10 @@ class SafetensorsReader {
   // A fresh CPU copy of tensor `name`; floating tensors converted to `float_dtype` when given.
   at::Tensor read(const std::string& name,
                   c10::optional<at::ScalarType> float_dtype = c10::nullopt) const;
+  // Entries [begin, begin + count) of tensor `name` along dim 0 (a tensor of rank >= 1), copying
+  // only those bytes; Error naming the file and tensor when out of range.
+  at::Tensor read_rows(const std::string& name, int64_t begin, int64_t count,
+                       c10::optional<at::ScalarType> float_dtype = c10::nullopt) const;
 
  private:
   struct Impl;
