@@ -311,6 +311,20 @@ TEST(HfConfig, LlavaConfigWithTransformersDefaults) {
   fs::remove_all(dir);
 }
 
+TEST(HfConfig, AbsentKvHeadsTakeEachArchitecturesDefault) {
+  // LlamaConfig: the head count; MistralConfig: 8; Qwen2Config: 32.
+  const fs::path dir = testing::temp_dir("hf_kv_defaults");
+  for (const auto& [type, kv] :
+       {std::pair<const char*, int64_t>{"llama", 64}, {"mistral", 8}, {"qwen2", 32}}) {
+    write(dir / "config.json",
+          std::string(R"({"model_type": ")") + type +
+              R"(", "vocab_size": 256, "hidden_size": 4096, "intermediate_size": 11008,
+                 "num_hidden_layers": 2, "num_attention_heads": 64})");
+    EXPECT_EQ(read_hf_llm_config(dir.string()).llm.kv_heads, kv) << type;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(HfConfig, UnsupportedConfigsNameFileAndField) {
   const fs::path dir = testing::temp_dir("hf_bad_config");
   auto err = [&](const std::string& json, bool llm) {

@@ -85,6 +85,9 @@ struct LlmDefaults {
 
 LlmDefaults defaults_of(const std::string& model_type) {
   if (model_type == "mixtral") return {32000, 4096, 32, 32, 14336, 8, 1e6, 1e-5};  // MixtralConfig
+  // An absent num_key_value_heads is MistralConfig's 8 and Qwen2Config's 32, not the head count.
+  if (model_type == "mistral") return {0, 0, 0, 0, 0, 8};
+  if (model_type == "qwen2") return {0, 0, 0, 0, 0, 32};
   return {};
 }
 
