@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "support/errors.h"
+#include "support/model_specs.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
@@ -60,25 +61,8 @@ EncoderSpec vit(const std::string& name, bool clip) {
 
 // Llama-style LLM, CLIP-like tower with an mlp projector, Whisper encoder with a linear one.
 ModelSpec llama_clip_whisper() {
-  ModelSpec m;
-  m.llm.vocab = 20;
-  m.llm.hidden = 32;
-  m.llm.layers = 2;
-  m.llm.heads = 4;
-  m.llm.kv_heads = 2;
-  m.llm.ffn = 64;
-  m.llm.max_seq = 32;
-  EncoderSpec a;
-  a.name = "audio";
-  a.kind = EncoderKind::kWhisper;
-  a.mels = 8;
-  a.frames = 8;
-  a.hidden = 16;
-  a.layers = 2;
-  a.heads = 2;
-  a.ffn = 32;
-  a.projector.kind = ProjectorKind::kLinear;
-  m.encoders = {vit("vision", true), a};
+  ModelSpec m = testing::tiny_multimodal_spec();
+  m.encoders[0] = vit("vision", true);
   return m;
 }
 
