@@ -23,6 +23,7 @@ namespace weft::data {
 namespace {
 
 using json = nlohmann::json;
+using detail::utf8_lead_len;
 using tokenizer_json::leading_space;
 using tokenizer_json::Piece;
 using tokenizer_json::Reader;
@@ -31,7 +32,6 @@ using tokenizer_json::slice;
 using tokenizer_json::Src;
 using tokenizer_json::TextPipeline;
 using tokenizer_json::trailing_space;
-using detail::utf8_lead_len;
 using weft::detail::str_cat;
 
 constexpr int64_t kMaxTokenId = int64_t{1} << 26;  // far above any real vocabulary
