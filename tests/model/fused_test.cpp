@@ -1,12 +1,16 @@
 // The fused kernels (model/fused.h) against the ATen ops they replace, computed in double:
 // the scaled masked softmax forward and backward (fp32 and bf16, with and without a mask,
-// grouped-query rows), the one-pass AdamW update and the sum of squares.
+// grouped-query rows), the one-pass AdamW update, the sum of squares, and the fused layer ops
+// (RMSNorm, LayerNorm, SwiGLU, GELU, RoPE: outputs and every gradient; patchify against the
+// convolution it stands for).
 #include "weft/model/fused.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 namespace weft::model {
@@ -127,6 +131,177 @@ TEST(Fused, AdamWUpdateMatchesTheOpSequence) {
   reference_adamw(p2d, dbl(g2), m2d, v2d, u);
   adamw_update(p2, g2, m2, v2, u);
   EXPECT_LT(max_abs_diff(p2, p2d), 1e-6);
+}
+
+// ---- Fused layer ops --------------------------------------------------------------------------
+
+// A fused op and its definition in ATen ops, on the same inputs.
+using Op = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+struct Grads {
+  at::Tensor out;
+  std::vector<at::Tensor> grads;
+};
+
+// out = op(inputs) and the gradients of Σ out·g with respect to every input.
+Grads run_op(const Op& op, const std::vector<at::Tensor>& inputs, const at::Tensor& g) {
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& t : inputs) leaves.push_back(t.detach().requires_grad_(true));
+  at::Tensor out = op(leaves);
+  return {out.detach(), torch::autograd::grad({out}, leaves, {g.to(out.scalar_type())})};
+}
+
+// The fused op on inputs of `dtype` (parameters stay fp32) against the definition in double;
+// errors relative to the largest reference value, per tensor.
+void expect_matches(const Op& fused, const Op& reference, std::vector<at::Tensor> inputs,
+                    size_t activations, at::ScalarType dtype, double tol, const char* what) {
+  const at::Tensor g0 = torch::randn(reference(inputs).sizes());
+  std::vector<at::Tensor> low = inputs, high = inputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (i < activations) low[i] = inputs[i].to(dtype);
+    high[i] = dbl(low[i]);  // the same values the fused op sees
+  }
+  const Grads got = run_op(fused, low, g0.to(dtype));
+  const Grads want = run_op(reference, high, dbl(g0.to(dtype)));
+  ASSERT_EQ(got.out.scalar_type(), dtype) << what;
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return max_abs_diff(a, b) / std::max(dbl(b).abs().max().item<double>(), 1e-30);
+  };
+  EXPECT_LT(rel(got.out, want.out), tol) << what << " output, " << dtype;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ASSERT_EQ(got.grads[i].scalar_type(), low[i].scalar_type()) << what << " grad " << i;
+    EXPECT_LT(rel(got.grads[i], want.grads[i]), tol) << what << " grad " << i << ", " << dtype;
+  }
+}
+
+// bf16 values carry 8 bits: outputs and input gradients are rounded once to bf16.
+double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 2e-6 : 1e-2; }
+
+class FusedLayersTest : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(FusedLayersTest, RmsNormMatchesDefinition) {
+  torch::manual_seed(4);
+  const double eps = 1e-5;
+  const Op fused = [&](const std::vector<at::Tensor>& t) { return rms_norm(t[0], t[1], eps); };
+  const Op ref = [&](const std::vector<at::Tensor>& t) {
+    at::Tensor x = t[0].to(t[1].scalar_type());
+    return x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * t[1];
+  };
+  // Rows of 37 (ragged against the vector width) and of 64 in several parameter-grad blocks.
+  for (auto shape : {std::vector<int64_t>{3, 67, 37}, std::vector<int64_t>{2, 300, 64}}) {
+    const int64_t n = shape.back();
+    expect_matches(fused, ref, {torch::randn(shape) * 3, torch::rand({n}) + 0.5}, 1, GetParam(),
+                   tolerance(GetParam()), "rms_norm");
+  }
+}
+
+TEST_P(FusedLayersTest, LayerNormMatchesDefinition) {
+  torch::manual_seed(5);
+  const double eps = 1e-5;
+  const Op fused = [&](const std::vector<at::Tensor>& t) {
+    return layer_norm(t[0], t[1], t[2], eps);
+  };
+  const Op ref = [&](const std::vector<at::Tensor>& t) {
+    return at::layer_norm(t[0].to(t[1].scalar_type()), {t[0].size(-1)}, t[1], t[2], eps);
+  };
+  for (auto shape : {std::vector<int64_t>{3, 67, 37}, std::vector<int64_t>{2, 300, 64}}) {
+    const int64_t n = shape.back();
+    // An offset mean: the variance is taken about it, not from E[x²] − E[x]².
+    expect_matches(fused, ref,
+                   {torch::randn(shape) * 2 + 5, torch::rand({n}) + 0.5, torch::randn({n})}, 1,
+                   GetParam(), tolerance(GetParam()), "layer_norm");
+  }
+}
+
+TEST_P(FusedLayersTest, SwiGluMatchesDefinition) {
+  torch::manual_seed(6);
+  const Op ref = [](const std::vector<at::Tensor>& t) {
+    const std::vector<at::Tensor> gu = t[0].chunk(2, -1);
+    return at::silu(gu[0]) * gu[1];
+  };
+  const Op fused = [](const std::vector<at::Tensor>& t) { return swiglu(t[0]); };
+  // Large |gate| on both sides: the sigmoid saturates without overflow.
+  expect_matches(fused, ref, {torch::randn({5, 7, 2 * 45}) * 6}, 1, GetParam(),
+                 tolerance(GetParam()), "swiglu");
+}
+
+TEST_P(FusedLayersTest, GeluMatchesDefinition) {
+  torch::manual_seed(7);
+  const Op ref = [](const std::vector<at::Tensor>& t) { return at::gelu(t[0]); };
+  const Op fused = [](const std::vector<at::Tensor>& t) { return gelu_erf(t[0]); };
+  expect_matches(fused, ref, {torch::randn({4, 3, 33, 17}) * 4}, 1, GetParam(),
+                 tolerance(GetParam()), "gelu");
+  // A non-contiguous incoming gradient (LibTorch 1.13's own GELU gets this one wrong).
+  at::Tensor x = torch::randn({6, 40, 8}).to(GetParam()).requires_grad_(true);
+  at::Tensor g = torch::randn({6, 8, 40}).to(GetParam());
+  at::Tensor got = torch::autograd::grad({gelu_erf(x).transpose(1, 2)}, {x}, {g})[0];
+  at::Tensor xd = dbl(x).requires_grad_(true);
+  at::Tensor want = torch::autograd::grad({at::gelu(xd).transpose(1, 2)}, {xd}, {dbl(g)})[0];
+  EXPECT_LT(max_abs_diff(got, want), tolerance(GetParam()) * dbl(want).abs().max().item<double>());
+}
+
+TEST_P(FusedLayersTest, RopeMatchesDefinitionOnAStridedView) {
+  torch::manual_seed(10);
+  const int64_t B = 2, S = 9, H = 3, KV = 2, D = 12;
+  at::Tensor angle = torch::rand({B, S, 1, D / 2}) * 6;
+  angle = torch::cat({angle, angle}, -1);
+  at::Tensor sign = torch::ones({D});
+  sign.narrow(0, 0, D / 2).fill_(-1);
+  const at::Tensor cos = angle.cos(), rot_sin = angle.sin() * sign;
+  // q as the first H heads of a fused [B, S, H + 2·KV, D] projection: a non-contiguous view.
+  const Op fused = [&](const std::vector<at::Tensor>& t) {
+    return rope(t[0].view({B, S, H + 2 * KV, D}).narrow(2, 0, H), cos, rot_sin);
+  };
+  const Op ref = [&](const std::vector<at::Tensor>& t) {  // x·cos + rotate_half(x)·sin
+    at::Tensor x = t[0].view({B, S, H + 2 * KV, D}).narrow(2, 0, H);
+    const std::vector<at::Tensor> h = x.chunk(2, -1);
+    return x * dbl(cos) + torch::cat({-h[1], h[0]}, -1) * dbl(angle.sin());
+  };
+  expect_matches(fused, ref, {torch::randn({B, S, (H + 2 * KV) * D})}, 1, GetParam(),
+                 tolerance(GetParam()), "rope");
+}
+
+INSTANTIATE_TEST_SUITE_P(Fused, FusedLayersTest, ::testing::Values(at::kFloat, at::kBFloat16));
+
+TEST(Fused, NormParameterGradientsDoNotDependOnTheThreadCount) {
+  torch::manual_seed(8);
+  at::Tensor x = torch::randn({4, 500, 64}).to(at::kBFloat16);
+  at::Tensor w = torch::rand({64}) + 0.5, b = torch::randn({64});
+  at::Tensor g = torch::randn({4, 500, 64}).to(at::kBFloat16);
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<at::Tensor>> runs;
+  for (int t : {1, 2, 3}) {
+    at::set_num_threads(t);
+    at::Tensor wl = w.clone().requires_grad_(true), bl = b.clone().requires_grad_(true);
+    std::vector<at::Tensor> r = torch::autograd::grad(
+        {rms_norm(x, wl, 1e-5), layer_norm(x, wl, bl, 1e-5)}, {wl, bl}, {g, g});
+    runs.push_back(r);
+  }
+  at::set_num_threads(threads);
+  for (size_t i = 1; i < runs.size(); ++i)
+    for (size_t k = 0; k < 2; ++k) EXPECT_TRUE(torch::equal(runs[i][k], runs[0][k])) << i << k;
+}
+
+TEST(Fused, PatchifyIsTheStrideKernelConvolution) {
+  torch::manual_seed(9);
+  const int64_t k = 4, C = 3, out = 5;
+  // 18 x 13: the last 2 rows and 1 column are no whole patch and are dropped, as by conv2d.
+  at::Tensor x = torch::randn({2, C, 18, 13}, torch::kDouble).requires_grad_(true);
+  at::Tensor w = torch::randn({out, C, k, k}, torch::kDouble);
+  at::Tensor p = patchify(x, k);
+  ASSERT_EQ(p.sizes(), (std::vector<int64_t>{2, 4 * 3, C * k * k}));
+  at::Tensor y = at::linear(p, w.reshape({out, -1}));  // [N, T, out]
+  at::Tensor conv = at::conv2d(x, w, {}, k).flatten(2).transpose(1, 2);
+  EXPECT_LT(max_abs_diff(y, conv), 1e-12);
+  at::Tensor g = torch::randn(y.sizes(), torch::kDouble);
+  at::Tensor got = torch::autograd::grad({y}, {x}, {g})[0];
+  at::Tensor want = torch::autograd::grad({conv}, {x}, {g})[0];
+  EXPECT_LT(max_abs_diff(got, want), 1e-12);
+  EXPECT_EQ(got.narrow(2, 16, 2).abs().max().item<double>(), 0.0);  // dropped rows
+  // bf16: a pure copy, exact.
+  at::Tensor xb = torch::randn({3, 2, 8, 8}).to(at::kBFloat16);
+  at::Tensor ref = xb.reshape({3, 2, 2, 4, 2, 4}).permute({0, 2, 4, 1, 3, 5}).reshape({3, 4, 32});
+  EXPECT_TRUE(torch::equal(patchify(xb, 4), ref));
 }
 
 }  // namespace

@@ -423,7 +423,7 @@ struct Runtime::Impl {
       std::vector<at::Tensor> parts;
       for (const auto& replica : batch)
         if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
-      x = torch::cat(parts, 0).narrow(0, a, b - a);
+      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).narrow(0, a, b - a);
     } else {
       x = recv({b - a, spec.encoders[e].block_tokens() / mp.layout.cp, h}, model::compute_dtype(),
                mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),

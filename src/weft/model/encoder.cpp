@@ -5,8 +5,8 @@
 #include <cmath>
 #include <string>
 
+#include "weft/model/fused.h"
 #include "weft/model/recompute.h"
-#include "weft/model/torch_compat.h"
 
 namespace weft::model {
 
@@ -84,11 +84,12 @@ at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
 at::Tensor VisionEncoder::front(const at::Tensor& images) const {
   at::Tensor x = to_compute(images);
   for (size_t i = 0; i < stem_w_.size(); ++i)
-    x = compat::gelu(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
+    x = gelu_erf(at::conv2d(x, to_compute(stem_w_[i]), to_compute(stem_b_[i]), 2, 1));
+  // The patch embedding, a convolution with stride == kernel, as what it is: one matmul over
+  // the patches (faster than LibTorch's bf16 convolution, forward and backward) -> [N, T, h].
   const int64_t k = patch_w_.size(-1);
-  x = at::conv2d(x, to_compute(patch_w_), patch_b_.defined() ? to_compute(patch_b_) : at::Tensor(),
-                 k);                 // [N, h, g, g]
-  x = x.flatten(2).transpose(1, 2);  // [N, T, h]
+  x = at::linear(patchify(x, k), to_compute(patch_w_).reshape({patch_w_.size(0), -1}),
+                 patch_b_.defined() ? to_compute(patch_b_) : at::Tensor());
   if (cls_.defined()) x = at::cat({to_compute(cls_).expand({x.size(0), 1, x.size(2)}), x}, 1);
   x = x + to_compute(pos_);
   return pre_ln_.weight.defined() ? pre_ln_(x) : x;
@@ -120,8 +121,8 @@ AudioEncoder::AudioEncoder(const Scope& s, const EncoderSpec& spec, StageRange r
 at::Tensor AudioEncoder::operator()(const at::Tensor& input) const {
   at::Tensor x = to_compute(input);
   if (range_.first_stage) {
-    x = compat::gelu(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
-    x = compat::gelu(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
+    x = gelu_erf(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
+    x = gelu_erf(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
     x = own_tokens(x.transpose(1, 2) + to_compute(pos_), cp_);  // [N, T/cp, h]
   }
   x = run_blocks(blocks_, range_, x, spec_.recompute);

@@ -8,6 +8,8 @@
 #include <limits>
 #include <vector>
 
+#include "weft/model/fused_math.h"
+
 namespace weft::model {
 
 namespace {
@@ -82,77 +84,20 @@ namespace weft::model {
 
 namespace {
 
-// The row loops below are written for the vectoriser (this file is built with -O3): no
-// branches, no calls, reductions over kLanes independent accumulators.
-constexpr int kLanes = 8;
-
-// Cephes-style exp for the softmax (arguments <= 0 after the max is subtracted); relative error
-// below 2e-7 in [-87, 0], exactly 0 below -87 (hidden keys come in as -inf).
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = std::max(x, -87.0f);
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick (plain adds, vectorisable without SSE4.1).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return underflow ? 0.0f : y * scale;
-}
-
-// bf16 <-> fp32 by bit operations (round to nearest even; NaN stays NaN).
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i].x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(c10::BFloat16* p, int64_t i, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  p[i].x = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
-
-float lane_max(const float* x, int64_t n) {
-  float m[kLanes];
-  for (int l = 0; l < kLanes; ++l) m[l] = -std::numeric_limits<float>::infinity();
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) m[l] = m[l] > x[k + l] ? m[l] : x[k + l];
-  for (; k < n; ++k) m[0] = m[0] > x[k] ? m[0] : x[k];
-  float r = m[0];
-  for (int l = 1; l < kLanes; ++l) r = r > m[l] ? r : m[l];
-  return r;
-}
-
-float lane_sum(const float* x, int64_t n) {
-  float s[kLanes] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) s[l] += x[k + l];
-  for (; k < n; ++k) s[0] += x[k];
-  float r = 0;
-  for (int l = 0; l < kLanes; ++l) r += s[l];
-  return r;
-}
+using simd::dispatch_float_bf16;
+using simd::exp_nonpositive;
+using simd::lane_max;
+using simd::lane_sum;
+using simd::load;
+using simd::store;
 
 // One row: p = softmax(scale * s) over visible keys. `e` is fp32 scratch of n.
 template <typename T>
-void softmax_row(const T* s, const bool* vis, T* p, float* e, int64_t n, float scale) {
+WEFT_VECTOR_CLONES void softmax_row(const T* s, const uint8_t* vis, T* p, float* e, int64_t n,
+                                    float scale) {
   const float hidden = -std::numeric_limits<float>::infinity();
   if (vis)
-    for (int64_t k = 0; k < n; ++k) e[k] = vis[k] ? load(s, k) * scale : hidden;
+    for (int64_t k = 0; k < n; ++k) e[k] = vis[k] != 0 ? load(s, k) * scale : hidden;
   else
     for (int64_t k = 0; k < n; ++k) e[k] = load(s, k) * scale;
   const float max = lane_max(e, n);
@@ -163,19 +108,11 @@ void softmax_row(const T* s, const bool* vis, T* p, float* e, int64_t n, float s
 
 // One row of the backward: ds = scale * p * (g - Σ g·p). `e` is fp32 scratch of n.
 template <typename T>
-void softmax_grad_row(const T* p, const T* g, T* ds, float* e, int64_t n, float scale) {
+WEFT_VECTOR_CLONES void softmax_grad_row(const T* p, const T* g, T* ds, float* e, int64_t n,
+                                         float scale) {
   for (int64_t k = 0; k < n; ++k) e[k] = load(g, k) * load(p, k);
   const float dot = lane_sum(e, n);
   for (int64_t k = 0; k < n; ++k) store(ds, k, scale * load(p, k) * (load(g, k) - dot));
-}
-
-// f(T{}) with T = float or c10::BFloat16 per `type`.
-template <typename F>
-void dispatch_float_bf16(at::ScalarType type, const F& f) {
-  if (type == at::kFloat)
-    f(float{});
-  else
-    f(c10::BFloat16{});
 }
 
 bool softmax_fusable(const at::Tensor& s) {
@@ -185,9 +122,9 @@ bool softmax_fusable(const at::Tensor& s) {
 
 // The mask row for score row `row` of the flattened [B * X * R] rows.
 struct MaskRows {
-  const bool* data = nullptr;
+  const uint8_t* data = nullptr;  // bool, read as bytes: GCC vectorises no loads of bool
   int64_t per_batch_rows = 1, sq = 1, sk = 0;  // score rows per batch (X * R), mask rows, keys
-  const bool* row(int64_t r) const {
+  const uint8_t* row(int64_t r) const {
     if (!data) return nullptr;
     const int64_t b = r / per_batch_rows, q = (r % per_batch_rows) % sq;
     return data + (b * sq + q) * sk;
@@ -203,7 +140,7 @@ MaskRows mask_rows(const at::Tensor& scores, const at::Tensor& visible) {
                   visible.size(0) == scores.size(0) && visible.size(3) == scores.size(3) &&
                   scores.size(2) % visible.size(2) == 0 && visible.is_contiguous(),
               "masked_softmax: mask ", visible.sizes(), " does not fit scores ", scores.sizes());
-  m.data = visible.data_ptr<bool>();
+  m.data = reinterpret_cast<const uint8_t*>(visible.data_ptr<bool>());
   m.sq = visible.size(2);
   return m;
 }

@@ -36,3 +36,47 @@ namespace weft::model {
 at::Tensor masked_softmax(const at::Tensor& scores, const at::Tensor& visible, double scale);
 
 }  // namespace weft::model
+
+namespace weft::model {
+
+// Fused layer kernels, each one autograd op with a hand-written backward (Megatron's and
+// Apex's fused RMSNorm / LayerNorm / SwiGLU / GELU): one pass over the activations each way,
+// math in fp32, results in the input's dtype, where the ATen op sequences they replace make a
+// pass and a temporary per op (and LibTorch 1.13's bf16 element-wise ops are slow). Input grads
+// and parameter grads are those of the op sequence in fp32, rounded once. CPU tensors in fp32 or
+// bf16 take the fused loops; anything else takes the equivalent ATen ops. Parameter gradients
+// reduce over rows in a fixed order: the result does not depend on the thread count.
+
+// RMSNorm over the last dim, in fp32: x·rsqrt(mean(x²) + eps)·weight, returned in x's dtype.
+// weight: fp32 [n].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// LayerNorm over the last dim, in fp32 (biased variance, eps inside the square root, as
+// at::layer_norm), returned in x's dtype. weight, bias: fp32 [n].
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                      double eps);
+
+// SwiGLU of a fused gate/up projection: gate_up [..., 2F] (gate the first F, up the last F)
+// -> silu(gate)·up [..., F].
+at::Tensor swiglu(const at::Tensor& gate_up);
+
+// Exact GELU, x·Φ(x) = x/2·(1 + erf(x/√2)), erf to within 1e-6 (named apart from at::gelu,
+// which argument-dependent lookup would make an ambiguous overload). LibTorch 1.13's GELU
+// backward bug (wrong for a non-contiguous incoming gradient) does not arise here.
+at::Tensor gelu_erf(const at::Tensor& x);
+
+// The non-overlapping k×k patches of images [N, C, H, W] as rows [N, (H/k)·(W/k), C·k·k], each
+// in (c, y, x) order, patches in row-major order: the input of a patch embedding (a convolution
+// with stride == kernel) as one matmul. Pixels past the last whole patch are dropped (their
+// gradient is 0), as by the convolution. One copy each way, where permute + reshape costs a
+// strided copy in forward and another in backward. Any dtype; CPU tensors take the loop.
+at::Tensor patchify(const at::Tensor& images, int64_t k);
+
+// Rotary embedding, rotate-half convention: x·cos + rotate_half(x)·sin, in fp32, returned in
+// x's dtype. x: [B, S, H, D] with a contiguous last dim (a view into a fused QKV projection is
+// fine); cos, rot_sin: fp32 [B, S, 1, D], rot_sin being sin with its first half negated
+// (rotate_half(x)·sin = roll(x, D/2)·rot_sin). No gradient for the tables. The fused result is
+// laid out head-major (its transpose(1, 2) is contiguous, as attention wants it).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& rot_sin);
+
+}  // namespace weft::model

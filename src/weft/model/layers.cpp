@@ -7,6 +7,7 @@
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
+#include "weft/model/fused.h"
 #include "weft/model/torch_compat.h"
 
 namespace weft::model {
@@ -137,18 +138,14 @@ RmsNorm RmsNorm::make(const Scope& s, int64_t dim, double eps) {
   return {s.add("weight", torch::ones({dim})), eps};
 }
 
-at::Tensor RmsNorm::operator()(const at::Tensor& x) const {
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, true).add(eps)) * weight;
-  return y.to(x.scalar_type());
-}
+at::Tensor RmsNorm::operator()(const at::Tensor& x) const { return rms_norm(x, weight, eps); }
 
 LayerNorm LayerNorm::make(const Scope& s, int64_t dim, double eps) {
   return {s.add("weight", torch::ones({dim})), s.add("bias", torch::zeros({dim})), eps};
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
-  return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
+  return layer_norm(x, weight, bias, eps);
 }
 
 Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
@@ -177,10 +174,7 @@ Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const Rope& rope) {
-  // rotate_half(x) = [−x2, x1] = roll(x, D/2) · [−1…, +1…]: one op (and one in backward),
-  // not two slices and a concatenation.
-  const at::Tensor rolled = x.roll(x.size(-1) / 2, -1);
-  return x * rope.cos.to(x.scalar_type()) + rolled * rope.rot_sin.to(x.scalar_type());
+  return model::rope(x, rope.cos, rope.rot_sin);  // fused.h
 }
 
 Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
@@ -232,10 +226,7 @@ SwiGlu SwiGlu::make(const Scope& s, int64_t hidden, int64_t ffn, double out_std)
           Linear::make(s.sub("down"), ffn, hidden, false, out_std, Par::kRow)};
 }
 
-at::Tensor SwiGlu::operator()(const at::Tensor& x) const {
-  const std::vector<at::Tensor> gu = gate_up(x).chunk(2, -1);
-  return down(at::silu(gu[0]) * gu[1]);
-}
+at::Tensor SwiGlu::operator()(const at::Tensor& x) const { return down(swiglu(gate_up(x))); }
 
 at::Tensor activate(const at::Tensor& x, Activation act) {
   switch (act) {
@@ -246,7 +237,7 @@ at::Tensor activate(const at::Tensor& x, Activation act) {
     case Activation::kGelu:
       break;
   }
-  return compat::gelu(x);
+  return gelu_erf(x);
 }
 
 GeluMlp GeluMlp::make(const Scope& s, int64_t in, int64_t ffn, int64_t out, double out_std,

@@ -7,6 +7,7 @@
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
+#include "weft/model/fused.h"
 #include "weft/model/recompute.h"
 
 namespace weft::model {
@@ -197,9 +198,8 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& keep
   const std::vector<at::Tensor> parts = x_e.split_with_sizes(rows);
   std::vector<at::Tensor> ys;
   for (int64_t j = 0; j < local; ++j) {
-    const std::vector<at::Tensor> gu =
-        at::linear(parts[j], to_compute(m.gate_up[j].weight)).chunk(2, -1);
-    ys.push_back(at::linear(at::silu(gu[0]) * gu[1], to_compute(m.down[j].weight)));
+    const at::Tensor gu = at::linear(parts[j], to_compute(m.gate_up[j].weight));
+    ys.push_back(at::linear(swiglu(gu), to_compute(m.down[j].weight)));
   }
   // One reduction of every expert's partial output over expert TP, back to (source, expert) order,
   // and home by the reverse all-to-all.

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "weft/model/blocked_attention.h"
 #include "weft/model/fused.h"
 
 namespace weft::compat {
@@ -29,6 +30,9 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
       q, ke, ve, visible.defined() ? c10::optional<at::Tensor>(visible) : c10::nullopt, 0.0, false,
       scale);
 #else
+  // Long sequences: blocks of keys with an online softmax, never the S×S scores.
+  if (model::blocked_attention_applies(q, k))
+    return model::blocked_attention(q, k, v, visible, scale);
   // Each K/V head's query heads stacked along the rows ([B, KV, rep * S, D]): no K/V copies;
   // one fused scaled masked softmax (fp32 inside) between two matmuls.
   const int64_t S = q.size(2);

@@ -1,0 +1,143 @@
+// Blocked attention (model/blocked_attention.h) against masked softmax attention computed in
+// double: outputs and the gradients of q, k and v, in fp32 and bf16, with weft's multimodal mask
+// (packed documents, image spans seen both ways, padding), grouped-query heads, sequences that
+// are no multiple of the block, fewer queries than keys (a context-parallel rank), no mask; and
+// blocks of keys hidden from every query are never read.
+#include "weft/model/blocked_attention.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "weft/model/mask.h"
+#include "weft/model/torch_compat.h"
+
+namespace weft::model {
+namespace {
+
+at::Tensor dbl(const at::Tensor& t) { return t.detach().to(torch::kDouble); }
+
+double rel_diff(const at::Tensor& got, const at::Tensor& want) {
+  return (dbl(got) - dbl(want)).abs().max().item<double>() /
+         std::max(dbl(want).abs().max().item<double>(), 1e-30);
+}
+
+// softmax(scale·q·kᵀ over visible keys)·v in double; K/V head h / (H / KV) for query head h.
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& visible, double scale) {
+  const int64_t rep = q.size(1) / k.size(1);
+  const at::Tensor ke = k.repeat_interleave(rep, 1), ve = v.repeat_interleave(rep, 1);
+  at::Tensor s = at::matmul(q, ke.transpose(-2, -1)) * scale;
+  if (visible.defined())
+    s = s.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1), ve);
+}
+
+// Two packed documents per row, each a text span with an image span inside (bidirectional), and
+// padding at the end of row 1 (doc = item = -1: sees only itself).
+at::Tensor multimodal_mask(int64_t B, int64_t S) {
+  at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
+  doc.narrow(1, S / 2, S - S / 2).fill_(1);
+  item[0].narrow(0, 2, 6).fill_(0);
+  item[0].narrow(0, S / 2 + 1, 5).fill_(1);
+  item[1].narrow(0, 1, 9).fill_(0);
+  doc[1].narrow(0, S - 4, 4).fill_(-1);
+  return visible_mask(doc, item);
+}
+
+struct Case {
+  at::ScalarType dtype;
+  int64_t heads, kv_heads, queries, keys, block;
+  bool masked;
+};
+
+class BlockedAttentionTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BlockedAttentionTest, MatchesSoftmaxAttentionForwardAndBackward) {
+  const Case c = GetParam();
+  torch::manual_seed(11);
+  const int64_t B = 2, D = 16;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  at::Tensor visible;
+  if (c.masked) {  // fewer queries than keys: the last `queries` rows of the full mask
+    visible = multimodal_mask(B, c.keys).narrow(2, c.keys - c.queries, c.queries).contiguous();
+  }
+  at::Tensor q = (torch::randn({B, c.heads, c.queries, D}) * 2).to(c.dtype).requires_grad_(true);
+  at::Tensor k = (torch::randn({B, c.kv_heads, c.keys, D}) * 2).to(c.dtype).requires_grad_(true);
+  at::Tensor v = torch::randn({B, c.kv_heads, c.keys, D}).to(c.dtype).requires_grad_(true);
+  at::Tensor o = blocked_attention(q, k, v, visible, scale, c.block);
+  ASSERT_EQ(o.sizes(), q.sizes());
+  ASSERT_EQ(o.scalar_type(), c.dtype);
+
+  at::Tensor qd = dbl(q).requires_grad_(true), kd = dbl(k).requires_grad_(true);
+  at::Tensor vd = dbl(v).requires_grad_(true);
+  at::Tensor want = reference(qd, kd, vd, visible, scale);
+  const double tol = c.dtype == at::kFloat ? 2e-5 : 2e-2;
+  EXPECT_LT(rel_diff(o, want), tol);
+
+  at::Tensor g = torch::randn(o.sizes()).to(c.dtype);
+  const std::vector<at::Tensor> got = torch::autograd::grad({o}, {q, k, v}, {g});
+  const std::vector<at::Tensor> ref = torch::autograd::grad({want}, {qd, kd, vd}, {dbl(g)});
+  const char* names[] = {"dq", "dk", "dv"};
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(got[i].sizes(), ref[i].sizes()) << names[i];
+    EXPECT_EQ(got[i].scalar_type(), c.dtype) << names[i];
+    EXPECT_LT(rel_diff(got[i], ref[i]), 2 * tol) << names[i];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Blocked, BlockedAttentionTest,
+    ::testing::Values(Case{at::kFloat, 6, 2, 23, 23, 5, true},   // GQA, ragged blocks
+                      Case{at::kFloat, 4, 4, 30, 30, 8, true},   // one K/V head per query head
+                      Case{at::kFloat, 6, 3, 12, 31, 7, true},   // fewer queries than keys
+                      Case{at::kFloat, 4, 2, 17, 17, 4, false},  // no mask
+                      Case{at::kBFloat16, 6, 2, 23, 23, 5, true},
+                      Case{at::kBFloat16, 4, 1, 40, 40, 16, true}));
+
+TEST(BlockedAttention, KeysNoQuerySeesAreNeverRead) {
+  torch::manual_seed(12);
+  const int64_t B = 2, H = 4, KV = 2, S = 24, D = 8, block = 8;
+  // Causal: the block of keys 16..23 is hidden from queries 0..7, so that tile is skipped.
+  // Queries 0..7 only: keys 8..23 are hidden from every query, NaN there must not leak.
+  at::Tensor pos = torch::arange(S);
+  at::Tensor causal =
+      (pos.view({S, 1}) >= pos.view({1, S})).view({1, 1, S, S}).expand({B, 1, S, S});
+  at::Tensor visible = causal.narrow(2, 0, block).contiguous();
+  at::Tensor q = torch::randn({B, H, block, D});
+  at::Tensor k = torch::randn({B, KV, S, D}), v = torch::randn({B, KV, S, D});
+  at::Tensor k_nan = k.clone(), v_nan = v.clone();
+  k_nan.narrow(2, block, S - block).fill_(std::numeric_limits<float>::quiet_NaN());
+  v_nan.narrow(2, block, S - block).fill_(std::numeric_limits<float>::quiet_NaN());
+  const double scale = 0.3;
+  at::Tensor o = blocked_attention(q, k_nan, v_nan, visible, scale, block);
+  EXPECT_TRUE(torch::isfinite(o).all().item<bool>());
+  EXPECT_LT(rel_diff(o, reference(dbl(q), dbl(k), dbl(v), visible, scale)), 2e-5);
+}
+
+TEST(BlockedAttention, TakesOverFromTheDensePathForLongKeys) {
+  at::Tensor q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 1, 2 * kAttentionBlock + 1, 8});
+  EXPECT_TRUE(blocked_attention_applies(q, k));
+  EXPECT_FALSE(blocked_attention_applies(q, k.narrow(2, 0, 2 * kAttentionBlock)));
+  EXPECT_FALSE(blocked_attention_applies(q.to(torch::kDouble), k.to(torch::kDouble)));
+  // compat::attention (the dense path below one block) agrees with it.
+  torch::manual_seed(13);
+  const int64_t S = 40;
+  at::Tensor visible = multimodal_mask(2, S);
+  at::Tensor qs = torch::randn({2, 4, S, 8}), ks = torch::randn({2, 2, S, 8});
+  at::Tensor vs = torch::randn({2, 2, S, 8});
+  EXPECT_LT(rel_diff(blocked_attention(qs, ks, vs, visible, 0.35, 16),
+                     compat::attention(qs, ks, vs, visible, 0.35)),
+            2e-5);
+}
+
+TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {
+  at::Tensor q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 1, 6, 8});
+  at::Tensor bad = torch::ones({1, 1, 4, 5}, torch::kBool);
+  EXPECT_THROW(blocked_attention(q, k, k, bad, 1.0, 2), c10::Error);
+}
+
+}  // namespace
+}  // namespace weft::model
