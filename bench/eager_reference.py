@@ -4,7 +4,8 @@
 Run with Debian's Python (torch 1.13 + numpy, nothing else):
 
     build/weft bench step CONFIG --dump DIR        # weft times itself, writes DIR
-    /usr/bin/python3 bench/eager_reference.py DIR [--head all|targets] [--json OUT]
+    /usr/bin/python3 bench/eager_reference.py DIR [--head all|targets] [--device cpu|cuda]
+                                                  [--json OUT]
 
 DIR holds what `weft bench step --dump` writes: config.toml (the resolved config),
 model.safetensors (every parameter, full shape, fp32, under weft's names), step-NNNNN.safetensors
@@ -12,7 +13,13 @@ model.safetensors (every parameter, full shape, fp32, under weft's names), step-
 precision, per-step lr / target count / real tokens / model FLOPs, weft's own losses and gradient
 norms, the MFU denominator). This script builds the same model as an idiomatic nn.Module, loads
 the same weights, runs the same warmup + timed steps on the same batches and prints (and with
---json writes) losses, gradient norms, step times, tokens/s, MFU and peak RSS as JSON.
+--json writes) losses, gradient norms, step times, tokens/s, MFU and peak memory as JSON.
+
+--device cuda (torch 2.x with CUDA, e.g. pip torch; the dump of a `train.device = "cuda"` run)
+puts the parameters, the optimizer state and every step's batches on the current CUDA device
+(batches are moved before the clock starts) and runs the same step there; see Timing and
+Attention below for what differs from the CPU path. The default, --device cpu, is the path
+bench/RESULTS.md reports, unchanged.
 
 It computes the same function as weft (src/weft/model/*.cpp, src/weft/train/optimizer.cpp):
   * LLM (llm.cpp): embedding, pre-RMSNorm blocks (RMSNorm in fp32, returned in the input dtype),
@@ -35,7 +42,8 @@ It computes the same function as weft (src/weft/model/*.cpp, src/weft/train/opti
     under torch.utils.checkpoint (non-reentrant), the idiomatic activation checkpointing.
 
 Deliberate idiomatic choices (this is the baseline a PyTorch user would write, not a port):
-  * bf16 = torch.autocast("cpu", dtype=torch.bfloat16) around forward + loss, fp32 parameters,
+  * bf16 = torch.autocast(DEVICE, dtype=torch.bfloat16) around forward + loss (DEVICE = "cpu"
+    or "cuda", the --device), fp32 parameters,
     backward outside autocast. Where autocast alone would leave a tensor in fp32 that weft keeps
     in bf16 (the embedding output, learned positions, [CLS]) it is cast to the autocast dtype, so
     the residual stream is bf16 as in weft. precision = "fp32" runs without autocast.
@@ -47,14 +55,24 @@ Deliberate idiomatic choices (this is the baseline a PyTorch user would write, n
     and labels = -100 except at the target rows, F.cross_entropy(ignore_index=-100,
     reduction="sum"). --head targets computes logits only for the target rows, as weft does.
     Both give the same loss.
-  * Plain eager attention (matmul, masked_fill, softmax, matmul) as in HF's "eager" attention and
-    weft's LibTorch 1.13 path: torch 1.13 has no scaled_dot_product_attention.
+  * Attention. CPU: plain eager attention (matmul, masked_fill, softmax, matmul) as in HF's
+    "eager" attention and weft's LibTorch 1.13 path: torch 1.13 has no
+    scaled_dot_product_attention. CUDA with torch >= 2.0: F.scaled_dot_product_attention with
+    the boolean visibility mask (HF's "sdpa" attention, the default there on a GPU; with an
+    arbitrary mask torch picks the memory-efficient or the math kernel, not flash). K/V heads
+    are repeated for grouped-query attention on both paths.
 
 Timing: each step = zero grads (set_to_none), per microbatch forward + (loss_sum / targets)
 .backward() with the loss .item() inside the step, clip, set the step's lr, optimizer.step();
 timed with time.perf_counter. Memory: VmRSS right after the imports is the baseline; VmHWM is
 reset (/proc/self/clear_refs) once the model and batches are in memory (torch.optim creates its
 state in the first step) and read after the last step; step_peak_bytes = VmHWM - baseline.
+On CUDA each step is bracketed by torch.cuda.synchronize() (before the clock starts and before
+it stops), torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset
+(before the first step, as weft resets its device peak) and step_peak_bytes =
+torch.cuda.max_memory_allocated() after the last step: the device memory of the parameters,
+batches, gradients, optimizer state and activations (weft reports the same quantity as
+device_peak_bytes; the host RSS fields are kept as they are).
 
 Errors (missing or malformed files, unsupported settings) print a message naming the file or
 field and exit with status 1.
@@ -148,12 +166,18 @@ def load_safetensors(path):
 # ------------------------------------------------------------------------------------------------
 # Model (layers.cpp, llm.cpp, encoder.cpp, multimodal.cpp)
 
-def compute_dtype():
+def compute_dtype(device_type="cpu"):
     """The dtype activations are in: autocast's inside an autocast region, else fp32."""
-    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else torch.float32
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else torch.float32
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        enabled = torch.is_autocast_enabled(device_type)
+        return torch.get_autocast_dtype(device_type) if enabled else torch.float32
+    return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else torch.float32
 
 
 _TORCH_1 = int(torch.__version__.split(".")[0]) < 2
+_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")  # torch >= 2.0
 
 
 def gelu(x, approximate="none"):
@@ -194,7 +218,8 @@ class LayerNorm(nn.LayerNorm):
 def rope_tables(positions, head_dim, theta, scaling):
     """cos, sin [B, S, 1, D] (rotate-half), optionally with Llama-3.1 frequency scaling."""
     half = head_dim // 2
-    inv_freq = torch.pow(theta, torch.arange(0, half, dtype=torch.float64) * (-2.0 / head_dim))
+    inv_freq = torch.pow(theta, torch.arange(0, half, dtype=torch.float64,
+                                             device=positions.device) * (-2.0 / head_dim))
     if scaling is not None:  # transformers' _compute_llama3_parameters
         factor, low, high, old_len = scaling
         low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -231,6 +256,9 @@ class Attention(nn.Module):
         if KV != H:  # grouped-query: K/V head j serves query heads j*rep .. j*rep+rep-1
             k = k.repeat_interleave(H // KV, dim=1)
             v = v.repeat_interleave(H // KV, dim=1)
+        if _HAS_SDPA and q.is_cuda:  # torch 2.x on a GPU; a True in `visible` = may attend
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+            return self.out(o.transpose(1, 2).reshape(B, S, H * D))
         scores = torch.matmul(q, k.transpose(-2, -1)).float() * (1.0 / math.sqrt(D))
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
@@ -411,7 +439,7 @@ class Llm(nn.Module):
 def visible_mask(doc, item):
     """bool [B, 1, S, S]: (same_doc & (causal | same_item)) | self (mask.cpp)."""
     S = doc.shape[1]
-    pos = torch.arange(S)
+    pos = torch.arange(S, device=doc.device)
     causal = pos.view(S, 1) >= pos.view(1, S)
     self_ = pos.view(S, 1) == pos.view(1, S)
     dq, dk, iq, ik = doc.unsqueeze(2), doc.unsqueeze(1), item.unsqueeze(2), item.unsqueeze(1)
@@ -431,7 +459,7 @@ class MultimodalModel(nn.Module):
         """Σ cross-entropy over the microbatch's target rows (fp32 scalar)."""
         tokens = mb["tokens"]
         B, S = tokens.shape
-        x = self.llm.embedding(tokens).to(compute_dtype()).flatten(0, 1)  # [B*S, hidden]
+        x = self.llm.embedding(tokens).to(compute_dtype(tokens.device.type)).flatten(0, 1)
         for e, encoder in enumerate(self.encoders.values()):
             if e in mb["enc"]:
                 inputs, rows = mb["enc"][e]
@@ -645,6 +673,14 @@ def grad_norm(params):
     return torch.linalg.vector_norm(norms).item()
 
 
+def to_device(mb, device):
+    """A microbatch (load_step's dict) with every tensor on `device`."""
+    out = {k: v.to(device) for k, v in mb.items() if k != "enc"}
+    out["enc"] = {e: (inputs.to(device), rows.to(device))
+                  for e, (inputs, rows) in mb["enc"].items()}
+    return out
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description="PyTorch-eager reference of weft's training step on "
                                  "a `weft bench step --dump DIR` dump")
@@ -653,19 +689,30 @@ def main(argv):
     ap.add_argument("--head", choices=("all", "targets"), default="all",
                     help="all: logits for every position + ignore_index labels (HF style, "
                     "default); targets: logits for the target rows only (as weft)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the parameters, optimizer state and batches live (default cpu; "
+                    "cuda: the current CUDA device)")
     ap.add_argument("--json", metavar="OUT", help="also write the result to this file")
     args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise DumpError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     bench = load_bench(os.path.join(args.dir, "bench.json"))
     llm_cfg, enc_cfgs, opt = load_config(os.path.join(args.dir, "config.toml"))
     if bench["threads"] > 0:
         torch.set_num_threads(int(bench["threads"]))
     model = build_model(args.dir, llm_cfg, enc_cfgs)
+    if cuda:
+        model.to(device)
     enc_tokens = [enc.tokens for enc in model.encoders.values()]
     steps = []
     for i in range(len(bench["step"])):
         steps.append(load_step(os.path.join(args.dir, f"step-{i:05d}.safetensors"),
                                bench["microbatches"], enc_tokens))
+        if cuda:
+            steps[-1] = [to_device(mb, device) for mb in steps[-1]]
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
@@ -682,14 +729,19 @@ def main(argv):
             f.write("5")
     except OSError:
         pass
+    if cuda:  # peak device memory from here on
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
 
     losses, norms, seconds = [], [], []
     for i, (info, mbs) in enumerate(zip(bench["step"], steps)):
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         for mb in mbs:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = model(mb, args.head) / info["targets"]
             loss.backward()
             loss_total += loss.item()
@@ -700,6 +752,8 @@ def main(argv):
         for group in optimizer.param_groups:
             group["lr"] = info["lr"]
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         losses.append(loss_total)
         norms.append(norm)
@@ -707,11 +761,13 @@ def main(argv):
             seconds.append(elapsed)
 
     peak = read_status_bytes("VmHWM")
+    device_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     timed = bench["step"][bench["warmup"]:]
     total_s = sum(seconds)
     result = {
         "impl": "pytorch-eager",
         "torch": torch.__version__,
+        "device": str(device),
         "threads": torch.get_num_threads(),
         "head": args.head,
         "precision": bench["precision"],
@@ -724,8 +780,12 @@ def main(argv):
                 if total_s > 0 and bench["peak_flops"] > 0 else 0.0),
         "peak_rss_bytes": peak,
         "baseline_rss_bytes": BASELINE_RSS,
-        "step_peak_bytes": peak - BASELINE_RSS,
+        "step_peak_bytes": device_peak if cuda else peak - BASELINE_RSS,
     }
+    if cuda:
+        result["device_peak_bytes"] = device_peak  # weft's field for the same quantity
+        result["device_name"] = torch.cuda.get_device_name(device)
+        result["attention"] = "sdpa" if _HAS_SDPA else "eager"
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

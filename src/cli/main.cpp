@@ -2,6 +2,8 @@
 // `bench`. Errors from anywhere below end up here: printed as "weft: error: ..." with a
 // non-zero exit status.
 
+#include <torch/version.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 #include "weft/core/error.h"
 #include "weft/core/memory.h"
 #include "weft/dist/comm.h"
+#include "weft/dist/device.h"
 #include "weft/dist/launch.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/hf.h"
@@ -46,8 +49,11 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   const weft::dist::WorldInfo world = weft::dist::world_from_env();
   weft::plan::Plan plan = weft::plan::make_plan(spec, world.world_size);
   weft::train::TrainerOptions opts;
+  // A GPU rank takes its device before any NCCL group exists.
+  const bool cuda = weft::dist::select_device(spec.train.device, world.local_rank).is_cuda();
+  opts.local_rank = world.local_rank;
   opts.comm = weft::dist::Comm::connect(
-      world, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+      world, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)), cuda);
   if (world.world_size > 1)
     std::fprintf(stderr, "weft: rank %d of %d connected (rendezvous %s:%d)\n", world.rank,
                  world.world_size, world.master_addr.c_str(), world.master_port);
@@ -135,6 +141,17 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   return 0;
 }
 
+// `weft version`: what this build can run on.
+int cmd_version() {
+#ifdef WEFT_CUDA
+  const char* devices = "cpu cuda";
+#else
+  const char* devices = "cpu";
+#endif
+  std::printf("weft: LibTorch %s, devices: %s\n", TORCH_VERSION, devices);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -145,6 +162,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   bool quiet = false;
 
+  CLI::App* version =
+      app.add_subcommand("version", "the LibTorch weft is built against, and its devices");
   CLI::App* train = app.add_subcommand("train", "train a model from a TOML config");
   train->add_option("config", config, "config file (TOML)");
   train->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
@@ -263,6 +282,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    if (*version) return cmd_version();
     if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
     if (app.got_subcommand("plan")) return run_plan();
     if (*example_llava)

@@ -28,6 +28,11 @@ expect_error layout "parallel.llm" "$weft" train "$src/configs/tiny-vlm.toml" --
 expect_error synthetic-vocab "tiny-vlm.toml: model.llm.vocab = 0: must be set (> 0)" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic
 expect_error synthetic-seq-len "data.seq_len = 128 is larger than model.llm.max_seq = 64" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic --set model.llm.vocab=512 --set data.seq_len=128
 expect_error synthetic-images "data.images = 4 x (vision 16) placeholder tokens = 64" "$weft" train "$src/configs/tiny-vlm.toml" --set data.kind=synthetic --set model.llm.vocab=512 --set data.images=4
+expect_error device-name 'train.device = "gpu": must be one of "cpu", "cuda"' "$weft" train "$src/configs/tiny-vlm.toml" --set train.device=gpu
+# A CPU-only build asked for CUDA says so (a CUDA build on a machine without a GPU: no device).
+if ! "$weft" version | grep -q "devices: cpu cuda"; then
+  expect_error device-cuda 'train.device = "cuda": this weft is built against a CPU-only LibTorch' "$weft" train "$src/configs/tiny-vlm.toml" --set train.device=cuda
+fi
 expect_error resume-empty "not a weft run directory (no config.toml)" "$weft" train --resume "$tmp"
 mkdir -p "$tmp/run" && cp "$src/configs/tiny-vlm.toml" "$tmp/run/config.toml"
 expect_error resume-nothing "no complete checkpoint" "$weft" train --resume "$tmp/run"

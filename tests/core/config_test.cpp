@@ -395,6 +395,17 @@ TEST(Config, RoundTripDefaults) {
   EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
 }
 
+// train.device: "cpu" by default; "cuda" survives the run directory's config.toml.
+TEST(Config, DeviceIsCpuUnlessSetAndRoundTrips) {
+  EXPECT_EQ(parse_spec(kMinimal, "cfg.toml").train.device, Device::kCpu);
+  const Spec a = parse_spec(kMinimal, "cfg.toml", {"train.device=cuda"});
+  EXPECT_EQ(a.train.device, Device::kCuda);
+  const std::string dumped = spec_to_toml(a);
+  EXPECT_NE(dumped.find("device = \"cuda\"\n"), std::string::npos) << dumped;
+  EXPECT_EQ(parse_spec(dumped, "dump.toml").train.device, Device::kCuda);
+  EXPECT_TRUE(set_fails_with("train.device=gpu", {"train.device = \"gpu\"", "\"cpu\", \"cuda\""}));
+}
+
 TEST(Config, RoundTripParallel) {
   Spec a = parse_spec(kFull, "cfg.toml");
   a.parallel.placement = "colocated";

@@ -96,6 +96,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "log_every",
                                            "eval_every",
                                            "checkpoint_every",
+                                           "device",
                                            "threads",
                                            "zero_stage",
                                            "overlap_grad_reduce",
@@ -721,6 +722,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("log_every", &t->log_every);
   s.count("eval_every", &t->eval_every, /*positive=*/false);
   s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
+  s.choice("device", {Device::kCpu, Device::kCuda}, &t->device);
   s.count("threads", &t->threads, /*positive=*/false);
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
@@ -1000,6 +1002,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("log_every", t.log_every);
   w.put("eval_every", t.eval_every);
   w.put("checkpoint_every", t.checkpoint_every);
+  w.put("device", std::string(to_string(t.device)));
   w.put("threads", t.threads);
   w.put("zero_stage", t.zero_stage);
   w.put("overlap_grad_reduce", t.overlap_grad_reduce);

@@ -36,6 +36,7 @@ const char* to_string(ProjectorKind k) {
 }
 
 const char* to_string(NonFinite n) { return n == NonFinite::kStop ? "stop" : "skip"; }
+const char* to_string(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
 
 const char* to_string(Precision p) {
   switch (p) {

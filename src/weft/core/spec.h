@@ -164,6 +164,9 @@ enum class Precision { kBf16, kFp32 };
 // What a step with a NaN/Inf loss or gradient does: stop the run naming the step and module, or
 // skip the update (no optimizer step), count it, and go on.
 enum class NonFinite { kStop, kSkip };
+// Where parameters, activations and optimizer state live. kCuda: rank r uses GPU LOCAL_RANK (needs
+// a build against CUDA LibTorch, WEFT_CUDA); collectives of device tensors go over NCCL.
+enum class Device { kCpu, kCuda };
 
 struct TrainSpec {
   int64_t steps = 600;
@@ -181,8 +184,9 @@ struct TrainSpec {
   NonFinite nonfinite = NonFinite::kStop;
   uint64_t seed = 0;  // parameter init seed
   int64_t log_every = 10;
-  int64_t eval_every = 0;           // 0 = only at the end
-  int64_t checkpoint_every = 0;     // 0 = only at the end
+  int64_t eval_every = 0;        // 0 = only at the end
+  int64_t checkpoint_every = 0;  // 0 = only at the end
+  Device device = Device::kCpu;
   int64_t threads = 0;              // 0 = all cores
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
@@ -242,5 +246,6 @@ const char* to_string(Activation a);
 const char* to_string(ProjectorKind k);
 const char* to_string(Precision p);
 const char* to_string(NonFinite n);
+const char* to_string(Device d);
 
 }  // namespace weft

@@ -14,6 +14,12 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef WEFT_CUDA  // a CUDA LibTorch (2.x): NCCL for device tensors
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include "weft/core/error.h"
 
@@ -69,13 +75,39 @@ WorldInfo world_from_env() {
   return w;
 }
 
+// What Gloo and NCCL process groups have in common (their collectives' signatures).
+#if TORCH_VERSION_MAJOR >= 2
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+
 struct Comm::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;  // null for the single-rank group
+  // Device tensors' collectives (NCCL; null on CPU-only builds and groups): built with the
+  // group when it was connected with device collectives. CPU tensors (control messages, loss
+  // sums) keep using Gloo, and point-to-point messages go over Gloo through host memory (they
+  // are matched by tag, which NCCL does not do).
+  c10::intrusive_ptr<Backend> device;
+  bool device_collectives = false;
   int rank = 0, size = 1;
   std::string master_addr = "127.0.0.1";
   std::chrono::milliseconds timeout{60000};
   mutable int64_t subgroups_made = 0;
+
+  // The process group for collectives of `t`.
+  Backend& group_for(const at::Tensor& t) const {
+    if (t.is_cuda()) {
+      WEFT_CHECK(device, "rank ", rank, ": a collective of a ", t.device(),
+                 " tensor, but this group has no device backend (NCCL needs a CUDA build of "
+                 "weft and train.device = \"cuda\")");
+      return *device;
+    }
+    WEFT_CHECK(t.is_cpu(), "rank ", rank, ": collectives take CPU or CUDA tensors, not ",
+               t.device());
+    return *pg;
+  }
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
     try {
@@ -92,13 +124,14 @@ struct Comm::Impl {
 namespace {
 std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                        const std::string& master_addr,
-                                       std::chrono::milliseconds timeout) {
+                                       std::chrono::milliseconds timeout, bool device_collectives) {
   auto impl = std::make_shared<Comm::Impl>();
   impl->store = store;
   impl->rank = rank;
   impl->size = size;
   impl->master_addr = master_addr;
   impl->timeout = timeout;
+  impl->device_collectives = device_collectives;
   if (size > 1) {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(make_device(master_addr));
@@ -108,13 +141,30 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
       WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", e.what());
     }
   }
+  if (size > 1 && device_collectives) {
+#ifdef WEFT_CUDA
+    // NCCL's communicator is made on the first collective, on the current device (set_device).
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl", store);
+    try {
+      impl->device = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, opts);
+    } catch (const std::exception& e) {
+      WEFT_FAIL("rank ", rank, " of ", size, ": could not make the NCCL group: ", e.what());
+    }
+#else
+    WEFT_FAIL("rank ", rank,
+              ": device collectives need a CUDA build of weft (this one is CPU-only)");
+#endif
+  }
   return impl;
 }
 }  // namespace
 
 Comm::Comm() : impl_(std::make_shared<Impl>()) {}
 
-Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout) {
+Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout,
+                   bool device_collectives) {
   Comm c;
   if (world.world_size == 1) return c;
   c10d::TCPStoreOptions opts;
@@ -144,7 +194,8 @@ Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     arrived = store->add(key, 0);
   }
-  c.impl_ = make_group(store, world.rank, world.world_size, world.master_addr, timeout);
+  c.impl_ = make_group(store, world.rank, world.world_size, world.master_addr, timeout,
+                       device_collectives);
   return c;
 }
 
@@ -160,7 +211,7 @@ Comm Comm::in_memory(const std::string& store_key, int rank, int size,
     store = s;
   }
   Comm c;
-  c.impl_ = make_group(store, rank, size, "127.0.0.1", timeout);
+  c.impl_ = make_group(store, rank, size, "127.0.0.1", timeout, /*device_collectives=*/false);
   return c;
 }
 
@@ -180,14 +231,14 @@ Comm Comm::subgroup(const std::vector<int>& ranks) const {
   for (int r : ranks) prefix += "_" + std::to_string(r);
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
   c.impl_ = make_group(store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
-                       impl_->master_addr, impl_->timeout);
+                       impl_->master_addr, impl_->timeout, impl_->device_collectives);
   return c;
 }
 
 namespace {
-// Gloo on LibTorch 1.13 cannot reduce bf16: reduce in fp32 and copy back.
+// Gloo on LibTorch 1.13 cannot reduce bf16: reduce in fp32 and copy back (NCCL can).
 bool needs_fp32(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+  return !t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
 }  // namespace
 
@@ -203,7 +254,7 @@ void Comm::all_reduce_sum(at::Tensor& t) const {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  impl_->wait(impl_->pg->allreduce(v, opts), "all_reduce_sum");
+  impl_->wait(impl_->group_for(t).allreduce(v, opts), "all_reduce_sum");
 }
 
 Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
@@ -214,7 +265,7 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  c10::intrusive_ptr<c10d::Work> work = impl_->pg->allreduce(v, opts);
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(t).allreduce(v, opts);
   std::shared_ptr<Impl> impl = impl_;
   return Pending([impl, work] { impl->wait(work, "all_reduce_sum_async"); });
 }
@@ -224,7 +275,7 @@ void Comm::all_reduce_max(at::Tensor& t) const {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
-  impl_->wait(impl_->pg->allreduce(v, opts), "all_reduce_max");
+  impl_->wait(impl_->group_for(t).allreduce(v, opts), "all_reduce_max");
 }
 
 void Comm::broadcast(at::Tensor& t, int root) const {
@@ -232,7 +283,7 @@ void Comm::broadcast(at::Tensor& t, int root) const {
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  impl_->wait(impl_->pg->broadcast(v, opts), "broadcast");
+  impl_->wait(impl_->group_for(t).broadcast(v, opts), "broadcast");
 }
 
 at::Tensor Comm::all_gather(const at::Tensor& t) const {
@@ -241,7 +292,7 @@ at::Tensor Comm::all_gather(const at::Tensor& t) const {
   std::vector<at::Tensor> in{t.contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
-  impl_->wait(impl_->pg->allgather(out, in), "all_gather");
+  impl_->wait(impl_->group_for(t).allgather(out, in), "all_gather");
   return torch::cat(out[0], 0);
 }
 
@@ -263,12 +314,24 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
              t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
   if (size() == 1) return t.clone();
+#ifdef WEFT_CUDA
+  if (t.is_cuda()) {  // NCCL's own reduce-scatter
+    at::Tensor in = t.contiguous();
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape[0] /= size();
+    at::Tensor out = torch::empty(shape, in.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    impl_->wait(impl_->group_for(t)._reduce_scatter_base(out, in, opts), "reduce_scatter_sum");
+    return out;
+  }
+#endif
   // Gloo on 1.13 has no reduce_scatter: an all-to-all brings chunk r of every rank to rank r,
   // which sums them locally (the same bytes on the wire as a ring reduce-scatter).
   at::Tensor in = needs_fp32(t) ? t.to(at::kFloat).contiguous() : t.contiguous();
   at::Tensor out = torch::empty_like(in);
   std::vector<int64_t> splits;  // even splits
-  impl_->wait(impl_->pg->alltoall_base(out, in, splits, splits), "reduce_scatter_sum");
+  impl_->wait(impl_->group_for(in).alltoall_base(out, in, splits, splits), "reduce_scatter_sum");
   std::vector<int64_t> shape = out.sizes().vec();
   shape[0] /= size();
   shape.insert(shape.begin(), size());
@@ -285,22 +348,24 @@ at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& sen
   WEFT_CHECK(sent == t.size(0), "all_to_all: send counts add up to ", sent,
              " rows, the tensor has ", t.size(0));
   if (size() == 1) return t.clone();
-  // Gloo moves bytes: reinterpret 2-byte floats (bf16, which 1.13's Gloo does not know) as int16.
-  const bool as_short = t.element_size() == 2 && t.is_floating_point();
+  // Gloo moves bytes: reinterpret 2-byte floats (bf16, which 1.13's Gloo does not know) as int16
+  // (NCCL knows bf16, and has no int16).
+  const bool as_short = t.element_size() == 2 && t.is_floating_point() && !t.is_cuda();
   at::Tensor in = as_short ? t.contiguous().view(at::kShort) : t.contiguous();
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] = received;
   at::Tensor out = torch::empty(shape, in.options());
   std::vector<int64_t> in_splits = send_counts, out_splits = recv_counts;
-  impl_->wait(impl_->pg->alltoall_base(out, in, out_splits, in_splits), "all_to_all");
+  impl_->wait(impl_->group_for(in).alltoall_base(out, in, out_splits, in_splits), "all_to_all");
   return as_short ? out.view(t.scalar_type()) : out;
 }
 
 Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
   WEFT_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", rank(),
              " cannot send to rank ", dst, " of a group of ", size());
-  std::vector<at::Tensor> v{t.contiguous()};
-  c10::intrusive_ptr<c10d::Work> work = impl_->pg->send(v, dst, tag);
+  // Device tensors go through host memory over Gloo (tag-matched; see Impl::device).
+  std::vector<at::Tensor> v{t.is_cuda() ? t.to(at::kCPU) : t.contiguous()};
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).send(v, dst, tag);
   std::shared_ptr<Impl> impl = impl_;
   return Pending([impl, work, v] { impl->wait(work, "send"); });
 }
@@ -309,13 +374,15 @@ void Comm::recv(at::Tensor& t, int src, int tag) const {
   WEFT_CHECK(src >= 0 && src < size() && src != rank(), "recv: rank ", rank(),
              " cannot receive from rank ", src, " of a group of ", size());
   WEFT_CHECK(t.is_contiguous(), "recv: tensor must be contiguous");
-  std::vector<at::Tensor> v{t};
-  impl_->wait(impl_->pg->recv(v, src, tag), "recv");
+  std::vector<at::Tensor> v{t.is_cuda() ? torch::empty(t.sizes(), t.options().device(at::kCPU))
+                                        : t};
+  impl_->wait(impl_->group_for(v[0]).recv(v, src, tag), "recv");
+  if (t.is_cuda()) t.copy_(v[0]);
 }
 
 void Comm::barrier() const {
   if (size() == 1) return;
-  impl_->wait(impl_->pg->barrier(), "barrier");
+  impl_->wait(impl_->pg->barrier(), "barrier");  // Gloo: NCCL's barrier only orders a stream
 }
 
 }  // namespace weft::dist

@@ -1,5 +1,7 @@
-// Comm: one thin wrapper over a c10d process group (Gloo on CPU), hiding the LibTorch 1.13 /
-// 2.x differences and the 1.13 Gloo gaps (bf16 is reduced in fp32; reduce-scatter is emulated).
+// Comm: one thin wrapper over c10d process groups, hiding the LibTorch 1.13 / 2.x differences and
+// the 1.13 Gloo gaps (bf16 is reduced in fp32; reduce-scatter is emulated). CPU tensors go over
+// Gloo. In a CUDA build connected with device collectives, CUDA tensors' collectives go over
+// NCCL, and their point-to-point messages over Gloo through host memory.
 //
 // Contract (as c10d's): every rank of a group calls its collectives in the same order with
 // tensors of the same shape and dtype; calls block until the collective completes or the
@@ -51,8 +53,11 @@ class Comm {
   Comm();  // the single-rank group
 
   // Rendezvous over a TCP store hosted by rank 0 at master_addr:master_port. A rank that does
-  // not arrive within `timeout` ends every waiting rank with an error.
-  static Comm connect(const WorldInfo& world, std::chrono::milliseconds timeout);
+  // not arrive within `timeout` ends every waiting rank with an error. device_collectives: this
+  // group and its subgroups also get an NCCL group for CUDA tensors (a CUDA build only; the
+  // caller has set this process's device).
+  static Comm connect(const WorldInfo& world, std::chrono::milliseconds timeout,
+                      bool device_collectives = false);
   // In-process groups for tests: one thread per rank, all calling with the same `store_key`.
   static Comm in_memory(const std::string& store_key, int rank, int size,
                         std::chrono::milliseconds timeout = std::chrono::seconds(60));
@@ -64,7 +69,7 @@ class Comm {
   // every rank calls it with the same list; non-members get the single-rank group back.
   Comm subgroup(const std::vector<int>& ranks) const;
 
-  void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous CPU tensor
+  void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous
   // Non-blocking variant for fp32 / int64 tensors (overlapping communication with compute).
   Pending all_reduce_sum_async(at::Tensor& t) const;
   void all_reduce_max(at::Tensor& t) const;

@@ -28,7 +28,7 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
   for (Bucket& b : buckets_) {
     int64_t numel = 0;
     for (size_t k : b.params) numel += params_[k].second.numel();
-    b.buffer = torch::zeros({numel}, torch::kFloat);
+    b.buffer = torch::zeros({numel}, params_[b.params[0]].second.options().dtype(torch::kFloat));
   }
   for (size_t k = 0; k < params_.size(); ++k)
     hooks_.push_back(params_[k].second.register_hook([this, k](const at::Tensor& g) {

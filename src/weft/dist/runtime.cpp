@@ -202,6 +202,7 @@ struct Runtime::Impl {
             if (pair[0] == rank || pair[1] == rank) tied = g;
           }
     }
+    hosting.device = opts.device;
     model = std::make_unique<model::MultimodalModel>(spec, seed, hosting);
 
     // Parameters: TP group, canonical copy, trainable list, sync groups.
@@ -265,8 +266,8 @@ struct Runtime::Impl {
     sends.push_back(p2p.send(t.contiguous(), static_cast<int>(dst), tag));
   }
   at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
-    if (c10::multiply_integers(shape) == 0)
-      return torch::empty(shape, torch::TensorOptions().dtype(dtype));
+    const at::TensorOptions options = torch::TensorOptions().dtype(dtype).device(opts.device);
+    if (c10::multiply_integers(shape) == 0) return torch::empty(shape, options);
     if (src == rank) {
       auto it = mailbox.find(tag);
       WEFT_ASSERT(it != mailbox.end(), "self message ", tag, " missing");
@@ -274,7 +275,7 @@ struct Runtime::Impl {
       mailbox.erase(it);
       return t;
     }
-    at::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
+    at::Tensor t = torch::empty(shape, options);
     const double t0 = now();
     p2p.recv(t, static_cast<int>(src), tag);
     times.p2p_wait_seconds += now() - t0;
@@ -357,7 +358,7 @@ struct Runtime::Impl {
     l.owner.assign(static_cast<size_t>(l.S), 0);
     for (int64_t r = 0; r < cp; ++r) {
       for (int64_t j : own[r]) l.owner[j] = r;
-      l.own.push_back(torch::tensor(own[r], torch::kLong));
+      l.own.push_back(torch::tensor(own[r], torch::kLong).to(opts.device));
     }
     l.order = torch::argsort(torch::cat(l.own));
     return cp_layouts.emplace(&in, std::move(l)).first->second;
@@ -375,7 +376,7 @@ struct Runtime::Impl {
     std::vector<int64_t> keep;
     for (int64_t r = 0; r < rows.numel(); ++r)
       if (layout.owner[acc[r] % S0] == c) keep.push_back(r);
-    return torch::tensor(keep, torch::kLong);
+    return torch::tensor(keep, torch::kLong).to(opts.device);
   }
   static at::Tensor select_rows(const at::Tensor& t, const at::Tensor& idx) {
     return idx.defined() ? t.index_select(0, idx) : t;
@@ -423,7 +424,7 @@ struct Runtime::Impl {
       std::vector<at::Tensor> parts;
       for (const auto& replica : batch)
         if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
-      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).narrow(0, a, b - a);
+      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).narrow(0, a, b - a).to(opts.device);
     } else {
       x = recv({b - a, spec.encoders[e].block_tokens() / mp.layout.cp, h}, model::compute_dtype(),
                mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
@@ -550,7 +551,7 @@ struct Runtime::Impl {
     const int64_t d = role.c.dp, cp = lp.layout.cp;
     const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
     const int64_t S = layout ? layout->S : batch[d][m].tokens.size(1);
-    const model::Inputs in = padded(batch[d][m], S);
+    const model::Inputs in = model::to_device(padded(batch[d][m], S), opts.device);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
     at::Tensor positions = in.positions;
@@ -621,8 +622,8 @@ struct Runtime::Impl {
     // Loss on this rank's own target rows.
     at::Tensor rows = in.target_rows, tgt = in.targets;
     if (own.defined()) {
-      at::Tensor local = torch::full({S}, -1, torch::kLong);
-      local.index_put_({own}, torch::arange(Sl, torch::kLong));
+      at::Tensor local = torch::full({S}, -1, own.options());
+      local.index_put_({own}, torch::arange(Sl, own.options()));
       at::Tensor pos = local.index_select(0, rows.remainder(S));
       at::Tensor keep = pos >= 0;
       rows = (rows.div(S, "floor") * Sl + pos).masked_select(keep);
@@ -866,7 +867,7 @@ struct Runtime::Impl {
         full = model::join_shards(shards, split);
       }
       if (local[k].defined() && param_tp[k].rank() == 0)
-        mine.emplace_back(params[k].first, full.contiguous());
+        mine.emplace_back(params[k].first, full.to(at::kCPU).contiguous());
     }
     // 2. Names and shapes to everyone, then tensors to the root.
     std::ostringstream header;
@@ -916,8 +917,9 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
   const model::NamedTensors& params = m.model->parameters();
   auto shard = [&](const std::string& name, size_t k, const at::Tensor& value) {
     const model::Split& split = m.model->param_set().split(k);
-    return io::TensorShard{
-        name, value.detach().contiguous(), split.dim, split.segments, split.rank, split.size};
+    return io::TensorShard{name,       value.detach().to(at::kCPU).contiguous(),
+                           split.dim,  split.segments,
+                           split.rank, split.size};
   };
   std::vector<io::TensorShard> out;
   for (size_t k = 0; k < params.size(); ++k)

@@ -45,6 +45,9 @@ struct RuntimeOptions {
   int64_t bucket_bytes = 4 << 20;  // gradient all-reduce bucket size
   bool overlap_grad_reduce = true;
   bool zero1 = false;  // optimizer state sharded over each module's data-parallel ranks
+  // Where parameters and activations live (the batch stays on the CPU: each rank moves its own
+  // slices). CUDA needs a Comm connected with device collectives when there are several ranks.
+  c10::Device device = c10::kCPU;
 };
 
 struct StepTimes {

@@ -112,7 +112,7 @@ AudioEncoder::AudioEncoder(const Scope& s, const EncoderSpec& spec, StageRange r
     conv1_b_ = s.add("conv1.bias", torch::zeros({spec.hidden}));
     conv2_w_ = s.normal("conv2.weight", {spec.hidden, spec.hidden, 3}, std2);
     conv2_b_ = s.add("conv2.bias", torch::zeros({spec.hidden}));
-    pos_ = sinusoids(spec.tokens_per_item(), spec.hidden);
+    pos_ = sinusoids(spec.tokens_per_item(), spec.hidden).to(s.device());
   }
   blocks_ = make_blocks(s, spec, range_);
   if (range_.last_stage) final_ln_ = LayerNorm::make(s.sub("final_ln"), spec.hidden, spec.norm_eps);

@@ -49,8 +49,13 @@ at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split
 
 at::Tensor ParamSet::add(const std::string& name, at::Tensor value, Split split) {
   for (const auto& [n, _] : params_) WEFT_ASSERT(n != name, "duplicate parameter ", name);
-  at::Tensor p =
-      take_shard(value, split).to(at::kFloat).contiguous().detach().clone().set_requires_grad(true);
+  at::Tensor p = take_shard(value, split)
+                     .to(at::kFloat)
+                     .contiguous()
+                     .detach()
+                     .clone()
+                     .to(device_)
+                     .set_requires_grad(true);
   params_.emplace_back(name, p);
   splits_.push_back(std::move(split));
   return p;
@@ -151,8 +156,9 @@ at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
 Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
                 const RopeScaling& scaling) {
   const int64_t half = head_dim / 2;
-  at::Tensor inv_freq =
-      torch::pow(theta, torch::arange(0, half, torch::kDouble).mul(-2.0 / head_dim));
+  at::Tensor inv_freq = torch::pow(
+      theta,
+      torch::arange(0, half, positions.options().dtype(torch::kDouble)).mul(-2.0 / head_dim));
   if (scaling.llama3) {  // transformers' _compute_llama3_parameters
     const double old_len = static_cast<double>(scaling.original_max_position);
     const double low_wavelen = old_len / scaling.low_freq_factor;
@@ -168,7 +174,7 @@ Rope Rope::make(const at::Tensor& positions, int64_t head_dim, double theta,
   at::Tensor angle = positions.to(torch::kDouble).unsqueeze(-1) * inv_freq;  // [B, S, half]
   angle = torch::cat({angle, angle}, -1).unsqueeze(2);                       // [B, S, 1, D]
   at::Tensor sin = angle.sin().to(torch::kFloat);
-  at::Tensor sign = torch::ones({head_dim}, torch::kFloat);
+  at::Tensor sign = torch::ones({head_dim}, sin.options());
   sign.narrow(0, 0, half).fill_(-1);
   return {angle.cos().to(torch::kFloat), sin, sin * sign};
 }

@@ -41,13 +41,17 @@ at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split
 // ("llm.layers.0.attn.qkv.weight"), and how each is split. Not thread-safe while being built.
 class ParamSet {
  public:
-  // Registers this rank's shard of the full `value` (made fp32, contiguous, requires_grad)
-  // under `name`; returns it.
+  // Parameters live on `device`; their values are made on the CPU (the same on every device).
+  explicit ParamSet(c10::Device device = c10::kCPU) : device_(device) {}
+  // Registers this rank's shard of the full `value` (made fp32, contiguous, requires_grad, on
+  // the set's device) under `name`; returns it.
   at::Tensor add(const std::string& name, at::Tensor value, Split split = {});
   const NamedTensors& all() const { return params_; }
   const Split& split(size_t k) const { return splits_[k]; }
+  c10::Device device() const { return device_; }
 
  private:
+  c10::Device device_;
   NamedTensors params_;
   std::vector<Split> splits_;
 };
@@ -69,6 +73,7 @@ struct Scope {
   std::string prefix;
   const Shard* shard = nullptr;  // null = unsharded
   Scope sub(const std::string& name) const { return {params, prefix + "." + name, shard}; }
+  c10::Device device() const { return params->device(); }
   at::Tensor add(const std::string& name, at::Tensor v, Split split = {}) const {
     return params->add(prefix + "." + name, std::move(v), std::move(split));
   }

@@ -24,7 +24,7 @@ struct AttachAux : torch::autograd::Function<AttachAux> {
     return y.view_as(y);
   }
   static variable_list backward(AutogradContext*, variable_list g) {
-    return {g[0], torch::ones({}, torch::kFloat)};
+    return {g[0], torch::ones({}, g[0].options().dtype(torch::kFloat))};
   }
 };
 
@@ -69,8 +69,9 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& idx, const at::Ten
   return GatherRows::apply(x, idx, inverse, group);
 }
 
+// A device tensor's values on the host (one synchronisation).
 std::vector<int64_t> to_vector(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kLong).contiguous();
+  const at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
   return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
 }
 
@@ -93,25 +94,26 @@ at::Tensor capacity_keep(const at::Tensor& experts, const at::Tensor& valid,
   const int64_t S = e_all.size(1), L = row_length;
   // Priority key per assignment (b, t, s): rows apart, then slot, then index in the row;
   // invalid tokens after every row (row B, a dummy expert E).
-  const at::Tensor b = torch::arange(B, torch::kLong).view({B, 1, 1});
-  const at::Tensor s = torch::arange(K, torch::kLong).view({1, 1, K});
+  const at::TensorOptions longs = experts.options().dtype(torch::kLong);
+  const at::Tensor b = torch::arange(B, longs).view({B, 1, 1});
+  const at::Tensor s = torch::arange(K, longs).view({1, 1, K});
   const at::Tensor v = v_all.unsqueeze(-1).expand({B, S, K});
-  const at::Tensor row = torch::where(v, b.expand({B, S, K}), torch::full({}, B, torch::kLong));
+  const at::Tensor row = torch::where(v, b.expand({B, S, K}), torch::full({}, B, longs));
   const at::Tensor key = (row * K + s) * L + i_all.view({1, S, 1});
-  const at::Tensor expert = torch::where(v, e_all, torch::full({}, E, torch::kLong));
+  const at::Tensor expert = torch::where(v, e_all, torch::full({}, E, longs));
   const at::Tensor order = key.reshape({-1}).argsort();
   const at::Tensor e_sorted = expert.reshape({-1}).index_select(0, order);
   const at::Tensor r_sorted = row.reshape({-1}).index_select(0, order);
-  const at::Tensor onehot = torch::one_hot(e_sorted, E + 1);        // [A, E + 1]
-  const at::Tensor before = onehot.cumsum(0) - onehot;              // earlier, any row
-  at::Tensor per_row = torch::zeros({B + 1, E + 1}, torch::kLong);  // per row, per expert
+  const at::Tensor onehot = torch::one_hot(e_sorted, E + 1);  // [A, E + 1]
+  const at::Tensor before = onehot.cumsum(0) - onehot;        // earlier, any row
+  at::Tensor per_row = torch::zeros({B + 1, E + 1}, longs);   // per row, per expert
   per_row.index_add_(0, r_sorted, onehot);
   const at::Tensor row_base = per_row.cumsum(0) - per_row;  // in earlier rows
   const at::Tensor rank_in_expert =
       (before - row_base.index_select(0, r_sorted)).gather(1, e_sorted.unsqueeze(1)).squeeze(1);
-  const at::Tensor cap = torch::cat({capacity, torch::zeros({1}, torch::kLong)});
+  const at::Tensor cap = torch::cat({capacity, torch::zeros({1}, capacity.options())});
   const at::Tensor keep_sorted = rank_in_expert < cap.index_select(0, r_sorted);
-  at::Tensor keep = torch::zeros({B * S * K}, torch::kBool);
+  at::Tensor keep = torch::zeros({B * S * K}, experts.options().dtype(torch::kBool));
   keep.index_put_({order}, keep_sorted);
   return keep.view({B, S, K}).narrow(1, cp.rank() * Sl, Sl);
 }
@@ -166,8 +168,8 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& keep
   const at::Tensor order = (exp0 * N + kept.div(K, "floor")).argsort();
   const at::Tensor slot = kept.index_select(0, order), exp = exp0.index_select(0, order);
   const int64_t A = slot.numel();
-  at::Tensor where = torch::full({N * K}, A, torch::kLong);
-  where.index_put_({slot}, torch::arange(A, torch::kLong));
+  at::Tensor where = torch::full({N * K}, A, kept.options());
+  where.index_put_({slot}, torch::arange(A, kept.options()));
   const at::Tensor w = gather_rows(top_w.reshape({-1}), slot, where);  // [A]
   const at::Tensor per_expert = torch::bincount(exp, {}, E);           // [E] int64
   if (counting) {
@@ -190,8 +192,8 @@ at::Tensor route(const MoeMlp& m, const at::Tensor& flat, const at::Tensor& keep
   // Received rows come by (source, expert): group them by expert.
   const int64_t R = x_recv.size(0);
   const at::Tensor expert_of_row =
-      torch::arange(local, torch::kLong).repeat({P}).repeat_interleave(from.reshape({-1}));
-  const at::Tensor perm = (expert_of_row * R + torch::arange(R, torch::kLong)).argsort();
+      torch::arange(local, from.options()).repeat({P}).repeat_interleave(from.reshape({-1}));
+  const at::Tensor perm = (expert_of_row * R + torch::arange(R, from.options())).argsort();
   const at::Tensor unperm = perm.argsort();
   const at::Tensor x_e = dist::copy_to(gather_rows(x_recv, perm, unperm), m.etp);
   const std::vector<int64_t> rows = to_vector(from.sum(0));
@@ -218,8 +220,9 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
   const int64_t B = x.size(0), Sl = x.size(1), H = x.size(2), N = B * Sl;
   const int64_t E = spec.experts, K = spec.top_k;
   const at::Tensor flat = x.reshape({N, H});
-  const at::Tensor valid =
-      info.valid.defined() ? info.valid.reshape({B, Sl}) : torch::ones({B, Sl}, torch::kBool);
+  const at::Tensor valid = info.valid.defined()
+                               ? info.valid.reshape({B, Sl})
+                               : torch::ones({B, Sl}, x.options().dtype(torch::kBool));
   const at::Tensor vf = valid.to(at::kFloat);
 
   // 1. Router (fp32) and top-k.
@@ -239,7 +242,7 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
   at::Tensor aux;
   if (training || counting) {
     // f: share of the row's top-k slots that chose each expert (a constant, as in Switch).
-    at::Tensor counts = torch::zeros({B, E}, torch::kFloat);
+    at::Tensor counts = torch::zeros({B, E}, logits.options());
     counts.scatter_add_(1, top_e.reshape({B, Sl * K}),
                         vf.unsqueeze(-1).expand({B, Sl, K}).reshape({B, Sl * K}));
     cp.all_reduce_sum(counts);
@@ -264,7 +267,8 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
         (T * (spec.capacity_factor * static_cast<double>(K) / static_cast<double>(E)))
             .ceil()
             .to(at::kLong);
-    const at::Tensor index = info.index.defined() ? info.index : torch::arange(Sl, torch::kLong);
+    const at::Tensor index =
+        info.index.defined() ? info.index : torch::arange(Sl, x.options().dtype(torch::kLong));
     const int64_t L = info.row_length > 0 ? info.row_length : Sl;
     keep =
         keep.logical_and(capacity_keep(top_e.view({B, Sl, K}), valid, index, capacity, E, L, cp));
@@ -276,7 +280,8 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
   const bool count_load = info.stats && !recomputing() && (slices > 1 || tp.rank() == 0);
   at::Tensor out;
   if (slices == 1) {
-    out = route(*this, flat, keep, top_w, top_e, valid.sum().item<int64_t>() * K, info, count_load);
+    const int64_t chosen = count_load ? valid.sum().item<int64_t>() * K : 0;  // a statistic
+    out = route(*this, flat, keep, top_w, top_e, chosen, info, count_load);
   } else {
     const int64_t n = (N + slices - 1) / slices, pad = n * slices - N;
     auto padded = [&](const at::Tensor& t) {
@@ -285,7 +290,7 @@ at::Tensor MoeMlp::operator()(const at::Tensor& x, const TokenInfo& info) const 
       return pad == 0 ? t : torch::cat({t, torch::zeros(shape, t.options())});
     };
     auto mine = [&](const at::Tensor& t) { return padded(t).narrow(0, tp.rank() * n, n); };
-    const int64_t chosen = mine(valid.reshape({N})).sum().item<int64_t>() * K;
+    const int64_t chosen = count_load ? mine(valid.reshape({N})).sum().item<int64_t>() * K : 0;
     const at::Tensor part =
         route(*this, dist::split_replicated(padded(flat), tp, 0), mine(keep),
               dist::split_replicated(padded(top_w), tp, 0), mine(top_e), chosen, info, count_load);

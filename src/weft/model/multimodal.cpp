@@ -7,8 +7,22 @@
 
 namespace weft::model {
 
+Inputs to_device(const Inputs& in, c10::Device device) {
+  auto move = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  Inputs out;
+  out.tokens = move(in.tokens);
+  out.positions = move(in.positions);
+  out.doc = move(in.doc);
+  out.item = move(in.item);
+  for (const at::Tensor& t : in.encoder_inputs) out.encoder_inputs.push_back(move(t));
+  for (const at::Tensor& t : in.encoder_rows) out.encoder_rows.push_back(move(t));
+  out.target_rows = move(in.target_rows);
+  out.targets = move(in.targets);
+  return out;
+}
+
 MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting hosting)
-    : spec_(spec), hosting_(std::move(hosting)) {
+    : spec_(spec), hosting_(std::move(hosting)), params_(hosting_.device) {
   if (hosting_.encoders.empty()) hosting_.encoders.resize(spec.encoders.size());
   WEFT_ASSERT(hosting_.encoders.size() == spec.encoders.size(), "hosting covers ",
               hosting_.encoders.size(), " encoders; the model has ", spec.encoders.size());

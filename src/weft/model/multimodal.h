@@ -33,6 +33,9 @@ struct Inputs {
   at::Tensor targets;                      // int64 [N]: the target token of each such row
 };
 
+// `in` with every tensor on `device` (no copies when they are there already).
+Inputs to_device(const Inputs& in, c10::Device device);
+
 // What of one module this rank builds: its pipeline stage's range and its TP/CP groups.
 struct ModuleHosting {
   bool hosted = true;
@@ -44,6 +47,7 @@ struct ModuleHosting {
 struct Hosting {
   std::vector<ModuleHosting> encoders;
   ModuleHosting llm;
+  c10::Device device = c10::kCPU;  // where the parameters live
 };
 
 class MultimodalModel {

@@ -15,6 +15,7 @@
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/core/progress.h"
+#include "weft/dist/device.h"
 #include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
@@ -101,7 +102,9 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   to.eval = false;
   Trainer trainer(spec, plan::make_plan(spec, 1), to);
   const at::ScalarType compute = ts.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
-  const double peak = o.peak_flops > 0 ? o.peak_flops : measure_matmul_peak(compute);
+  const c10::Device device = trainer.device();
+  const double peak =
+      o.peak_flops > 0 ? o.peak_flops : measure_matmul_peak(compute, 0.6, 2048, device);
 
   std::vector<StepBatch> batches;
   for (int64_t i = 0; i < total; ++i) batches.push_back(trainer.prepare_step(i));
@@ -116,12 +119,13 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
     io::write_text_file((dump / "config.toml").string(), spec_to_toml(trainer.spec()));
     io::TensorMap weights;
     for (const auto& [name, p] : trainer.model().parameters())
-      weights.emplace_back(name, p.detach());
+      weights.emplace_back(name, p.detach().to(at::kCPU));
     io::save_safetensors((dump / "model.safetensors").string(), weights);
     for (int64_t i = 0; i < total; ++i) dump_step(step_file(dump, i), batches[i]);
   }
 
   reset_peak_rss();
+  dist::reset_device_peak(device);
   std::vector<double> losses, grad_norms, seconds;
   double flops = 0, llm_flops = 0, timed = 0;
   int64_t tokens = 0;
@@ -130,8 +134,10 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
     std::unique_ptr<torch::autograd::profiler::RecordProfile> profiler;
     if (!o.profile.empty() && i + 1 == total)
       profiler = std::make_unique<torch::autograd::profiler::RecordProfile>(o.profile);
+    dist::synchronize(device);
     const double t0 = now_seconds();
     const StepOutcome out = trainer.train_step(batches[i], i);
+    dist::synchronize(device);
     const double dt = now_seconds() - t0;
     profiler.reset();
     losses.push_back(out.loss);
@@ -174,6 +180,8 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   j["peak_rss_bytes"] = peak_rss;
   j["baseline_rss_bytes"] = baseline;
   j["step_peak_bytes"] = peak_rss - baseline;
+  j["device"] = device.str();
+  if (device.is_cuda()) j["device_peak_bytes"] = dist::device_peak_bytes(device);
   if (!dump.empty()) {
     json b;
     b["warmup"] = o.warmup;

@@ -19,23 +19,26 @@ std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
   data::CollateOptions opts;
   opts.num_encoders = static_cast<int>(model.spec().encoders.size());
   opts.pad_id = tok.pad_id();
-  model::Inputs in = to_inputs(data::collate(prompts, opts));
+  const c10::Device device = model.param_set().device();
+  model::Inputs in = model::to_device(to_inputs(data::collate(prompts, opts)), device);
   const int64_t B = in.tokens.size(0), P = in.tokens.size(1);
   at::Tensor x = model.embed(in);
   std::vector<std::vector<int64_t>> out(static_cast<size_t>(B));
   std::vector<bool> done(static_cast<size_t>(B), false);
   const int64_t max_len = std::min(P + max_new, model.spec().llm.max_seq);
   for (int64_t len = P; len < max_len; ++len) {
-    in.positions = torch::arange(len, torch::kLong).unsqueeze(0).expand({B, len});
-    in.doc = torch::zeros({B, len}, torch::kInt);
+    in.positions = torch::arange(len, in.tokens.options()).unsqueeze(0).expand({B, len});
+    in.doc = torch::zeros({B, len}, in.item.options());
     if (in.item.size(1) < len)
-      in.item = torch::cat({in.item, torch::full({B, len - in.item.size(1)}, -1, torch::kInt)}, 1);
+      in.item =
+          torch::cat({in.item, torch::full({B, len - in.item.size(1)}, -1, in.item.options())}, 1);
     at::Tensor h = model.hidden(x, in);
     // Only the tokenizer's ids: the vocabulary may be padded past them.
     at::Tensor next =
         model.llm().logits(h.select(1, len - 1)).narrow(-1, 0, tok.vocab_size()).argmax(-1);  // [B]
     bool all_done = true;
-    auto acc = next.accessor<int64_t, 1>();
+    const at::Tensor host = next.to(at::kCPU);
+    auto acc = host.accessor<int64_t, 1>();
     for (int64_t b = 0; b < B; ++b) {
       if (!done[b]) {
         out[b].push_back(acc[b]);

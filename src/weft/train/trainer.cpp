@@ -16,6 +16,7 @@
 #include "weft/core/progress.h"
 #include "weft/data/collate.h"
 #include "weft/data/dataset.h"
+#include "weft/dist/device.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/files.h"
@@ -87,6 +88,7 @@ struct Trainer::Impl {
   std::unique_ptr<AdamW> optimizer;
   // Rank 0's whole model for evaluation when its own part is not the whole model.
   std::unique_ptr<model::MultimodalModel> eval_model;
+  c10::Device device = c10::kCPU;  // train.device, resolved for this rank
   at::ScalarType compute = at::kBFloat16;
   data::CollateOptions collate;
   plan::WorkModel work_model;  // each sample's encoder and LLM work, for balancing
@@ -116,6 +118,8 @@ struct Trainer::Impl {
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
     ro.zero1 = spec.train.zero_stage == 1;
+    device = dist::select_device(spec.train.device, opts.local_rank);
+    ro.device = device;
     runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
     optimizer = std::make_unique<AdamW>(runtime->trainable(), ao, runtime->owned());
@@ -249,7 +253,11 @@ struct Trainer::Impl {
     if (whole_model()) return &model();
     model::NamedTensors full = gather_parameters();
     if (opts.comm.rank() != 0) return nullptr;
-    if (!eval_model) eval_model = std::make_unique<model::MultimodalModel>(spec.model);
+    if (!eval_model) {
+      model::Hosting whole;
+      whole.device = device;
+      eval_model = std::make_unique<model::MultimodalModel>(spec.model, 0, whole);
+    }
     std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
     torch::NoGradGuard no_grad;
     for (const auto& [name, p] : eval_model->parameters()) p.copy_(by_name.at(name));
@@ -315,6 +323,7 @@ Trainer::~Trainer() = default;
 const Spec& Trainer::spec() const { return impl_->spec; }
 model::MultimodalModel& Trainer::model() { return impl_->model(); }
 dist::Runtime& Trainer::runtime() { return *impl_->runtime; }
+c10::Device Trainer::device() const { return impl_->device; }
 
 StepBatch Trainer::prepare_step(int64_t step) {
   Impl& m = *impl_;
@@ -411,7 +420,8 @@ Summary Trainer::run() {
     WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
   }
 
-  const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops : measure_matmul_peak(m.compute);
+  const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops
+                                            : measure_matmul_peak(m.compute, 0.6, 2048, m.device);
   const bool show = m.opts.progress && writer;
   Progress progress(m.start_step, ts.steps, ts.log_every, show && Progress::stderr_is_tty());
   if (show)

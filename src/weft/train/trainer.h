@@ -29,6 +29,7 @@ struct TrainerOptions {
   double peak_flops = 0;   // MFU denominator; 0 = measure the matmul peak at start
   bool eval = true;        // caption evaluation at eval_every and at the end
   int restart = 0;         // how many times the launcher restarted this job (metrics record it)
+  int local_rank = 0;      // this rank's GPU under train.device = "cuda" (LOCAL_RANK)
   // The job's ranks (default: this process alone). Its size must equal the plan's world size.
   // Rank 0 writes the run directory and evaluates; every rank trains.
   dist::Comm comm;
@@ -84,6 +85,8 @@ class Trainer {
   const Spec& spec() const;
   // The model being trained (initialised, or loaded from the resumed checkpoint).
   model::MultimodalModel& model();
+  // Where this rank computes (train.device resolved: the CPU, or its GPU).
+  c10::Device device() const;
   // This rank's share of the Plan (gathering full tensors, groups).
   dist::Runtime& runtime();
   // Called after the gradients of a step are accumulated, before clipping and the optimizer

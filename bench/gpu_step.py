@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Training-step benchmark on one GPU: weft against the PyTorch-eager reference, in one run.
+
+    python3 bench/gpu_step.py [--build build-cuda] [--config configs/gpu-1b-vlm.toml]
+                              [--steps 10] [--warmup 3] [--device cuda] [--write]
+
+Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
+eager reference runs under the same interpreter (sys.executable). It runs, one after another:
+  weft    `BUILD/weft bench step CONFIG --steps N --warmup W --set train.device=DEVICE --dump DIR`
+          (the real Trainer step, timed in-process with a device synchronize around each step)
+  eager   `bench/eager_reference.py DIR --device DEVICE` (the same model, weights, batches and
+          steps in idiomatic PyTorch: autocast bf16, torch.optim.AdamW,
+          scaled_dot_product_attention, Hugging Face-style loss over every position's logits)
+checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
+table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
+own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and
+the same peak (weft's measured matmul peak on the device), as step.py does. Peak memory on CUDA
+is the device's peak allocated memory over the steps (weft: device_peak_bytes, eager:
+torch.cuda.max_memory_allocated()); with --device cpu (to exercise the driver on a machine
+without a GPU) it is the process's peak RSS over the steps minus its RSS before the model, as in
+step.py. --write replaces this script's section of bench/RESULTS.md (appended when absent).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import results_md  # bench/RESULTS.md sections
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- bench/gpu_step.py begin -->", "<!-- bench/gpu_step.py end -->"
+TOLERANCE = 2e-2  # relative loss difference allowed in bf16 (bench/step.py's)
+
+
+def run_json(cmd):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"gpu_step.py: {' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    try:
+        return json.loads(out.stdout)
+    except ValueError:
+        sys.exit(f"gpu_step.py: {' '.join(cmd)} did not print JSON:\n{out.stdout[-3000:]}")
+
+
+def check_losses(a, b, what):
+    if len(a["losses"]) != len(b["losses"]):
+        sys.exit(f"gpu_step.py: {what}: {len(a['losses'])} vs {len(b['losses'])} losses")
+    for i, (x, y) in enumerate(zip(a["losses"], b["losses"])):
+        if abs(x - y) > TOLERANCE * abs(y):
+            sys.exit(f"gpu_step.py: {what}: step {i + 1} loss {x} vs {y}: not the same "
+                     "computation")
+
+
+def mib(b):
+    return b / 2**20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default="build-cuda", help="weft's build directory")
+    ap.add_argument("--config", default="configs/gpu-1b-vlm.toml")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="train.device for weft and --device for the eager reference "
+                    "(cpu: only to exercise this script without a GPU)")
+    ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    args = ap.parse_args()
+    build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
+    cuda = args.device == "cuda"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = os.path.join(tmp, "dump")
+        w = run_json([os.path.join(build, "weft"), "bench", "step", args.config,
+                      "--steps", str(args.steps), "--warmup", str(args.warmup),
+                      "--set", f"train.device={args.device}", "--dump", dump])
+        e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"), dump,
+                      "--device", args.device])
+        with open(os.path.join(dump, "bench.json")) as f:
+            bench = json.load(f)
+    check_losses(w, e, f"{args.config} weft vs eager")
+
+    # Eager MFU with weft's FLOPs per step and weft's peak (the dump's bench.json).
+    timed = bench["step"][bench["warmup"]:]
+    flops, peak = sum(s["flops"] for s in timed), bench["peak_flops"]
+    eager_s = sum(e["step_seconds"])
+    eager_mfu = flops / eager_s / peak if eager_s > 0 and peak > 0 else 0.0
+    w_mem = w.get("device_peak_bytes", w["step_peak_bytes"]) if cuda else w["step_peak_bytes"]
+    e_mem = e["step_peak_bytes"]  # eager_reference: the device peak with --device cuda
+
+    rows = [("weft", w["median_step_seconds"], w["tokens_per_second"], w["mfu"], w_mem),
+            ("PyTorch eager (HF-style full-logit loss)", e["median_step_seconds"],
+             e["tokens_per_second"], eager_mfu, e_mem)]
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
+    (_, ws, wt, wm, wb), (_, es, et, em, eb) = rows
+    device = e.get("device_name", results_md.machine()) if cuda else results_md.machine()
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    memory = ("device memory, peak allocated over the steps" if cuda else
+              "process peak RSS over the steps minus RSS before the model")
+    attention = e.get("attention", "eager")
+    table = [
+        f"**{name}** — {w['params'] / 1e6:.1f}M parameters ({w['trainable_params'] / 1e6:.1f}M "
+        f"trainable), batch {w['batch']}, {w['tokens_per_step']:.0f} tokens/step, "
+        f"{w['precision']}, on {w.get('device', args.device)}, {args.warmup} warmup + {args.steps} timed steps",
+        "",
+        "| implementation | step s (median) | tokens/s | MFU | peak memory MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for label, s, t, m, b in rows:
+        table.append(f"| {label} | {s:.3f} | {t:.0f} | {100 * m:.1f}% | {mib(b):.0f} |")
+    table += [
+        f"| eager / weft | {ratio(es, ws)} | {ratio(et, wt)} | {ratio(em, wm)} | "
+        f"{ratio(eb, wb)} |",
+        "",
+        f"speed-up of weft (eager step time / weft step time): **{ratio(es, ws)}**; "
+        f"memory eager/weft: {ratio(eb, wb)}",
+        "",
+    ]
+    print("\n".join(table), flush=True)
+
+    if args.write:
+        repro = "python3 bench/gpu_step.py --write"
+        for opt, default in (("build", "build-cuda"), ("config", "configs/gpu-1b-vlm.toml"),
+                             ("steps", 10), ("warmup", 3), ("device", "cuda")):
+            if getattr(args, opt) != default:
+                repro += f" --{opt} {getattr(args, opt)}"
+        lines = [BEGIN, "## Training step on one GPU: weft vs PyTorch eager", "",
+                 f"Device: {device}; PyTorch (Python) {e['torch']} ({attention} attention), "
+                 f"weft built against LibTorch {w['torch']}. Host: {results_md.machine()}. "
+                 f"Reproduce: `scripts/gpu build && {repro}`.", "",
+                 "Both sides run the same model from the same initial weights on the same "
+                 "batches (`weft bench step --dump`); their losses agree (checked). MFU "
+                 f"denominator: weft's measured {w['precision']} matmul peak on the "
+                 f"{'device' if cuda else 'CPU'}, "
+                 f"{peak / 1e12:.1f} TFLOP/s, with the same FLOPs per step for both. Peak "
+                 f"memory: {memory}.", ""]
+        lines += table
+        lines.append(END)
+        results_md.write_section(lines, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
