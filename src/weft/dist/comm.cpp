@@ -1,6 +1,7 @@
 #include "weft/dist/comm.h"
 
 #include <torch/torch.h>
+#include <torch/version.h>  // TORCH_VERSION_MAJOR: the Backend alias
 
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO

@@ -1,5 +1,6 @@
 #include "weft/dist/runtime.h"
 
+#include <c10/util/accumulate.h>  // c10::multiply_integers
 #include <torch/torch.h>
 
 #include <chrono>

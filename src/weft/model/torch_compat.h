@@ -8,9 +8,14 @@
 #include "weft/model/blocked_attention.h"
 #include "weft/model/fused.h"
 
+// LibTorch at least M.m.
+#define WEFT_TORCH_AT_LEAST(M, m) \
+  (TORCH_VERSION_MAJOR > (M) || (TORCH_VERSION_MAJOR == (M) && TORCH_VERSION_MINOR >= (m)))
+
 namespace weft::compat {
 
-constexpr bool kHasSdpa = TORCH_VERSION_MAJOR >= 2;
+// scaled_dot_product_attention with a `scale` argument: 2.1 on.
+constexpr bool kHasSdpa = WEFT_TORCH_AT_LEAST(2, 1);
 
 // Attention with a boolean "may attend" mask [B, 1, S, Sk] (true = visible; undefined = all
 // visible). q is [B, H, S, D]; k, v are [B, KV, Sk, D] with H a multiple of KV, query head h using
@@ -19,7 +24,7 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t KV = k.size(1), rep = H / KV;
-#if TORCH_VERSION_MAJOR >= 2
+#if WEFT_TORCH_AT_LEAST(2, 1)
   const int64_t Sk = k.size(2);
   at::Tensor ke = k, ve = v;
   if (rep > 1) {

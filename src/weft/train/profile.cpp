@@ -59,11 +59,21 @@ std::string cpu_name() {
   return "unknown CPU";
 }
 
+// The type of the hook's running totals: int64_t on LibTorch 1.13, size_t on 2.x (read off c10's
+// own reporting function, so no version number is guessed).
+template <class>
+struct TotalsArg;
+template <class R, class A0, class A1, class A2, class A3, class A4>
+struct TotalsArg<R (*)(A0, A1, A2, A3, A4)> {
+  using type = A2;
+};
+using TotalBytes = TotalsArg<decltype(&c10::reportMemoryUsageToProfiler)>::type;
+
 // Bytes the CPU allocator handed out on this thread and not taken back, while the guard is
 // alive (c10's memory-reporting hook, the one the profiler uses).
 class AllocationMeter final : public c10::MemoryReportingInfoBase {
  public:
-  void reportMemoryUsage(void*, int64_t alloc_size, int64_t, int64_t, c10::Device) override {
+  void reportMemoryUsage(void*, int64_t alloc_size, TotalBytes, TotalBytes, c10::Device) override {
     live_ += alloc_size;
   }
   bool memoryProfilingEnabled() const override { return true; }
