@@ -32,6 +32,15 @@ import results_md  # bench/RESULTS.md sections
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- bench/gpu_step.py begin -->", "<!-- bench/gpu_step.py end -->"
 TOLERANCE = 2e-2  # relative loss difference allowed in bf16 (bench/step.py's)
+# Dense bf16 datasheet peaks (FLOP/s), the MFU denominator the field uses (../REFERENCES: H100 and
+# H200 SXM 989 TFLOP/s); other devices: weft's measured matmul peak.
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}
+
+
+def datasheet_peak():
+    import torch  # the interpreter's torch (2.x with CUDA on the GPU machine)
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in DATASHEET_BF16.items() if k in name), 0.0), name
 
 
 def run_json(cmd):
@@ -66,16 +75,26 @@ def main():
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="train.device for weft and --device for the eager reference "
                     "(cpu: only to exercise this script without a GPU)")
+    ap.add_argument("--peak-flops", type=float, default=None,
+                    help="MFU denominator (default: the device's bf16 datasheet peak when known, "
+                    "else weft's measured matmul peak)")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
     build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
     cuda = args.device == "cuda"
+    peak_flops = args.peak_flops
+    if peak_flops is None:
+        peak_flops = datasheet_peak()[0] if cuda else 0.0
+    peak_note = ("the device's bf16 datasheet peak" if args.peak_flops is None and peak_flops
+                 else "the given peak" if peak_flops else
+                 "weft's measured matmul peak on the " + ("device" if cuda else "CPU"))
 
     with tempfile.TemporaryDirectory() as tmp:
         dump = os.path.join(tmp, "dump")
         w = run_json([os.path.join(build, "weft"), "bench", "step", args.config,
                       "--steps", str(args.steps), "--warmup", str(args.warmup),
-                      "--set", f"train.device={args.device}", "--dump", dump])
+                      "--set", f"train.device={args.device}", "--dump", dump]
+                     + (["--peak-flops", str(peak_flops)] if peak_flops else []))
         e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"), dump,
                       "--device", args.device])
         with open(os.path.join(dump, "bench.json")) as f:
@@ -132,8 +151,7 @@ def main():
                  f"Reproduce: `scripts/gpu build && {repro}`.", "",
                  "Both sides run the same model from the same initial weights on the same "
                  "batches (`weft bench step --dump`); their losses agree (checked). MFU "
-                 f"denominator: weft's measured {w['precision']} matmul peak on the "
-                 f"{'device' if cuda else 'CPU'}, "
+                 f"denominator: {peak_note}, "
                  f"{peak / 1e12:.1f} TFLOP/s, with the same FLOPs per step for both. Peak "
                  f"memory: {memory}.", ""]
         lines += table

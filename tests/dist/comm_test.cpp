@@ -59,6 +59,34 @@ TEST(Comm, BroadcastGatherReduceScatter) {
   });
 }
 
+// Uneven all-to-all in every dtype the runtime sends (bf16 activations of MoE dispatch, int64
+// counts, fp32), 1-D and 3-D, with a rank that sends nothing to one peer. bf16 failed on 1.13's
+// Gloo ("Invalid scalar type") before it went as bytes.
+TEST(Comm, AllToAllUnevenInEveryDtype) {
+  run_ranks(3, [](const Comm& c) {
+    const int64_t r = c.rank();
+    // Rank r sends (r + d) % 3 rows to rank d, each row filled with 100 r + d.
+    std::vector<int64_t> send(3), recv(3);
+    for (int64_t d = 0; d < 3; ++d) send[d] = (r + d) % 3, recv[d] = (d + r) % 3;
+    for (at::ScalarType dtype : {torch::kBFloat16, torch::kLong, torch::kFloat}) {
+      for (const std::vector<int64_t>& row : {std::vector<int64_t>{}, std::vector<int64_t>{2, 3}}) {
+        std::vector<at::Tensor> parts, want;
+        for (int64_t d = 0; d < 3; ++d) {
+          std::vector<int64_t> shape = {send[d]};
+          shape.insert(shape.end(), row.begin(), row.end());
+          parts.push_back(torch::full(shape, 100 * r + d, dtype));
+          std::vector<int64_t> from = {recv[d]};
+          from.insert(from.end(), row.begin(), row.end());
+          want.push_back(torch::full(from, 100 * d + r, dtype));
+        }
+        const at::Tensor got = c.all_to_all(torch::cat(parts), send, recv);
+        EXPECT_EQ(got.scalar_type(), dtype);
+        EXPECT_TRUE(torch::equal(got, torch::cat(want))) << "rank " << r << " " << dtype;
+      }
+    }
+  });
+}
+
 TEST(Comm, SubgroupsReduceOnlyTheirMembers) {
   run_ranks(4, [](const Comm& c) {
     Comm evens = c.subgroup({0, 2});

@@ -349,16 +349,22 @@ at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& sen
   WEFT_CHECK(sent == t.size(0), "all_to_all: send counts add up to ", sent,
              " rows, the tensor has ", t.size(0));
   if (size() == 1) return t.clone();
-  // Gloo moves bytes: reinterpret 2-byte floats (bf16, which 1.13's Gloo does not know) as int16
-  // (NCCL knows bf16, and has no int16).
-  const bool as_short = t.element_size() == 2 && t.is_floating_point() && !t.is_cuda();
-  at::Tensor in = as_short ? t.contiguous().view(at::kShort) : t.contiguous();
+  // Gloo moves bytes: 2-byte elements (bf16, which 1.13's Gloo does not know, and half; its
+  // all-to-all has no int16 either) go as rows of bytes. NCCL moves bf16 as it is.
+  const bool as_bytes = t.element_size() == 2 && !t.is_cuda();
+  at::Tensor in = t.contiguous();
+  int64_t row_elements = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) row_elements *= t.size(d);
+  if (as_bytes) in = in.view({t.size(0), row_elements}).view(at::kByte);
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] = received;
   at::Tensor out = torch::empty(shape, in.options());
   std::vector<int64_t> in_splits = send_counts, out_splits = recv_counts;
   impl_->wait(impl_->group_for(in).alltoall_base(out, in, out_splits, in_splits), "all_to_all");
-  return as_short ? out.view(t.scalar_type()) : out;
+  if (!as_bytes) return out;
+  std::vector<int64_t> full = t.sizes().vec();
+  full[0] = received;
+  return out.view(t.scalar_type()).view(full);
 }
 
 Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
