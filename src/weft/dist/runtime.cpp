@@ -545,7 +545,7 @@ struct Runtime::Impl {
   }
 
   LlmSaved llm_forward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
-                       int64_t targets, int64_t batch_rows, double* loss_out) {
+                       int64_t targets, int64_t batch_rows, at::Tensor* loss_out) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
     Span span{this, op_name("llm", "fwd", m, role.c.pp), "forward"};
@@ -632,7 +632,11 @@ struct Runtime::Impl {
     }
     at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
     at::Tensor loss = model->llm().loss_sum(flat, tgt) / static_cast<double>(targets);
-    if (role.c.tp == 0) *loss_out += loss.item<double>();
+    if (role.c.tp ==
+        0) {  // summed in double where it is: one host read per step, not per microbatch
+      const at::Tensor l = loss.detach().to(at::kDouble);
+      *loss_out = loss_out->defined() ? *loss_out + l : l;
+    }
     saved.output = loss;
     return saved;
   }
@@ -696,7 +700,7 @@ struct Runtime::Impl {
     if (llm_plan->layout.cp > 1)  // every microbatch's split, so every rank knows the balance
       for (const auto& replica : batch)
         for (const model::Inputs& in : replica) cp_layout(in);
-    double loss = 0;
+    at::Tensor loss;  // this rank's share of the loss (double, on the device)
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)
@@ -778,8 +782,8 @@ struct Runtime::Impl {
     times.grad_sync_seconds = now() - t0;
     // The loss, and the routing statistics of an MoE LLM, summed over ranks in one reduction.
     const int64_t experts = spec.llm.moe.experts;
-    std::vector<double> sums = {loss, moe_stats.balance, moe_stats.z,
-                                static_cast<double>(moe_stats.routed),
+    std::vector<double> sums = {loss.defined() ? loss.item<double>() : 0.0, moe_stats.balance,
+                                moe_stats.z, static_cast<double>(moe_stats.routed),
                                 static_cast<double>(moe_stats.dropped)};
     for (int64_t layer : routing.layers) {
       const auto it = moe_stats.load.find(layer);
