@@ -276,6 +276,24 @@ struct SafetensorsReader::Impl {
   std::vector<Entry> entries;  // data-buffer order
   std::map<std::string, size_t> index;
   std::map<std::string, std::string> metadata;
+
+  // The entry named `name`, after checking the requested float dtype is one.
+  const Entry& entry(const std::string& name, c10::optional<at::ScalarType> float_dtype) const {
+    WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(path),
+               ": float_dtype must be a floating type, got ", *float_dtype);
+    auto it = index.find(name);
+    WEFT_CHECK(it != index.end(), where(path, name), ": no such tensor");
+    return entries[it->second];
+  }
+  // `bytes` as a tensor of the entry's dtype and `shape`, converted to float_dtype when floating.
+  static at::Tensor tensor(const Entry& e, std::vector<int64_t> shape, const uint8_t* bytes,
+                           c10::optional<at::ScalarType> float_dtype) {
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(e.type));
+    if (t.nbytes() > 0) std::memcpy(t.data_ptr(), bytes, t.nbytes());
+    if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
+      t = t.to(*float_dtype);
+    return t;
+  }
 };
 
 SafetensorsReader::SafetensorsReader(const std::string& path)
@@ -367,43 +385,26 @@ const std::map<std::string, std::string>& SafetensorsReader::metadata() const {
 
 at::Tensor SafetensorsReader::read(const std::string& name,
                                    c10::optional<at::ScalarType> float_dtype) const {
-  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(impl_->path),
-             ": float_dtype must be a floating type, got ", *float_dtype);
-  auto it = impl_->index.find(name);
-  WEFT_CHECK(it != impl_->index.end(), where(impl_->path, name), ": no such tensor");
-  const Entry& e = impl_->entries[it->second];
+  const Entry& e = impl_->entry(name, float_dtype);
   const uint8_t* src = impl_->buffer + e.begin;
   if (e.type == at::kBool) {
     bool ok = std::all_of(src, src + (e.end - e.begin), [](uint8_t v) { return v <= 1; });
     WEFT_CHECK(ok, where(impl_->path, e.name), ": BOOL tensor holds bytes other than 0 and 1");
   }
-  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
-  if (e.end > e.begin) std::memcpy(t.data_ptr(), src, e.end - e.begin);
-  if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
-    t = t.to(*float_dtype);
-  return t;
+  return Impl::tensor(e, e.shape, src, float_dtype);
 }
 
 at::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t begin, int64_t count,
                                         c10::optional<at::ScalarType> float_dtype) const {
-  WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(impl_->path),
-             ": float_dtype must be a floating type, got ", *float_dtype);
-  auto it = impl_->index.find(name);
-  WEFT_CHECK(it != impl_->index.end(), where(impl_->path, name), ": no such tensor");
-  const Entry& e = impl_->entries[it->second];
+  const Entry& e = impl_->entry(name, float_dtype);
   WEFT_CHECK(!e.shape.empty() && begin >= 0 && count >= 0 && begin + count <= e.shape[0],
              where(impl_->path, name), ": rows [", begin, ", ", begin + count,
              ") are outside its shape ", at::IntArrayRef(e.shape));
   WEFT_CHECK(e.type != at::kBool, where(impl_->path, name), ": read_rows of a BOOL tensor");
   std::vector<int64_t> shape = e.shape;
   shape[0] = count;
-  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(e.type));
   const uint64_t row_bytes = e.shape[0] > 0 ? (e.end - e.begin) / e.shape[0] : 0;
-  if (t.nbytes() > 0)
-    std::memcpy(t.data_ptr(), impl_->buffer + e.begin + begin * row_bytes, count * row_bytes);
-  if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
-    t = t.to(*float_dtype);
-  return t;
+  return Impl::tensor(e, shape, impl_->buffer + e.begin + begin * row_bytes, float_dtype);
 }
 
 SafetensorsFile load_safetensors(const std::string& path,
