@@ -27,7 +27,8 @@ fs::path fresh(const std::string& name) {
 Checkpoint sample(float v) {
   return {{{"w", torch::full({64, 64}, v)}, {"b", torch::arange(7).to(torch::kFloat)}},
           {{"exp_avg.w", torch::full({64, 64}, v / 2)}},
-          "{\"step\": 1}"};
+          "{\"step\": 1}",
+          {}};
 }
 
 using testing::error_of;
