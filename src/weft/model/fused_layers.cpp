@@ -39,6 +39,18 @@ bool fusable_param(const at::Tensor& p, int64_t n) {
 // Rows per task (and per parameter-gradient block) for rows of n elements. Depends on the
 // shape only, so the block sums below do not depend on the thread count.
 int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, kTaskElements / n); }
+int64_t row_blocks(int64_t rows, int64_t n) {
+  return (rows + rows_per_task(n) - 1) / rows_per_task(n);
+}
+
+// f(block, begin, end) over the row_blocks(rows, n) blocks of rows, in parallel.
+template <typename F>
+void for_row_blocks(int64_t rows, int64_t n, const F& f) {
+  const int64_t per = rows_per_task(n);
+  at::parallel_for(0, row_blocks(rows, n), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f(b, b * per, std::min(rows, (b + 1) * per));
+  });
+}
 
 // The parameter gradients of a norm: every block of rows adds its contribution to its own
 // partial row; the blocks are then summed in order (deterministic).
@@ -124,8 +136,7 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &rstd = saved[2];
     const at::Tensor g = grads[0].contiguous();
-    const int64_t n = x.size(-1), rows = x.numel() / n, per = rows_per_task(n);
-    const int64_t blocks = (rows + per - 1) / per;
+    const int64_t n = x.size(-1), rows = x.numel() / n, blocks = row_blocks(rows, n);
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
     at::Tensor dx = need_dx ? at::empty_like(x) : at::Tensor();
     ParamGrads pg(n, 1, need_dw ? blocks : 0);
@@ -134,11 +145,9 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
       const T* xp = x.data_ptr<T>();
       const T* gp = g.data_ptr<T>();
       T* dp = need_dx ? dx.data_ptr<T>() : nullptr;
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b)
-          rms_norm_grad_rows(xp, gp, w.data_ptr<float>(), rstd.data_ptr<float>(), dp,
-                             need_dw ? pg.block(b, 0) : nullptr, b * per,
-                             std::min(rows, (b + 1) * per), n);
+      for_row_blocks(rows, n, [&](int64_t b, int64_t begin, int64_t end) {
+        rms_norm_grad_rows(xp, gp, w.data_ptr<float>(), rstd.data_ptr<float>(), dp,
+                           need_dw ? pg.block(b, 0) : nullptr, begin, end, n);
       });
     });
     return {dx, need_dw ? pg.total(0, blocks) : at::Tensor(), at::Tensor()};
@@ -218,8 +227,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
     const at::Tensor g = grads[0].contiguous();
-    const int64_t n = x.size(-1), rows = x.numel() / n, per = rows_per_task(n);
-    const int64_t blocks = (rows + per - 1) / per;
+    const int64_t n = x.size(-1), rows = x.numel() / n, blocks = row_blocks(rows, n);
     const bool need_dx = ctx->needs_input_grad(0);
     const bool need_dw = ctx->needs_input_grad(1), need_db = ctx->needs_input_grad(2);
     at::Tensor dx = need_dx ? at::empty_like(x) : at::Tensor();
@@ -229,12 +237,10 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
       const T* xp = x.data_ptr<T>();
       const T* gp = g.data_ptr<T>();
       T* dp = need_dx ? dx.data_ptr<T>() : nullptr;
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b)
-          layer_norm_grad_rows(xp, gp, w.data_ptr<float>(), mean.data_ptr<float>(),
-                               rstd.data_ptr<float>(), dp, need_dw ? pg.block(b, 0) : nullptr,
-                               need_db ? pg.block(b, 1) : nullptr, b * per,
-                               std::min(rows, (b + 1) * per), n);
+      for_row_blocks(rows, n, [&](int64_t b, int64_t begin, int64_t end) {
+        layer_norm_grad_rows(xp, gp, w.data_ptr<float>(), mean.data_ptr<float>(),
+                             rstd.data_ptr<float>(), dp, need_dw ? pg.block(b, 0) : nullptr,
+                             need_db ? pg.block(b, 1) : nullptr, begin, end, n);
       });
     });
     return {dx, need_dw ? pg.total(0, blocks) : at::Tensor(),
