@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "support/errors.h"
 #include "weft/core/error.h"
 
 namespace weft::data {
@@ -141,6 +142,34 @@ TEST(Collate, EmptyEncoderHasNoInputAndNoRows) {
   EXPECT_EQ(mb.encoder_rows[0].scalar_type(), torch::kLong);
   EXPECT_EQ(mb.tokens.sizes(), (std::vector<int64_t>{1, 3}));
   EXPECT_TRUE(mb.doc.eq(0).all().item<bool>());  // no padding in a lone sample
+}
+
+// A rank loads only the items its encoder stages read: the microbatch holds those inputs and
+// where they start; the rows still place every item.
+TEST(Collate, PartlyLoadedItemsKeepTheirPlace) {
+  Sample a = sample_a(), c = sample_c(), a2 = sample_a();
+  a.items[0].input = at::Tensor();  // vision items: [-, 20, 10] -> loaded from item 1
+  a2.items[0].input = torch::full({3, 4, 4}, 40.f);
+  c.items[1].input = at::Tensor();  // the one audio item: none loaded
+  const Microbatch mb = collate({a, c, a2}, options(false, 16));
+  ASSERT_EQ(mb.encoder_first.size(), 2u);
+  EXPECT_EQ(mb.encoder_first[0], 1);
+  ASSERT_EQ(mb.encoder_inputs[0].size(0), 2);
+  EXPECT_TRUE(torch::equal(mb.encoder_inputs[0][0], torch::full({3, 4, 4}, 20.f)));
+  EXPECT_TRUE(torch::equal(mb.encoder_inputs[0][1], torch::full({3, 4, 4}, 40.f)));
+  EXPECT_EQ(mb.encoder_rows[0].numel(), 3 * 2);  // every item's placeholders
+  EXPECT_FALSE(mb.encoder_inputs[1].defined());
+  EXPECT_EQ(mb.encoder_first[1], 0);
+  EXPECT_EQ(mb.encoder_rows[1].numel(), 2);
+  // Loaded items with a gap between them are an error, not a silent shift.
+  Sample gap = sample_c();
+  gap.items[0].input = at::Tensor();
+  const std::string e = testing::error_of([&] {
+    collate({sample_a(), gap, sample_a()}, options(false, 16));
+  });
+  EXPECT_NE(e.find("sample 2: the loaded items of encoder 0 are not consecutive"),
+            std::string::npos)
+      << e;
 }
 
 TEST(Collate, PadIdFillsPadding) {

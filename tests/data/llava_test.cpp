@@ -219,6 +219,74 @@ TEST(Llava, SkipPolicyReplacesAndCountsBadRecords) {
   fs::remove_all(f.dir);
 }
 
+// The two phases: a layout carries no media; load_media decodes only the items asked for, into
+// the same tensors the one-process batch has.
+TEST(Llava, LayoutThenMediaLoadsOnlyWhatIsWanted) {
+  std::string records = "[";
+  for (int i = 0; i < 5; ++i) records += record("media/a.png", "media/c.wav", "What?", "a") + ",";
+  records += record("media/b.jpg", "", "What?", "a") + "]";
+  Fixture f = make("phases", records);
+  LlavaDataset d(&f.spec), whole(&f.spec);
+  std::vector<Sample> layout = d.train_layout(1, 3);
+  const std::vector<Sample> full = whole.train_batch(1, 3);
+  ASSERT_EQ(layout.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(layout[i].tokens, full[i].tokens);
+    EXPECT_EQ(layout[i].record, full[i].record);
+    ASSERT_EQ(layout[i].items.size(), 2u);
+    for (const ModalityItem& item : layout[i].items) EXPECT_FALSE(item.input.defined());
+  }
+  const std::vector<MediaRef> want = {{0, 1}, {2, 0}};  // sample 0's audio, sample 2's image
+  EXPECT_TRUE(d.load_media(1, layout, want).empty());
+  EXPECT_EQ(d.media_loaded(), 2);
+  EXPECT_EQ(whole.media_loaded(), 6);
+  EXPECT_FALSE(layout[0].items[0].input.defined());
+  EXPECT_TRUE(torch::equal(layout[0].items[1].input, full[0].items[1].input));
+  EXPECT_TRUE(torch::equal(layout[2].items[0].input, full[2].items[0].input));
+  EXPECT_FALSE(layout[1].items[0].input.defined());
+  fs::remove_all(f.dir);
+}
+
+// Under "skip", only the rank that decodes a bad item notices it; once every rank marks it bad
+// (the trainer agrees on it), all take the same new layout, which replaces the record.
+TEST(Llava, BadMediaIsReportedThenReplacedAlike) {
+  std::string records = "[";
+  for (int i = 0; i < 6; ++i)
+    records += record(i == 1 ? "media/nope.png" : "media/a.png", "", "What?", "a") + ",";
+  records += record("media/a.png", "", "What?", "a") + "]";
+  Fixture f = make("agree", records);
+  f.spec.data.on_error = "skip";
+  LlavaDataset a(&f.spec), b(&f.spec);
+  std::vector<Sample> la = a.train_layout(0, 6), lb = b.train_layout(0, 6);
+  int64_t bad = -1;
+  for (size_t i = 0; i < la.size(); ++i)
+    if (la[i].record == 1) bad = static_cast<int64_t>(i);
+  ASSERT_GE(bad, 0) << "one epoch visits every training record";
+  std::vector<MediaRef> rest;
+  for (int64_t i = 0; i < 6; ++i)
+    if (i != bad) rest.push_back({i, 0});
+  EXPECT_TRUE(a.load_media(0, la, rest).empty());
+  EXPECT_EQ(b.load_media(0, lb, {{bad, 0}}), std::vector<int64_t>{bad});
+  EXPECT_EQ(a.skipped(), 0);
+  a.mark_bad({la[bad]});
+  b.mark_bad({lb[bad]});
+  EXPECT_EQ(a.skipped(), 1);
+  const std::vector<Sample> again_a = a.train_layout(0, 6), again_b = b.train_layout(0, 6);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_NE(again_a[i].record, 1);
+    EXPECT_EQ(again_a[i].record, again_b[i].record);
+    EXPECT_EQ(again_a[i].tokens, again_b[i].tokens);
+  }
+  // Under "fail" the same item is an error naming the file and the record.
+  f.spec.data.on_error = "fail";
+  LlavaDataset strict(&f.spec);
+  std::vector<Sample> ls = strict.train_layout(0, 6);
+  const std::string e = error_of([&] { strict.load_media(0, ls, {{bad, 0}}); });
+  EXPECT_NE(e.find("data.json: record 1: "), std::string::npos) << e;
+  EXPECT_NE(e.find("nope.png"), std::string::npos) << e;
+  fs::remove_all(f.dir);
+}
+
 }  // namespace
 }  // namespace weft::data
 

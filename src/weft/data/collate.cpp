@@ -45,6 +45,7 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
 
   std::vector<int64_t> target_rows, targets;
   std::vector<std::vector<at::Tensor>> enc_inputs(opts.num_encoders);
+  std::vector<int64_t> enc_items(opts.num_encoders, 0), enc_first(opts.num_encoders, -1);
   std::vector<std::vector<int64_t>> enc_rows(opts.num_encoders);
   for (int64_t r = 0; r < B; ++r) {
     int64_t offset = 0;
@@ -73,7 +74,16 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
           item[r][offset + it.start + t] = next_item;
           enc_rows[it.encoder].push_back(r * S + offset + it.start + t);
         }
-        enc_inputs[it.encoder].push_back(it.input);
+        if (it.input.defined()) {  // loaded here: the loaded items of an encoder are consecutive
+          std::vector<at::Tensor>& loaded = enc_inputs[it.encoder];
+          int64_t& first = enc_first[it.encoder];
+          if (first < 0) first = enc_items[it.encoder];
+          WEFT_CHECK(first + static_cast<int64_t>(loaded.size()) == enc_items[it.encoder],
+                     "sample ", rows[r][d], ": the loaded items of encoder ", it.encoder,
+                     " are not consecutive");
+          loaded.push_back(it.input);
+        }
+        ++enc_items[it.encoder];
         ++next_item;
       }
       mb.real_tokens += len;
@@ -83,6 +93,7 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
   }
   for (int e = 0; e < opts.num_encoders; ++e) {
     mb.encoder_inputs.push_back(enc_inputs[e].empty() ? at::Tensor() : torch::stack(enc_inputs[e]));
+    mb.encoder_first.push_back(std::max<int64_t>(enc_first[e], 0));
     mb.encoder_rows.push_back(torch::tensor(enc_rows[e], torch::kLong));
   }
   mb.target_rows = torch::tensor(target_rows, torch::kLong);

@@ -12,14 +12,17 @@
 namespace weft::data {
 
 struct Microbatch {
-  at::Tensor tokens;                       // int64 [B, S]
-  at::Tensor positions;                    // int64 [B, S]
-  at::Tensor doc;                          // int32 [B, S]; -1 = padding
-  at::Tensor item;                         // int32 [B, S]; -1 = text
-  std::vector<at::Tensor> encoder_inputs;  // per encoder [N_e, ...] (undefined when N_e = 0)
-  std::vector<at::Tensor> encoder_rows;    // per encoder int64 [N_e * T_e]
-  at::Tensor target_rows;                  // int64 [N]
-  at::Tensor targets;                      // int64 [N]
+  at::Tensor tokens;     // int64 [B, S]
+  at::Tensor positions;  // int64 [B, S]
+  at::Tensor doc;        // int32 [B, S]; -1 = padding
+  at::Tensor item;       // int32 [B, S]; -1 = text
+  // Per encoder: the inputs of items [encoder_first[e], encoder_first[e] + n) of its N_e items
+  // (undefined when n = 0): the loaded ones, which must be consecutive (all, on one process).
+  std::vector<at::Tensor> encoder_inputs;
+  std::vector<int64_t> encoder_first;
+  std::vector<at::Tensor> encoder_rows;  // per encoder int64 [N_e * T_e]
+  at::Tensor target_rows;                // int64 [N]
+  at::Tensor targets;                    // int64 [N]
   int64_t samples = 0;
   int64_t real_tokens = 0;    // non-padding tokens
   double sum_sq_doc_len = 0;  // Σ over documents of length²

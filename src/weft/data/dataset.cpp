@@ -14,8 +14,25 @@ namespace {
 class ShapesData final : public Dataset {
  public:
   ShapesData(const Spec& spec, Tokenizer tok) : tok_(std::move(tok)), data_(spec, tok_) {}
-  std::vector<Sample> train_batch(int64_t step, int64_t batch) override {
-    return data_.train_batch(step, batch);
+  std::vector<Sample> train_layout(int64_t step, int64_t batch) override {
+    WEFT_CHECK(step >= 0, "shapes dataset: step must be >= 0, got ", step);
+    WEFT_CHECK(batch >= 1, "shapes dataset: batch must be >= 1, got ", batch);
+    std::vector<Sample> out;
+    for (int64_t i = 0; i < batch; ++i)
+      out.push_back(
+          data_.layout(ShapesDataset::kTrainStream, static_cast<uint64_t>(step * batch + i)));
+    return out;
+  }
+  std::vector<int64_t> load_media(int64_t, std::vector<Sample>& layout,
+                                  const std::vector<MediaRef>& wanted) override {
+    for (const MediaRef& r : wanted) {
+      Sample& s = layout[r.sample];
+      ModalityItem& item = s.items[r.item];
+      item.input = data_.item_input(ShapesDataset::kTrainStream, static_cast<uint64_t>(s.record),
+                                    item.encoder);
+      ++media_loaded_;
+    }
+    return {};
   }
   std::vector<Sample> eval_set() override { return data_.eval_set(); }
   int64_t vocab_size() const override { return tok_.vocab_size(); }
@@ -29,6 +46,26 @@ class ShapesData final : public Dataset {
 };
 
 }  // namespace
+
+std::vector<MediaRef> all_media(const std::vector<Sample>& layout) {
+  std::vector<MediaRef> out;
+  for (size_t i = 0; i < layout.size(); ++i)
+    for (size_t j = 0; j < layout[i].items.size(); ++j)
+      out.push_back({static_cast<int64_t>(i), static_cast<int64_t>(j)});
+  return out;
+}
+
+std::vector<Sample> Dataset::train_batch(int64_t step, int64_t batch) {
+  for (int round = 0;; ++round) {
+    WEFT_CHECK(round < 1000, "step ", step + 1, ": the dataset keeps finding bad media");
+    std::vector<Sample> layout = train_layout(step, batch);
+    const std::vector<int64_t> bad = load_media(step, layout, all_media(layout));
+    if (bad.empty()) return layout;
+    std::vector<Sample> marked;
+    for (int64_t i : bad) marked.push_back(layout[i]);
+    mark_bad(marked);  // the next layout replaces them (a dataset gives up after too many)
+  }
+}
 
 std::unique_ptr<Dataset> make_dataset(Spec* spec) {
   if (spec->data.kind == "llava") return std::make_unique<LlavaDataset>(spec);

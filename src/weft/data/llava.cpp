@@ -108,8 +108,10 @@ LlavaDataset::LlavaDataset(Spec* spec) : spec_(*spec), file_(spec->data.path) {
              ": data.eval_samples = ", eval_count_, " leaves no training records (", file_, " has ",
              records_.size(), ")");
   skip_bad_ = d.on_error == "skip";
-  prefetcher_ = std::make_unique<Prefetcher>(static_cast<int>(d.workers),
-                                             [this](int64_t p) { return good_sample(p); });
+  prefetcher_ =
+      std::make_unique<Prefetcher>(static_cast<int>(d.workers), [this](const Prefetcher::Key& k) {
+        return media(std::get<0>(k), static_cast<int>(std::get<1>(k)), std::get<2>(k));
+      });
 }
 
 LlavaDataset::~LlavaDataset() = default;
@@ -135,7 +137,7 @@ int64_t LlavaDataset::train_index(int64_t position) const {
   return it->second[k];
 }
 
-Sample LlavaDataset::sample(int64_t index) const {
+Sample LlavaDataset::layout(int64_t index) const {
   const LlavaRecord& r = records_[index];
   try {
     std::vector<ChatTurn> turns = r.turns;
@@ -166,6 +168,7 @@ Sample LlavaDataset::sample(int64_t index) const {
     WEFT_CHECK(S <= spec_.model.llm.max_seq, "is ", S,
                " tokens long, more than model.llm.max_seq = ", spec_.model.llm.max_seq);
     Sample s;
+    s.record = index;
     s.tokens = c.ids;
     s.is_target = c.is_target;
     const auto first = std::find(s.is_target.begin(), s.is_target.end(), 1);
@@ -179,16 +182,9 @@ Sample LlavaDataset::sample(int64_t index) const {
     size_t next_image = 0, next_audio = 0;
     for (const MarkerSpan& span : c.spans) {
       const int e = marker_encoder_[span.marker];
-      const EncoderSpec& enc = spec_.model.encoders[e];
-      ModalityItem item{e, span.start, span.length, {}};
-      if (enc.kind == EncoderKind::kVit) {
-        const std::string path = resolve_media(root_, r.images[next_image++]);
-        item.input = preprocess_image(load_image(path), image_processor_);
-      } else {
-        const std::string path = resolve_media(root_, r.audios[next_audio++]);
-        item.input = whisper_log_mel(load_audio_mono(path), enc.mels, enc.frames);
-      }
-      s.items.push_back(std::move(item));
+      const bool image = spec_.model.encoders[e].kind == EncoderKind::kVit;
+      resolve_media(root_, image ? r.images[next_image++] : r.audios[next_audio++]);  // checked
+      s.items.push_back(ModalityItem{e, span.start, span.length, {}});
     }
     return s;
   } catch (const std::exception& e) {
@@ -196,29 +192,112 @@ Sample LlavaDataset::sample(int64_t index) const {
   }
 }
 
-Sample LlavaDataset::good_sample(int64_t position) {
+at::Tensor LlavaDataset::media(int64_t index, int encoder, int64_t nth) const {
+  const LlavaRecord& r = records_[index];
+  const EncoderSpec& enc = spec_.model.encoders[encoder];
+  const bool image = enc.kind == EncoderKind::kVit;
+  try {
+    const std::vector<std::string>& paths = image ? r.images : r.audios;
+    WEFT_ASSERT(nth >= 0 && nth < static_cast<int64_t>(paths.size()));
+    const std::string path = resolve_media(root_, paths[nth]);
+    return image ? preprocess_image(load_image(path), image_processor_)
+                 : whisper_log_mel(load_audio_mono(path), enc.mels, enc.frames);
+  } catch (const std::exception& e) {
+    WEFT_FAIL(file_, ": record ", index, ": ", e.what());
+  }
+}
+
+namespace {
+// Item j of a layout as a media key: items follow the markers in text order, so the nth item of
+// an encoder is the nth path of its kind.
+Prefetcher::Key key_of(const Sample& s, int64_t j) {
+  const int encoder = s.items[j].encoder;
+  int64_t nth = 0;
+  for (int64_t k = 0; k < j; ++k) nth += s.items[k].encoder == encoder ? 1 : 0;
+  return {s.record, encoder, nth};
+}
+}  // namespace
+
+Sample LlavaDataset::sample(int64_t index) const {
+  Sample s = layout(index);
+  for (size_t j = 0; j < s.items.size(); ++j) {
+    const auto [record, encoder, nth] = key_of(s, static_cast<int64_t>(j));
+    s.items[j].input = media(record, static_cast<int>(encoder), nth);
+  }
+  return s;
+}
+
+Sample LlavaDataset::good_layout(int64_t position) {
   constexpr int kTries = 64;
   for (int k = 0; k < kTries; ++k) {
     // Replacements step through the epoch's order with a stride coprime to most sizes.
-    const int64_t p = position + static_cast<int64_t>(k) * 7919;
+    const int64_t index = train_index(position + static_cast<int64_t>(k) * 7919);
+    {
+      std::lock_guard<std::mutex> lock(bad_mu_);
+      if (bad_.count(index)) continue;
+    }
     try {
-      return sample(train_index(p));
+      return layout(index);
     } catch (const Error&) {
       if (!skip_bad_) throw;
-      ++skipped_;
+      std::lock_guard<std::mutex> lock(bad_mu_);
+      bad_.insert(index);
     }
   }
   WEFT_FAIL(file_, ": ", kTries, " bad records in a row around training position ", position,
             " (data.on_error = \"skip\"); is data.root right?");
 }
 
-std::vector<Sample> LlavaDataset::train_batch(int64_t step, int64_t batch) {
-  const int64_t ahead = spec_.data.prefetch;
-  prefetcher_->schedule(step * batch, (step + 1 + ahead) * batch);
+std::vector<Sample> LlavaDataset::train_layout(int64_t step, int64_t batch) {
+  WEFT_CHECK(step >= 0 && batch >= 1, file_, ": step ", step, ", batch ", batch,
+             ": expected step >= 0 and batch >= 1");
   std::vector<Sample> out;
   out.reserve(static_cast<size_t>(batch));
-  for (int64_t i = 0; i < batch; ++i) out.push_back(prefetcher_->take(step * batch + i));
+  for (int64_t i = 0; i < batch; ++i) out.push_back(good_layout(step * batch + i));
   return out;
+}
+
+namespace {
+std::vector<Prefetcher::Key> keys_of(const std::vector<Sample>& layout,
+                                     const std::vector<MediaRef>& wanted) {
+  std::vector<Prefetcher::Key> keys;
+  for (const MediaRef& r : wanted) keys.push_back(key_of(layout[r.sample], r.item));
+  return keys;
+}
+}  // namespace
+
+void LlavaDataset::prefetch_media(int64_t step, const std::vector<Sample>& layout,
+                                  const std::vector<MediaRef>& wanted) {
+  prefetcher_->schedule(keys_of(layout, wanted), step);
+}
+
+std::vector<int64_t> LlavaDataset::load_media(int64_t step, std::vector<Sample>& layout,
+                                              const std::vector<MediaRef>& wanted) {
+  const std::vector<Prefetcher::Key> keys = keys_of(layout, wanted);
+  prefetcher_->schedule(keys, step);  // what was not prefetched starts now, on every worker
+  std::vector<int64_t> bad;
+  for (size_t k = 0; k < wanted.size(); ++k) {
+    const MediaRef& r = wanted[k];
+    try {
+      layout[r.sample].items[r.item].input = prefetcher_->take(keys[k]);
+      ++media_loaded_;
+    } catch (const Error&) {
+      if (!skip_bad_) throw;
+      if (bad.empty() || bad.back() != r.sample) bad.push_back(r.sample);
+    }
+  }
+  prefetcher_->forget_before(step + 1);  // this step's items are taken; stale ones dropped
+  return bad;
+}
+
+void LlavaDataset::mark_bad(const std::vector<Sample>& samples) {
+  std::lock_guard<std::mutex> lock(bad_mu_);
+  for (const Sample& s : samples) bad_.insert(s.record);
+}
+
+int64_t LlavaDataset::skipped() const {
+  std::lock_guard<std::mutex> lock(bad_mu_);
+  return static_cast<int64_t>(bad_.size());
 }
 
 std::vector<Sample> LlavaDataset::eval_set() {
@@ -229,7 +308,8 @@ std::vector<Sample> LlavaDataset::eval_set() {
       out.push_back(sample(i));
     } catch (const Error&) {
       if (!skip_bad_) throw;
-      ++skipped_;
+      std::lock_guard<std::mutex> lock(bad_mu_);
+      bad_.insert(i);
     }
   }
   return out;

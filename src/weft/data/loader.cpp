@@ -1,10 +1,12 @@
 #include "weft/data/loader.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace weft::data {
 
-Prefetcher::Prefetcher(int workers, std::function<Sample(int64_t)> make) : make_(std::move(make)) {
+Prefetcher::Prefetcher(int workers, std::function<at::Tensor(const Key&)> make)
+    : make_(std::move(make)) {
   for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
 }
 
@@ -18,40 +20,55 @@ Prefetcher::~Prefetcher() {
   for (std::thread& t : threads_) t.join();
 }
 
-void Prefetcher::schedule(int64_t begin, int64_t end) {
+void Prefetcher::schedule(const std::vector<Key>& keys, int64_t step) {
+  if (threads_.empty()) return;  // no workers: take() makes each item when asked
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (int64_t p = begin; p < end; ++p) {
-      if (pending_.count(p)) continue;
-      std::packaged_task<Sample()> task([this, p] { return make_(p); });
-      pending_.emplace(p, task.get_future());
-      queue_.emplace_back(p, std::move(task));
+    for (const Key& k : keys) {
+      auto it = pending_.find(k);
+      if (it != pending_.end()) {
+        it->second.step = std::max(it->second.step, step);
+        continue;
+      }
+      std::packaged_task<at::Tensor()> task([this, k] { return make_(k); });
+      pending_.emplace(k, Entry{task.get_future(), step});
+      queue_.emplace_back(k, std::move(task));
     }
   }
   cv_.notify_all();
 }
 
-Sample Prefetcher::take(int64_t position) {
-  std::future<Sample> f;
+at::Tensor Prefetcher::take(const Key& key) {
+  std::future<at::Tensor> f;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto it = pending_.find(position);
-    if (it == pending_.end()) {
-      lock.unlock();
-      if (threads_.empty()) return make_(position);
-      schedule(position, position + 1);
-      lock.lock();
-      it = pending_.find(position);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(key);
+    if (it != pending_.end()) {
+      f = std::move(it->second.result);
+      pending_.erase(it);
     }
-    f = std::move(it->second);
-    pending_.erase(it);
   }
-  return f.get();
+  return f.valid() ? f.get() : make_(key);
+}
+
+void Prefetcher::forget_before(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = pending_.begin(); it != pending_.end();)
+    it = it->second.step < step ? pending_.erase(it) : std::next(it);
+  // Queued tasks nobody will take are not run.
+  queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                              [&](const auto& q) { return pending_.count(q.first) == 0; }),
+               queue_.end());
+}
+
+size_t Prefetcher::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
 }
 
 void Prefetcher::work() {
   for (;;) {
-    std::packaged_task<Sample()> task;
+    std::packaged_task<at::Tensor()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });

@@ -15,7 +15,10 @@ struct ModalityItem {
   int encoder = 0;     // index into ModelSpec::encoders
   int64_t start = 0;   // index in Sample::tokens of the first placeholder token
   int64_t length = 0;  // number of placeholder tokens (= encoder tokens_per_item())
-  at::Tensor input;    // vit: float [C, H, W]; whisper: float [mels, frames]
+  // vit: float [C, H, W]; whisper: float [mels, frames]. Undefined until loaded: a step's
+  // layout (Dataset::train_layout) carries none, and each rank loads only the items its
+  // encoder stages read (Dataset::load_media).
+  at::Tensor input;
 };
 
 struct Sample {
@@ -24,6 +27,7 @@ struct Sample {
   std::vector<ModalityItem> items;
   int64_t prompt_length = 0;  // tokens before the first target (what generation is given)
   std::string caption;        // reference text of the targets (without <eos>), for eval
+  int64_t record = -1;        // the dataset's id of the record it came from (load_media, mark_bad)
 };
 
 }  // namespace weft::data

@@ -275,23 +275,25 @@ at::Tensor ShapesDataset::render_audio(const Scene& scene, const EncoderInfo& en
   return (logmel + 4.0) / 4.0;
 }
 
-Sample ShapesDataset::sample(uint64_t stream, uint64_t index) const {
-  const uint64_t key = derive(derive(derive(0x5EEDF00DULL, seed_), stream), index);
-  const Scene scene = make_scene(derive(key, 0));
+namespace {
+uint64_t sample_key(uint64_t seed, uint64_t stream, uint64_t index) {
+  return derive(derive(derive(0x5EEDF00DULL, seed), stream), index);
+}
+}  // namespace
+
+Sample ShapesDataset::layout(uint64_t stream, uint64_t index) const {
+  const Scene scene = make_scene(derive(sample_key(seed_, stream, index), 0));
   Sample s;
+  s.record = static_cast<int64_t>(index);
   s.caption = scene.caption(with_audio_);
   s.tokens.reserve(static_cast<size_t>(sequence_length()));
   s.tokens.push_back(tok_.bos_id());
   for (size_t e = 0; e < encoders_.size(); ++e) {
-    const EncoderInfo& enc = encoders_[e];
     ModalityItem item;
     item.encoder = static_cast<int>(e);
     item.start = static_cast<int64_t>(s.tokens.size());
-    item.length = enc.tokens;
-    const uint64_t item_key = derive(key, 1 + e);
-    item.input = enc.kind == EncoderKind::kVit ? render_image(scene, enc.image_size, item_key)
-                                               : render_audio(scene, enc, item_key);
-    s.tokens.insert(s.tokens.end(), static_cast<size_t>(enc.tokens),
+    item.length = encoders_[e].tokens;
+    s.tokens.insert(s.tokens.end(), static_cast<size_t>(item.length),
                     tok_.placeholder_id(static_cast<int>(e)));
     s.items.push_back(std::move(item));
   }
@@ -301,6 +303,22 @@ Sample ShapesDataset::sample(uint64_t stream, uint64_t index) const {
   s.is_target.assign(s.tokens.size(), 0);
   std::fill(s.is_target.begin() + s.prompt_length, s.is_target.end(), 1);
   WEFT_ASSERT(static_cast<int64_t>(s.tokens.size()) <= sequence_length());
+  return s;
+}
+
+at::Tensor ShapesDataset::item_input(uint64_t stream, uint64_t index, int encoder) const {
+  WEFT_ASSERT(encoder >= 0 && encoder < static_cast<int>(encoders_.size()));
+  const uint64_t key = sample_key(seed_, stream, index);
+  const Scene scene = make_scene(derive(key, 0));
+  const EncoderInfo& enc = encoders_[encoder];
+  const uint64_t item_key = derive(key, 1 + static_cast<uint64_t>(encoder));
+  return enc.kind == EncoderKind::kVit ? render_image(scene, enc.image_size, item_key)
+                                       : render_audio(scene, enc, item_key);
+}
+
+Sample ShapesDataset::sample(uint64_t stream, uint64_t index) const {
+  Sample s = layout(stream, index);
+  for (ModalityItem& item : s.items) item.input = item_input(stream, index, item.encoder);
   return s;
 }
 

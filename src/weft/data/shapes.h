@@ -34,6 +34,10 @@ class ShapesDataset {
   static std::vector<std::string> words(bool with_audio);
 
   Sample sample(uint64_t stream, uint64_t index) const;
+  // The sample without its items' inputs (record = index), and one item's input: sample() is
+  // both.
+  Sample layout(uint64_t stream, uint64_t index) const;
+  at::Tensor item_input(uint64_t stream, uint64_t index, int encoder) const;
   // Stream 0, indices [step * batch, step * batch + batch).
   std::vector<Sample> train_batch(int64_t step, int64_t batch) const;
   // Only part `part` of `parts` of that batch (split as data::split does): what one data-

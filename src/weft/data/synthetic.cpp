@@ -93,14 +93,33 @@ int64_t SyntheticDataset::placeholder_tokens() const {
   return images_ * per_image;
 }
 
+uint64_t SyntheticDataset::key(uint64_t stream, uint64_t step, uint64_t index) const {
+  return derive(derive(derive(derive(kSalt, seed_), stream), step), index);
+}
+
+at::Tensor SyntheticDataset::item_input(uint64_t stream, uint64_t step, uint64_t index,
+                                        int64_t k) const {
+  WEFT_ASSERT(k >= 0 && k < items_per_sample());
+  return random_input(encoders_[k % num_encoders()].shape,
+                      derive(key(stream, step, index), 1 + static_cast<uint64_t>(k)));
+}
+
 Sample SyntheticDataset::sample(uint64_t stream, uint64_t step, uint64_t index) const {
-  const uint64_t key = derive(derive(derive(derive(kSalt, seed_), stream), step), index);
+  Sample s = layout(stream, step, index);
+  for (size_t k = 0; k < s.items.size(); ++k)
+    s.items[k].input = item_input(stream, step, index, static_cast<int64_t>(k));
+  return s;
+}
+
+Sample SyntheticDataset::layout(uint64_t stream, uint64_t step, uint64_t index) const {
+  const uint64_t key = this->key(stream, step, index);
   const uint64_t text_key = derive(key, 0);
   const int64_t m = items_per_sample();
   const int64_t T = text_tokens();
   const int64_t text_range = vocab_ - first_text_id();
 
   Sample s;
+  s.record = static_cast<int64_t>(index);
   s.tokens.reserve(static_cast<size_t>(seq_len_));
   s.is_target.reserve(static_cast<size_t>(seq_len_));
   s.tokens.push_back(kBosId);
@@ -131,7 +150,6 @@ Sample SyntheticDataset::sample(uint64_t stream, uint64_t step, uint64_t index) 
     item.encoder = e;
     item.start = static_cast<int64_t>(s.tokens.size());
     item.length = encoders_[e].tokens;
-    item.input = random_input(encoders_[e].shape, derive(key, 1 + static_cast<uint64_t>(k)));
     s.tokens.insert(s.tokens.end(), static_cast<size_t>(item.length), placeholder_id(e));
     s.is_target.insert(s.is_target.end(), static_cast<size_t>(item.length), 0);
     s.items.push_back(std::move(item));
@@ -145,14 +163,25 @@ Sample SyntheticDataset::sample(uint64_t stream, uint64_t step, uint64_t index) 
   return s;
 }
 
-std::vector<Sample> SyntheticDataset::train_batch(int64_t step, int64_t batch) {
+std::vector<Sample> SyntheticDataset::train_layout(int64_t step, int64_t batch) {
   WEFT_CHECK(step >= 0, "synthetic dataset: step must be >= 0, got ", step);
   WEFT_CHECK(batch >= 1, "synthetic dataset: batch must be >= 1, got ", batch);
   std::vector<Sample> out;
   out.reserve(static_cast<size_t>(batch));
   for (int64_t i = 0; i < batch; ++i)
-    out.push_back(sample(kTrainStream, static_cast<uint64_t>(step), static_cast<uint64_t>(i)));
+    out.push_back(layout(kTrainStream, static_cast<uint64_t>(step), static_cast<uint64_t>(i)));
   return out;
+}
+
+std::vector<int64_t> SyntheticDataset::load_media(int64_t step, std::vector<Sample>& layout,
+                                                  const std::vector<MediaRef>& wanted) {
+  for (const MediaRef& r : wanted) {
+    Sample& s = layout[r.sample];
+    s.items[r.item].input = item_input(kTrainStream, static_cast<uint64_t>(step),
+                                       static_cast<uint64_t>(s.record), r.item);
+    ++media_loaded_;
+  }
+  return {};
 }
 
 std::vector<Sample> SyntheticDataset::eval_set() {

@@ -22,10 +22,9 @@
 // be set in the config (the dataset has no tokenizer to take it from).
 //
 // sample(stream, step, index) is a pure function of (data.seed, stream, step, index) through
-// the counter-based hash of core/hash.h. Stream 0 is training (train_batch(step, batch) is
+// the counter-based hash of core/hash.h. Stream 0 is training (train_layout(step, batch) is
 // indices 0..batch-1 of `step`), stream 1 eval (data.eval_samples samples of step 0).
-// Thread-safe: it holds no mutable state (train_batch and eval_set are non-const only because
-// Dataset's are).
+// Its const methods are thread-safe (they touch no mutable state).
 #pragma once
 
 #include <cstdint>
@@ -56,8 +55,13 @@ class SyntheticDataset final : public Dataset {
   static int64_t resolved_seq_len(const Spec& spec);
 
   Sample sample(uint64_t stream, uint64_t step, uint64_t index) const;
+  // sample() without its items' inputs (record = index), and input k of it.
+  Sample layout(uint64_t stream, uint64_t step, uint64_t index) const;
+  at::Tensor item_input(uint64_t stream, uint64_t step, uint64_t index, int64_t k) const;
 
-  std::vector<Sample> train_batch(int64_t step, int64_t batch) override;
+  std::vector<Sample> train_layout(int64_t step, int64_t batch) override;
+  std::vector<int64_t> load_media(int64_t step, std::vector<Sample>& layout,
+                                  const std::vector<MediaRef>& wanted) override;
   std::vector<Sample> eval_set() override;
   int64_t vocab_size() const override { return vocab_; }
   int64_t pad_id() const override { return kPadId; }
@@ -75,6 +79,8 @@ class SyntheticDataset final : public Dataset {
   int64_t text_tokens() const { return seq_len_ - 1 - placeholder_tokens(); }
 
  private:
+  uint64_t key(uint64_t stream, uint64_t step, uint64_t index) const;
+
   struct EncoderInfo {
     int64_t tokens = 0;          // tokens_per_item()
     std::vector<int64_t> shape;  // of one item's input

@@ -290,14 +290,21 @@ struct Runtime::Impl {
     std::vector<int64_t> count, offset;
     int64_t total = 0;
   };
-  static ItemLayout items_of(const std::vector<std::vector<model::Inputs>>& batch, size_t e,
-                             int64_t m) {
-    ItemLayout l;
+  ItemLayout items_of(const std::vector<std::vector<model::Inputs>>& batch, size_t e,
+                      int64_t m) const {
+    std::vector<int64_t> counts;
     for (const auto& replica : batch) {
-      const at::Tensor& in = replica[m].encoder_inputs[e];
+      const at::Tensor& rows = replica[m].encoder_rows[e];
+      counts.push_back(rows.defined() ? rows.numel() / enc_tokens(e) : 0);
+    }
+    return layout_of(counts);
+  }
+  static ItemLayout layout_of(const std::vector<int64_t>& counts) {
+    ItemLayout l;
+    for (int64_t c : counts) {
       l.offset.push_back(l.total);
-      l.count.push_back(in.defined() ? in.size(0) : 0);
-      l.total += l.count.back();
+      l.count.push_back(c);
+      l.total += c;
     }
     return l;
   }
@@ -421,11 +428,23 @@ struct Runtime::Impl {
     Span span{this, op_name(spec.encoders[e].name, "fwd", m, role.c.pp), "forward"};
     const int64_t T = enc_tokens(e), h = spec.encoders[e].hidden;
     at::Tensor x;
-    if (role.first) {
+    if (role.first) {  // items [a, b) from the replicas' loaded inputs
       std::vector<at::Tensor> parts;
-      for (const auto& replica : batch)
-        if (replica[m].encoder_inputs[e].defined()) parts.push_back(replica[m].encoder_inputs[e]);
-      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).narrow(0, a, b - a).to(opts.device);
+      for (size_t d = 0; d < batch.size(); ++d) {
+        const int64_t lo = std::max(a, items.offset[d]);
+        const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+        if (lo >= hi) continue;
+        const model::Inputs& in = batch[d][m];
+        const at::Tensor& loaded = in.encoder_inputs[e];
+        const int64_t first = in.encoder_first.empty() ? 0 : in.encoder_first[e];
+        const int64_t from = lo - items.offset[d] - first;
+        WEFT_CHECK(loaded.defined() && from >= 0 && from + (hi - lo) <= loaded.size(0), "encoder '",
+                   spec.encoders[e].name, "', microbatch ", m, ": replica ", d, "'s items [",
+                   lo - items.offset[d], ", ", hi - items.offset[d], ") are not loaded on rank ",
+                   world.rank());
+        parts.push_back(loaded.narrow(0, from, hi - lo));
+      }
+      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).to(opts.device);
     } else {
       x = recv({b - a, spec.encoders[e].block_tokens() / mp.layout.cp, h}, model::compute_dtype(),
                mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
@@ -951,6 +970,15 @@ model::MultimodalModel& Runtime::model() { return *impl_->model; }
 const Comm& Runtime::world() const { return impl_->world; }
 const model::NamedTensors& Runtime::trainable() const { return impl_->trainable; }
 const std::vector<bool>& Runtime::owned() const { return impl_->owned; }
+std::pair<int64_t, int64_t> Runtime::encoder_items_read(size_t e,
+                                                        const std::vector<int64_t>& counts) const {
+  const Impl& m = *impl_;
+  WEFT_ASSERT(e < m.enc_role.size());
+  WEFT_ASSERT(static_cast<int64_t>(counts.size()) == m.llm_plan->layout.dp);
+  if (!m.enc_role[e].first) return {0, 0};
+  return m.encoder_range(Impl::layout_of(counts), e, m.enc_role[e].c.dp);
+}
+
 double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
   return impl_->step(batch, targets);
 }

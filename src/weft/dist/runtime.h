@@ -31,6 +31,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weft/core/spec.h"
@@ -87,6 +88,12 @@ class Runtime {
   // end up summed and synchronised on this rank's parameters. Returns the step's loss, the same
   // on every rank.
   double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
+  // The items of encoder e in one microbatch whose inputs this rank reads (its first stage of
+  // e): [begin, end) of the microbatch's items of e over all LLM replicas in order, when
+  // replica d has counts[d] of them; {0, 0} when it reads none. Only these need loading: every
+  // other item's input may be left out (Inputs::encoder_first).
+  std::pair<int64_t, int64_t> encoder_items_read(size_t e,
+                                                 const std::vector<int64_t>& counts) const;
   const StepTimes& times() const;
   const RoutingReport& routing() const;
   // Records the timeline of the following steps (forward / backward ops without the time blocked

@@ -15,6 +15,7 @@ Inputs to_device(const Inputs& in, c10::Device device) {
   out.doc = move(in.doc);
   out.item = move(in.item);
   for (const at::Tensor& t : in.encoder_inputs) out.encoder_inputs.push_back(move(t));
+  out.encoder_first = in.encoder_first;
   for (const at::Tensor& t : in.encoder_rows) out.encoder_rows.push_back(move(t));
   out.target_rows = move(in.target_rows);
   out.targets = move(in.targets);
@@ -95,6 +96,9 @@ at::Tensor MultimodalModel::embed(const Inputs& in) const {
     const int64_t items = input.defined() ? input.size(0) : 0;
     const int64_t per_item = spec_.encoders[e].tokens_per_item();
     const int64_t placeholders = in.encoder_rows[e].defined() ? in.encoder_rows[e].numel() : 0;
+    WEFT_CHECK(in.encoder_first.empty() || in.encoder_first[e] == 0, "encoder '",
+               spec_.encoders[e].name, "': the inputs start at item ", in.encoder_first[e],
+               "; the whole model needs every item loaded");
     WEFT_CHECK(placeholders == items * per_item, "encoder '", spec_.encoders[e].name, "': ", items,
                " items produce ", items * per_item, " features but the text has ", placeholders,
                " placeholder tokens");

@@ -27,10 +27,14 @@ struct Inputs {
   at::Tensor positions;  // int64 [B, S] (restart per packed document)
   at::Tensor doc;        // int32 [B, S]; -1 = padding
   at::Tensor item;       // int32 [B, S]; -1 = text, else a modality item id unique in its row
-  std::vector<at::Tensor> encoder_inputs;  // per encoder: [N_e, ...] or undefined when N_e = 0
-  std::vector<at::Tensor> encoder_rows;    // per encoder: int64 [N_e * T_e] rows of B*S
-  at::Tensor target_rows;                  // int64 [N]: rows of B*S whose next token is a target
-  at::Tensor targets;                      // int64 [N]: the target token of each such row
+  // Per encoder: the inputs of items [encoder_first[e], encoder_first[e] + n) of its N_e
+  // (undefined when n = 0); a rank loads only the items its encoder stages read. Empty
+  // encoder_first = all from 0, which the whole model (embed) needs.
+  std::vector<at::Tensor> encoder_inputs;
+  std::vector<int64_t> encoder_first;
+  std::vector<at::Tensor> encoder_rows;  // per encoder: int64 [N_e * T_e] rows of B*S
+  at::Tensor target_rows;                // int64 [N]: rows of B*S whose next token is a target
+  at::Tensor targets;                    // int64 [N]: the target token of each such row
 };
 
 // `in` with every tensor on `device` (no copies when they are there already).

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -93,6 +94,18 @@ struct Trainer::Impl {
   data::CollateOptions collate;
   plan::WorkModel work_model;  // each sample's encoder and LLM work, for balancing
   fs::path run_dir;
+
+  // Steps' layouts, balanced, planned ahead for prefetching; valid while the dataset has found
+  // no new bad record (its skipped() count).
+  struct Layout {  // one step's samples without media, as balanced, and what this rank loads
+    std::vector<data::Sample> samples;
+    plan::BatchBalance balance;
+    std::vector<data::MediaRef> wanted;
+  };
+  Layout layout_of(int64_t step);
+  const Layout& planned(int64_t step);
+  std::map<int64_t, Layout> layouts;
+  int64_t layouts_skipped = 0;
 
   // Progress carried across resumes (from state.json).
   int64_t start_step = 0;
@@ -274,7 +287,9 @@ struct Trainer::Impl {
              plan::training_multiplier(lp.weight_grads, lp.input_grads);
       for (size_t e = 0; e < spec.model.encoders.size(); ++e) {
         const EncoderSpec& es = spec.model.encoders[e];
-        const double items = mb.encoder_inputs[e].defined() ? mb.encoder_inputs[e].size(0) : 0;
+        const at::Tensor& rows = mb.encoder_rows[e];
+        const double items =
+            rows.defined() ? static_cast<double>(rows.numel() / es.tokens_per_item()) : 0;
         const plan::ModulePlan& ep = plan.module(es.name);
         const plan::ModulePlan& pp = plan.module(es.name + ".projector");
         rest += items * plan::encoder_forward_flops(es) *
@@ -324,35 +339,104 @@ const Spec& Trainer::spec() const { return impl_->spec; }
 model::MultimodalModel& Trainer::model() { return impl_->model(); }
 dist::Runtime& Trainer::runtime() { return *impl_->runtime; }
 c10::Device Trainer::device() const { return impl_->device; }
+const data::Dataset& Trainer::dataset() const { return *impl_->dataset; }
 
-StepBatch Trainer::prepare_step(int64_t step) {
-  Impl& m = *impl_;
-  const Spec& spec = m.spec;
-  const int64_t replicas = m.plan.module("llm").layout.dp;
-  // The global batch (every rank sees it: encoders and LLM split it differently), as each LLM
-  // data-parallel replica's microbatches; balancing weighs each sample's encoder and LLM work.
-  const std::vector<data::Sample> global = m.dataset->train_batch(step, spec.train.batch);
+Trainer::Impl::Layout Trainer::Impl::layout_of(int64_t step) {
+  Layout l;
+  // The global batch (every rank sees its text: encoders and LLM split it differently), as each
+  // LLM data-parallel replica's microbatches; balancing weighs each sample's encoder and LLM
+  // work.
+  l.samples = dataset->train_layout(step, spec.train.batch);
   std::vector<plan::SampleWork> work;
-  for (const data::Sample& sample : global) {
+  for (const data::Sample& sample : l.samples) {
     plan::SampleShape shape;
     shape.tokens = static_cast<int64_t>(sample.tokens.size());
     shape.items.assign(spec.model.encoders.size(), 0);
     for (const data::ModalityItem& item : sample.items) ++shape.items[item.encoder];
     shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
-    work.push_back(m.work_model.work(shape));
+    work.push_back(work_model.work(shape));
   }
   plan::BalanceOptions bo;
-  bo.replicas = replicas;
+  bo.replicas = plan.module("llm").layout.dp;
   bo.microbatches = spec.train.microbatches;
-  bo.policy = plan::parse_balance_policy(m.plan.balance);
-  bo.pipeline_stages = m.plan.module("llm").layout.pp;
+  bo.policy = plan::parse_balance_policy(plan.balance);
+  bo.pipeline_stages = plan.module("llm").layout.pp;
+  l.balance = plan::balance_batch(work, work_model.cost, bo);
+  // Media: only the items this rank's encoder stages read, microbatch by microbatch (the
+  // replicas' items of one encoder in order, as the runtime concatenates them).
+  const size_t E = spec.model.encoders.size();
+  const size_t replicas = l.balance.assignment.size();
+  const size_t M = replicas == 0 ? 0 : l.balance.assignment[0].size();
+  for (size_t m = 0; m < M; ++m)
+    for (size_t e = 0; e < E; ++e) {
+      std::vector<data::MediaRef> items;  // replica-major, sample order, item order
+      std::vector<int64_t> counts(replicas, 0);
+      for (size_t d = 0; d < replicas; ++d)
+        for (int64_t i : l.balance.assignment[d][m])
+          for (size_t j = 0; j < l.samples[i].items.size(); ++j)
+            if (l.samples[i].items[j].encoder == static_cast<int>(e)) {
+              items.push_back({i, static_cast<int64_t>(j)});
+              ++counts[d];
+            }
+      const auto [begin, end] = runtime->encoder_items_read(e, counts);
+      l.wanted.insert(l.wanted.end(), items.begin() + begin, items.begin() + end);
+    }
+  return l;
+}
+
+const Trainer::Impl::Layout& Trainer::Impl::planned(int64_t step) {
+  if (dataset->skipped() != layouts_skipped) {  // records found bad: replanned
+    layouts.clear();
+    layouts_skipped = dataset->skipped();
+  }
+  auto it = layouts.find(step);
+  if (it == layouts.end()) it = layouts.emplace(step, layout_of(step)).first;
+  return it->second;
+}
+
+StepBatch Trainer::prepare_step(int64_t step) {
+  Impl& m = *impl_;
+  const Spec& spec = m.spec;
+  const dist::Comm& comm = m.opts.comm;
+  // Under data.on_error = "skip", every rank learns which records the others found bad, so all
+  // replace the same ones (one small all-reduce a step); under "fail" the rank that found one
+  // stops the job.
+  const bool agree = spec.data.on_error == "skip" && comm.size() > 1;
+  Impl::Layout l;
+  for (int round = 0;; ++round) {
+    WEFT_CHECK(round < 1000, "step ", step + 1, ": the dataset keeps finding bad media");
+    for (int64_t ahead = 1; ahead <= spec.data.prefetch; ++ahead)
+      if (!m.layouts.count(step + ahead)) {  // newly planned: its items decode in the background
+        const Impl::Layout& next = m.planned(step + ahead);
+        m.dataset->prefetch_media(step + ahead, next.samples, next.wanted);
+      }
+    l = m.planned(step);
+    const std::vector<int64_t> bad = m.dataset->load_media(step, l.samples, l.wanted);
+    std::vector<int64_t> everywhere = bad;
+    if (agree) {
+      at::Tensor flags = torch::zeros({static_cast<int64_t>(l.samples.size())}, torch::kInt);
+      int32_t* f = flags.data_ptr<int32_t>();
+      for (int64_t i : bad) f[i] = 1;
+      comm.all_reduce_max(flags);
+      everywhere.clear();
+      f = flags.data_ptr<int32_t>();
+      for (int64_t i = 0; i < flags.numel(); ++i)
+        if (f[i] != 0) everywhere.push_back(i);
+    }
+    if (everywhere.empty()) break;
+    std::vector<data::Sample> marked;
+    for (int64_t i : everywhere) marked.push_back(l.samples[i]);
+    m.dataset->mark_bad(marked);
+  }
+  m.layouts.erase(m.layouts.begin(), m.layouts.upper_bound(step));
+  const int64_t replicas = m.plan.module("llm").layout.dp;
   StepBatch b;
-  b.balance = plan::balance_batch(work, m.work_model.cost, bo);
+  b.balance = std::move(l.balance);
   b.inputs.resize(static_cast<size_t>(replicas));
   for (int64_t d = 0; d < replicas; ++d)
     for (const std::vector<int64_t>& indices : b.balance.assignment[d]) {
       std::vector<data::Sample> part;
-      for (int64_t i : indices) part.push_back(global[i]);
+      for (int64_t i : indices) part.push_back(std::move(l.samples[i]));
       b.microbatches.push_back(data::collate(part, m.collate));
       b.inputs[d].push_back(to_inputs(b.microbatches.back()));
       b.targets += b.microbatches.back().targets.numel();

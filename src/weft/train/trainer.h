@@ -16,6 +16,9 @@
 #include "weft/plan/balance.h"
 #include "weft/plan/plan.h"
 
+namespace weft::data {
+class Dataset;
+}
 namespace weft::dist {
 class Runtime;
 }
@@ -74,7 +77,9 @@ class Trainer {
   Summary run();
 
   // The pieces of a step, as run() uses them (and `weft bench step`): the global batch of step
-  // `step` (0-based) drawn and collated; then forward, backward, gradient clipping and the
+  // `step` (0-based) drawn and collated — with the media of only the items this rank's encoder
+  // stages read, and under data.on_error = "skip" the records any rank found bad replaced on
+  // every rank (collective then); then forward, backward, gradient clipping and the
   // optimizer update on it (collective over the job's ranks).
   StepBatch prepare_step(int64_t step);
   StepOutcome train_step(const StepBatch& batch, int64_t step);
@@ -89,6 +94,8 @@ class Trainer {
   c10::Device device() const;
   // This rank's share of the Plan (gathering full tensors, groups).
   dist::Runtime& runtime();
+  // This rank's dataset (what it has loaded, what it skipped).
+  const data::Dataset& dataset() const;
   // Called after the gradients of a step are accumulated, before clipping and the optimizer
   // (tests use it to inspect or poison gradients).
   std::function<void(int64_t step)> after_backward;
