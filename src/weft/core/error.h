@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace weft {
@@ -16,10 +17,23 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// One argument of a message; a NaN reads "nan" whatever its sign bit (the C library writes a
+// negative NaN as "-nan").
+template <typename T>
+void put(std::ostream& os, T&& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_floating_point_v<U>) {
+    if (v != v) {
+      os << "nan";
+      return;
+    }
+  }
+  os << std::forward<T>(v);
+}
 template <typename... Args>
 std::string str_cat(Args&&... args) {
   std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
+  (put(os, std::forward<Args>(args)), ...);
   return os.str();
 }
 }  // namespace detail

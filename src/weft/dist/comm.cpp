@@ -28,6 +28,25 @@ namespace weft::dist {
 
 namespace {
 
+// An error's message without c10's stack trace.
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+// LibTorch >= 2.4 asks TCPStore for its libuv back end by default, which a LibTorch built
+// without libuv (Debian's 2.x) refuses: turn it off where the option exists and is on.
+template <typename O>
+auto drop_libuv(O& o, int) -> decltype(o.useLibUV = false, bool()) {
+  const bool was = o.useLibUV;
+  o.useLibUV = false;
+  return was;
+}
+template <typename O>
+bool drop_libuv(O&, long) {
+  return false;
+}
+
 int env_int(const char* name, int fallback, int min_value) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
@@ -117,7 +136,7 @@ struct Comm::Impl {
       WEFT_FAIL("rank ", rank, " of ", size, ": ", op,
                 " failed (a peer died, hung or timed out "
                 "after ",
-                timeout.count() / 1000.0, " s): ", e.what());
+                timeout.count() / 1000.0, " s): ", message_of(e));
     }
   }
 };
@@ -139,7 +158,7 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
     try {
       impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
     } catch (const std::exception& e) {
-      WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", e.what());
+      WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", message_of(e));
     }
   }
   if (size > 1 && device_collectives) {
@@ -151,7 +170,7 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
     try {
       impl->device = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, opts);
     } catch (const std::exception& e) {
-      WEFT_FAIL("rank ", rank, " of ", size, ": could not make the NCCL group: ", e.what());
+      WEFT_FAIL("rank ", rank, " of ", size, ": could not make the NCCL group: ", message_of(e));
     }
 #else
     WEFT_FAIL("rank ", rank,
@@ -175,12 +194,17 @@ Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout,
   opts.waitWorkers = false;  // 1.13's server wait ignores the timeout: we wait ourselves below
   opts.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, opts);
-  } catch (const std::exception& e) {
-    WEFT_FAIL("rank ", world.rank, " of ", world.world_size, ": rendezvous at ", world.master_addr,
-              ":", world.master_port, " failed within ", timeout.count() / 1000.0,
-              " s (did every rank start?): ", e.what());
+  for (;;) {
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, opts);
+      break;
+    } catch (const std::exception& e) {
+      const std::string why = message_of(e);
+      if (why.find("libuv") != std::string::npos && drop_libuv(opts, 0)) continue;
+      WEFT_FAIL("rank ", world.rank, " of ", world.world_size, ": rendezvous at ",
+                world.master_addr, ":", world.master_port, " failed within ",
+                timeout.count() / 1000.0, " s (did every rank start?): ", why);
+    }
   }
   // Check in, then wait for every rank until the deadline.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
