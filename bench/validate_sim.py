@@ -189,6 +189,12 @@ def write_cluster(profile, path):
     return p
 
 
+def media_text(prof):
+    """The profile's per-encoder media decoding cost, as text (older profiles have none)."""
+    media = prof["data"].get("media_seconds_per_sample", {})
+    return "".join(f", {name} media {1e3 * v:.3f} ms" for name, v in media.items())
+
+
 def machine():
     return results_md.machine()
 
@@ -248,7 +254,7 @@ def main():
              f"{args.rounds} rounds. Machine state: {quiet.describe()}.", "",
              f"Profile (`weft bench profile --set train.threads=1 --reps {args.reps}`): "
              f"{prof['device']}; data preparation {1e3 * prof['data']['seconds_per_sample']:.3f} "
-             f"ms per sample; Gloo two-rank all-reduce {comm['all_reduce']['latency_us']:.0f} us "
+             f"ms per sample{media_text(prof)}; Gloo two-rank all-reduce {comm['all_reduce']['latency_us']:.0f} us "
              f"per hop + {comm['all_reduce']['bandwidth_gbs']:.2f} GB/s, point-to-point "
              f"{comm['p2p']['latency_us']:.0f} us + {comm['p2p']['bandwidth_gbs']:.2f} GB/s.", "",
              "| plan | measured s | simulated s (profile) | simulated / measured | "

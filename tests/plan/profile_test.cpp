@@ -454,6 +454,35 @@ TEST(Profile, ContentionWhereRanksComputeTogether) {
   EXPECT_NEAR(y.step_seconds, x.step_seconds, 1e-12);
 }
 
+// Media decoding is charged to the ranks whose first encoder stage reads the items: all of
+// them on one process, half on each of DP2's, and none on the LLM rank of a separate placement.
+// Every rank still lays out the whole batch.
+TEST(Profile, MediaDecodingIsChargedToTheRanksThatReadTheItems) {
+  Spec s = profiled_spec();  // a global batch of 8 samples of one image
+  json j = tiny_profile(s);
+  j["data"]["media_seconds_per_sample"] = {{"vision", 2e-3}};
+  const Profile p = parse_profile(j.dump(), "media.json");
+  EXPECT_DOUBLE_EQ(p.media_seconds_per_sample.at("vision"), 2e-3);
+  const Cluster c = parse_cluster(
+      "nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n"
+      "[intra_node]\nbandwidth_gbs = 1\nlatency_us = 100\n",
+      "c.toml");
+  const double layout = 8 * 1e-3;
+  EXPECT_NEAR(simulate(s, make_plan(s, 1, &p), c, p).ranks[0].data_seconds, layout + 8 * 2e-3,
+              1e-15);
+  const SimResult dp = simulate(s, make_plan(s, 2, &p), c, p);
+  for (int r = 0; r < 2; ++r) EXPECT_NEAR(dp.ranks[r].data_seconds, layout + 4 * 2e-3, 1e-15);
+  s.parallel.placement = "separate";
+  const SimResult sep = simulate(s, make_plan(s, 2, &p), c, p);
+  EXPECT_NEAR(sep.ranks[0].data_seconds, layout + 8 * 2e-3, 1e-15);  // the vision rank
+  EXPECT_NEAR(sep.ranks[1].data_seconds, layout, 1e-15);             // the LLM rank
+  j["data"]["media_seconds_per_sample"] = {{"vision", "fast"}};
+  const std::string e = error_of([&] { parse_profile(j.dump(), "media.json"); });
+  EXPECT_TRUE(
+      has(e, "media.json: data.media_seconds_per_sample.vision = \"fast\": expected a number"))
+      << e;
+}
+
 TEST(Profile, MakePlanPartitionsOnMeasuredCosts) {
   Spec s = profiled_spec();
   s.parallel.modules["llm"].pp = 2;

@@ -231,7 +231,15 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
   p.samples = r.number(shape, "samples", "shape", true);
   p.seq = r.number(shape, "seq", "shape", true);
   p.max_seq = static_cast<int64_t>(r.number(shape, "max_seq", "shape", true));
-  p.data_seconds_per_sample = r.number(r.at(j, "data", ""), "seconds_per_sample", "data");
+  const json& data = r.at(j, "data", "");
+  p.data_seconds_per_sample = r.number(data, "seconds_per_sample", "data");
+  if (data.contains("media_seconds_per_sample")) {  // per encoder (optional: older profiles)
+    const json& media = data["media_seconds_per_sample"];
+    WEFT_CHECK(media.is_object(), source, ": data.media_seconds_per_sample = ", media.dump(),
+               ": expected an object of encoder name -> seconds");
+    for (const auto& [name, v] : media.items())
+      p.media_seconds_per_sample[name] = r.number(media, name, "data.media_seconds_per_sample");
+  }
   if (j.contains("comm")) {
     const json& c = j["comm"];
     if (c.contains("p2p")) p.p2p = link(r, c["p2p"], "comm.p2p");
@@ -525,6 +533,7 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
                    const Profile& profile, SimOptions options) {
   const CostTable costs = profile_stage_costs(profile, spec, plan);
   options.data_seconds_per_sample = profile.data_seconds_per_sample;
+  options.media_seconds_per_sample = profile.media_seconds_per_sample;
   options.llm_seq = profile_seq(profile, spec);
   options.p2p_curve = profile.p2p_curve;
   options.grad_curve = profile.all_reduce_curve;

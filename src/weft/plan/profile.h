@@ -42,13 +42,16 @@
 // model ("shared"); the simulator charges that cost for the share of an op's time during which
 // another rank of its node computes, and make_plan partitions multi-rank plans on it.
 //
-// Step-level measurements: the seconds per sample to draw and collate the global batch (every
-// rank does it for the whole global batch at the start of each step), and the local transport's
-// alpha-beta (point-to-point and two-rank all-reduce over Gloo) for the cluster file.
+// Step-level measurements: the seconds per sample to lay out and collate the global batch
+// (every rank does it for the whole global batch at the start of each step), the seconds per
+// sample to decode each encoder's media (only the ranks whose first encoder stage reads an item
+// decode it), and the local transport's alpha-beta (point-to-point and two-rank all-reduce over
+// Gloo) for the cluster file.
 //
 // File (JSON): {"format": "weft-profile-1", "device", "threads", "precision", "torch", "config",
 //  "reps", "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
-//  "data": {"seconds_per_sample"},
+//  "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name: seconds}
+//           (optional)},
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
 //           "all_reduce_compute": {...}, "on_compute": true,
 //           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute"}]}
@@ -65,6 +68,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -129,6 +133,7 @@ struct Profile {
   double seq = 0;      // its padded LLM row length
   int64_t max_seq = 0;
   double data_seconds_per_sample = 0;
+  std::map<std::string, double> media_seconds_per_sample;  // per encoder name
   // Measured alpha-beta of the local transport (bytes_per_second 0 = not measured): one-way
   // point-to-point, and per-hop figures of a two-rank all-reduce of fp32 (gradients) and of
   // compute-dtype (activations: TP / CP) tensors.

@@ -487,11 +487,25 @@ class Engine {
   }
 
   void build_rank(int64_t r) {
-    if (o_.data_seconds_per_sample > 0) {  // the whole global batch, on every rank
+    // The whole global batch's layout on every rank, and the media of the items this rank's
+    // first encoder stages read.
+    double data = static_cast<double>(plan_.global_batch) * o_.data_seconds_per_sample;
+    for (int64_t e = 0; e < llm_; ++e) {
+      const ModulePlan& m = mod(e);
+      const auto media = o_.media_seconds_per_sample.find(m.name);
+      if (m.role != ModuleRole::kEncoder || !m.hosts(r) || m.coord(r).pp != 0 ||
+          media == o_.media_seconds_per_sample.end())
+        continue;
+      for (int64_t mb = 0; mb < M_; ++mb) {
+        const auto [a, b] = encoder_range(mb_samples_[mb], D_, m.layout.dp, m.coord(r).dp);
+        data += static_cast<double>(b - a) * media->second;
+      }
+    }
+    if (data > 0) {
       Op op;
       op.name = "data";
       op.category = "data";
-      op.seconds = static_cast<double>(plan_.global_batch) * o_.data_seconds_per_sample;
+      op.seconds = data;
       ops_[r].push_back(std::move(op));
     }
     std::vector<int64_t> encoders;

@@ -47,8 +47,10 @@
 //  - real rows: the data's padded row length, not max_seq (SimOptions::llm_seq), for messages and
 //    tokens/s; attention's quadratic part from a fit over two row lengths;
 //  - per-stage work: every LLM stage builds the attention mask and RoPE tables per microbatch;
-//  - data preparation: every rank draws and collates the whole global batch at the start of the
-//    step (SimOptions::data_seconds_per_sample; an op of its own, not pipeline idle time);
+//  - data preparation: every rank lays out and collates the whole global batch at the start of
+//    the step (SimOptions::data_seconds_per_sample) and decodes the media of the items its first
+//    encoder stages read (SimOptions::media_seconds_per_sample); an op of its own, not pipeline
+//    idle time;
 //  - the optimizer: measured AdamW + gradient-norm seconds of the rank's trainable layers (the
 //    FLOP model charges 7 fp32 passes over memory);
 //  - the transport: measured cost curves in place of the cluster's intra-node link —
@@ -63,6 +65,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -143,9 +146,12 @@ struct SimOptions {
   // the vocabulary the simulator assumes then.
   int64_t unset_vocab = 64;
   bool trace = true;  // keep the timeline (SimResult::trace)
-  // Every rank draws and collates the whole global batch at the start of a step: seconds per
-  // sample (a measured profile's; 0 = not modelled).
+  // Every rank lays out and collates the whole global batch at the start of a step: seconds per
+  // sample (a measured profile's; 0 = not modelled). And per encoder name, the seconds to decode
+  // one sample's items, charged to the ranks of the encoder's first stage for the items each
+  // reads (missing = 0).
   double data_seconds_per_sample = 0;
+  std::map<std::string, double> media_seconds_per_sample;
   // Tokens per LLM row (padded) the messages and tokens/s assume; 0 = model.llm.max_seq.
   double llm_seq = 0;
   // Measured costs between ranks of one node, in place of the cluster's intra_node link where
@@ -167,7 +173,7 @@ struct RankReport {
   double comm_seconds = 0;          // of busy_seconds: TP / CP collectives inside the ops
   double collective_seconds = 0;    // exposed step-end collectives (gradients, loss, norm)
   double optimizer_seconds = 0;
-  double data_seconds = 0;  // drawing and collating the global batch
+  double data_seconds = 0;  // laying out and collating the global batch, decoding its media
   double static_bytes = 0;  // parameters + gradients + optimizer state
   double peak_activation_bytes = 0;
   double peak_memory_bytes = 0;  // static + peak activations

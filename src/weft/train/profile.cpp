@@ -17,6 +17,7 @@
 
 #include "weft/core/error.h"
 #include "weft/core/progress.h"
+#include "weft/data/dataset.h"
 #include "weft/dist/comm.h"
 #include "weft/model/encoder.h"
 #include "weft/model/fused.h"
@@ -700,6 +701,23 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
     batches.push_back(trainer.prepare_step(i));
     if (i >= o.warmup) data.push_back((now_seconds() - t0) / static_cast<double>(ts.batch));
   }
+  // Of that, decoding each encoder's media (per sample), which only the ranks reading an item do:
+  // a second dataset's layouts, loaded encoder by encoder.
+  Spec data_spec = resolved;
+  const std::unique_ptr<data::Dataset> media_data = data::make_dataset(&data_spec);
+  std::vector<std::vector<double>> media(resolved.model.encoders.size());
+  for (int64_t i = o.warmup; i < steps; ++i) {
+    std::vector<data::Sample> layout = media_data->train_layout(i, ts.batch);
+    const std::vector<data::MediaRef> all = data::all_media(layout);
+    for (size_t e = 0; e < media.size(); ++e) {
+      std::vector<data::MediaRef> mine;
+      for (const data::MediaRef& r : all)
+        if (layout[r.sample].items[r.item].encoder == static_cast<int>(e)) mine.push_back(r);
+      const double t0 = now_seconds();
+      media_data->load_media(i, layout, mine);
+      media[e].push_back((now_seconds() - t0) / static_cast<double>(ts.batch));
+    }
+  }
   double rows = 0, padded = 0, tokens = 0, samples = 0;
   std::vector<double> items(resolved.model.encoders.size(), 0);
   for (const StepBatch& b : batches)
@@ -709,8 +727,9 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
       tokens += static_cast<double>(mb.real_tokens);
       samples += static_cast<double>(mb.samples);
       for (size_t e = 0; e < items.size(); ++e)
-        if (mb.encoder_inputs[e].defined())
-          items[e] += static_cast<double>(mb.encoder_inputs[e].size(0));
+        if (mb.encoder_rows[e].defined())
+          items[e] += static_cast<double>(mb.encoder_rows[e].numel() /
+                                          resolved.model.encoders[e].tokens_per_item());
     }
   const model::Inputs& in = batches.front().inputs.front().front();
 
@@ -765,7 +784,14 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
                 {"profiled_seq", in.tokens.size(1)},
                 {"max_seq", resolved.model.llm.max_seq},
                 {"tokens_per_sample", tokens / samples}};
-  j["data"] = {{"seconds_per_sample", median(data)}};
+  json media_json = json::object();
+  double layout_seconds = median(data);
+  for (size_t e = 0; e < media.size(); ++e) {
+    media_json[resolved.model.encoders[e].name] = median(media[e]);
+    layout_seconds -= median(media[e]);
+  }
+  j["data"] = {{"seconds_per_sample", std::max(layout_seconds, 0.0)},
+               {"media_seconds_per_sample", media_json}};
   if (o.comm) j["comm"] = measure_comm(o, compute);
   j["modules"] = modules;
   return j.dump(2);
