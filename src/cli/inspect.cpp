@@ -13,6 +13,7 @@
 #include "weft/plan/balance.h"
 #include "weft/plan/cp_split.h"
 #include "weft/plan/workload.h"
+#include "weft/train/inputs.h"
 
 namespace weft::cli {
 
@@ -118,14 +119,11 @@ int run_balance(const BalanceArgs& a) {
     const data::Tokenizer tok = data::Tokenizer::for_shapes(spec.model);
     if (spec.model.llm.vocab == 0) spec.model.llm.vocab = (tok.vocab_size() + 63) / 64 * 64;
     const data::ShapesDataset dataset(spec, tok);
-    for (const data::Sample& sample : dataset.train_batch(static_cast<int64_t>(a.seed), batch)) {
-      plan::SampleShape shape;
-      shape.tokens = static_cast<int64_t>(sample.tokens.size());
-      shape.items.assign(spec.model.encoders.size(), 0);
-      for (const auto& item : sample.items) ++shape.items[item.encoder];
-      shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
-      shapes.push_back(shape);
-    }
+    const auto first = a.seed * static_cast<uint64_t>(batch);  // step a.seed's samples, text only
+    for (int64_t i = 0; i < batch; ++i)
+      shapes.push_back(train::shape_of(
+          dataset.layout(data::ShapesDataset::kTrainStream, first + static_cast<uint64_t>(i)),
+          spec.model.encoders.size()));
   } else {
     shapes = plan::sample_workload(a.mix, spec, batch, a.seed);
   }

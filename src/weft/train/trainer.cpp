@@ -348,14 +348,8 @@ Trainer::Impl::Layout Trainer::Impl::layout_of(int64_t step) {
   // work.
   l.samples = dataset->train_layout(step, spec.train.batch);
   std::vector<plan::SampleWork> work;
-  for (const data::Sample& sample : l.samples) {
-    plan::SampleShape shape;
-    shape.tokens = static_cast<int64_t>(sample.tokens.size());
-    shape.items.assign(spec.model.encoders.size(), 0);
-    for (const data::ModalityItem& item : sample.items) ++shape.items[item.encoder];
-    shape.targets = std::count(sample.is_target.begin(), sample.is_target.end(), 1);
-    work.push_back(work_model.work(shape));
-  }
+  for (const data::Sample& sample : l.samples)
+    work.push_back(work_model.work(shape_of(sample, spec.model.encoders.size())));
   plan::BalanceOptions bo;
   bo.replicas = plan.module("llm").layout.dp;
   bo.microbatches = spec.train.microbatches;
