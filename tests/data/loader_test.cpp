@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -72,6 +73,40 @@ TEST(Prefetcher, ForgottenItemsAreNotDecoded) {
     EXPECT_TRUE(torch::equal(p.take({9, 0, 0}), value_of({9, 0, 0})));  // made on this thread
   }                                                                     // the worker is joined
   EXPECT_LE(made.load(), 2);  // at most the one already running, and the one taken
+}
+
+// An item no worker has started is made by the thread that takes it, not after the items queued
+// before it (a step's own items after a re-layout, behind later steps' prefetches).
+TEST(Prefetcher, TakingAnItemNotStartedMakesItHere) {
+  std::atomic<bool> release{false};
+  std::thread::id maker;
+  std::mutex mu;
+  Prefetcher p(1, [&](const Key& k) {
+    if (std::get<0>(k) == 1)  // the worker's first item blocks until released
+      while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (std::get<0>(k) == 2) {
+      std::lock_guard<std::mutex> lock(mu);
+      maker = std::this_thread::get_id();
+    }
+    return value_of(k);
+  });
+  p.schedule({{1, 0, 0}}, 0);
+  while (p.pending() != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the worker is inside item 1
+  p.schedule({{2, 0, 0}}, 0);
+  std::thread safety([&] {  // a regression waits for the worker instead of hanging the test
+    for (int i = 0; i < 5000 && !release; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    release = true;
+  });
+  EXPECT_TRUE(torch::equal(p.take({2, 0, 0}), value_of({2, 0, 0})));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(maker, std::this_thread::get_id());
+  }
+  release = true;
+  EXPECT_TRUE(torch::equal(p.take({1, 0, 0}), value_of({1, 0, 0})));
+  safety.join();
 }
 
 }  // namespace

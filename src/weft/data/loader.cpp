@@ -40,15 +40,23 @@ void Prefetcher::schedule(const std::vector<Key>& keys, int64_t step) {
 
 at::Tensor Prefetcher::take(const Key& key) {
   std::future<at::Tensor> f;
+  std::packaged_task<at::Tensor()> queued;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(key);
-    if (it != pending_.end()) {
-      f = std::move(it->second.result);
-      pending_.erase(it);
+    if (it == pending_.end()) return make_(key);  // never scheduled (or no workers)
+    f = std::move(it->second.result);
+    pending_.erase(it);
+    // Not started yet: run it here rather than wait behind later steps' items.
+    auto q = std::find_if(queue_.begin(), queue_.end(),
+                          [&](const auto& entry) { return entry.first == key; });
+    if (q != queue_.end()) {
+      queued = std::move(q->second);
+      queue_.erase(q);
     }
   }
-  return f.valid() ? f.get() : make_(key);
+  if (queued.valid()) queued();
+  return f.get();
 }
 
 void Prefetcher::forget_before(int64_t step) {
