@@ -6,13 +6,12 @@
 
 namespace weft::data {
 
-Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opts) {
-  WEFT_CHECK(!samples.empty(), "collate: empty microbatch");
-  // Assign samples to rows: padded = one per row; packed = first fit in order.
+std::vector<std::vector<size_t>> pack_rows(const std::vector<int64_t>& lengths,
+                                           const CollateOptions& opts) {
   std::vector<std::vector<size_t>> rows;
   std::vector<int64_t> row_len;
-  for (size_t i = 0; i < samples.size(); ++i) {
-    const int64_t len = static_cast<int64_t>(samples[i].tokens.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int64_t len = lengths[i];
     WEFT_CHECK(opts.max_seq <= 0 || len <= opts.max_seq, "sample ", i, " has ", len,
                " tokens, more than model.llm.max_seq = ", opts.max_seq);
     size_t r = rows.size();
@@ -28,6 +27,19 @@ Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opt
     }
     rows[r].push_back(i);
     row_len[r] += len;
+  }
+  return rows;
+}
+
+Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opts) {
+  WEFT_CHECK(!samples.empty(), "collate: empty microbatch");
+  std::vector<int64_t> lengths;
+  for (const Sample& s : samples) lengths.push_back(static_cast<int64_t>(s.tokens.size()));
+  const std::vector<std::vector<size_t>> rows = pack_rows(lengths, opts);
+  std::vector<int64_t> row_len;
+  for (const auto& row : rows) {
+    row_len.push_back(0);
+    for (size_t i : row) row_len.back() += lengths[i];
   }
   const int64_t B = static_cast<int64_t>(rows.size());
   const int64_t S = *std::max_element(row_len.begin(), row_len.end());

@@ -37,6 +37,11 @@ struct CollateOptions {
 
 Microbatch collate(const std::vector<Sample>& samples, const CollateOptions& opts);
 
+// The rows collate() puts samples of these lengths in (indices, in order): one per row padded,
+// first fit in order packed. A microbatch's items are numbered row by row, then in sample order.
+std::vector<std::vector<size_t>> pack_rows(const std::vector<int64_t>& lengths,
+                                           const CollateOptions& opts);
+
 // Splits a global batch into `parts` microbatches of consecutive samples (sizes differ by at
 // most one).
 std::vector<std::vector<Sample>> split(const std::vector<Sample>& samples, int64_t parts);

@@ -37,7 +37,7 @@ class Dataset {
   // undefined. A pure function of the config, the step and the records marked bad so far.
   virtual std::vector<Sample> train_layout(int64_t step, int64_t batch) = 0;
   // Loads the inputs of the `wanted` items of `layout` (train_layout(step, ...)) in place.
-  // Returns the samples (indices into layout) whose media could not be loaded under
+  // Returns the samples (indices into layout, ascending) whose media could not be loaded under
   // data.on_error = "skip"; under "fail" a bad item is an Error naming the file and record.
   virtual std::vector<int64_t> load_media(int64_t step, std::vector<Sample>& layout,
                                           const std::vector<MediaRef>& wanted) = 0;

@@ -283,9 +283,11 @@ std::vector<int64_t> LlavaDataset::load_media(int64_t step, std::vector<Sample>&
       ++media_loaded_;
     } catch (const Error&) {
       if (!skip_bad_) throw;
-      if (bad.empty() || bad.back() != r.sample) bad.push_back(r.sample);
+      bad.push_back(r.sample);
     }
   }
+  std::sort(bad.begin(), bad.end());
+  bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
   prefetcher_->forget_before(step + 1);  // this step's items are taken; stale ones dropped
   return bad;
 }

@@ -42,9 +42,12 @@ at::Tensor Prefetcher::take(const Key& key) {
   std::future<at::Tensor> f;
   std::packaged_task<at::Tensor()> queued;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto it = pending_.find(key);
-    if (it == pending_.end()) return make_(key);  // never scheduled (or no workers)
+    if (it == pending_.end()) {  // never scheduled (or no workers): made here, unlocked
+      lock.unlock();
+      return make_(key);
+    }
     f = std::move(it->second.result);
     pending_.erase(it);
     // Not started yet: run it here rather than wait behind later steps' items.

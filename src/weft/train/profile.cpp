@@ -693,30 +693,37 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   Trainer trainer(spec, plan::make_plan(spec, 1), to);
   const Spec& resolved = trainer.spec();  // model.llm.vocab from the tokenizer
 
-  // Data: drawing and collating a global batch, per sample.
-  std::vector<double> data;
+  // The batches the layers are measured on.
   std::vector<StepBatch> batches;
-  for (int64_t i = 0; i < steps; ++i) {
-    const double t0 = now_seconds();
-    batches.push_back(trainer.prepare_step(i));
-    if (i >= o.warmup) data.push_back((now_seconds() - t0) / static_cast<double>(ts.batch));
-  }
-  // Of that, decoding each encoder's media (per sample), which only the ranks reading an item do:
-  // a second dataset's layouts, loaded encoder by encoder.
+  for (int64_t i = 0; i < steps; ++i) batches.push_back(trainer.prepare_step(i));
+  // Data, per sample, on a second dataset: laying out and collating the global batch (every
+  // rank does it), and decoding each encoder's media (only the ranks reading an item do).
   Spec data_spec = resolved;
   const std::unique_ptr<data::Dataset> media_data = data::make_dataset(&data_spec);
+  data::CollateOptions co;
+  co.num_encoders = static_cast<int>(resolved.model.encoders.size());
+  co.pad_id = media_data->pad_id();
+  co.packing = resolved.data.packing;
+  co.max_seq = resolved.model.llm.max_seq;
+  std::vector<double> data;
   std::vector<std::vector<double>> media(resolved.model.encoders.size());
-  for (int64_t i = o.warmup; i < steps; ++i) {
+  const double per = 1.0 / static_cast<double>(ts.batch);
+  for (int64_t i = 0; i < steps; ++i) {
+    const double t0 = now_seconds();
     std::vector<data::Sample> layout = media_data->train_layout(i, ts.batch);
+    const double laid_out = now_seconds() - t0;
     const std::vector<data::MediaRef> all = data::all_media(layout);
     for (size_t e = 0; e < media.size(); ++e) {
       std::vector<data::MediaRef> mine;
       for (const data::MediaRef& r : all)
         if (layout[r.sample].items[r.item].encoder == static_cast<int>(e)) mine.push_back(r);
-      const double t0 = now_seconds();
+      const double t1 = now_seconds();
       media_data->load_media(i, layout, mine);
-      media[e].push_back((now_seconds() - t0) / static_cast<double>(ts.batch));
+      if (i >= o.warmup) media[e].push_back((now_seconds() - t1) * per);
     }
+    const double t2 = now_seconds();
+    data::collate(layout, co);
+    if (i >= o.warmup) data.push_back((laid_out + now_seconds() - t2) * per);
   }
   double rows = 0, padded = 0, tokens = 0, samples = 0;
   std::vector<double> items(resolved.model.encoders.size(), 0);
@@ -785,13 +792,9 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
                 {"max_seq", resolved.model.llm.max_seq},
                 {"tokens_per_sample", tokens / samples}};
   json media_json = json::object();
-  double layout_seconds = median(data);
-  for (size_t e = 0; e < media.size(); ++e) {
+  for (size_t e = 0; e < media.size(); ++e)
     media_json[resolved.model.encoders[e].name] = median(media[e]);
-    layout_seconds -= median(media[e]);
-  }
-  j["data"] = {{"seconds_per_sample", std::max(layout_seconds, 0.0)},
-               {"media_seconds_per_sample", media_json}};
+  j["data"] = {{"seconds_per_sample", median(data)}, {"media_seconds_per_sample", media_json}};
   if (o.comm) j["comm"] = measure_comm(o, compute);
   j["modules"] = modules;
   return j.dump(2);

@@ -363,15 +363,22 @@ Trainer::Impl::Layout Trainer::Impl::layout_of(int64_t step) {
   const size_t M = replicas == 0 ? 0 : l.balance.assignment[0].size();
   for (size_t m = 0; m < M; ++m)
     for (size_t e = 0; e < E; ++e) {
-      std::vector<data::MediaRef> items;  // replica-major, sample order, item order
+      std::vector<data::MediaRef> items;  // replica-major, in collated order (row by row)
       std::vector<int64_t> counts(replicas, 0);
-      for (size_t d = 0; d < replicas; ++d)
-        for (int64_t i : l.balance.assignment[d][m])
-          for (size_t j = 0; j < l.samples[i].items.size(); ++j)
-            if (l.samples[i].items[j].encoder == static_cast<int>(e)) {
-              items.push_back({i, static_cast<int64_t>(j)});
-              ++counts[d];
-            }
+      for (size_t d = 0; d < replicas; ++d) {
+        const std::vector<int64_t>& part = l.balance.assignment[d][m];
+        std::vector<int64_t> lengths;
+        for (int64_t i : part) lengths.push_back(static_cast<int64_t>(l.samples[i].tokens.size()));
+        for (const std::vector<size_t>& row : data::pack_rows(lengths, collate))
+          for (size_t k : row) {
+            const int64_t i = part[k];
+            for (size_t j = 0; j < l.samples[i].items.size(); ++j)
+              if (l.samples[i].items[j].encoder == static_cast<int>(e)) {
+                items.push_back({i, static_cast<int64_t>(j)});
+                ++counts[d];
+              }
+          }
+      }
       const auto [begin, end] = runtime->encoder_items_read(e, counts);
       l.wanted.insert(l.wanted.end(), items.begin() + begin, items.begin() + end);
     }
@@ -392,34 +399,66 @@ StepBatch Trainer::prepare_step(int64_t step) {
   Impl& m = *impl_;
   const Spec& spec = m.spec;
   const dist::Comm& comm = m.opts.comm;
-  // Under data.on_error = "skip", every rank learns which records the others found bad, so all
-  // replace the same ones (one small all-reduce a step); under "fail" the rank that found one
-  // stops the job.
-  const bool agree = spec.data.on_error == "skip" && comm.size() > 1;
+  // Every rank learns which records the others could not load (one small all-reduce a step):
+  // under data.on_error = "skip" all replace the same ones; under "fail" all stop, not only the
+  // rank that found it.
+  const bool skip = spec.data.on_error == "skip";
   Impl::Layout l;
+  std::map<std::pair<int64_t, int64_t>, at::Tensor> loaded;  // (record, item) across rounds
   for (int round = 0;; ++round) {
     WEFT_CHECK(round < 1000, "step ", step + 1, ": the dataset keeps finding bad media");
-    for (int64_t ahead = 1; ahead <= spec.data.prefetch; ++ahead)
-      if (!m.layouts.count(step + ahead)) {  // newly planned: its items decode in the background
-        const Impl::Layout& next = m.planned(step + ahead);
-        m.dataset->prefetch_media(step + ahead, next.samples, next.wanted);
+    for (int64_t ahead = 1; ahead <= spec.data.prefetch; ++ahead) {
+      const int64_t next_step = step + ahead;
+      if (next_step >= spec.train.steps || m.layouts.count(next_step)) continue;
+      try {  // newly planned: its items decode in the background
+        const Impl::Layout& next = m.planned(next_step);
+        m.dataset->prefetch_media(next_step, next.samples, next.wanted);
+      } catch (const Error&) {
+        // A bad record of a later step: that step's own layout reports or replaces it.
       }
+    }
     l = m.planned(step);
-    const std::vector<int64_t> bad = m.dataset->load_media(step, l.samples, l.wanted);
-    std::vector<int64_t> everywhere = bad;
-    if (agree) {
-      at::Tensor flags = torch::zeros({static_cast<int64_t>(l.samples.size())}, torch::kInt);
+    std::vector<data::MediaRef> wanted;  // what earlier rounds did not load
+    for (const data::MediaRef& r : l.wanted) {
+      data::Sample& s = l.samples[r.sample];
+      const auto it = loaded.find({s.record, r.item});
+      if (it != loaded.end())
+        s.items[r.item].input = it->second;
+      else
+        wanted.push_back(r);
+    }
+    std::vector<int64_t> bad;
+    std::string failure;  // under "fail": this rank's error
+    try {
+      bad = m.dataset->load_media(step, l.samples, wanted);
+    } catch (const std::exception& e) {
+      if (comm.size() == 1) throw;
+      failure = e.what();
+    }
+    if (comm.size() > 1) {
+      // Per sample: 1 = bad (skipped), 2 = this rank's error (fail).
+      at::Tensor flags = torch::zeros({static_cast<int64_t>(l.samples.size()) + 1}, torch::kInt);
       int32_t* f = flags.data_ptr<int32_t>();
       for (int64_t i : bad) f[i] = 1;
+      if (!failure.empty()) f[l.samples.size()] = 1;
       comm.all_reduce_max(flags);
-      everywhere.clear();
       f = flags.data_ptr<int32_t>();
-      for (int64_t i = 0; i < flags.numel(); ++i)
-        if (f[i] != 0) everywhere.push_back(i);
+      WEFT_CHECK(failure.empty(), failure);
+      WEFT_CHECK(f[l.samples.size()] == 0, "step ", step + 1,
+                 ": another rank could not load the media of its items (data.on_error = "
+                 "\"fail\"); its error names the file and record");
+      bad.clear();
+      for (int64_t i = 0; i < static_cast<int64_t>(l.samples.size()); ++i)
+        if (f[i] != 0) bad.push_back(i);
     }
-    if (everywhere.empty()) break;
+    if (bad.empty()) break;
+    WEFT_ASSERT(skip, "bad media reported under data.on_error = \"fail\"");
     std::vector<data::Sample> marked;
-    for (int64_t i : everywhere) marked.push_back(l.samples[i]);
+    for (int64_t i : bad) marked.push_back(l.samples[i]);
+    for (const data::MediaRef& r : l.wanted) {  // keep the good items for the next layout
+      const data::Sample& s = l.samples[r.sample];
+      if (s.items[r.item].input.defined()) loaded[{s.record, r.item}] = s.items[r.item].input;
+    }
     m.dataset->mark_bad(marked);
   }
   m.layouts.erase(m.layouts.begin(), m.layouts.upper_bound(step));
