@@ -436,7 +436,7 @@ StepBatch Trainer::prepare_step(int64_t step) {
       failure = e.what();
     }
     if (comm.size() > 1) {
-      // Per sample: 1 = bad (skipped), 2 = this rank's error (fail).
+      // Per sample: 1 = its media is bad (skip); one more slot: a rank failed (fail).
       at::Tensor flags = torch::zeros({static_cast<int64_t>(l.samples.size()) + 1}, torch::kInt);
       int32_t* f = flags.data_ptr<int32_t>();
       for (int64_t i : bad) f[i] = 1;
