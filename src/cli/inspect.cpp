@@ -119,11 +119,8 @@ int run_balance(const BalanceArgs& a) {
     const data::Tokenizer tok = data::Tokenizer::for_shapes(spec.model);
     if (spec.model.llm.vocab == 0) spec.model.llm.vocab = (tok.vocab_size() + 63) / 64 * 64;
     const data::ShapesDataset dataset(spec, tok);
-    const auto first = a.seed * static_cast<uint64_t>(batch);  // step a.seed's samples, text only
-    for (int64_t i = 0; i < batch; ++i)
-      shapes.push_back(train::shape_of(
-          dataset.layout(data::ShapesDataset::kTrainStream, first + static_cast<uint64_t>(i)),
-          spec.model.encoders.size()));
+    for (const data::Sample& sample : dataset.train_layout(static_cast<int64_t>(a.seed), batch))
+      shapes.push_back(train::shape_of(sample, spec.model.encoders.size()));
   } else {
     shapes = plan::sample_workload(a.mix, spec, batch, a.seed);
   }

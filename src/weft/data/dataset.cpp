@@ -15,13 +15,7 @@ class ShapesData final : public Dataset {
  public:
   ShapesData(const Spec& spec, Tokenizer tok) : tok_(std::move(tok)), data_(spec, tok_) {}
   std::vector<Sample> train_layout(int64_t step, int64_t batch) override {
-    WEFT_CHECK(step >= 0, "shapes dataset: step must be >= 0, got ", step);
-    WEFT_CHECK(batch >= 1, "shapes dataset: batch must be >= 1, got ", batch);
-    std::vector<Sample> out;
-    for (int64_t i = 0; i < batch; ++i)
-      out.push_back(
-          data_.layout(ShapesDataset::kTrainStream, static_cast<uint64_t>(step * batch + i)));
-    return out;
+    return data_.train_layout(step, batch);
   }
   std::vector<int64_t> load_media(int64_t, std::vector<Sample>& layout,
                                   const std::vector<MediaRef>& wanted) override {

@@ -3,10 +3,10 @@
 // for that encoder it is); `make` must be a
 // pure, thread-safe function of the key. Each scheduled key carries the step that wants it:
 // take() returns an item, waiting only if a worker is making it (making it on the calling thread
-// if no worker has started it, or it was never scheduled), rethrowing what `make` threw; forget_before() drops what
-// earlier steps scheduled and never took (a layout that changed, a record found bad). The
-// destructor stops the workers (pending keys are dropped). One thread calls everything but the
-// workers.
+// if no worker has started it, or it was never scheduled), rethrowing what `make` threw;
+// forget_before() drops what earlier steps scheduled and never took (a layout that changed, a
+// record found bad). The destructor stops the workers (pending keys are dropped). One thread calls
+// everything but the workers.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -323,19 +323,30 @@ Sample ShapesDataset::sample(uint64_t stream, uint64_t index) const {
 }
 
 std::vector<Sample> ShapesDataset::train_batch(int64_t step, int64_t batch) const {
-  return train_batch(step, batch, 0, 1);
+  return train_samples(step, batch, 0, 1, /*media=*/true);
 }
 
 std::vector<Sample> ShapesDataset::train_batch(int64_t step, int64_t batch, int64_t part,
                                                int64_t parts) const {
+  return train_samples(step, batch, part, parts, /*media=*/true);
+}
+
+std::vector<Sample> ShapesDataset::train_layout(int64_t step, int64_t batch) const {
+  return train_samples(step, batch, 0, 1, /*media=*/false);
+}
+
+std::vector<Sample> ShapesDataset::train_samples(int64_t step, int64_t batch, int64_t part,
+                                                 int64_t parts, bool media) const {
   WEFT_CHECK(step >= 0, "shapes dataset: step must be >= 0, got ", step);
   WEFT_CHECK(batch >= 1, "shapes dataset: batch must be >= 1, got ", batch);
   const auto [begin, end] = part_range(batch, parts, part);
   std::vector<Sample> out;
   out.reserve(static_cast<size_t>(end - begin));
   const auto first = static_cast<uint64_t>(step) * static_cast<uint64_t>(batch);
-  for (int64_t i = begin; i < end; ++i)
-    out.push_back(sample(kTrainStream, first + static_cast<uint64_t>(i)));
+  for (int64_t i = begin; i < end; ++i) {
+    const uint64_t index = first + static_cast<uint64_t>(i);
+    out.push_back(media ? sample(kTrainStream, index) : layout(kTrainStream, index));
+  }
   return out;
 }
 

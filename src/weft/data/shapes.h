@@ -43,6 +43,8 @@ class ShapesDataset {
   // Only part `part` of `parts` of that batch (split as data::split does): what one data-
   // parallel rank trains on, without generating the other ranks' samples.
   std::vector<Sample> train_batch(int64_t step, int64_t batch, int64_t part, int64_t parts) const;
+  // train_batch(step, batch) without the items' inputs (layout()).
+  std::vector<Sample> train_layout(int64_t step, int64_t batch) const;
   // data.eval_samples samples from stream 1, indices 0.. in order.
   std::vector<Sample> eval_set() const;
 
@@ -64,6 +66,8 @@ class ShapesDataset {
     at::Tensor mel_filters;  // whisper: float [mels, n_fft / 2 + 1]
   };
 
+  std::vector<Sample> train_samples(int64_t step, int64_t batch, int64_t part, int64_t parts,
+                                    bool media) const;
   Scene make_scene(uint64_t key) const;
   at::Tensor render_image(const Scene& scene, int64_t size, uint64_t key) const;
   at::Tensor render_audio(const Scene& scene, const EncoderInfo& enc, uint64_t key) const;
