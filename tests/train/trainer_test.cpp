@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "support/errors.h"
 #include "support/tiny_run.h"
@@ -202,6 +203,21 @@ TEST(Trainer, WritesRunDirectory) {
   for (const char* f : {"config.toml", "plan.json", "metrics.jsonl", "summary.json"})
     EXPECT_TRUE(fs::exists(out / f)) << f;
   EXPECT_EQ(run_losses(out).size(), 3u);
+  {  // each line splits the step's time into its phases
+    std::ifstream in(out / "metrics.jsonl");
+    std::string text;
+    while (std::getline(in, text)) {
+      const nlohmann::json line = nlohmann::json::parse(text);
+      double parts = 0;
+      for (const char* f :
+           {"data_seconds", "compute_seconds", "norm_seconds", "optimizer_seconds"}) {
+        ASSERT_TRUE(line.contains(f)) << f << " in " << text;
+        EXPECT_GT(line[f].get<double>(), 0.0) << f;
+        parts += line[f].get<double>();
+      }
+      EXPECT_LE(parts, line["step_seconds"].get<double>()) << text;
+    }
+  }
   // keep-last-2: steps 2 and 3 remain.
   EXPECT_FALSE(fs::exists(out / "checkpoints/step_00000001"));
   EXPECT_TRUE(fs::exists(out / "checkpoints/step_00000002/rank-00000.safetensors"));

@@ -401,14 +401,21 @@ Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
   return Pending([impl, work, v] { impl->wait(work, "send"); });
 }
 
-void Comm::recv(at::Tensor& t, int src, int tag) const {
+void Comm::recv(at::Tensor& t, int src, int tag) const { irecv(t, src, tag).wait(); }
+
+Pending Comm::irecv(at::Tensor& t, int src, int tag) const {
   WEFT_CHECK(src >= 0 && src < size() && src != rank(), "recv: rank ", rank(),
              " cannot receive from rank ", src, " of a group of ", size());
   WEFT_CHECK(t.is_contiguous(), "recv: tensor must be contiguous");
+  // Device tensors arrive in host memory (see send) and are copied over when waited.
   std::vector<at::Tensor> v{t.is_cuda() ? torch::empty(t.sizes(), t.options().device(at::kCPU))
                                         : t};
-  impl_->wait(impl_->group_for(v[0]).recv(v, src, tag), "recv");
-  if (t.is_cuda()) t.copy_(v[0]);
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).recv(v, src, tag);
+  std::shared_ptr<Impl> impl = impl_;
+  return Pending([impl, work, v, t]() mutable {
+    impl->wait(work, "recv");
+    if (t.is_cuda()) t.copy_(v[0]);
+  });
 }
 
 void Comm::barrier() const {

@@ -94,6 +94,11 @@ class Comm {
   // shape and dtype. Messages with the same (src, tag) arrive in order.
   Pending send(const at::Tensor& t, int dst, int tag) const;
   void recv(at::Tensor& t, int src, int tag) const;
+  // recv() posted now, filled by the time the Pending is waited (it must be, before `t` is read).
+  // Posting a receive before its send arrives matters on Gloo: a send whose receive is not yet
+  // posted waits for the receiver's "ready" notice, which the sender's transport thread answers
+  // only when it gets a core — on a busy machine a scheduler time slice later.
+  Pending irecv(at::Tensor& t, int src, int tag) const;
 
   struct Impl;  // defined in comm.cpp (holds the c10d store and process group)
 

@@ -126,6 +126,13 @@ struct Runtime::Impl {
   }
   std::map<int, at::Tensor> mailbox;  // self-addressed messages (colocated encoder → LLM)
   std::vector<Pending> sends;
+  // Receives posted ahead of the op that reads them (Comm::irecv: on Gloo a send that finds its
+  // receive posted goes out at once), by (source, tag).
+  struct Posted {
+    at::Tensor t;
+    Pending done;
+  };
+  std::map<std::pair<int64_t, int>, Posted> posted;
 
   // ---- set-up -------------------------------------------------------------------------------
 
@@ -266,21 +273,45 @@ struct Runtime::Impl {
     }
     sends.push_back(p2p.send(t.contiguous(), static_cast<int>(dst), tag));
   }
-  at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
-    const at::TensorOptions options = torch::TensorOptions().dtype(dtype).device(opts.device);
-    if (c10::multiply_integers(shape) == 0) return torch::empty(shape, options);
-    if (src == rank) {
-      auto it = mailbox.find(tag);
-      WEFT_ASSERT(it != mailbox.end(), "self message ", tag, " missing");
+  // A message this rank expects: its shape and dtype (both sides know them), source and tag.
+  struct Msg {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype = at::kFloat;
+    int64_t src = -1;  // -1: no message
+    int tag = 0;
+    bool none() const { return src < 0 || c10::multiply_integers(shape) == 0; }
+  };
+  at::Tensor recv(const Msg& msg) {
+    const at::TensorOptions options = torch::TensorOptions().dtype(msg.dtype).device(opts.device);
+    if (msg.none()) return torch::empty(msg.shape, options);
+    if (msg.src == rank) {
+      auto it = mailbox.find(msg.tag);
+      WEFT_ASSERT(it != mailbox.end(), "self message ", msg.tag, " missing");
       at::Tensor t = it->second;
       mailbox.erase(it);
       return t;
     }
-    at::Tensor t = torch::empty(shape, options);
+    post(msg);
+    auto it = posted.find({msg.src, msg.tag});
+    Posted p = std::move(it->second);
+    posted.erase(it);
+    WEFT_ASSERT(p.t.sizes() == at::IntArrayRef(msg.shape) && p.t.scalar_type() == msg.dtype,
+                "message ", msg.tag, " from rank ", msg.src, " was posted with another shape");
     const double t0 = now();
-    p2p.recv(t, static_cast<int>(src), tag);
+    p.done.wait();
     times.p2p_wait_seconds += now() - t0;
-    return t;
+    return p.t;
+  }
+  at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
+    return recv(Msg{shape.vec(), dtype, src, tag});
+  }
+  // Posts the receive of `msg` now (once; nothing for self-addressed or empty messages).
+  void post(const Msg& msg) {
+    if (msg.none() || msg.src == rank || posted.count({msg.src, msg.tag})) return;
+    at::Tensor t =
+        torch::empty(msg.shape, torch::TensorOptions().dtype(msg.dtype).device(opts.device));
+    Pending done = p2p.irecv(t, static_cast<int>(msg.src), msg.tag);
+    posted.emplace(std::make_pair(msg.src, msg.tag), Posted{t, std::move(done)});
   }
 
   // ---- the step -----------------------------------------------------------------------------
@@ -415,6 +446,42 @@ struct Runtime::Impl {
     return even_part(items.total, edp, i);
   }
 
+  // ---- pipeline messages: what each op receives, so it can be posted ahead ------------------
+
+  // Activations into encoder e's stage (not the first) for microbatch m.
+  Msg encoder_input_msg(size_t e, int64_t m, const std::vector<std::vector<model::Inputs>>& batch) {
+    const ModulePlan& mp = *enc_plan[e];
+    const Role& role = enc_role[e];
+    if (!role.hosted || role.first) return {};
+    const auto [a, b] = encoder_range(items_of(batch, e, m), e, role.c.dp);
+    return {{b - a, spec.encoders[e].block_tokens() / mp.layout.cp, spec.encoders[e].hidden},
+            model::compute_dtype(),
+            mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
+            tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp)};
+  }
+  // Gradients into encoder e's stage (not the last) for microbatch m, after its forward.
+  Msg encoder_grad_msg(size_t e, int64_t m, const EncoderSaved& saved) {
+    const ModulePlan& mp = *enc_plan[e];
+    const Role& role = enc_role[e];
+    if (!role.hosted || role.last || !saved.output.defined()) return {};
+    return {saved.output.sizes().vec(), saved.output.scalar_type(),
+            mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
+            tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp)};
+  }
+  // Activations into the LLM's stage (not the first) for microbatch m: this CP rank's tokens.
+  Msg llm_input_msg(int64_t m, const std::vector<std::vector<model::Inputs>>& batch) {
+    const ModulePlan& lp = *llm_plan;
+    const Role& role = llm_role;
+    if (!role.hosted || role.first) return {};
+    const int64_t d = role.c.dp;
+    const model::Inputs& in = batch[d][m];
+    const int64_t Sl = lp.layout.cp > 1 ? cp_layout(in).own[role.c.cp].numel() : in.tokens.size(1);
+    return {{in.tokens.size(0), Sl, spec.llm.hidden},
+            model::compute_dtype(),
+            lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
+            tag_of(kLlmAct, 0, m, role.c.pp)};
+  }
+
   // Forward of encoder e's stage on this rank for microbatch m.
   EncoderSaved encoder_forward(size_t e, int64_t m,
                                const std::vector<std::vector<model::Inputs>>& batch) {
@@ -426,7 +493,7 @@ struct Runtime::Impl {
     EncoderSaved saved;
     if (a == b) return saved;
     Span span{this, op_name(spec.encoders[e].name, "fwd", m, role.c.pp), "forward"};
-    const int64_t T = enc_tokens(e), h = spec.encoders[e].hidden;
+    const int64_t T = enc_tokens(e);
     at::Tensor x;
     if (role.first) {  // items [a, b) from the replicas' loaded inputs
       std::vector<at::Tensor> parts;
@@ -446,9 +513,7 @@ struct Runtime::Impl {
       }
       x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).to(opts.device);
     } else {
-      x = recv({b - a, spec.encoders[e].block_tokens() / mp.layout.cp, h}, model::compute_dtype(),
-               mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
-               tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp));
+      x = recv(encoder_input_msg(e, m, batch));
       if (mp.weight_grads) x.set_requires_grad(true);
     }
     at::Tensor y;
@@ -520,9 +585,7 @@ struct Runtime::Impl {
       }
       grad = torch::cat(parts, 0).view(saved.output.sizes());
     } else {
-      grad = recv(saved.output.sizes(), saved.output.scalar_type(),
-                  mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
-                  tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp));
+      grad = recv(encoder_grad_msg(e, m, saved));
     }
     if (saved.output.requires_grad()) saved.output.backward(grad);
     if (!role.first && mp.weight_grads) {
@@ -540,6 +603,15 @@ struct Runtime::Impl {
     std::vector<at::Tensor> features;  // first stage: per encoder, received features (leaves)
     at::Tensor output;                 // activations sent on, or the loss on the last stage
   };
+  // Gradients into the LLM's stage (not the last) for microbatch m, after its forward.
+  Msg llm_grad_msg(int64_t m, const LlmSaved& saved) {
+    const ModulePlan& lp = *llm_plan;
+    const Role& role = llm_role;
+    if (!role.hosted || role.last || !saved.output.defined()) return {};
+    return {saved.output.sizes().vec(), saved.output.scalar_type(),
+            lp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
+            tag_of(kLlmGrad, 0, m, role.c.pp)};
+  }
 
   // Pads a microbatch's token dimension to `S` (padding tokens see only themselves).
   static model::Inputs padded(const model::Inputs& in, int64_t S) {
@@ -626,9 +698,8 @@ struct Runtime::Impl {
       x = model->embed_with(in.tokens, saved.features, rows);
       if (own.defined()) x = x.index_select(1, own);
     } else {
-      x = recv({B, Sl, H}, model::compute_dtype(),
-               lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
-               tag_of(kLlmAct, 0, m, role.c.pp));
+      x = recv(llm_input_msg(m, batch));
+      WEFT_ASSERT(x.size(0) == B && x.size(1) == Sl, "llm input of microbatch ", m);
       if (lp.needs_backward()) x.set_requires_grad(true);
       saved.input = x;
     }
@@ -669,9 +740,7 @@ struct Runtime::Impl {
     if (role.last) {
       if (saved.output.requires_grad()) saved.output.backward();
     } else {
-      at::Tensor g = recv(saved.output.sizes(), saved.output.scalar_type(),
-                          lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp + 1}),
-                          tag_of(kLlmGrad, 0, m, role.c.pp));
+      at::Tensor g = recv(llm_grad_msg(m, saved));
       if (saved.output.requires_grad()) saved.output.backward(g);
     }
     if (!role.first) {
@@ -725,40 +794,60 @@ struct Runtime::Impl {
     for (const auto& replica : batch)
       for (const model::Inputs& in : replica) rows += in.tokens.size(0);
     moe_stats.clear();
+    // Receives are posted up to kAhead ops before the op that reads them (see `posted`).
+    constexpr int64_t kAhead = 2;
     // 1. Encoders forward (every microbatch), features over the bridge.
     std::vector<std::vector<EncoderSaved>> enc_saved(E);
+    for (int64_t m = 0; m < std::min(M, kAhead); ++m) {
+      post(llm_input_msg(m, batch));
+      for (size_t e = 0; e < E; ++e) post(encoder_input_msg(e, m, batch));
+    }
     for (size_t e = 0; e < E; ++e) {
       if (!enc_role[e].hosted) continue;
-      for (int64_t m = 0; m < M; ++m) enc_saved[e].push_back(encoder_forward(e, m, batch));
+      for (int64_t m = 0; m < M; ++m) {
+        if (m + kAhead < M) post(encoder_input_msg(e, m + kAhead, batch));
+        enc_saved[e].push_back(encoder_forward(e, m, batch));
+      }
     }
-    // 2. LLM: 1F1B over its stages.
+    // The first encoder gradients can arrive while this rank runs the LLM.
+    for (size_t e = 0; e < E; ++e)
+      for (int64_t m = 0; m < std::min(M, kAhead) && m < static_cast<int64_t>(enc_saved[e].size());
+           ++m)
+        post(encoder_grad_msg(e, m, enc_saved[e][m]));
+    // 2. LLM: 1F1B over its stages (warm-up forwards, then one forward / one backward, then the
+    // remaining backwards; forwards only when the LLM needs no backward).
     if (llm_role.hosted) {
       const int64_t P = llm_plan->layout.pp, s = llm_role.c.pp;
-      const bool backward = llm_plan->needs_backward();
+      std::vector<std::pair<bool, int64_t>> ops;  // (forward, microbatch)
+      if (!llm_plan->needs_backward()) {
+        for (int64_t m = 0; m < M; ++m) ops.push_back({true, m});
+      } else {
+        const int64_t warmup = std::min(P - 1 - s, M);
+        int64_t nf = 0, nb = 0;
+        while (nf < warmup) ops.push_back({true, nf++});
+        while (nf < M) {
+          ops.push_back({true, nf++});
+          ops.push_back({false, nb++});
+        }
+        while (nb < M) ops.push_back({false, nb++});
+      }
       std::vector<LlmSaved> saved(static_cast<size_t>(M));
-      int64_t nf = 0, nb = 0;
-      auto fwd = [&] {
-        saved[nf] = llm_forward(nf, batch, targets, rows, &loss);
-        ++nf;
+      auto msg = [&](size_t i) {
+        const auto [forward, m] = ops[i];
+        return forward ? llm_input_msg(m, batch) : llm_grad_msg(m, saved[m]);
       };
-      auto bwd = [&] {
-        if (nb == M - 1 && opts.overlap_grad_reduce) {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        for (size_t j = i; j < std::min(ops.size(), i + kAhead + 1); ++j) post(msg(j));
+        const auto [forward, m] = ops[i];
+        if (forward) {
+          saved[m] = llm_forward(m, batch, targets, rows, &loss);
+          continue;
+        }
+        if (m == M - 1 && opts.overlap_grad_reduce) {
           llm_sync.sync->arm();
           if (expert_parallel) expert_sync.sync->arm();
         }
-        llm_backward(nb, batch, saved[nb]);
-        ++nb;
-      };
-      if (!backward) {
-        while (nf < M) fwd();
-      } else {
-        const int64_t warmup = std::min(P - 1 - s, M);
-        while (nf < warmup) fwd();
-        while (nf < M) {
-          fwd();
-          bwd();
-        }
-        while (nb < M) bwd();
+        llm_backward(m, batch, saved[m]);
       }
     }
     // 3. Encoders backward, in microbatch order.
@@ -769,6 +858,7 @@ struct Runtime::Impl {
           enc_role[e].last ? proj_plan[e]->needs_backward() : enc_plan[e]->weight_grads;
       if (!enc_role[e].hosted || !backward) continue;
       for (int64_t m = 0; m < M; ++m) {
+        if (m + kAhead < M) post(encoder_grad_msg(e, m + kAhead, enc_saved[e][m + kAhead]));
         if (m == M - 1 && opts.overlap_grad_reduce) enc_sync[e].sync->arm();
         encoder_backward(e, m, batch, enc_saved[e][m]);
       }
@@ -776,6 +866,7 @@ struct Runtime::Impl {
     for (Pending& p : sends) p.wait();
     sends.clear();
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
+    WEFT_ASSERT(posted.empty(), posted.size(), " posted receives not read");
     // 4. Gradients: data x context parallel sums per module, then tied embedding copies.
     const double t0 = now();
     for (size_t e = 0; e < enc_sync.size(); ++e) {

@@ -429,13 +429,14 @@ StepBatch Trainer::prepare_step(int64_t step) {
     }
     std::vector<int64_t> bad;
     std::string failure;  // under "fail": this rank's error
+    const bool agree = comm.size() > 1 && m.dataset->media_can_fail();
     try {
       bad = m.dataset->load_media(step, l.samples, wanted);
     } catch (const std::exception& e) {
-      if (comm.size() == 1) throw;
+      if (!agree) throw;
       failure = e.what();
     }
-    if (comm.size() > 1) {
+    if (agree) {
       // Per sample: 1 = its media is bad (skip); one more slot: a rank failed (fail).
       at::Tensor flags = torch::zeros({static_cast<int64_t>(l.samples.size()) + 1}, torch::kInt);
       int32_t* f = flags.data_ptr<int32_t>();
@@ -484,17 +485,25 @@ StepOutcome Trainer::train_step(const StepBatch& batch, int64_t step) {
   Impl& m = *impl_;
   const TrainSpec& ts = m.spec.train;
   StepOutcome out;
+  double t = now_seconds();
+  auto lap = [&t] {
+    const double t0 = std::exchange(t, now_seconds());
+    return t - t0;
+  };
   {
     model::ComputeDtypeGuard dtype(m.compute);
     out.loss = m.runtime->step(batch.inputs, batch.targets);
   }
+  out.compute_seconds = lap();
   // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
   const bool may_skip = ts.nonfinite == NonFinite::kSkip;
   WEFT_CHECK(may_skip || std::isfinite(out.loss), "step ", step + 1, ": loss is ", out.loss,
              "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
              "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
   if (after_backward) after_backward(step);
+  lap();
   out.grad_norm = std::isfinite(out.loss) ? m.runtime->grad_norm() : static_cast<double>(NAN);
+  out.norm_seconds = lap();
   WEFT_CHECK(may_skip || std::isfinite(out.grad_norm), "step ", step + 1, ": gradient norm is ",
              out.grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
              " (skip such steps with train.nonfinite = \"skip\")");
@@ -503,6 +512,7 @@ StepOutcome Trainer::train_step(const StepBatch& batch, int64_t step) {
   if (!out.skipped) {
     m.optimizer->step(out.lr, clip_scale(out.grad_norm, ts.grad_clip));
     m.runtime->after_optimizer_step();
+    out.optimizer_seconds = lap();
   }
   for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
   return out;
@@ -571,6 +581,7 @@ Summary Trainer::run() {
   for (int64_t step = m.start_step; step < ts.steps; ++step) {
     const double t0 = now_seconds();
     const StepBatch batch = prepare_step(step);
+    const double data_seconds = now_seconds() - t0;
     const bool traced = step + 1 == spec.output.trace_step;
     m.runtime->set_tracing(traced);
     const StepOutcome out = train_step(batch, step);
@@ -608,6 +619,10 @@ Summary Trainer::run() {
     line["grad_norm"] = grad_norm;
     line["tokens"] = tokens;
     line["step_seconds"] = step_seconds;
+    line["data_seconds"] = data_seconds;
+    line["compute_seconds"] = out.compute_seconds;
+    line["norm_seconds"] = out.norm_seconds;
+    line["optimizer_seconds"] = out.optimizer_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
     std::vector<double> mb_costs;

@@ -68,6 +68,9 @@ struct StepBatch {
 struct StepOutcome {
   double loss = 0, grad_norm = 0, lr = 0;
   bool skipped = false;  // non-finite loss or gradient, update skipped (train.nonfinite = "skip")
+  // Where the step's time went on this rank: the runtime's forward / backward / gradient
+  // reduction (Runtime::step), the gradient norm, and the optimizer update.
+  double compute_seconds = 0, norm_seconds = 0, optimizer_seconds = 0;
 };
 
 class Trainer {
