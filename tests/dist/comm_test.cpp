@@ -59,6 +59,34 @@ TEST(Comm, BroadcastGatherReduceScatter) {
   });
 }
 
+// Receives posted before their sends, read in another order than they were sent: each is
+// matched by its tag, and a posted receive not yet waited on leaves its tensor alone.
+TEST(Comm, PostedReceivesMatchByTag) {
+  run_ranks(2, [](const Comm& c) {
+    if (c.rank() == 0) {
+      at::Tensor a = torch::zeros({3}), b = torch::zeros({2, 2}, torch::kBFloat16);
+      Pending pa = c.irecv(a, 1, 7);
+      Pending pb = c.irecv(b, 1, 8);
+      c.barrier();  // both posted before rank 1 sends
+      pb.wait();
+      EXPECT_TRUE(torch::equal(b, torch::full({2, 2}, 2.5, torch::kBFloat16)));
+      pa.wait();
+      EXPECT_TRUE(torch::equal(a, torch::arange(3, torch::kFloat)));
+      at::Tensor late = torch::zeros({1});
+      c.recv(late, 1, 9);  // sent before this receive was posted
+      EXPECT_EQ(late.item<float>(), 9.0f);
+    } else {
+      c.barrier();
+      Pending sb = c.send(torch::full({2, 2}, 2.5, torch::kBFloat16), 0, 8);
+      Pending sl = c.send(torch::full({1}, 9.0), 0, 9);
+      Pending sa = c.send(torch::arange(3, torch::kFloat), 0, 7);
+      sb.wait();
+      sl.wait();
+      sa.wait();
+    }
+  });
+}
+
 // Uneven all-to-all in every dtype the runtime sends (bf16 activations of MoE dispatch, int64
 // counts, fp32), 1-D and 3-D, with a rank that sends nothing to one peer. bf16 failed on 1.13's
 // Gloo ("Invalid scalar type") before it went as bytes.

@@ -306,6 +306,10 @@ struct Runtime::Impl {
     return recv(Msg{shape.vec(), dtype, src, tag});
   }
   // Posts the receive of `msg` now (once; nothing for self-addressed or empty messages).
+  template <typename Part>
+  void post(const std::vector<Part>& parts) {
+    for (const Part& p : parts) post(p.msg);
+  }
   void post(const Msg& msg) {
     if (msg.none() || msg.src == rank || posted.count({msg.src, msg.tag})) return;
     at::Tensor t =
@@ -482,6 +486,71 @@ struct Runtime::Impl {
             tag_of(kLlmAct, 0, m, role.c.pp)};
   }
 
+  // One message of the bridge: feature rows [r0, r1) of an encoder's items of one replica's
+  // microbatch (under LLM CP: of those, the rows idx that one CP rank owns).
+  struct BridgePart {
+    Msg msg;
+    int64_t r0 = 0, r1 = 0;
+    at::Tensor idx;             // undefined: every row
+    bool replica_done = false;  // bridge_grad_in: the last message of its replica
+  };
+  // What the LLM's first stage receives of encoder e's features for microbatch m: from every
+  // encoder DP rank holding some of its replica's items, in order; under CP only the rows of the
+  // placeholders this CP rank owns.
+  std::vector<BridgePart> bridge_in(size_t e, int64_t m,
+                                    const std::vector<std::vector<model::Inputs>>& batch) {
+    std::vector<BridgePart> out;
+    const Role& role = llm_role;
+    if (!role.hosted || !role.first) return out;
+    const int64_t d = role.c.dp, T = enc_tokens(e);
+    const ItemLayout items = items_of(batch, e, m);
+    const ModulePlan& mp = *enc_plan[e];
+    for (int64_t i = 0; i < mp.layout.dp; ++i) {
+      const auto [a, b] = encoder_range(items, e, i);
+      const int64_t lo = std::max(a, items.offset[d]);
+      const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+      if (lo >= hi) continue;
+      BridgePart p;
+      p.r0 = (lo - items.offset[d]) * T, p.r1 = (hi - items.offset[d]) * T;
+      p.idx = bridge_rows(batch[d][m], e, p.r0, p.r1, role.c.cp);
+      p.msg = {{p.idx.defined() ? p.idx.numel() : p.r1 - p.r0, spec.llm.hidden},
+               model::compute_dtype(),
+               mp.rank_of({0, 0, i, mp.layout.pp - 1}),
+               tag_of(kBridge, static_cast<int64_t>(e), m, 0)};
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+  // What encoder e's last stage receives of its features' gradients for microbatch m (after its
+  // forward): per replica holding some of its items, from tp-rank 0 of each LLM CP rank.
+  std::vector<BridgePart> bridge_grad_in(size_t e, int64_t m,
+                                         const std::vector<std::vector<model::Inputs>>& batch,
+                                         const EncoderSaved& saved) {
+    std::vector<BridgePart> out;
+    const Role& role = enc_role[e];
+    if (!role.hosted || !role.last || !saved.output.defined()) return out;
+    const ItemLayout items = items_of(batch, e, m);
+    const auto [a, b] = encoder_range(items, e, role.c.dp);
+    const int64_t T = enc_tokens(e);
+    for (size_t d = 0; d < items.count.size(); ++d) {
+      const int64_t lo = std::max(a, items.offset[d]);
+      const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
+      if (lo >= hi) continue;
+      for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp) {
+        BridgePart p;
+        p.r0 = (lo - items.offset[d]) * T, p.r1 = (hi - items.offset[d]) * T;
+        p.idx = bridge_rows(batch[d][m], e, p.r0, p.r1, cp);
+        p.msg = {{p.idx.defined() ? p.idx.numel() : p.r1 - p.r0, spec.llm.hidden},
+                 saved.output.scalar_type(),
+                 llm_plan->rank_of({0, cp, static_cast<int64_t>(d), 0}),
+                 tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0)};
+        p.replica_done = cp + 1 == llm_plan->layout.cp;
+        out.push_back(std::move(p));
+      }
+    }
+    return out;
+  }
+
   // Forward of encoder e's stage on this rank for microbatch m.
   EncoderSaved encoder_forward(size_t e, int64_t m,
                                const std::vector<std::vector<model::Inputs>>& batch) {
@@ -558,30 +627,20 @@ struct Runtime::Impl {
     const auto [a, b] = encoder_range(items, e, role.c.dp);
     if (a == b) return;
     Span span{this, op_name(spec.encoders[e].name, "bwd", m, role.c.pp), "backward"};
-    const int64_t T = enc_tokens(e);
     at::Tensor grad;
     if (role.last) {  // from the first LLM stage: tp-rank 0 of each CP rank, its own rows
       std::vector<at::Tensor> parts;
-      for (size_t d = 0; d < items.count.size(); ++d) {
-        const int64_t lo = std::max(a, items.offset[d]);
-        const int64_t hi = std::min(b, items.offset[d] + items.count[d]);
-        if (lo >= hi) continue;
-        const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
-        at::Tensor part;
-        for (int64_t cp = 0; cp < llm_plan->layout.cp; ++cp) {
-          const at::Tensor idx = bridge_rows(batch[d][m], e, r0, r1, cp);
-          const int64_t n = idx.defined() ? idx.numel() : r1 - r0;
-          at::Tensor g = recv({n, spec.llm.hidden}, saved.output.scalar_type(),
-                              llm_plan->rank_of({0, cp, static_cast<int64_t>(d), 0}),
-                              tag_of(kBridgeGrad, static_cast<int64_t>(e), m, 0));
-          if (!idx.defined()) {
-            part = g;
-          } else {
-            if (!part.defined()) part = torch::zeros({r1 - r0, spec.llm.hidden}, g.options());
-            part.index_copy_(0, idx, g);
-          }
+      at::Tensor part;  // of one replica, from its CP ranks in order
+      for (const BridgePart& from : bridge_grad_in(e, m, batch, saved)) {
+        at::Tensor g = recv(from.msg);
+        if (!from.idx.defined()) {
+          part = g;
+        } else {
+          if (!part.defined())
+            part = torch::zeros({from.r1 - from.r0, spec.llm.hidden}, g.options());
+          part.index_copy_(0, from.idx, g);
         }
-        parts.push_back(part);
+        if (from.replica_done) parts.push_back(std::exchange(part, {}));
       }
       grad = torch::cat(parts, 0).view(saved.output.sizes());
     } else {
@@ -670,25 +729,13 @@ struct Runtime::Impl {
     if (role.first) {
       std::vector<at::Tensor> rows = in.encoder_rows;
       for (size_t e = 0; e < spec.encoders.size(); ++e) {
-        const ItemLayout items = items_of(batch, e, m);
-        const int64_t n = items.count[d], T = enc_tokens(e);
         saved.features.emplace_back();
-        if (n == 0) continue;
-        // From every encoder DP rank holding some of replica d's items, in order: under CP only
-        // the rows of the placeholders this rank owns.
-        const ModulePlan& mp = *enc_plan[e];
+        const std::vector<BridgePart> in_parts = bridge_in(e, m, batch);
+        if (in_parts.empty()) continue;
         std::vector<at::Tensor> parts, part_rows;
-        for (int64_t i = 0; i < mp.layout.dp; ++i) {
-          const auto [a, b] = encoder_range(items, e, i);
-          const int64_t lo = std::max(a, items.offset[d]);
-          const int64_t hi = std::min(b, items.offset[d] + n);
-          if (lo >= hi) continue;
-          const int64_t r0 = (lo - items.offset[d]) * T, r1 = (hi - items.offset[d]) * T;
-          const at::Tensor idx = bridge_rows(batch[d][m], e, r0, r1, role.c.cp);
-          parts.push_back(recv({idx.defined() ? idx.numel() : r1 - r0, H}, model::compute_dtype(),
-                               mp.rank_of({0, 0, i, mp.layout.pp - 1}),
-                               tag_of(kBridge, static_cast<int64_t>(e), m, 0)));
-          part_rows.push_back(select_rows(rows[e].narrow(0, r0, r1 - r0), idx));
+        for (const BridgePart& part : in_parts) {
+          parts.push_back(recv(part.msg));
+          part_rows.push_back(select_rows(rows[e].narrow(0, part.r0, part.r1 - part.r0), part.idx));
         }
         rows[e] = torch::cat(part_rows, 0);
         at::Tensor f = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
@@ -796,10 +843,25 @@ struct Runtime::Impl {
     moe_stats.clear();
     // Receives are posted up to kAhead ops before the op that reads them (see `posted`).
     constexpr int64_t kAhead = 2;
-    // 1. Encoders forward (every microbatch), features over the bridge.
-    std::vector<std::vector<EncoderSaved>> enc_saved(E);
-    for (int64_t m = 0; m < std::min(M, kAhead); ++m) {
+    auto post_llm_input = [&](int64_t m) {  // activations, or features over the bridge
       post(llm_input_msg(m, batch));
+      for (size_t e = 0; e < E; ++e) post(bridge_in(e, m, batch));
+    };
+    std::vector<std::vector<EncoderSaved>> enc_saved(E);
+    // Whether encoder e's stage here runs backward: the last stage gets gradients when the
+    // projector needs backward; earlier stages only when the encoder itself trains.
+    auto encoder_backward_runs = [&](size_t e) {
+      return enc_role[e].hosted &&
+             (enc_role[e].last ? proj_plan[e]->needs_backward() : enc_plan[e]->weight_grads);
+    };
+    auto post_encoder_grad = [&](size_t e, int64_t m) {
+      if (!encoder_backward_runs(e) || m >= static_cast<int64_t>(enc_saved[e].size())) return;
+      post(encoder_grad_msg(e, m, enc_saved[e][m]));
+      post(bridge_grad_in(e, m, batch, enc_saved[e][m]));
+    };
+    // 1. Encoders forward (every microbatch), features over the bridge.
+    for (int64_t m = 0; m < std::min(M, kAhead); ++m) {
+      post_llm_input(m);
       for (size_t e = 0; e < E; ++e) post(encoder_input_msg(e, m, batch));
     }
     for (size_t e = 0; e < E; ++e) {
@@ -811,9 +873,7 @@ struct Runtime::Impl {
     }
     // The first encoder gradients can arrive while this rank runs the LLM.
     for (size_t e = 0; e < E; ++e)
-      for (int64_t m = 0; m < std::min(M, kAhead) && m < static_cast<int64_t>(enc_saved[e].size());
-           ++m)
-        post(encoder_grad_msg(e, m, enc_saved[e][m]));
+      for (int64_t m = 0; m < std::min(M, kAhead); ++m) post_encoder_grad(e, m);
     // 2. LLM: 1F1B over its stages (warm-up forwards, then one forward / one backward, then the
     // remaining backwards; forwards only when the LLM needs no backward).
     if (llm_role.hosted) {
@@ -832,12 +892,14 @@ struct Runtime::Impl {
         while (nb < M) ops.push_back({false, nb++});
       }
       std::vector<LlmSaved> saved(static_cast<size_t>(M));
-      auto msg = [&](size_t i) {
-        const auto [forward, m] = ops[i];
-        return forward ? llm_input_msg(m, batch) : llm_grad_msg(m, saved[m]);
-      };
       for (size_t i = 0; i < ops.size(); ++i) {
-        for (size_t j = i; j < std::min(ops.size(), i + kAhead + 1); ++j) post(msg(j));
+        for (size_t j = i; j < std::min(ops.size(), i + kAhead + 1); ++j) {
+          const auto [forward, m] = ops[j];
+          if (forward)
+            post_llm_input(m);
+          else
+            post(llm_grad_msg(m, saved[m]));
+        }
         const auto [forward, m] = ops[i];
         if (forward) {
           saved[m] = llm_forward(m, batch, targets, rows, &loss);
@@ -852,13 +914,9 @@ struct Runtime::Impl {
     }
     // 3. Encoders backward, in microbatch order.
     for (size_t e = 0; e < E; ++e) {
-      // The last stage gets gradients when the projector needs backward; earlier stages only
-      // when the encoder itself trains.
-      const bool backward =
-          enc_role[e].last ? proj_plan[e]->needs_backward() : enc_plan[e]->weight_grads;
-      if (!enc_role[e].hosted || !backward) continue;
+      if (!encoder_backward_runs(e)) continue;
       for (int64_t m = 0; m < M; ++m) {
-        if (m + kAhead < M) post(encoder_grad_msg(e, m + kAhead, enc_saved[e][m + kAhead]));
+        post_encoder_grad(e, m + kAhead);
         if (m == M - 1 && opts.overlap_grad_reduce) enc_sync[e].sync->arm();
         encoder_backward(e, m, batch, enc_saved[e][m]);
       }
