@@ -476,6 +476,19 @@ TEST(Profile, MediaDecodingIsChargedToTheRanksThatReadTheItems) {
   const SimResult sep = simulate(s, make_plan(s, 2, &p), c, p);
   EXPECT_NEAR(sep.ranks[0].data_seconds, layout + 8 * 2e-3, 1e-15);  // the vision rank
   EXPECT_NEAR(sep.ranks[1].data_seconds, layout, 1e-15);             // the LLM rank
+  // Media read from files: the ranks agree on bad records every step, one world all-reduce.
+  auto agreement = [&](const SimResult& r) {
+    int n = 0;
+    for (const TraceEvent& ev : r.trace) n += ev.name == "bad-media agreement";
+    return n;
+  };
+  EXPECT_EQ(agreement(sep), 0);  // generated media
+  s.data.kind = "llava";
+  const SimResult files = simulate(s, make_plan(s, 2, &p), c, p);
+  EXPECT_EQ(agreement(files), 2);
+  EXPECT_GT(files.step_seconds, sep.step_seconds);
+  s.parallel.placement = "colocated";
+  EXPECT_EQ(agreement(simulate(s, make_plan(s, 1, &p), c, p)), 0);  // one process
   j["data"]["media_seconds_per_sample"] = {{"vision", "fast"}};
   const std::string e = error_of([&] { parse_profile(j.dump(), "media.json"); });
   EXPECT_TRUE(

@@ -27,7 +27,9 @@
 //   LLM embedding, head      q(n, S) = fixed + n · linear · S          (per token)
 //   encoder layers           q(n)    = fixed + n · linear              (per item, S = 1)
 // `fixed` is the per-call overhead (operator dispatch, autograd bookkeeping) that a FLOP model
-// misses and that dominates small microbatches on a CPU. Encoder costs hold for the profiled
+// misses and that dominates small microbatches on a CPU. Every timed run starts with cold caches
+// (the profiler first streams through what the rest of a step touches: "cache_evict_bytes"), as
+// a layer runs in a step. Encoder costs hold for the profiled
 // item shape only: a spec whose encoder differs is rejected (re-profile), as is any other
 // difference in the model's widths, heads, vocabulary or precision; layer counts may differ.
 //
@@ -49,7 +51,7 @@
 // Gloo) for the cluster file.
 //
 // File (JSON): {"format": "weft-profile-1", "device", "threads", "precision", "torch", "config",
-//  "reps", "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
+//  "reps", "cache_evict_bytes" (informational), "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
 //  "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name: seconds}
 //           (optional)},
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},

@@ -508,6 +508,15 @@ class Engine {
       op.seconds = data;
       ops_[r].push_back(std::move(op));
     }
+    std::vector<int64_t> world(static_cast<size_t>(plan_.world_size));
+    for (int64_t k = 0; k < plan_.world_size; ++k) world[k] = k;
+    // Media read from files can be bad: the ranks then agree on the bad records of the step
+    // (one int32 per sample and one flag, a maximum over the world) before it runs
+    // (data::Dataset::media_can_fail; generated media skips it).
+    if (spec_.data.kind == "llava")
+      add_collective(r, "bad-media agreement", world,
+                     ring(o_.grad_curve, world, 4.0 * static_cast<double>(plan_.global_batch + 1),
+                          true, CollectiveAlgo::kRing));
     std::vector<int64_t> encoders;
     for (int64_t i = 0; i < llm_; ++i)
       if (mod(i).role == ModuleRole::kEncoder && mod(i).hosts(r)) encoders.push_back(i);
@@ -531,8 +540,6 @@ class Engine {
                        ring(o_.grad_curve, pair, bytes, true, CollectiveAlgo::kRing));
       }
     }
-    std::vector<int64_t> world(static_cast<size_t>(plan_.world_size));
-    for (int64_t k = 0; k < plan_.world_size; ++k) world[k] = k;
     add_collective(r, "loss and grad-norm all-reduce", world,
                    2 * ring(o_.grad_curve, world, 8, true, CollectiveAlgo::kRing));
     // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.

@@ -50,7 +50,8 @@
 //  - data preparation: every rank lays out and collates the whole global batch at the start of
 //    the step (SimOptions::data_seconds_per_sample) and decodes the media of the items its first
 //    encoder stages read (SimOptions::media_seconds_per_sample); an op of its own, not pipeline
-//    idle time;
+//    idle time; with media read from files (data.kind = "llava") the ranks then agree on the
+//    step's bad records, a small all-reduce over the world;
 //  - the optimizer: measured AdamW + gradient-norm seconds of the rank's trainable layers (the
 //    FLOP model charges 7 fp32 passes over memory);
 //  - the transport: measured cost curves in place of the cluster's intra-node link —
