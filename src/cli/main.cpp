@@ -248,6 +248,17 @@ int main(int argc, char** argv) {
   prof->add_flag("--alone", prof_alone,
                  "measure layers alone only, not again while the other cores train");
 
+  // The peer process of `weft bench profile`'s transport measurement (hidden: not for users).
+  CLI::App* comm_peer = bench->add_subcommand("comm-peer", "");
+  comm_peer->group("");
+  int peer_port = 0;
+  int64_t peer_reps = 5, peer_warmup = 2;
+  std::string peer_dtype = "fp32";
+  comm_peer->add_option("--port", peer_port)->required();
+  comm_peer->add_option("--reps", peer_reps);
+  comm_peer->add_option("--warmup", peer_warmup);
+  comm_peer->add_option("--dtype", peer_dtype);
+
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
   std::string export_run, export_out, export_dtype = "fp32";
@@ -291,6 +302,10 @@ int main(int argc, char** argv) {
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
     if (*step) return cmd_bench_step(config, sets, step_opts, step_json);
+    if (*comm_peer) {
+      weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype);
+      return 0;
+    }
     if (*prof) {
       prof_opts.comm = !prof_no_comm;
       prof_opts.shared = !prof_alone;

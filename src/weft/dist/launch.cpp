@@ -24,21 +24,6 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  WEFT_CHECK(fd >= 0, "weft launch: socket() failed: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  WEFT_CHECK(ok, "weft launch: could not find a free port: ", std::strerror(errno));
-  return ntohs(addr.sin_port);
-}
-
 struct Rank {
   pid_t pid = -1;
   int out_fd = -1;  // read end of the rank's stdout+stderr pipe
@@ -70,6 +55,21 @@ void emit(int rank, Rank& r, const char* data, size_t n) {
 }
 
 }  // namespace
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  WEFT_CHECK(fd >= 0, "socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  WEFT_CHECK(ok, "could not find a free port: ", std::strerror(errno));
+  return ntohs(addr.sin_port);
+}
 
 namespace {
 

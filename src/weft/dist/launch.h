@@ -25,4 +25,7 @@ struct LaunchOptions {
 // Runs the job to completion; returns the launcher's exit status (0 when every rank succeeded).
 int launch(const LaunchOptions& opts);
 
+// A TCP port on the loopback interface that was free a moment ago.
+int free_port();
+
 }  // namespace weft::dist

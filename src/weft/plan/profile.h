@@ -48,7 +48,8 @@
 // (every rank does it for the whole global batch at the start of each step), the seconds per
 // sample to decode each encoder's media (only the ranks whose first encoder stage reads an item
 // decode it), and the local transport's alpha-beta (point-to-point and two-rank all-reduce over
-// Gloo) for the cluster file.
+// Gloo, between this process and a peer process, as between the ranks of a job) for the
+// cluster file.
 //
 // File (JSON): {"format": "weft-profile-1", "device", "threads", "precision", "torch", "config",
 //  "reps", "cache_evict_bytes" (informational), "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},

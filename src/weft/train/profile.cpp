@@ -2,12 +2,17 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -19,6 +24,7 @@
 #include "weft/core/progress.h"
 #include "weft/data/dataset.h"
 #include "weft/dist/comm.h"
+#include "weft/dist/launch.h"
 #include "weft/model/encoder.h"
 #include "weft/model/fused.h"
 #include "weft/model/layers.h"
@@ -621,59 +627,108 @@ json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::
   return out;
 }
 
-// Gloo between two threads of this process: one-way point-to-point and two-rank all-reduce
-// seconds for fp32 messages (gradients), and the all-reduce of compute-dtype tensors
-// (activations under TP / CP; Gloo 1.13 reduces bf16 in fp32, conversions included), at several
-// sizes, fitted to latency + bytes / bandwidth with relative errors. Means, not medians: on a
-// small machine a fraction of the collectives waits a scheduler time slice for a Gloo thread, a
-// real cost that a step of many collectives pays in proportion.
-json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
-  const std::vector<int64_t> sizes = {1, 1024, 16384, 262144, 1048576};  // elements
-  std::vector<double> p2p(sizes.size()), ar(sizes.size()), arc(sizes.size());
-  const std::string key = "weft-profile-" + std::to_string(getpid());
+// The transport between two ranks of a job on this machine: rank 0 is this process, rank 1 a
+// peer process it starts (`weft bench comm-peer`, the same executable), over a TCP store on
+// loopback, exactly like `weft launch`'s ranks (threads of one process shared a scheduler and
+// measured Gloo faster than a real job saw). Per size: one-way point-to-point (half a ping-pong),
+// and a two-rank all-reduce of fp32 (gradients) and of the compute dtype (activations under TP /
+// CP; Gloo 1.13 reduces bf16 in fp32, conversions included); fitted to latency + bytes /
+// bandwidth with relative errors. Means, not medians: on a small machine a fraction of the
+// collectives waits a scheduler time slice for a Gloo thread, a real cost that a step of many
+// collectives pays in proportion.
+const std::vector<int64_t> kCommSizes = {1, 1024, 16384, 262144, 1048576};  // elements
+
+struct CommTimes {
+  std::vector<double> p2p, all_reduce, all_reduce_compute;  // per size, rank 0's
+};
+
+CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarType compute) {
+  at::set_num_threads(1);
+  const int rank = c.rank();
   const int64_t reps = std::max<int64_t>(40, 4 * o.reps);  // a mean over a heavy tail
-  std::exception_ptr failure;
-  auto rank_main = [&](int rank) {
-    try {
-      at::set_num_threads(1);
-      const dist::Comm c = dist::Comm::in_memory(key, rank, 2);
-      for (size_t k = 0; k < sizes.size(); ++k) {
-        at::Tensor x = torch::ones({sizes[k]});
-        at::Tensor xc = torch::ones({sizes[k]}, torch::TensorOptions().dtype(compute));
-        std::vector<double> one_way, reduce, reduce_compute;
-        for (int64_t i = 0; i < o.warmup + reps; ++i) {
-          c.barrier();
-          const double t0 = now_seconds();
-          if (rank == 0) {  // ping-pong: half the round trip
-            c.send(x, 1, 1).wait();
-            c.recv(x, 1, 2);
-          } else {
-            c.recv(x, 0, 1);
-            c.send(x, 0, 2).wait();
-          }
-          const double t1 = now_seconds();
-          c.barrier();
-          const double t2 = now_seconds();
-          c.all_reduce_sum(x);
-          const double t3 = now_seconds();
-          c.barrier();
-          const double t4 = now_seconds();
-          c.all_reduce_sum(xc);
-          const double t5 = now_seconds();
-          if (i >= o.warmup)
-            one_way.push_back((t1 - t0) / 2), reduce.push_back(t3 - t2),
-                reduce_compute.push_back(t5 - t4);
-        }
-        if (rank == 0) p2p[k] = mean(one_way), ar[k] = mean(reduce), arc[k] = mean(reduce_compute);
+  CommTimes out;
+  for (int64_t n : kCommSizes) {
+    at::Tensor x = torch::ones({n});
+    at::Tensor xc = torch::ones({n}, torch::TensorOptions().dtype(compute));
+    std::vector<double> one_way, reduce, reduce_compute;
+    for (int64_t i = 0; i < o.warmup + reps; ++i) {
+      c.barrier();
+      const double t0 = now_seconds();
+      if (rank == 0) {  // ping-pong: half the round trip
+        c.send(x, 1, 1).wait();
+        c.recv(x, 1, 2);
+      } else {
+        c.recv(x, 0, 1);
+        c.send(x, 0, 2).wait();
       }
-    } catch (...) {
-      failure = std::current_exception();
+      const double t1 = now_seconds();
+      c.barrier();
+      const double t2 = now_seconds();
+      c.all_reduce_sum(x);
+      const double t3 = now_seconds();
+      c.barrier();
+      const double t4 = now_seconds();
+      c.all_reduce_sum(xc);
+      const double t5 = now_seconds();
+      if (i >= o.warmup)
+        one_way.push_back((t1 - t0) / 2), reduce.push_back(t3 - t2),
+            reduce_compute.push_back(t5 - t4);
     }
-  };
-  std::thread other(rank_main, 1);
-  rank_main(0);
-  other.join();
-  if (failure) std::rethrow_exception(failure);
+    out.p2p.push_back(mean(one_way));
+    out.all_reduce.push_back(mean(reduce));
+    out.all_reduce_compute.push_back(mean(reduce_compute));
+  }
+  return out;
+}
+
+constexpr auto kCommTimeout = std::chrono::seconds(120);
+
+json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
+  const int port = dist::free_port();
+  const std::vector<std::string> args = {"weft",
+                                         "bench",
+                                         "comm-peer",
+                                         "--port",
+                                         std::to_string(port),
+                                         "--reps",
+                                         std::to_string(o.reps),
+                                         "--warmup",
+                                         std::to_string(o.warmup),
+                                         "--dtype",
+                                         compute == at::kBFloat16 ? "bf16" : "fp32"};
+  const pid_t pid = ::fork();
+  WEFT_CHECK(pid >= 0, "weft bench profile: fork() failed: ", std::strerror(errno));
+  if (pid == 0) {  // the peer: dies with this process
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv("/proc/self/exe", argv.data());
+    std::fprintf(stderr, "weft bench profile: cannot start the transport peer: %s\n",
+                 std::strerror(errno));
+    ::_exit(127);
+  }
+  CommTimes t;
+  std::string failure;
+  try {
+    dist::WorldInfo w;
+    w.rank = 0, w.world_size = 2, w.master_port = port;
+    t = comm_rounds(dist::Comm::connect(w, kCommTimeout), o, compute);
+  } catch (const std::exception& e) {
+    failure = e.what();
+    ::kill(pid, SIGKILL);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  WEFT_CHECK(failure.empty(),
+             "weft bench profile: measuring the transport with a peer process: ", failure);
+  WEFT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+             "weft bench profile: the transport peer process (weft bench comm-peer) failed; its "
+             "error is above");
+  const std::vector<double>& p2p = t.p2p;
+  const std::vector<double>& ar = t.all_reduce;
+  const std::vector<double>& arc = t.all_reduce_compute;
+  const std::vector<int64_t>& sizes = kCommSizes;
   std::vector<plan::CostPoint> pp, pa, pc;
   json points = json::array();
   const double compute_bytes = static_cast<double>(c10::elementSize(compute));
@@ -706,6 +761,18 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
 }
 
 }  // namespace
+
+void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype) {
+  WEFT_CHECK(dtype == "bf16" || dtype == "fp32", "weft bench comm-peer: --dtype ", dtype,
+             ": expected bf16 or fp32");
+  ProfileOptions o;
+  o.reps = reps;
+  o.warmup = warmup;
+  dist::WorldInfo w;
+  w.rank = 1, w.world_size = 2, w.master_port = port;
+  comm_rounds(dist::Comm::connect(w, kCommTimeout), o,
+              dtype == "bf16" ? at::kBFloat16 : at::kFloat);
+}
 
 std::string profile_config(Spec spec, const ProfileOptions& o) {
   WEFT_CHECK(o.reps >= 1, "weft bench profile: --reps must be at least 1");

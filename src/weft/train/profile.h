@@ -30,14 +30,20 @@ namespace weft::train {
 struct ProfileOptions {
   int64_t reps = 5;    // timed repetitions per measurement (median)
   int64_t warmup = 2;  // untimed repetitions first
-  bool comm = true;    // measure Gloo point-to-point and all-reduce between two threads
+  bool comm = true;    // measure Gloo point-to-point and all-reduce with a peer process
   // Measure every layer a second time while the machine's other cores (one background trainer
   // per further `train.threads` cores) run training steps: the "shared" costs of ranks that
   // compute at the same time (plan/profile.h).
   bool shared = true;
 };
 
-// The profile of `spec` on this device as JSON text (plan/profile.h format).
+// The profile of `spec` on this device as JSON text (plan/profile.h format). With options.comm
+// it starts its transport peer as `/proc/self/exe bench comm-peer`: call it from weft itself.
 std::string profile_config(Spec spec, const ProfileOptions& options);
+
+// The second rank of the profile's transport measurement, in a process of its own
+// (`weft bench comm-peer`, which profile_config starts): joins rank 0 on 127.0.0.1:port and
+// runs the same rounds. dtype: "bf16" or "fp32" (the compute dtype).
+void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype);
 
 }  // namespace weft::train
