@@ -496,8 +496,26 @@ int run_report(const ReportArgs& a) {
          << "<h2>Throughput</h2>\n"
          << line_chart("throughput", "step", "tokens/s",
                        {series(run.metrics, "tokens_per_second", "tokens/s", kPalette[1])})
-         << line_chart("mfu", "step", "MFU", {series(run.metrics, "mfu", "MFU", kPalette[4])})
-         << "<h2>Per-microbatch balance</h2>\n<p class=\"sub\">max / mean work of the step's "
+         << line_chart("mfu", "step", "MFU", {series(run.metrics, "mfu", "MFU", kPalette[4])});
+    // Where each step's time went on rank 0 (metrics.jsonl's parts of step_seconds; the
+    // exposed gradient reduction and the pipeline's receive waits are part of compute).
+    std::vector<Series> parts;
+    const std::pair<const char*, const char*> part_keys[] = {
+        {"compute_seconds", "forward + backward + reduction"},
+        {"grad_sync_seconds", "of which: exposed gradient reduction"},
+        {"p2p_wait_seconds", "of which: waiting for pipeline messages"},
+        {"data_seconds", "data"},
+        {"optimizer_seconds", "optimizer"},
+        {"norm_seconds", "gradient norm"}};
+    for (size_t k = 0; k < std::size(part_keys); ++k) {
+      Series p = series(run.metrics, part_keys[k].first, part_keys[k].second,
+                        kPalette[k % std::size(kPalette)]);
+      if (!p.points.empty()) parts.push_back(std::move(p));
+    }
+    if (!parts.empty())
+      body << "<h2>Where the time went</h2>\n<p class=\"sub\">seconds per step on rank 0</p>\n"
+           << line_chart("time", "step", "seconds", parts);
+    body << "<h2>Per-microbatch balance</h2>\n<p class=\"sub\">max / mean work of the step's "
             "microbatches (1 = perfectly even); CP: slowest / mean context-parallel rank</p>\n";
     const Series mb = series(run.metrics, "microbatch_imbalance", "microbatches", kPalette[2]);
     const Series cp = series(run.metrics, "cp_imbalance", "context parallel", kPalette[3]);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `weft report`: a real short run's directory gives one self-contained HTML page with the loss
-# curve, throughput, balance charts and the pipeline timeline of the traced step; with --sim the
+# curve, throughput, where each step's time went, balance charts and the pipeline timeline of the traced step; with --sim the
 # simulator's timeline is drawn under the measured one; a `weft simulate --trace` JSON reports on
 # its own; nothing on the page is fetched from the network; bad inputs are clear errors.
 set -u
@@ -25,8 +25,11 @@ html = open(sys.argv[1], encoding="utf-8").read()
 assert html.startswith("<!doctype html>"), html[:40]
 for needle in ('<svg class="chart" id="loss"', 'id="throughput"', 'id="balance"',
                '<svg class="timeline" id="timeline-0"', '<svg class="timeline" id="timeline-1"',
-               "Measured (trace.json)", "Predicted (simulator)", "measured / predicted"):
+               "Measured (trace.json)", "Predicted (simulator)", "measured / predicted",
+               'id="time"', "waiting for pipeline messages"):
     assert needle in html, needle
+time = re.search(r'<svg class="chart" id="time".*?</svg>', html, re.S).group(0)
+assert time.count('<polyline class="series"') == 6, time.count('<polyline class="series"')
 loss = re.search(r'<svg class="chart" id="loss".*?</svg>', html, re.S).group(0)
 points = re.search(r'<polyline class="series"[^>]*points="([^"]*)"', loss).group(1).split()
 assert len(points) == 4, points  # one point per step

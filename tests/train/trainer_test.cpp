@@ -217,6 +217,12 @@ TEST(Trainer, WritesRunDirectory) {
       }
       EXPECT_LE(parts, line["step_seconds"].get<double>()) << text;
     }
+    std::ifstream summary(out / "summary.json");
+    const nlohmann::json j = nlohmann::json::parse(summary);
+    double parts = 0;
+    for (const auto& [part, seconds] : j.at("time_seconds").items()) parts += seconds.get<double>();
+    EXPECT_GT(j["time_seconds"].at("compute").get<double>(), 0.0);
+    EXPECT_LE(parts, j["train_seconds"].get<double>());
   }
   // keep-last-2: steps 2 and 3 remain.
   EXPECT_FALSE(fs::exists(out / "checkpoints/step_00000001"));

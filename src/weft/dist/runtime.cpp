@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
@@ -410,8 +411,16 @@ struct Runtime::Impl {
   // Under CP the bridge sends each LLM CP rank only the features of the placeholder positions
   // it owns: of feature rows [r0, r1) of encoder e in `in` (one replica's microbatch), the
   // indices (relative to r0) that CP rank c owns. Undefined without CP (every row).
+  std::map<std::tuple<const model::Inputs*, size_t, int64_t, int64_t, int64_t>, at::Tensor>
+      bridge_rows_cache;  // this step's (posting ahead asks again)
   at::Tensor bridge_rows(const model::Inputs& in, size_t e, int64_t r0, int64_t r1, int64_t c) {
     if (llm_plan->layout.cp == 1) return {};
+    at::Tensor& cached = bridge_rows_cache[{&in, e, r0, r1, c}];
+    if (!cached.defined()) cached = compute_bridge_rows(in, e, r0, r1, c);
+    return cached;
+  }
+  at::Tensor compute_bridge_rows(const model::Inputs& in, size_t e, int64_t r0, int64_t r1,
+                                 int64_t c) {
     const int64_t S0 = in.tokens.size(1);
     const CpLayout& layout = cp_layout(in);
     const at::Tensor rows = in.encoder_rows[e].narrow(0, r0, r1 - r0);
@@ -828,10 +837,16 @@ struct Runtime::Impl {
     const int64_t M = static_cast<int64_t>(batch.at(0).size());
     WEFT_CHECK(static_cast<int64_t>(batch.size()) == llm_plan->layout.dp, "step: ", batch.size(),
                " data-parallel parts for an LLM with dp = ", llm_plan->layout.dp);
+    // After a step that failed part way (its error went up to the caller): self messages are
+    // dropped, but receives or sends still in flight with other ranks cannot be taken back.
+    mailbox.clear();
+    WEFT_CHECK(posted.empty() && sends.empty(), "rank ", rank,
+               ": a step cannot start while messages of a failed earlier step are in flight");
     times = {};
     trace.clear();
     step_t0 = now();
     cp_layouts.clear();
+    bridge_rows_cache.clear();
     if (llm_plan->layout.cp > 1)  // every microbatch's split, so every rank knows the balance
       for (const auto& replica : batch)
         for (const model::Inputs& in : replica) cp_layout(in);

@@ -452,6 +452,8 @@ StepBatch Trainer::prepare_step(int64_t step) {
       for (int64_t i = 0; i < static_cast<int64_t>(l.samples.size()); ++i)
         if (f[i] != 0) bad.push_back(i);
     }
+    WEFT_ASSERT(agree || comm.size() == 1 || bad.empty(),
+                "bad media from a dataset whose media cannot fail (the ranks would diverge)");
     if (bad.empty()) break;
     WEFT_ASSERT(skip, "bad media reported under data.on_error = \"fail\"");
     std::vector<data::Sample> marked;
@@ -556,6 +558,7 @@ Summary Trainer::run() {
                      m.run_dir.string());
 
   double train_seconds = 0, total_flops = 0, total_llm_flops = 0;
+  std::map<std::string, double> time_parts;  // summed over this session's steps (summary.json)
   int64_t total_tokens = 0;
   double loss_last = NAN;
   double accuracy = -1;
@@ -623,6 +626,10 @@ Summary Trainer::run() {
     line["compute_seconds"] = out.compute_seconds;
     line["norm_seconds"] = out.norm_seconds;
     line["optimizer_seconds"] = out.optimizer_seconds;
+    time_parts["data"] += data_seconds;
+    time_parts["compute"] += out.compute_seconds;
+    time_parts["norm"] += out.norm_seconds;
+    time_parts["optimizer"] += out.optimizer_seconds;
     line["tokens_per_second"] = static_cast<double>(tokens) / step_seconds;
     line["mfu"] = flops / step_seconds / peak;
     std::vector<double> mb_costs;
@@ -646,6 +653,8 @@ Summary Trainer::run() {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
       line["grad_buckets_overlapped"] = times.buckets_overlapped;
       line["p2p_wait_seconds"] = times.p2p_wait_seconds;
+      time_parts["grad_sync"] += times.grad_sync_seconds;
+      time_parts["p2p_wait"] += times.p2p_wait_seconds;
     }
     if (writer) {
       metrics << line.dump() << "\n";
@@ -680,6 +689,7 @@ Summary Trainer::run() {
   j["peak_flops"] = peak;
   j["precision"] = to_string(ts.precision);
   j["train_seconds"] = train_seconds;
+  j["time_seconds"] = time_parts;  // rank 0's parts of train_seconds (metrics.jsonl's, summed)
   j["resumed_from_step"] = m.start_step;
   j["skipped_steps"] = skipped_steps;
   j["restarts"] = m.opts.restart;
