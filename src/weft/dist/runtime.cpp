@@ -303,9 +303,6 @@ struct Runtime::Impl {
     times.p2p_wait_seconds += now() - t0;
     return p.t;
   }
-  at::Tensor recv(at::IntArrayRef shape, at::ScalarType dtype, int64_t src, int tag) {
-    return recv(Msg{shape.vec(), dtype, src, tag});
-  }
   // Posts the receive of `msg` now (once; nothing for self-addressed or empty messages).
   template <typename Part>
   void post(const std::vector<Part>& parts) {

@@ -681,7 +681,7 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
   return out;
 }
 
-constexpr auto kCommTimeout = std::chrono::seconds(120);
+constexpr auto kCommTimeout = std::chrono::seconds(30);  // the peer starts in about a second
 
 json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
   const int port = dist::free_port();
@@ -696,13 +696,13 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
                                          std::to_string(o.warmup),
                                          "--dtype",
                                          compute == at::kBFloat16 ? "bf16" : "fp32"};
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
   const pid_t pid = ::fork();
   WEFT_CHECK(pid >= 0, "weft bench profile: fork() failed: ", std::strerror(errno));
   if (pid == 0) {  // the peer: dies with this process
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
     ::execv("/proc/self/exe", argv.data());
     std::fprintf(stderr, "weft bench profile: cannot start the transport peer: %s\n",
                  std::strerror(errno));
