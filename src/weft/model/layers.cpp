@@ -212,13 +212,13 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
     q = apply_rope(q, *rope);
     k = apply_rope(k, *rope);
   }
-  if (cp.size() > 1) {  // every rank's keys, in original token order
-    k = dist::gather_along(k, cp, 1);
-    v = dist::gather_along(v, cp, 1);
-    if (mask.kv_order.defined()) {  // undefined: the ranks hold contiguous chunks in order
-      k = k.index_select(1, mask.kv_order);
-      v = v.index_select(1, mask.kv_order);
-    }
+  if (cp.size() > 1) {  // every rank's keys, in original token order: K and V in one gather
+    at::Tensor kv = dist::gather_along(at::cat({k, v}, 2), cp, 1);
+    if (mask.kv_order.defined())  // undefined: the ranks hold contiguous chunks in order
+      kv = kv.index_select(1, mask.kv_order);
+    const std::vector<at::Tensor> halves = kv.split(kv_heads, 2);
+    k = halves[0];
+    v = halves[1];
   }
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);

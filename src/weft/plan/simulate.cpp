@@ -293,7 +293,7 @@ class Engine {
       if (forward_pass) {
         const double comm =
             static_cast<double>(sc.blocks) *
-                (2 * all_reduce(tp_group, tokens * h * act_) + 2 * all_gather(cp_group, kv / 2)) +
+                (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv)) +
             (last ? all_gather(cp_group, n * T * H * act_) : 0);
         Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
         if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
@@ -322,10 +322,10 @@ class Engine {
       const double blocks_back = m.weight_grads ? static_cast<double>(sc.blocks) : 0;
       const double comm =
           blocks_back *
-              (2 * all_reduce(tp_group, tokens * h * act_) + 2 * reduce_scatter(cp_group, kv / 2)) +
+              (2 * all_reduce(tp_group, tokens * h * act_) + reduce_scatter(cp_group, kv)) +
           (sc.recompute
-               ? static_cast<double>(sc.blocks) * (2 * all_reduce(tp_group, tokens * h * act_) +
-                                                   2 * all_gather(cp_group, kv / 2))
+               ? static_cast<double>(sc.blocks) *
+                     (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv))
                : 0);
       Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
@@ -388,10 +388,10 @@ class Engine {
       sizes(mb, &n, &tokens, &kv);
       // TP: 2 all-reduces per block, the vocab-parallel embedding's, and the vocab-parallel
       // loss's three fp32 reductions over its rows (max, sum of exponentials, target logit);
-      // CP: a K and a V all-gather per block; EP: see moe_comm.
+      // CP: one all-gather of K and V together per block; EP: see moe_comm.
       const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
                           (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
-                          2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(tokens);
+                          blocks * all_gather(cp_group, kv) + moe_comm(tokens);
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
@@ -415,13 +415,12 @@ class Engine {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
-      // K and V gradients' reduce-scatters.
-      const double comm =
-          (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
-          2 * blocks * reduce_scatter(cp_group, kv / 2) + moe_comm(tokens) +
-          (sc.recompute ? 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
-                              2 * blocks * all_gather(cp_group, kv / 2) + moe_comm(tokens)
-                        : 0);
+      // K and V gradients' reduce-scatter (one per block).
+      const double comm = (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+                          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
+                          (sc.recompute ? 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
+                                              blocks * all_gather(cp_group, kv) + moe_comm(tokens)
+                                        : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
