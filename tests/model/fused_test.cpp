@@ -95,6 +95,12 @@ TEST(Fused, SumOfSquaresIsExactInDouble) {
   }
   at::Tensor strided = torch::randn({64, 64}).t();  // not contiguous: the ATen path
   EXPECT_NEAR(sum_squares(strided), dbl(strided).pow(2).sum().item<double>(), 1e-9);
+  // Over a list: fused and ATen tensors together, undefined ones skipped.
+  const at::Tensor a = torch::randn({1000}), b = torch::randn({30, 7}, torch::kBFloat16);
+  const double want = dbl(a).pow(2).sum().item<double>() + dbl(b).pow(2).sum().item<double>() +
+                      dbl(strided).pow(2).sum().item<double>();
+  EXPECT_NEAR(sum_squares(std::vector<at::Tensor>{a, b, at::Tensor(), strided}), want, 1e-9 * want);
+  EXPECT_EQ(sum_squares(std::vector<at::Tensor>{}), 0.0);
 }
 
 // The update as the ATen ops weft used before fusing, in double.

@@ -996,12 +996,10 @@ struct Runtime::Impl {
 
   double grad_norm() {
     torch::NoGradGuard no_grad;
-    double sq = 0;
-    for (size_t t = 0; t < trainable.size(); ++t) {
-      const at::Tensor& g = trainable[t].second.grad();
-      if (counted[t] && g.defined()) sq += model::sum_squares(g);
-    }
-    at::Tensor total = torch::tensor({sq}, torch::kDouble);
+    std::vector<at::Tensor> grads;
+    for (size_t t = 0; t < trainable.size(); ++t)
+      if (counted[t]) grads.push_back(trainable[t].second.grad());
+    at::Tensor total = torch::tensor({model::sum_squares(grads)}, torch::kDouble);
     world.all_reduce_sum(total);
     return std::sqrt(total.item<double>());
   }

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -44,6 +45,27 @@ double sum_squares(const at::Tensor& x) {
   double sum = 0;
   for (double s : partial) sum += s;
   return sum;
+}
+
+double sum_squares(const std::vector<at::Tensor>& xs) {
+  double host = 0;
+  std::vector<at::Tensor> device;  // one running sum per device, read at the end
+  for (const at::Tensor& x : xs) {
+    if (!x.defined()) continue;
+    if (fusable(x)) {
+      host += sum_squares(x);
+      continue;
+    }
+    const at::Tensor norm = at::linalg_vector_norm(x, 2, c10::nullopt, false, at::kDouble);
+    auto it = std::find_if(device.begin(), device.end(),
+                           [&](const at::Tensor& s) { return s.device() == x.device(); });
+    if (it == device.end())
+      device.push_back(norm * norm);
+    else
+      *it += norm * norm;
+  }
+  for (const at::Tensor& s : device) host += s.item<double>();
+  return host;
 }
 
 void adamw_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,

@@ -6,10 +6,16 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace weft::model {
 
 // Σ x² accumulated in double.
 double sum_squares(const at::Tensor& x);
+// Σ x² over every defined tensor of `xs`, in double. Tensors the fused loop cannot take (device
+// tensors, other dtypes) are reduced where they live and read back once per device: a GPU waits
+// once for the whole gradient norm, not once per parameter.
+double sum_squares(const std::vector<at::Tensor>& xs);
 
 // One AdamW update of p with gradient g·grad_scale and moments m, v (all the same shape):
 //   p ← p·decay;  m ← β1·m + (1−β1)·g';  v ← β2·v + (1−β2)·g'²;
