@@ -52,7 +52,8 @@
 // cluster file.
 //
 // File (JSON): {"format": "weft-profile-1", "device", "threads", "precision", "torch", "config",
-//  "reps", "cache_evict_bytes" (informational), "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
+//  "reps", "cache_evict_bytes" (informational),
+//  "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
 //  "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name: seconds}
 //           (optional)},
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
