@@ -136,7 +136,11 @@ struct ModelSpec {
 struct DataSpec {
   // "shapes" (built-in procedural), "llava" (files on disk) or "synthetic" (random, for benchmarks)
   std::string kind = "shapes";  // data/shapes.h, data/llava.h, data/synthetic.h
-  uint64_t seed = 1234;         // train stream seed; eval uses a disjoint stream
+  // Whether media is read from files, and can therefore be bad (the other kinds generate it):
+  // then the ranks of a multi-rank job agree on each step's bad records (train/trainer.cpp), a
+  // small all-reduce the simulator charges too.
+  bool media_from_files() const { return kind == "llava"; }
+  uint64_t seed = 1234;  // train stream seed; eval uses a disjoint stream
   int64_t eval_samples = 256;
   double noise = 0.08;   // pixel noise amplitude
   bool packing = false;  // pack several samples per row (document-isolated) instead of padding

@@ -33,7 +33,6 @@ class ShapesData final : public Dataset {
   int64_t pad_id() const override { return tok_.pad_id(); }
   int64_t eos_id() const override { return tok_.eos_id(); }
   std::string decode(const std::vector<int64_t>& ids) const override { return tok_.decode(ids); }
-  bool media_can_fail() const override { return false; }  // rendered
 
  private:
   Tokenizer tok_;

@@ -62,9 +62,6 @@ class Dataset {
   virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
   // Distinct records found bad so far under data.on_error = "skip" (corrupt or missing items).
   virtual int64_t skipped() const { return 0; }
-  // Whether load_media can meet bad media (read from files). When not (generated media), the
-  // ranks of a multi-rank job skip the per-step round in which they agree on bad records.
-  virtual bool media_can_fail() const { return true; }
   // Items whose media this process has decoded (or rendered) so far.
   int64_t media_loaded() const { return media_loaded_; }
 

@@ -69,7 +69,6 @@ class SyntheticDataset final : public Dataset {
   // Ordinary ids as decimal numbers separated by single spaces; special and placeholder ids are
   // skipped; stops at <eos>.
   std::string decode(const std::vector<int64_t>& ids) const override;
-  bool media_can_fail() const override { return false; }  // generated
 
   int64_t seq_len() const { return seq_len_; }
   int64_t first_text_id() const { return kFirstPlaceholderId + num_encoders(); }

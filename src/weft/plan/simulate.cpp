@@ -510,9 +510,8 @@ class Engine {
     std::vector<int64_t> world(static_cast<size_t>(plan_.world_size));
     for (int64_t k = 0; k < plan_.world_size; ++k) world[k] = k;
     // Media read from files can be bad: the ranks then agree on the bad records of the step
-    // (one int32 per sample and one flag, a maximum over the world) before it runs
-    // (data::Dataset::media_can_fail; generated media skips it).
-    if (spec_.data.kind == "llava")
+    // (one int32 per sample and one flag, a maximum over the world) before it runs.
+    if (spec_.data.media_from_files())
       add_collective(r, "bad-media agreement", world,
                      ring(o_.grad_curve, world, 4.0 * static_cast<double>(plan_.global_batch + 1),
                           true, CollectiveAlgo::kRing));

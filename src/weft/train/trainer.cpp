@@ -399,9 +399,9 @@ StepBatch Trainer::prepare_step(int64_t step) {
   Impl& m = *impl_;
   const Spec& spec = m.spec;
   const dist::Comm& comm = m.opts.comm;
-  // Every rank learns which records the others could not load (one small all-reduce a step):
-  // under data.on_error = "skip" all replace the same ones; under "fail" all stop, not only the
-  // rank that found it.
+  // With media read from files, every rank learns which records the others could not load (one
+  // small all-reduce a step): under data.on_error = "skip" all replace the same ones; under
+  // "fail" all stop, not only the rank that found it. Generated media cannot be bad.
   const bool skip = spec.data.on_error == "skip";
   Impl::Layout l;
   std::map<std::pair<int64_t, int64_t>, at::Tensor> loaded;  // (record, item) across rounds
@@ -429,7 +429,7 @@ StepBatch Trainer::prepare_step(int64_t step) {
     }
     std::vector<int64_t> bad;
     std::string failure;  // under "fail": this rank's error
-    const bool agree = comm.size() > 1 && m.dataset->media_can_fail();
+    const bool agree = comm.size() > 1 && spec.data.media_from_files();
     try {
       bad = m.dataset->load_media(step, l.samples, wanted);
     } catch (const std::exception& e) {
@@ -453,7 +453,7 @@ StepBatch Trainer::prepare_step(int64_t step) {
         if (f[i] != 0) bad.push_back(i);
     }
     WEFT_ASSERT(agree || comm.size() == 1 || bad.empty(),
-                "bad media from a dataset whose media cannot fail (the ranks would diverge)");
+                "bad media from generated data (the ranks would diverge)");
     if (bad.empty()) break;
     WEFT_ASSERT(skip, "bad media reported under data.on_error = \"fail\"");
     std::vector<data::Sample> marked;
