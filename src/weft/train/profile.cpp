@@ -725,24 +725,20 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
   WEFT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
              "weft bench profile: the transport peer process (weft bench comm-peer) failed; its "
              "error is above");
-  const std::vector<double>& p2p = t.p2p;
-  const std::vector<double>& ar = t.all_reduce;
-  const std::vector<double>& arc = t.all_reduce_compute;
-  const std::vector<int64_t>& sizes = kCommSizes;
   std::vector<plan::CostPoint> pp, pa, pc;
   json points = json::array();
   const double compute_bytes = static_cast<double>(c10::elementSize(compute));
-  for (size_t k = 0; k < sizes.size(); ++k) {
-    const double bytes = 4.0 * static_cast<double>(sizes[k]);
-    const double cbytes = compute_bytes * static_cast<double>(sizes[k]);
-    pp.push_back({bytes, 1, p2p[k]});
-    pa.push_back({bytes, 1, ar[k]});
-    pc.push_back({cbytes, 1, arc[k]});
+  for (size_t k = 0; k < kCommSizes.size(); ++k) {
+    const double bytes = 4.0 * static_cast<double>(kCommSizes[k]);
+    const double cbytes = compute_bytes * static_cast<double>(kCommSizes[k]);
+    pp.push_back({bytes, 1, t.p2p[k]});
+    pa.push_back({bytes, 1, t.all_reduce[k]});
+    pc.push_back({cbytes, 1, t.all_reduce_compute[k]});
     points.push_back({{"bytes", bytes},
-                      {"p2p", p2p[k]},
-                      {"all_reduce", ar[k]},
+                      {"p2p", t.p2p[k]},
+                      {"all_reduce", t.all_reduce[k]},
                       {"compute_bytes", cbytes},
-                      {"all_reduce_compute", arc[k]}});
+                      {"all_reduce_compute", t.all_reduce_compute[k]}});
   }
   const plan::CostFit fp = plan::fit_cost(pp, false, true), fa = plan::fit_cost(pa, false, true);
   const plan::CostFit fc = plan::fit_cost(pc, false, true);
