@@ -8,16 +8,23 @@ set -u
 weft=$1; src=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 die() { echo "FAIL: $*"; exit 1; }
+# A Python with torch and numpy: Debian's (python3-torch) here, the PATH's (pip torch) on a GPU
+# machine.
+py=
+for p in /usr/bin/python3 python3; do
+  if "$p" -c 'import numpy, torch' 2> /dev/null; then py=$p; break; fi
+done
+[ -n "$py" ] || die "no python3 with torch and numpy (scripts/setup installs python3-torch)"
 
 for cfg in tiny-vlm tiny-valm; do
   "$weft" bench step "$src/configs/$cfg.toml" --set train.precision=fp32 --set train.batch=16 \
     --set train.microbatches=2 --steps 2 --warmup 1 --peak-flops 1e11 --dump "$tmp/$cfg" \
     --json "$tmp/$cfg.weft.json" > /dev/null || die "$cfg: weft bench step failed"
   for head in all targets; do
-    /usr/bin/python3 "$src/bench/eager_reference.py" "$tmp/$cfg" --head $head \
+    "$py" "$src/bench/eager_reference.py" "$tmp/$cfg" --head $head \
       --json "$tmp/$cfg.$head.json" > /dev/null || die "$cfg: eager reference ($head) failed"
   done
-  /usr/bin/python3 - "$tmp/$cfg" <<'PY' || die "$cfg: weft and the eager reference disagree"
+  "$py" - "$tmp/$cfg" <<'PY' || die "$cfg: weft and the eager reference disagree"
 import json, sys
 d = sys.argv[1]
 w = json.load(open(d + ".weft.json"))
@@ -33,11 +40,22 @@ print(d.rsplit("/", 1)[1], "fp32 losses", ["%.6f" % x for x in w["losses"]], "ma
 PY
 done
 
+# --profile: a Chrome trace of the last step, which bench/trace_summary.py reads (operators on a
+# CPU build, GPU kernels on a CUDA one).
+"$weft" bench step "$src/configs/tiny-vlm.toml" --steps 1 --warmup 0 --peak-flops 1e11 \
+  --profile "$tmp/trace.json" > /dev/null || die "bench step --profile failed"
+"$py" "$src/bench/trace_summary.py" "$tmp/trace.json" --top 5 > "$tmp/summary" \
+  || die "trace_summary.py failed on the trace"
+grep -Eq "^\| (aten::|matmuls)" "$tmp/summary" || { cat "$tmp/summary"; die "no operators or kernels in the summary"; }
+echo '{"traceEvents": []}' > "$tmp/empty.json"
+"$py" "$src/bench/trace_summary.py" "$tmp/empty.json" > "$tmp/out" 2>&1 && die "an empty trace was summarised"
+grep -q "empty.json" "$tmp/out" || { cat "$tmp/out"; die "trace_summary error does not name the file"; }
+
 "$weft" bench step "$src/configs/tiny-vlm.toml" --steps 0 > "$tmp/out" 2>&1 && die "--steps 0 accepted"
 grep -q -- "--steps" "$tmp/out" || { cat "$tmp/out"; die "unclear error for --steps 0"; }
 "$weft" bench step "$tmp/none.toml" > "$tmp/out" 2>&1 && die "a missing config was accepted"
 grep -q "none.toml" "$tmp/out" || { cat "$tmp/out"; die "error does not name the config"; }
-/usr/bin/python3 "$src/bench/eager_reference.py" "$tmp/nothing" > "$tmp/out" 2>&1 \
+"$py" "$src/bench/eager_reference.py" "$tmp/nothing" > "$tmp/out" 2>&1 \
   && die "the reference accepted a missing dump"
 grep -q "nothing" "$tmp/out" || { cat "$tmp/out"; die "reference error does not name the dump"; }
 echo "PASS"

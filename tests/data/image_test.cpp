@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -283,7 +284,11 @@ TEST(ImageDecode, ErrorsNameTheFile) {
   const std::string jpg = read_bytes(kMediaDir + "progressive.jpg");
   const std::string j = error_of([&] { decode_image(jpg.substr(0, jpg.size() / 2), "half.jpg"); });
   EXPECT_NE(j.find("half.jpg"), std::string::npos) << j;
-  EXPECT_NE(j.find("Premature end"), std::string::npos) << j;
+  // libjpeg's words: "Premature end of JPEG file" (libjpeg-turbo 2.1), "Corrupt JPEG data:
+  // premature end of data segment" (later ones).
+  std::string lower = j;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  EXPECT_NE(lower.find("premature end"), std::string::npos) << j;
 
   const std::string bomb = error_of([&] { decode_image(png_header(100000, 100000), "bomb.png"); });
   EXPECT_NE(bomb.find("too large"), std::string::npos) << bomb;

@@ -18,6 +18,7 @@
 #include "support/errors.h"
 #include "support/tiny_run.h"
 #include "weft/data/bpe_builder.h"
+#include "weft/io/files.h"
 
 namespace weft::data {
 namespace {
@@ -117,7 +118,7 @@ TEST(Llava, MarkersBecomeItemsAndOnlyRepliesAreTargets) {
   const Sample t = d.sample(1);
   ASSERT_EQ(t.items.size(), 1u);
   EXPECT_LT(t.items[0].start, t.prompt_length);
-  fs::remove_all(f.dir);
+  weft::io::remove_tree(f.dir);
 }
 
 TEST(Llava, OrderIsASeededPermutationPerEpochAndTrainBatchesPrefetch) {
@@ -156,7 +157,7 @@ TEST(Llava, OrderIsASeededPermutationPerEpochAndTrainBatchesPrefetch) {
   const std::vector<Sample> eval = d.eval_set();
   ASSERT_EQ(eval.size(), 1u);
   EXPECT_EQ(eval[0].caption, "a xxxxxxxx");
-  fs::remove_all(f.dir);
+  weft::io::remove_tree(f.dir);
 }
 
 TEST(Llava, BadRecordsNameFileAndRecord) {
@@ -169,7 +170,7 @@ TEST(Llava, BadRecordsNameFileAndRecord) {
       LlavaDataset d(&f.spec);
       d.sample(1);
     });
-    fs::remove_all(f.dir);
+    weft::io::remove_tree(f.dir);
     return e;
   };
   std::string e = error(record("media/a.png", "", "<image> and <image>", "x"));
@@ -216,7 +217,7 @@ TEST(Llava, SkipPolicyReplacesAndCountsBadRecords) {
     for (int64_t step = 0; step < 3; ++step) strict.train_batch(step, 4);
   });
   EXPECT_NE(e.find("nope.png"), std::string::npos) << e;
-  fs::remove_all(f.dir);
+  weft::io::remove_tree(f.dir);
 }
 
 // The two phases: a layout carries no media; load_media decodes only the items asked for, into
@@ -244,7 +245,7 @@ TEST(Llava, LayoutThenMediaLoadsOnlyWhatIsWanted) {
   EXPECT_TRUE(torch::equal(layout[0].items[1].input, full[0].items[1].input));
   EXPECT_TRUE(torch::equal(layout[2].items[0].input, full[2].items[0].input));
   EXPECT_FALSE(layout[1].items[0].input.defined());
-  fs::remove_all(f.dir);
+  weft::io::remove_tree(f.dir);
 }
 
 // Under "skip", only the rank that decodes a bad item notices it; once every rank marks it bad
@@ -284,7 +285,7 @@ TEST(Llava, BadMediaIsReportedThenReplacedAlike) {
   const std::string e = error_of([&] { strict.load_media(0, ls, {{bad, 0}}); });
   EXPECT_NE(e.find("data.json: record 1: "), std::string::npos) << e;
   EXPECT_NE(e.find("nope.png"), std::string::npos) << e;
-  fs::remove_all(f.dir);
+  weft::io::remove_tree(f.dir);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // A Hugging Face Mixtral checkpoint initialises the LLM under expert and tensor parallelism,
 // each rank with only its experts.
 #include "support/equivalence.h"
+#include "weft/io/files.h"
 #include "weft/io/hf.h"
 #include "weft/model/multimodal.h"
 
@@ -144,7 +145,7 @@ TEST(MoeLayouts, MixtralCheckpointInitialisesTp2Ep2Dp2) {
     ++compared;
   }
   EXPECT_EQ(compared, 1 + 2 * (4 + 1 + 2 * 4) + 1);  // embedding, blocks, final norm (tied head)
-  std::filesystem::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 }  // namespace

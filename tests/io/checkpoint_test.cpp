@@ -12,6 +12,7 @@
 
 #include "support/errors.h"
 #include "weft/core/error.h"
+#include "weft/io/files.h"
 
 namespace fs = std::filesystem;
 
@@ -20,7 +21,7 @@ namespace {
 
 fs::path fresh(const std::string& name) {
   fs::path d = fs::temp_directory_path() / ("weft_ckpt_" + std::to_string(::getpid()) + "_" + name);
-  fs::remove_all(d);
+  weft::io::remove_tree(d);
   return d;
 }
 
@@ -32,6 +33,26 @@ Checkpoint sample(float v) {
 }
 
 using testing::error_of;
+
+// remove_tree (std::filesystem::remove_all's stand-in): a whole tree goes, a symbolic link in it
+// goes without what it points to, and a missing path is no error.
+TEST(Files, RemoveTreeRemovesEverythingAndFollowsNoLink) {
+  const fs::path root = fresh("tree"), outside = fresh("outside");
+  fs::create_directories(root / "a/b/c");
+  fs::create_directories(outside);
+  for (const fs::path& f :
+       {root / "x.txt", root / "a/y.txt", root / "a/b/c/z.txt", outside / "keep.txt"})
+    std::ofstream(f) << "data";
+  fs::create_directory_symlink(outside, root / "a/link");
+  remove_tree(root.string());
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root)));
+  EXPECT_TRUE(fs::exists(outside / "keep.txt"));
+  remove_tree(root.string());                    // already gone
+  remove_tree((outside / "keep.txt").string());  // a single file
+  EXPECT_FALSE(fs::exists(outside / "keep.txt"));
+  remove_tree(outside.string());
+  EXPECT_FALSE(fs::exists(outside));
+}
 
 TEST(Checkpoint, RoundTripWithManifest) {
   const fs::path run = fresh("roundtrip");

@@ -27,6 +27,7 @@
 #include "weft/core/error.h"
 #include "weft/core/hf_config.h"
 #include "weft/data/collate.h"
+#include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/model/layers.h"
 #include "weft/model/multimodal.h"
@@ -180,8 +181,8 @@ void expect_round_trip(const ModelSpec& spec, const std::string& tag, int64_t sh
         << fs::relative(f.path(), dir);
   }
   EXPECT_GE(files, 2 * (1 + spec.encoders.size()));
-  fs::remove_all(dir);
-  fs::remove_all(dir2);
+  weft::io::remove_tree(dir);
+  weft::io::remove_tree(dir2);
 }
 
 TEST(HfCheckpoint, LlamaClipWhisperRoundTripIsBitIdentical) {
@@ -205,7 +206,7 @@ TEST(HfCheckpoint, ShardedCheckpointRoundTrips) {
   for (const auto& f : fs::directory_iterator(dir / "llm"))
     shards += f.path().filename().string().rfind("model-000", 0) == 0;
   EXPECT_GE(shards, 2);
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfCheckpoint, Bf16CheckpointLoadsAsFp32) {
@@ -222,7 +223,7 @@ TEST(HfCheckpoint, Bf16CheckpointLoadsAsFp32) {
     EXPECT_EQ(got.scalar_type(), at::kFloat);
     EXPECT_TRUE(torch::equal(got, t.to(at::kBFloat16).to(at::kFloat))) << name;
   }
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfCheckpoint, ConfigJsonDrivesTheSpec) {
@@ -260,7 +261,7 @@ TEST(HfCheckpoint, ConfigJsonDrivesTheSpec) {
       error_of([&] { parse_spec(toml + "", "<string>", {"model.llm.hidden=64"}); });
   EXPECT_NE(e.find("model.llm.hidden = 64: disagrees with"), std::string::npos) << e;
   EXPECT_NE(e.find("config.json (which says 32)"), std::string::npos) << e;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 void write(const fs::path& p, const std::string& text) {
@@ -292,7 +293,7 @@ TEST(HfConfig, LlavaConfigWithTransformersDefaults) {
   EXPECT_EQ(v.encoder.act, Activation::kQuickGelu);
   EXPECT_TRUE(v.encoder.class_token);
   EXPECT_EQ(v.encoder.norm_eps, 1e-5);
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfConfig, AbsentKvHeadsTakeEachArchitecturesDefault) {
@@ -306,7 +307,7 @@ TEST(HfConfig, AbsentKvHeadsTakeEachArchitecturesDefault) {
                  "num_hidden_layers": 2, "num_attention_heads": 64})");
     EXPECT_EQ(read_hf_llm_config(dir.string()).llm.kv_heads, kv) << type;
   }
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfConfig, UnsupportedConfigsNameFileAndField) {
@@ -335,7 +336,7 @@ TEST(HfConfig, UnsupportedConfigsNameFileAndField) {
   EXPECT_NE(e.find("patch_size = 14: must divide image_size"), std::string::npos) << e;
   e = err("{not json", true);
   EXPECT_NE(e.find("config.json: not a JSON object"), std::string::npos) << e;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfCheckpoint, WrongCheckpointsNameFileAndTensor) {
@@ -383,7 +384,7 @@ TEST(HfCheckpoint, WrongCheckpointsNameFileAndTensor) {
   // No weights at all.
   e = error_of([&] { HfCheckpoint c(dir.string()); });
   EXPECT_NE(e.find("no model.safetensors or model.safetensors.index.json"), std::string::npos) << e;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 // --- Mixtral (an MoE LLM) ----------------------------------------------------------------------
@@ -440,7 +441,7 @@ TEST(HfCheckpoint, MixtralBlockMatchesTransformersFormula) {
     const double err = (got - want).abs().max().item<double>();
     EXPECT_LT(err, 1e-4 * std::max(1.0, want.abs().max().item<double>())) << "layer " << i;
   }
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfCheckpoint, MixtralStackedExpertLayoutLoads) {
@@ -475,7 +476,7 @@ TEST(HfCheckpoint, MixtralStackedExpertLayoutLoads) {
   }
   const std::string summary = weights.summary().at(0);
   EXPECT_EQ(summary.find("not used"), std::string::npos) << summary;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfConfig, MixtralConfigDrivesTheMoeSpec) {
@@ -559,8 +560,8 @@ TEST(HfConfig, MixtralConfigDrivesTheMoeSpec) {
             std::string::npos)
       << e;
   EXPECT_NE(e.find("is a dense llama one"), std::string::npos) << e;
-  fs::remove_all(dir);
-  fs::remove_all(dense);
+  weft::io::remove_tree(dir);
+  weft::io::remove_tree(dense);
 }
 
 TEST(HfConfig, MixtralConfigWithTransformersDefaults) {
@@ -620,7 +621,7 @@ TEST(HfConfig, MixtralConfigWithTransformersDefaults) {
   EXPECT_EQ(c.llm.moe.experts, 4);
   EXPECT_EQ(c.llm.moe.top_k, 1);
   EXPECT_TRUE(c.llm.moe.norm_topk);
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfConfig, UnsupportedMixtralConfigsNameFileAndField) {
@@ -643,7 +644,7 @@ TEST(HfConfig, UnsupportedMixtralConfigsNameFileAndField) {
   EXPECT_NE(e.find("hidden_act = \"gelu\""), std::string::npos) << e;
   e = err(R"({"model_type": "mixtral", "rope_parameters": {"rope_type": "yarn"}})");
   EXPECT_NE(e.find("rope_parameters.rope_type = \"yarn\""), std::string::npos) << e;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfCheckpoint, NonMixtralMoeExportNamesWhatMixtralCannotExpress) {
@@ -713,7 +714,7 @@ TEST(HfCheckpoint, MixtralMissingExpertTensorIsNamed) {
                    "along dim 0"),
             std::string::npos)
       << e;
-  fs::remove_all(dir);
+  weft::io::remove_tree(dir);
 }
 
 TEST(HfVariants, ActivationsMatchTheirFormulas) {

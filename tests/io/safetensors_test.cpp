@@ -15,6 +15,7 @@
 #include <string>
 
 #include "weft/core/error.h"
+#include "weft/io/files.h"
 
 namespace weft::io {
 namespace {
@@ -28,10 +29,10 @@ class SafetensorsTest : public ::testing::Test {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     dir_ = fs::temp_directory_path() /
            ("weft_safetensors_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
+    weft::io::remove_tree(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { weft::io::remove_tree(dir_); }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "weft/io/files.h"
+
 namespace weft::testing {
 
 inline constexpr const char* kTinyVlm = R"(
@@ -44,7 +46,7 @@ log_every = 1
 inline std::filesystem::path temp_dir(const std::string& name) {
   std::filesystem::path d = std::filesystem::temp_directory_path() /
                             ("weft_test_" + std::to_string(::getpid()) + "_" + name);
-  std::filesystem::remove_all(d);
+  weft::io::remove_tree(d);
   return d;
 }
 

@@ -116,12 +116,15 @@ struct Comm::Impl {
   std::chrono::milliseconds timeout{60000};
   mutable int64_t subgroups_made = 0;
 
-  // The process group for collectives of `t`.
+  // Whether a collective of `t` goes through host memory over Gloo: a device tensor on a group
+  // without a device backend (connected without device collectives, as in-process test ranks
+  // sharing one GPU are). One copy to the host and one back per collective.
+  bool staged(const at::Tensor& t) const { return t.is_cuda() && !device; }
+
+  // The process group for collectives of `t` (not staged).
   Backend& group_for(const at::Tensor& t) const {
     if (t.is_cuda()) {
-      WEFT_CHECK(device, "rank ", rank, ": a collective of a ", t.device(),
-                 " tensor, but this group has no device backend (NCCL needs a CUDA build of "
-                 "weft and train.device = \"cuda\")");
+      WEFT_ASSERT(device, "a device tensor's collective on a group without a device backend");
       return *device;
     }
     WEFT_CHECK(t.is_cpu(), "rank ", rank, ": collectives take CPU or CUDA tensors, not ",
@@ -265,11 +268,20 @@ namespace {
 bool needs_fp32(const at::Tensor& t) {
   return !t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
+
+// The collective `op` of a device tensor, in place, through a host copy (Impl::staged).
+template <typename Op>
+void through_host(at::Tensor& t, const Op& op) {
+  at::Tensor h = t.to(at::kCPU);
+  op(h);
+  t.copy_(h);
+}
 }  // namespace
 
 void Comm::all_reduce_sum(at::Tensor& t) const {
   if (size() == 1) return;
   WEFT_CHECK(t.is_contiguous(), "all_reduce_sum: tensor must be contiguous");
+  if (impl_->staged(t)) return through_host(t, [&](at::Tensor& h) { all_reduce_sum(h); });
   if (needs_fp32(t)) {
     at::Tensor f = t.to(at::kFloat);
     all_reduce_sum(f);
@@ -287,6 +299,15 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   WEFT_CHECK(t.is_contiguous() && !needs_fp32(t),
              "all_reduce_sum_async: tensor must be a "
              "contiguous fp32/int64 tensor");
+  if (impl_->staged(t)) {  // the copy back happens at wait
+    at::Tensor h = t.to(at::kCPU);
+    Pending inner = all_reduce_sum_async(h);
+    at::Tensor dst = t;
+    return Pending([inner, h, dst]() mutable {
+      inner.wait();
+      dst.copy_(h);
+    });
+  }
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
@@ -297,6 +318,7 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
 
 void Comm::all_reduce_max(at::Tensor& t) const {
   if (size() == 1) return;
+  if (impl_->staged(t)) return through_host(t, [&](at::Tensor& h) { all_reduce_max(h); });
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
@@ -305,6 +327,7 @@ void Comm::all_reduce_max(at::Tensor& t) const {
 
 void Comm::broadcast(at::Tensor& t, int root) const {
   if (size() == 1) return;
+  if (impl_->staged(t)) return through_host(t, [&](at::Tensor& h) { broadcast(h, root); });
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -313,6 +336,7 @@ void Comm::broadcast(at::Tensor& t, int root) const {
 
 at::Tensor Comm::all_gather(const at::Tensor& t) const {
   if (size() == 1) return t.clone();
+  if (impl_->staged(t)) return all_gather(t.to(at::kCPU)).to(t.device());
   if (needs_fp32(t)) return all_gather(t.to(at::kFloat)).to(t.scalar_type());
   std::vector<at::Tensor> in{t.contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
@@ -339,6 +363,7 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
              t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
   if (size() == 1) return t.clone();
+  if (impl_->staged(t)) return reduce_scatter_sum(t.to(at::kCPU)).to(t.device());
 #ifdef WEFT_CUDA
   if (t.is_cuda()) {  // NCCL's own reduce-scatter
     at::Tensor in = t.contiguous();
@@ -373,6 +398,7 @@ at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& sen
   WEFT_CHECK(sent == t.size(0), "all_to_all: send counts add up to ", sent,
              " rows, the tensor has ", t.size(0));
   if (size() == 1) return t.clone();
+  if (impl_->staged(t)) return all_to_all(t.to(at::kCPU), send_counts, recv_counts).to(t.device());
   // Gloo moves bytes: 2-byte elements (bf16, which 1.13's Gloo does not know, and half; its
   // all-to-all has no int16 either) go as rows of bytes. NCCL moves bf16 as it is.
   const bool as_bytes = t.element_size() == 2 && !t.is_cuda();

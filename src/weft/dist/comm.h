@@ -55,7 +55,8 @@ class Comm {
   // Rendezvous over a TCP store hosted by rank 0 at master_addr:master_port. A rank that does
   // not arrive within `timeout` ends every waiting rank with an error. device_collectives: this
   // group and its subgroups also get an NCCL group for CUDA tensors (a CUDA build only; the
-  // caller has set this process's device).
+  // caller has set this process's device). Without one, CUDA tensors' collectives go through
+  // host memory over Gloo (as point-to-point messages always do).
   static Comm connect(const WorldInfo& world, std::chrono::milliseconds timeout,
                       bool device_collectives = false);
   // In-process groups for tests: one thread per rank, all calling with the same `store_key`.

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "weft/core/error.h"
+#include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -147,17 +148,17 @@ std::string commit(const fs::path& root, const fs::path& tmp, int64_t step,
   fsync_path(tmp);
   if (fs::exists(final_dir)) {  // re-saving a step (after a resume): swap atomically-ish
     const fs::path old = root / (".old-" + step_name(step));
-    fs::remove_all(old);
+    remove_tree(old.string());
     fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
-    fs::remove_all(old);
+    remove_tree(old.string());
   } else {
     fs::rename(tmp, final_dir);
   }
   fsync_path(root);
   std::vector<fs::path> all = complete_checkpoints(root);
   const size_t keep = static_cast<size_t>(std::max<int64_t>(keep_last, 1));
-  for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i]);
+  for (size_t i = 0; i + keep < all.size(); ++i) remove_tree(all[i].string());
   return final_dir.string();
 }
 
@@ -176,7 +177,7 @@ std::string begin_sharded_checkpoint(const std::string& run_dir, int64_t step) {
   const fs::path root = fs::path(run_dir) / "checkpoints";
   fs::create_directories(root);
   const fs::path tmp = root / (".tmp-" + step_name(step));
-  fs::remove_all(tmp);
+  remove_tree(tmp.string());
   fs::create_directories(tmp);
   return tmp.string();
 }

@@ -11,6 +11,13 @@
 #include "weft/model/fused_math.h"
 #include "weft/model/torch_compat.h"
 
+#ifdef WEFT_CUDA_KERNELS
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "weft/model/fused_cuda.h"
+#endif
+
 namespace weft::model {
 
 namespace {
@@ -522,10 +529,121 @@ struct PatchifyFn : torch::autograd::Function<PatchifyFn> {
   }
 };
 
+#ifdef WEFT_CUDA_KERNELS
+// ---- The same ops on CUDA tensors (fused_cuda.cu) ------------------------------------------
+
+bool cuda_fusable(const at::Tensor& x) {
+  return x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+bool cuda_fusable_param(const at::Tensor& p, const at::Tensor& x) {
+  return p.defined() && p.device() == x.device() && p.scalar_type() == at::kFloat && p.dim() == 1 &&
+         p.size(0) == x.size(-1) && p.is_contiguous();
+}
+
+void* stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+struct RmsNormCudaFn : torch::autograd::Function<RmsNormCudaFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w,
+                            double eps) {
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const at::Tensor x = x_in.contiguous();
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    at::Tensor y = at::empty_like(x);
+    at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    cuda::rms_norm_forward(is_bf16(x), x.data_ptr(), w.data_ptr<float>(), y.data_ptr(),
+                           rstd.data_ptr<float>(), rows, n, static_cast<float>(eps), stream_of(x));
+    ctx->save_for_backward({x, w, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &rstd = saved[2];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor g = grads[0].to(x.scalar_type()).contiguous();
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
+    at::Tensor dx = need_dx ? at::empty_like(x) : at::Tensor();
+    at::Tensor partial =
+        need_dw ? at::empty({cuda::rms_norm_grad_blocks(rows), n}, x.options().dtype(at::kFloat))
+                : at::Tensor();
+    cuda::rms_norm_backward(is_bf16(x), x.data_ptr(), g.data_ptr(), w.data_ptr<float>(),
+                            rstd.data_ptr<float>(), need_dx ? dx.data_ptr() : nullptr,
+                            need_dw ? partial.data_ptr<float>() : nullptr, rows, n, stream_of(x));
+    return {dx, need_dw ? partial.sum(0) : at::Tensor(), at::Tensor()};
+  }
+};
+
+struct SwiGluCudaFn : torch::autograd::Function<SwiGluCudaFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gu_in) {
+    const c10::cuda::CUDAGuard guard(gu_in.device());
+    const at::Tensor gu = gu_in.contiguous();
+    const int64_t f = gu.size(-1) / 2, rows = gu.numel() / (2 * f);
+    std::vector<int64_t> shape = gu.sizes().vec();
+    shape.back() = f;
+    at::Tensor h = at::empty(shape, gu.options());
+    cuda::swiglu_forward(is_bf16(gu), gu.data_ptr(), h.data_ptr(), rows, f, stream_of(gu));
+    ctx->save_for_backward({gu});
+    return h;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor gu = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(gu.device());
+    const at::Tensor dh = grads[0].to(gu.scalar_type()).contiguous();
+    const int64_t f = gu.size(-1) / 2, rows = gu.numel() / (2 * f);
+    at::Tensor dgu = at::empty_like(gu);
+    cuda::swiglu_backward(is_bf16(gu), gu.data_ptr(), dh.data_ptr(), dgu.data_ptr(), rows, f,
+                          stream_of(gu));
+    return {dgu};
+  }
+};
+
+void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& rot_sin,
+               const at::Tensor& y, bool backward) {
+  const int64_t xs[3] = {x.stride(0), x.stride(1), x.stride(2)};
+  const int64_t ys[3] = {y.stride(0), y.stride(1), y.stride(2)};
+  cuda::rope(is_bf16(x), x.data_ptr(), xs, cos.data_ptr<float>(), rot_sin.data_ptr<float>(),
+             y.data_ptr(), ys, x.size(0), x.size(1), x.size(2), x.size(3), backward, stream_of(x));
+}
+
+// Laid out as RopeFn's output: head-major memory, [B, S, H, D] shape.
+struct RopeCudaFn : torch::autograd::Function<RopeCudaFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& rot_sin) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
+    at::Tensor y = at::empty_strided({B, S, H, D}, {H * S * D, D, S * D, 1}, x.options());
+    rope_cuda(x, cos, rot_sin, y, false);
+    ctx->save_for_backward({cos, rot_sin});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const c10::cuda::CUDAGuard guard(grads[0].device());
+    const at::Tensor g = grads[0].stride(3) == 1 ? grads[0] : grads[0].contiguous();
+    at::Tensor dx = at::empty(g.sizes(), g.options());
+    rope_cuda(g, saved[0], saved[1], dx, true);
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+#endif  // WEFT_CUDA_KERNELS
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (fusable(x) && fusable_param(weight, x.size(-1))) return RmsNormFn::apply(x, weight, eps);
+#ifdef WEFT_CUDA_KERNELS
+  if (cuda_fusable(x) && cuda_fusable_param(weight, x) && x.size(-1) <= cuda::rms_norm_max_width())
+    return RmsNormCudaFn::apply(x, weight, eps);
+#endif
   const at::Tensor xf = x.to(at::kFloat);
   return (xf * at::rsqrt(xf.pow(2).mean(-1, true).add(eps)) * weight).to(x.scalar_type());
 }
@@ -540,6 +658,9 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 at::Tensor swiglu(const at::Tensor& gate_up) {
   if (fusable(gate_up) && gate_up.size(-1) % 2 == 0) return SwiGluFn::apply(gate_up);
+#ifdef WEFT_CUDA_KERNELS
+  if (cuda_fusable(gate_up) && gate_up.size(-1) % 2 == 0) return SwiGluCudaFn::apply(gate_up);
+#endif
   const std::vector<at::Tensor> gu = gate_up.chunk(2, -1);
   return at::silu(gu[0]) * gu[1];
 }
@@ -564,13 +685,16 @@ at::Tensor patchify(const at::Tensor& images, int64_t k) {
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& rot_sin) {
   auto table_fits = [&](const at::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+    return t.device() == x.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
            t.dim() == 4 && t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == 1 &&
            t.size(3) == x.size(3);
   };
-  if (fusable(x) && x.dim() == 4 && x.size(3) % 2 == 0 && x.stride(3) == 1 && table_fits(cos) &&
-      table_fits(rot_sin))
-    return RopeFn::apply(x, cos, rot_sin);
+  const bool fits = x.dim() == 4 && x.size(3) % 2 == 0 && x.stride(3) == 1 && table_fits(cos) &&
+                    table_fits(rot_sin);
+  if (fits && fusable(x)) return RopeFn::apply(x, cos, rot_sin);
+#ifdef WEFT_CUDA_KERNELS
+  if (fits && cuda_fusable(x)) return RopeCudaFn::apply(x, cos, rot_sin);
+#endif
   const at::Tensor rolled = x.roll(x.size(-1) / 2, -1);
   return x * cos.to(x.scalar_type()) + rolled * rot_sin.to(x.scalar_type());
 }

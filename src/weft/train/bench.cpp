@@ -1,6 +1,9 @@
 #include "weft/train/bench.h"
 
 #include <torch/csrc/autograd/profiler_legacy.h>
+#ifdef WEFT_CUDA
+#include <torch/csrc/autograd/profiler_kineto.h>
+#endif
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -9,7 +12,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "weft/core/config.h"
@@ -28,6 +34,38 @@ using json = nlohmann::ordered_json;
 namespace weft::train {
 
 namespace {
+
+// A Chrome trace of one step's operators, written when it goes out of scope. CUDA builds record
+// through Kineto (CUPTI): each operator with the GPU kernels it launched and their device times;
+// CPU builds through the autograd profiler (operators' CPU times).
+class StepTrace {
+ public:
+  explicit StepTrace(std::string path) : path_(std::move(path)) {
+#ifdef WEFT_CUDA
+    namespace impl = torch::profiler::impl;
+    const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+    const std::set<impl::ActivityType> activities{impl::ActivityType::CPU,
+                                                  impl::ActivityType::CUDA};
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+#else
+    legacy_ = std::make_unique<torch::autograd::profiler::RecordProfile>(path_);
+#endif
+  }
+  ~StepTrace() {
+#ifdef WEFT_CUDA
+    torch::autograd::profiler::disableProfiler()->save(path_);
+#endif
+  }
+  StepTrace(const StepTrace&) = delete;
+  StepTrace& operator=(const StepTrace&) = delete;
+
+ private:
+  std::string path_;
+#ifndef WEFT_CUDA
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> legacy_;
+#endif
+};
 
 // A "VmRSS:   1234 kB" style field of /proc/self/status, in bytes (0 where unavailable).
 int64_t status_field(const char* key) {
@@ -131,9 +169,8 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   int64_t tokens = 0;
   json steps = json::array();
   for (int64_t i = 0; i < total; ++i) {
-    std::unique_ptr<torch::autograd::profiler::RecordProfile> profiler;
-    if (!o.profile.empty() && i + 1 == total)
-      profiler = std::make_unique<torch::autograd::profiler::RecordProfile>(o.profile);
+    std::unique_ptr<StepTrace> profiler;
+    if (!o.profile.empty() && i + 1 == total) profiler = std::make_unique<StepTrace>(o.profile);
     dist::synchronize(device);
     const double t0 = now_seconds();
     const StepOutcome out = trainer.train_step(batches[i], i);

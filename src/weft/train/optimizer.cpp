@@ -1,13 +1,20 @@
 #include "weft/train/optimizer.h"
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
+#include <map>
+#include <utility>
 
 #include "weft/core/error.h"
 #include "weft/model/fused.h"
 
 namespace weft::train {
+
+namespace {
+constexpr bool kHasFusedAdamW = TORCH_VERSION_MAJOR >= 2;
+}  // namespace
 
 AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned)
     : params_(std::move(params)), owned_(std::move(owned)), opts_(opts) {
@@ -31,13 +38,44 @@ void AdamW::step(double lr, double grad_scale) {
   u.bc2 = 1.0 - std::pow(opts_.beta2, static_cast<double>(steps_));
   u.grad_scale = grad_scale;
   torch::NoGradGuard no_grad;
+  // CUDA fp32 tensors: LibTorch's multi-tensor fused AdamW (one kernel family per device and
+  // decay group, as torch.optim.AdamW(fused=True)), the same update as model::adamw_update.
+  std::map<std::pair<int, bool>, FusedGroup> fused;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
     if (!g.defined() || !owned_[i]) continue;
-    u.decay = opts_.weight_decay > 0 && p.dim() >= 2 ? 1.0 - lr * opts_.weight_decay : 1.0;
+    const bool decays = opts_.weight_decay > 0 && p.dim() >= 2;
+    if (kHasFusedAdamW && p.is_cuda() && p.scalar_type() == at::kFloat &&
+        g.scalar_type() == at::kFloat && g.device() == p.device() && p.is_contiguous() &&
+        g.is_contiguous() && !g.is_sparse()) {
+      FusedGroup& f = fused[{p.device().index(), decays}];
+      f.params.push_back(p);
+      f.grads.push_back(g);
+      f.exp_avg.push_back(exp_avg_[i]);
+      f.exp_avg_sq.push_back(exp_avg_sq_[i]);
+      continue;
+    }
+    u.decay = decays ? 1.0 - lr * opts_.weight_decay : 1.0;
     model::adamw_update(p, g, exp_avg_[i], exp_avg_sq_[i], u);
   }
+  for (auto& [key, f] : fused) fused_step(f, key.second ? opts_.weight_decay : 0.0, lr, grad_scale);
+}
+
+void AdamW::fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale) {
+#if TORCH_VERSION_MAJOR >= 2
+  const at::TensorOptions on = f.params[0].options().dtype(at::kFloat);
+  // The kernel reads the step count (for the bias corrections) from device memory, and divides
+  // the gradients by grad_scale (AMP's unscaling): clipping's factor goes in as its inverse.
+  const at::Tensor step = at::scalar_tensor(static_cast<double>(steps_), on);
+  const std::vector<at::Tensor> steps(f.params.size(), step);
+  const at::Tensor unscale = at::scalar_tensor(1.0 / grad_scale, on);
+  at::_fused_adamw_(f.params, f.grads, f.exp_avg, f.exp_avg_sq, {}, steps, lr, opts_.beta1,
+                    opts_.beta2, weight_decay, opts_.eps, /*amsgrad=*/false, /*maximize=*/false,
+                    grad_scale == 1.0 ? c10::optional<at::Tensor>() : unscale, c10::nullopt);
+#else
+  WEFT_ASSERT(false, "fused AdamW needs LibTorch 2");
+#endif
 }
 
 model::NamedTensors AdamW::state() const {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
@@ -39,6 +40,11 @@ class AdamW {
   const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
 
  private:
+  struct FusedGroup {  // one device's parameters of one decay group
+    std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
+  };
+  void fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale);
+
   model::NamedTensors params_;
   std::vector<bool> owned_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;

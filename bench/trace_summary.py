@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Where a profiled step's time went, from the Chrome trace `weft bench step --profile FILE` writes.
+
+    python3 bench/trace_summary.py TRACE.json [--top 15]
+
+A CUDA build writes a Kineto trace: its GPU kernels are grouped by kind (matmuls, attention,
+weft's own kernels, copies and casts, ...) with their summed device time, and the GPU's idle time
+(the span of the step's kernels less their summed time: the GPU waiting on the CPU). A CPU build
+writes the autograd profiler's trace of operators: they are summed by name (time includes the
+operators they call). Either way the heaviest entries follow, by name.
+"""
+import argparse
+import collections
+import json
+import sys
+
+# Kernel name fragments (lower case) → kind; the first match wins.
+KINDS = [
+    (("gemm", "cutlass", "nvjet", "cublas", "xmma"), "matmuls"),
+    (("fmha", "flash", "attention", "cudnn", "sdpa"), "attention"),
+    (("adam",), "AdamW"),
+    (("rms_norm",), "weft RMSNorm"),
+    (("swiglu",), "weft SwiGLU"),
+    (("rope_kernel",), "weft RoPE"),
+    (("layer_norm", "layernorm"), "LayerNorm"),
+    (("softmax", "nll_loss", "cross_entropy"), "loss"),
+    (("nccl",), "NCCL"),
+    (("reduce_kernel",), "reductions"),
+    (("copy", "cast", "cat"), "copies and casts"),
+    (("elementwise", "vectorized"), "other element-wise"),
+]
+
+
+def kind_of(name):
+    low = name.lower()
+    for fragments, kind in KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "other"
+
+
+def table(rows, total, unit_total_label):
+    print(f"| what | calls | ms | share of {unit_total_label} |")
+    print("|---|---|---|---|")
+    for name, (calls, us) in rows:
+        print(f"| {name} | {calls} | {us / 1e3:.2f} | {100 * us / total:.0f}% |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=15, help="heaviest entries listed by name")
+    a = ap.parse_args()
+    try:
+        with open(a.trace) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_summary.py: {a.trace}: not a readable JSON trace ({e})")
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    events = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+    if not events:
+        sys.exit(f"trace_summary.py: {a.trace}: no timed events")
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    if kernels:
+        span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+        busy = sum(e["dur"] for e in kernels)
+        by_kind = collections.defaultdict(lambda: [0, 0.0])
+        for e in kernels:
+            for d in (by_kind[kind_of(e["name"])], by_name[e["name"][:100]]):
+                d[0] += 1
+                d[1] += e["dur"]
+        rows = sorted(by_kind.items(), key=lambda kv: -kv[1][1])
+        rows.append(("GPU idle (waiting for launches)", [0, max(span - busy, 0.0)]))
+        print(f"{len(kernels)} GPU kernels over {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms\n")
+        table(rows, span, "the step's kernel span")
+    else:
+        # CPU trace: top-level time per operator name (nested calls are inside their callers).
+        span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+        for e in events:
+            d = by_name[e["name"]]
+            d[0] += 1
+            d[1] += e["dur"]
+        print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)\n")
+    print(f"\nheaviest {'kernels' if kernels else 'operators'}:\n")
+    table(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+// CUDA kernels of fused.h's RMSNorm, SwiGLU and RoPE (fused_cuda.h): fp32 math, bf16 or fp32
+// storage, the formulas of fused_layers.cpp's CPU loops.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "weft/model/fused_cuda.h"
+
+namespace weft::model::cuda {
+
+namespace {
+
+__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16(v);
+}
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("weft CUDA kernel ") + what + ": " +
+                             cudaGetErrorString(e));
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// The sum of v over the block (every thread gets it). `shared`: kWarps floats.
+__device__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read from the last call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float t = 0;
+  for (int w = 0; w < kWarps; ++w) t += shared[w];
+  return t;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void rms_norm_forward_kernel(const T* __restrict x, const float* __restrict w,
+                                        T* __restrict y, float* __restrict rstd, int64_t n,
+                                        float eps) {
+  __shared__ float shared[kWarps];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  float ss = 0;
+  for (int64_t k = threadIdx.x; k < n; k += kThreads) {
+    const float v = load(xr, k);
+    ss += v * v;
+  }
+  const float s = rsqrtf(block_sum(ss, shared) / static_cast<float>(n) + eps);
+  if (threadIdx.x == 0) rstd[row] = s;
+  for (int64_t k = threadIdx.x; k < n; k += kThreads) store(yr, k, load(xr, k) * s * w[k]);
+}
+
+// Each block takes rows blockIdx.x, blockIdx.x + gridDim.x, ...; each thread keeps its columns'
+// Σ g·x̂ in registers (kCols per thread: n ≤ kThreads·kCols) and writes them to its block's row
+// of dw_partial at the end.
+constexpr int kCols = 32;
+constexpr int64_t kMaxRmsNormWidth = static_cast<int64_t>(kThreads) * kCols;
+
+template <typename T>
+__global__ void rms_norm_backward_kernel(const T* __restrict x, const T* __restrict g,
+                                         const float* __restrict w, const float* __restrict rstd,
+                                         T* __restrict dx, float* __restrict dw_partial,
+                                         int64_t rows, int64_t n) {
+  __shared__ float shared[kWarps];
+  float dw[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) dw[c] = 0;
+  const float inv_n = 1.0f / static_cast<float>(n);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * n;
+    const T* gr = g + row * n;
+    const float s = rstd[row];
+    float dot = 0;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t k = threadIdx.x + static_cast<int64_t>(c) * kThreads;
+      if (k < n) {
+        const float xh = load(xr, k) * s, gk = load(gr, k);
+        dot += gk * w[k] * xh;
+        dw[c] += gk * xh;
+      }
+    }
+    if (dx == nullptr) continue;
+    const float mean = block_sum(dot, shared) * inv_n;
+    T* dr = dx + row * n;
+    for (int64_t k = threadIdx.x; k < n; k += kThreads) {
+      const float xh = load(xr, k) * s;
+      store(dr, k, s * (load(gr, k) * w[k] - xh * mean));
+    }
+  }
+  if (dw_partial == nullptr) return;
+  float* out = dw_partial + static_cast<int64_t>(blockIdx.x) * n;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(c) * kThreads;
+    if (k < n) out[k] = dw[c];
+  }
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+template <typename T>
+__global__ void swiglu_forward_kernel(const T* __restrict gu, T* __restrict h, int64_t rows,
+                                      int64_t f) {
+  const int64_t total = rows * f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / f, k = i - r * f;
+    const float g = load(gu, r * 2 * f + k), u = load(gu, r * 2 * f + f + k);
+    store(h, i, g * sigmoid(g) * u);
+  }
+}
+
+// d gate = dh·up·σ(g)·(1 + g·(1 − σ(g))), d up = dh·g·σ(g).
+template <typename T>
+__global__ void swiglu_backward_kernel(const T* __restrict gu, const T* __restrict dh,
+                                       T* __restrict dgu, int64_t rows, int64_t f) {
+  const int64_t total = rows * f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / f, k = i - r * f;
+    const int64_t gi = r * 2 * f + k, ui = gi + f;
+    const float g = load(gu, gi), u = load(gu, ui), d = load(dh, i);
+    const float s = sigmoid(g);
+    store(dgu, gi, d * u * s * (1.0f + g * (1.0f - s)));
+    store(dgu, ui, d * g * s);
+  }
+}
+
+// ---- RoPE ----------------------------------------------------------------------------------
+
+// One thread per (head row, i < D/2): y[i] = x[i]·c[i] + x[i+h]·r[i], y[i+h] = x[i+h]·c[i+h] +
+// x[i]·r[i+h]; backward reads the partner's r at the other half (the adjoint).
+template <typename T>
+__global__ void rope_kernel(const T* __restrict x, const float* __restrict cos,
+                            const float* __restrict rot_sin, T* __restrict y, int64_t S, int64_t H,
+                            int64_t D, int64_t xs0, int64_t xs1, int64_t xs2, int64_t ys0,
+                            int64_t ys1, int64_t ys2, int64_t total, bool backward) {
+  const int64_t h = D / 2;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = t / h, i = t - row * h;
+    const int64_t bs = row / H, hh = row - bs * H, b = bs / S, s = bs - b * S;
+    const T* xr = x + b * xs0 + s * xs1 + hh * xs2;
+    T* yr = y + b * ys0 + s * ys1 + hh * ys2;
+    const float* c = cos + bs * D;
+    const float* r = rot_sin + bs * D;
+    const float a = load(xr, i), v = load(xr, i + h);
+    const int64_t lo = backward ? h : 0, hi = backward ? 0 : h;
+    store(yr, i, a * c[i] + v * r[i + lo]);
+    store(yr, i + h, v * c[i + h] + a * r[i + hi]);
+  }
+}
+
+int elementwise_blocks(int64_t total) {
+  return static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65536));
+}
+
+template <typename F>
+void dispatch(bool bf16, const F& f) {
+  if (bf16)
+    f(static_cast<__nv_bfloat16*>(nullptr));
+  else
+    f(static_cast<float*>(nullptr));
+}
+
+}  // namespace
+
+int64_t rms_norm_grad_blocks(int64_t rows) { return std::min<int64_t>(rows, 512); }
+int64_t rms_norm_max_width() { return kMaxRmsNormWidth; }
+
+void rms_norm_forward(bool bf16, const void* x, const float* w, void* y, float* rstd, int64_t rows,
+                      int64_t n, float eps, void* stream) {
+  if (rows == 0) return;
+  dispatch(bf16, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_forward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(
+        static_cast<const T*>(x), w, static_cast<T*>(y), rstd, n, eps);
+  });
+  check_launch("rms_norm_forward");
+}
+
+void rms_norm_backward(bool bf16, const void* x, const void* g, const float* w, const float* rstd,
+                       void* dx, float* dw_partial, int64_t rows, int64_t n, void* stream) {
+  if (n > kMaxRmsNormWidth)
+    throw std::runtime_error("weft CUDA rms_norm_backward: rows of " + std::to_string(n) + " > " +
+                             std::to_string(kMaxRmsNormWidth));
+  if (rows == 0) return;
+  dispatch(bf16, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_backward_kernel<T>
+        <<<static_cast<unsigned>(rms_norm_grad_blocks(rows)), kThreads, 0, as_stream(stream)>>>(
+            static_cast<const T*>(x), static_cast<const T*>(g), w, rstd, static_cast<T*>(dx),
+            dw_partial, rows, n);
+  });
+  check_launch("rms_norm_backward");
+}
+
+void swiglu_forward(bool bf16, const void* gu, void* h, int64_t rows, int64_t f, void* stream) {
+  if (rows * f == 0) return;
+  dispatch(bf16, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    swiglu_forward_kernel<T><<<elementwise_blocks(rows * f), kThreads, 0, as_stream(stream)>>>(
+        static_cast<const T*>(gu), static_cast<T*>(h), rows, f);
+  });
+  check_launch("swiglu_forward");
+}
+
+void swiglu_backward(bool bf16, const void* gu, const void* dh, void* dgu, int64_t rows, int64_t f,
+                     void* stream) {
+  if (rows * f == 0) return;
+  dispatch(bf16, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    swiglu_backward_kernel<T><<<elementwise_blocks(rows * f), kThreads, 0, as_stream(stream)>>>(
+        static_cast<const T*>(gu), static_cast<const T*>(dh), static_cast<T*>(dgu), rows, f);
+  });
+  check_launch("swiglu_backward");
+}
+
+void rope(bool bf16, const void* x, const int64_t* xs, const float* cos, const float* rot_sin,
+          void* y, const int64_t* ys, int64_t B, int64_t S, int64_t H, int64_t D, bool backward,
+          void* stream) {
+  const int64_t total = B * S * H * (D / 2);
+  if (total == 0) return;
+  dispatch(bf16, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_kernel<T><<<elementwise_blocks(total), kThreads, 0, as_stream(stream)>>>(
+        static_cast<const T*>(x), cos, rot_sin, static_cast<T*>(y), S, H, D, xs[0], xs[1], xs[2],
+        ys[0], ys[1], ys[2], total, backward);
+  });
+  check_launch("rope");
+}
+
+}  // namespace weft::model::cuda

@@ -1,0 +1,197 @@
+// On a GPU (built only against a CUDA LibTorch: CMakeLists.txt adds tests/cuda there, and these
+// tests then need a CUDA device): weft's CUDA kernels match the CPU's fused loops, the fused
+// AdamW matches the CPU update, training on the GPU reproduces training on the CPU, and
+// multi-rank layouts on one GPU reproduce one process.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "support/equivalence.h"
+#include "support/tiny_run.h"
+#include "weft/model/fused.h"
+#include "weft/train/optimizer.h"
+
+namespace weft {
+namespace {
+
+using testing::rel_diff;
+
+const c10::Device kGpu(c10::kCUDA, 0);
+
+// The device result against the CPU's, both taken to fp32 on the CPU.
+double gap(const at::Tensor& gpu, const at::Tensor& cpu) {
+  return rel_diff(gpu.to(at::kCPU, at::kFloat), cpu.to(at::kFloat));
+}
+
+// f on CPU copies and on GPU copies of `inputs` (the first `with_grad` of them leaves that
+// require grad), with the same upstream gradient: the outputs and those inputs' gradients agree
+// within `tol`, and on the GPU the op is weft's CUDA kernel (its autograd node), not an ATen
+// fallback.
+template <typename F>
+void expect_same_on_gpu(const std::vector<at::Tensor>& inputs, size_t with_grad, const F& f,
+                        double tol, const std::string& what) {
+  SCOPED_TRACE(what);
+  std::vector<at::Tensor> cpu, gpu;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    cpu.push_back(inputs[i].clone().requires_grad_(i < with_grad));
+    gpu.push_back(inputs[i].to(kGpu).requires_grad_(i < with_grad));
+  }
+  const at::Tensor yc = f(cpu), yg = f(gpu);
+  ASSERT_TRUE(yg.is_cuda());
+  ASSERT_EQ(yg.sizes(), yc.sizes());
+#ifdef WEFT_CUDA_KERNELS
+  ASSERT_TRUE(yg.grad_fn());
+  EXPECT_NE(yg.grad_fn()->name().find("CudaFn"), std::string::npos) << yg.grad_fn()->name();
+#endif
+  EXPECT_LT(gap(yg, yc), tol) << "output";
+  const at::Tensor up = torch::randn(yc.sizes(), torch::dtype(at::kFloat)).to(yc.scalar_type());
+  yc.backward(up);
+  yg.backward(up.to(kGpu));
+  for (size_t i = 0; i < with_grad; ++i) {
+    ASSERT_TRUE(gpu[i].grad().defined()) << "input " << i;
+    EXPECT_LT(gap(gpu[i].grad(), cpu[i].grad()), tol) << "gradient of input " << i;
+  }
+}
+
+class CudaKernels : public ::testing::TestWithParam<at::ScalarType> {};
+
+// fp32: the same formulas in another summation order; bf16: one rounding of each result.
+double tolerance(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 1e-2; }
+
+TEST_P(CudaKernels, RmsNormMatchesTheCpu) {
+  torch::manual_seed(1);
+  const at::ScalarType dt = GetParam();
+  for (int64_t n : {32, 2048, 5000}) {  // 5000: not a multiple of the block
+    const at::Tensor x = torch::randn({3, 37, n}).to(dt);
+    const at::Tensor w = torch::rand({n}) + 0.5;
+    expect_same_on_gpu(
+        {x, w}, 2,
+        [](const std::vector<at::Tensor>& v) { return model::rms_norm(v[0], v[1], 1e-5); },
+        tolerance(dt), "rms_norm n=" + std::to_string(n));
+  }
+}
+
+TEST_P(CudaKernels, SwigluMatchesTheCpu) {
+  torch::manual_seed(2);
+  const at::ScalarType dt = GetParam();
+  const at::Tensor gu = torch::randn({5, 19, 2 * 96}).to(dt);
+  expect_same_on_gpu(
+      {gu}, 1, [](const std::vector<at::Tensor>& v) { return model::swiglu(v[0]); }, tolerance(dt),
+      "swiglu");
+}
+
+TEST_P(CudaKernels, RopeOfAStridedViewMatchesTheCpu) {
+  torch::manual_seed(3);
+  const at::ScalarType dt = GetParam();
+  const int64_t B = 2, S = 7, H = 3, D = 16;
+  // q as a view into a fused projection [B, S, 2·H·D], the way attention hands it over.
+  const at::Tensor qk = torch::randn({B, S, 2 * H * D}).to(dt);
+  const at::Tensor angle = torch::rand({B, S, 1, D / 2}) * 6.0;
+  const at::Tensor cos = torch::cat({angle.cos(), angle.cos()}, -1).contiguous();
+  const at::Tensor rot_sin = torch::cat({-angle.sin(), angle.sin()}, -1).contiguous();
+  expect_same_on_gpu(
+      {qk, cos, rot_sin}, 1,
+      [&](const std::vector<at::Tensor>& v) {
+        return model::rope(v[0].narrow(2, 0, H * D).view({B, S, H, D}), v[1], v[2]);
+      },
+      tolerance(dt), "rope");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaKernels, ::testing::Values(at::kFloat, at::kBFloat16),
+                         [](const auto& info) {
+                           return std::string(info.param == at::kFloat ? "fp32" : "bf16");
+                         });
+
+// The fused multi-tensor AdamW on the GPU against the CPU's fused loop: with and without weight
+// decay (matrices and vectors), gradient clipping's scale, three steps.
+TEST(Cuda, FusedAdamWMatchesTheCpu) {
+  torch::manual_seed(4);
+  model::NamedTensors cpu, gpu;
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{17, 33}, {33}, {4, 5, 6}}) {
+    const at::Tensor p = torch::randn(shape);
+    cpu.emplace_back("p" + std::to_string(cpu.size()), p.clone());
+    gpu.emplace_back("p" + std::to_string(gpu.size()), p.to(kGpu));
+  }
+  train::AdamWOptions opts;
+  opts.weight_decay = 0.1;
+  train::AdamW a(cpu, opts), b(gpu, opts);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      const at::Tensor g = torch::randn(cpu[i].second.sizes());
+      cpu[i].second.mutable_grad() = g.clone();
+      gpu[i].second.mutable_grad() = g.to(kGpu);
+    }
+    const double scale = step == 1 ? 0.25 : 1.0;
+    a.step(1e-2, scale);
+    b.step(1e-2, scale);
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_LT(gap(gpu[i].second, cpu[i].second), 1e-6) << cpu[i].first;
+    EXPECT_LT(gap(b.exp_avg()[i], a.exp_avg()[i]), 1e-6) << cpu[i].first;
+    EXPECT_LT(gap(b.exp_avg_sq()[i], a.exp_avg_sq()[i]), 1e-6) << cpu[i].first;
+  }
+}
+
+// The tiny VLM trained 3 steps on the GPU against the CPU (fp32): the same losses, gradients
+// and parameters, up to the summation orders of two devices' kernels.
+TEST(Cuda, Fp32TrainingMatchesTheCpu) {
+  const std::vector<std::string> sets = {"train.steps=3", "train.warmup=1", "train.precision=fp32"};
+  const Spec cpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+  std::vector<std::string> gpu_sets = sets;
+  gpu_sets.push_back("train.device=cuda");
+  const Spec gpu_spec = parse_spec(testing::kTinyVlm, "tiny", gpu_sets);
+  const auto ref = testing::train(cpu_spec, dist::Comm(), testing::temp_dir("cuda_fp32_cpu"));
+  const auto got = testing::train(gpu_spec, dist::Comm(), testing::temp_dir("cuda_fp32_gpu"));
+  ASSERT_EQ(got.losses.size(), 3u);
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  for (const auto& [name, p] : ref.params) {
+    EXPECT_LT(gap(got.params.at(name), p), 1e-4) << "param " << name;
+  }
+  for (const auto& [name, g] : ref.grads) EXPECT_LT(gap(got.grads.at(name), g), 1e-4) << name;
+}
+
+// bf16 on the GPU (SDPA, the CUDA kernels, the fused AdamW) follows the CPU's bf16 run within
+// bf16's precision, step by step, and learns.
+TEST(Cuda, Bf16TrainingTracksTheCpu) {
+  const std::vector<std::string> sets = {"train.steps=8", "train.warmup=2", "train.precision=bf16"};
+  const Spec cpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+  std::vector<std::string> gpu_sets = sets;
+  gpu_sets.push_back("train.device=cuda");
+  const Spec gpu_spec = parse_spec(testing::kTinyVlm, "tiny", gpu_sets);
+  const auto ref = testing::train(cpu_spec, dist::Comm(), testing::temp_dir("cuda_bf16_cpu"));
+  const auto got = testing::train(gpu_spec, dist::Comm(), testing::temp_dir("cuda_bf16_gpu"));
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 3e-2 * ref.losses[i]) << "step " << i + 1;
+  EXPECT_LT(got.losses.back(), got.losses.front());
+}
+
+// Several ranks on one GPU, one thread each: in-process groups have no NCCL backend, so their
+// collectives of device tensors go through host memory over Gloo. What runs on the GPU is the
+// distributed runtime's device side — the bridge's buffers, pipeline messages, TP and CP
+// collectives, the DP gradient reduction (overlapped, and ZeRO-1's) — held to the equivalence
+// law against one process on the same GPU (fp32: losses 1e-5, gradients and parameters 1e-4).
+// NCCL itself needs one GPU per rank.
+void expect_equivalent_on_gpu(int world, std::vector<std::string> sets, const std::string& tag) {
+  sets.push_back("train.device=cuda");
+  testing::expect_equivalent(world, sets, tag);
+}
+
+TEST(CudaLayouts, Dp2) { expect_equivalent_on_gpu(2, {}, "cuda_dp2"); }
+TEST(CudaLayouts, Dp2ZeroOne) { expect_equivalent_on_gpu(2, {"train.zero_stage=1"}, "cuda_zero1"); }
+TEST(CudaLayouts, Tp2) {
+  expect_equivalent_on_gpu(2, {"parallel.llm.tp=2", "parallel.vision.tp=2"}, "cuda_tp2");
+}
+TEST(CudaLayouts, LlmPp2) { expect_equivalent_on_gpu(2, {"parallel.llm.pp=2"}, "cuda_pp2"); }
+TEST(CudaLayouts, LlmCp2) { expect_equivalent_on_gpu(2, {"parallel.llm.cp=2"}, "cuda_cp2"); }
+TEST(CudaLayouts, EncoderOnItsOwnRankToLlmPp2Separate) {
+  expect_equivalent_on_gpu(3, {"parallel.placement=\"separate\"", "parallel.llm.pp=2"},
+                           "cuda_separate_pp2");
+}
+
+}  // namespace
+}  // namespace weft
