@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/equivalence.h"
@@ -134,36 +135,35 @@ TEST(Cuda, FusedAdamWMatchesTheCpu) {
   }
 }
 
+// The tiny VLM trained with `sets` by one process on the CPU (first) and on the GPU (second).
+std::pair<testing::RunResult, testing::RunResult> train_on_cpu_and_gpu(
+    std::vector<std::string> sets, const std::string& tag) {
+  const Spec cpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+  sets.push_back("train.device=cuda");
+  const Spec gpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+  return {testing::train(cpu_spec, dist::Comm(), testing::temp_dir(tag + "_cpu")),
+          testing::train(gpu_spec, dist::Comm(), testing::temp_dir(tag + "_gpu"))};
+}
+
 // The tiny VLM trained 3 steps on the GPU against the CPU (fp32): the same losses, gradients
 // and parameters, up to the summation orders of two devices' kernels.
 TEST(Cuda, Fp32TrainingMatchesTheCpu) {
-  const std::vector<std::string> sets = {"train.steps=3", "train.warmup=1", "train.precision=fp32"};
-  const Spec cpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
-  std::vector<std::string> gpu_sets = sets;
-  gpu_sets.push_back("train.device=cuda");
-  const Spec gpu_spec = parse_spec(testing::kTinyVlm, "tiny", gpu_sets);
-  const auto ref = testing::train(cpu_spec, dist::Comm(), testing::temp_dir("cuda_fp32_cpu"));
-  const auto got = testing::train(gpu_spec, dist::Comm(), testing::temp_dir("cuda_fp32_gpu"));
+  const auto [ref, got] = train_on_cpu_and_gpu(
+      {"train.steps=3", "train.warmup=1", "train.precision=fp32"}, "cuda_fp32");
   ASSERT_EQ(got.losses.size(), 3u);
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
   ASSERT_EQ(got.params.size(), ref.params.size());
-  for (const auto& [name, p] : ref.params) {
+  for (const auto& [name, p] : ref.params)
     EXPECT_LT(gap(got.params.at(name), p), 1e-4) << "param " << name;
-  }
   for (const auto& [name, g] : ref.grads) EXPECT_LT(gap(got.grads.at(name), g), 1e-4) << name;
 }
 
 // bf16 on the GPU (SDPA, the CUDA kernels, the fused AdamW) follows the CPU's bf16 run within
 // bf16's precision, step by step, and learns.
 TEST(Cuda, Bf16TrainingTracksTheCpu) {
-  const std::vector<std::string> sets = {"train.steps=8", "train.warmup=2", "train.precision=bf16"};
-  const Spec cpu_spec = parse_spec(testing::kTinyVlm, "tiny", sets);
-  std::vector<std::string> gpu_sets = sets;
-  gpu_sets.push_back("train.device=cuda");
-  const Spec gpu_spec = parse_spec(testing::kTinyVlm, "tiny", gpu_sets);
-  const auto ref = testing::train(cpu_spec, dist::Comm(), testing::temp_dir("cuda_bf16_cpu"));
-  const auto got = testing::train(gpu_spec, dist::Comm(), testing::temp_dir("cuda_bf16_gpu"));
+  const auto [ref, got] = train_on_cpu_and_gpu(
+      {"train.steps=8", "train.warmup=2", "train.precision=bf16"}, "cuda_bf16");
   ASSERT_EQ(got.losses.size(), ref.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], 3e-2 * ref.losses[i]) << "step " << i + 1;
