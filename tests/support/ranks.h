@@ -3,6 +3,9 @@
 // first failure, so a failed EXPECT/ASSERT or an exception on any rank fails the test.
 #pragma once
 
+#include <c10/core/AutogradState.h>
+#include <torch/version.h>
+
 #include <atomic>
 #include <exception>
 #include <functional>
@@ -21,6 +24,13 @@ inline void run_ranks(int size, const std::function<void(const dist::Comm&)>& fn
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r)
     threads.emplace_back([&, r] {
+#if TORCH_VERSION_MAJOR >= 2
+      // The autograd engine runs device (CUDA) nodes on one worker thread per device, shared by
+      // every thread of the process: with ranks sharing a GPU, a collective in one rank's
+      // backward would block its peer's matching node queued behind it. Each rank thread runs
+      // its own backward instead (as PyTorch's threaded process groups do).
+      c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+#endif
       try {
         fn(dist::Comm::in_memory(key, r, size));
       } catch (...) {

@@ -272,7 +272,7 @@ bool needs_fp32(const at::Tensor& t) {
 // The collective `op` of a device tensor, in place, through a host copy (Impl::staged).
 template <typename Op>
 void through_host(at::Tensor& t, const Op& op) {
-  at::Tensor h = t.to(at::kCPU);
+  at::Tensor h = t.to(at::kCPU).contiguous();
   op(h);
   t.copy_(h);
 }
@@ -299,8 +299,9 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   WEFT_CHECK(t.is_contiguous() && !needs_fp32(t),
              "all_reduce_sum_async: tensor must be a "
              "contiguous fp32/int64 tensor");
-  if (impl_->staged(t)) {  // the copy back happens at wait
+  if (impl_->staged(t)) {  // the copy back happens at wait; 2-byte floats reduced in fp32
     at::Tensor h = t.to(at::kCPU);
+    if (needs_fp32(h)) h = h.to(at::kFloat);
     Pending inner = all_reduce_sum_async(h);
     at::Tensor dst = t;
     return Pending([inner, h, dst]() mutable {
@@ -421,7 +422,7 @@ Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
   WEFT_CHECK(dst >= 0 && dst < size() && dst != rank(), "send: rank ", rank(),
              " cannot send to rank ", dst, " of a group of ", size());
   // Device tensors go through host memory over Gloo (tag-matched; see Impl::device).
-  std::vector<at::Tensor> v{t.is_cuda() ? t.to(at::kCPU) : t.contiguous()};
+  std::vector<at::Tensor> v{t.to(at::kCPU).contiguous()};
   c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).send(v, dst, tag);
   std::shared_ptr<Impl> impl = impl_;
   return Pending([impl, work, v] { impl->wait(work, "send"); });

@@ -47,7 +47,8 @@ struct RuntimeOptions {
   bool overlap_grad_reduce = true;
   bool zero1 = false;  // optimizer state sharded over each module's data-parallel ranks
   // Where parameters and activations live (the batch stays on the CPU: each rank moves its own
-  // slices). CUDA needs a Comm connected with device collectives when there are several ranks.
+  // slices). With several ranks on CUDA, a Comm connected with device collectives runs them over
+  // NCCL; without (ranks sharing a GPU in tests), they go through host memory over Gloo.
   c10::Device device = c10::kCPU;
 };
 

@@ -50,8 +50,9 @@ namespace weft::model {
 // math in fp32, results in the input's dtype, where the ATen op sequences they replace make a
 // pass and a temporary per op (and LibTorch 1.13's bf16 element-wise ops are slow). Input grads
 // and parameter grads are those of the op sequence in fp32, rounded once. CPU tensors in fp32 or
-// bf16 take the fused loops; anything else takes the equivalent ATen ops. Parameter gradients
-// reduce over rows in a fixed order: the result does not depend on the thread count.
+// bf16 take the fused loops, and CUDA ones weft's CUDA kernels for RMSNorm, SwiGLU and RoPE
+// (fused_cuda.h, in builds with nvcc); anything else takes the equivalent ATen ops. Parameter
+// gradients reduce over rows in a fixed order: the result does not depend on the thread count.
 
 // RMSNorm over the last dim, in fp32: x·rsqrt(mean(x²) + eps)·weight, returned in x's dtype.
 // weight: fp32 [n].

@@ -19,7 +19,8 @@ struct AdamWOptions {
 
 // Owns the moment estimates of `params` (parameters that require grad). Weight decay applies
 // to matrices only (dim >= 2), not to norms and biases. A parameter without a grad this step is
-// left untouched (its moments too).
+// left untouched (its moments too). CPU tensors take model::adamw_update; CUDA fp32 tensors
+// LibTorch's multi-tensor fused AdamW (LibTorch 2), the same update.
 //
 // ZeRO-1: with `owned` given, only parameters with owned[k] have state and are stepped here;
 // the others are stepped by their owner rank (see dist::partition_parameters).
