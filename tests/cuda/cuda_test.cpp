@@ -135,6 +135,25 @@ TEST(Cuda, FusedAdamWMatchesTheCpu) {
   }
 }
 
+// The gradient norm's Σ x² over device tensors: CUDA fp32 ones through one multi-tensor norm,
+// others (bf16, strided) one by one, undefined ones skipped; against the CPU's exact double sum.
+TEST(Cuda, SumOfSquaresOfDeviceTensors) {
+  torch::manual_seed(5);
+  std::vector<at::Tensor> cpu = {torch::randn({1000, 37}),
+                                 torch::randn({3}) * 1e3,
+                                 torch::randn({0}),
+                                 torch::randn({64, 64}).t(),
+                                 torch::randn({513}).to(at::kBFloat16),
+                                 at::Tensor()};
+  std::vector<at::Tensor> gpu;
+  double want = 0;
+  for (const at::Tensor& t : cpu) {
+    gpu.push_back(t.defined() ? t.to(kGpu) : at::Tensor());
+    if (t.defined()) want += t.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  EXPECT_NEAR(model::sum_squares(gpu), want, 1e-6 * want);
+}
+
 // The tiny VLM trained with `sets` by one process on the CPU (first) and on the GPU (second).
 std::pair<testing::RunResult, testing::RunResult> train_on_cpu_and_gpu(
     std::vector<std::string> sets, const std::string& tag) {

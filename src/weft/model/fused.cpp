@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,7 +16,8 @@ namespace weft::model {
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;  // elements per parallel task
+constexpr int64_t kGrain = 1 << 16;                      // elements per parallel task
+constexpr bool kForeachNorm = TORCH_VERSION_MAJOR >= 2;  // at::_foreach_norm on CUDA tensors
 
 bool fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
@@ -50,19 +52,38 @@ double sum_squares(const at::Tensor& x) {
 double sum_squares(const std::vector<at::Tensor>& xs) {
   double host = 0;
   std::vector<at::Tensor> device;  // one running sum per device, read at the end
+  auto add = [&](const at::Tensor& sum) {
+    auto it = std::find_if(device.begin(), device.end(),
+                           [&](const at::Tensor& s) { return s.device() == sum.device(); });
+    if (it == device.end())
+      device.push_back(sum);
+    else
+      *it += sum;
+  };
+  std::vector<std::vector<at::Tensor>> cuda;  // CUDA fp32 tensors, a list per device
   for (const at::Tensor& x : xs) {
     if (!x.defined()) continue;
     if (fusable(x)) {
       host += sum_squares(x);
       continue;
     }
+    if (kForeachNorm && x.is_cuda() && x.scalar_type() == at::kFloat) {
+      auto it = std::find_if(cuda.begin(), cuda.end(),
+                             [&](const auto& l) { return l[0].device() == x.device(); });
+      if (it == cuda.end())
+        cuda.push_back({x});
+      else
+        it->push_back(x);
+      continue;
+    }
     const at::Tensor norm = at::linalg_vector_norm(x, 2, c10::nullopt, false, at::kDouble);
-    auto it = std::find_if(device.begin(), device.end(),
-                           [&](const at::Tensor& s) { return s.device() == x.device(); });
-    if (it == device.end())
-      device.push_back(norm * norm);
-    else
-      *it += norm * norm;
+    add(norm * norm);
+  }
+  // A handful of kernels per device for all its tensors, where a norm per tensor costs the GPU
+  // a wait for each launch: each tensor's norm in fp32, their squares summed in double.
+  for (const auto& list : cuda) {
+    const at::Tensor norms = at::stack(at::_foreach_norm(list, 2)).to(at::kDouble);
+    add((norms * norms).sum());
   }
   for (const at::Tensor& s : device) host += s.item<double>();
   return host;
