@@ -16,8 +16,8 @@ import sys
 
 # Kernel name fragments (lower case) → kind; the first match wins.
 KINDS = [
+    (("fmha", "flash", "attention", "cudnn", "sdpa"), "attention"),  # before "cutlass": fmha_cutlass*
     (("gemm", "cutlass", "nvjet", "cublas", "xmma"), "matmuls"),
-    (("fmha", "flash", "attention", "cudnn", "sdpa"), "attention"),
     (("adam",), "AdamW"),
     (("rms_norm",), "weft RMSNorm"),
     (("swiglu",), "weft SwiGLU"),
@@ -26,7 +26,7 @@ KINDS = [
     (("softmax", "nll_loss", "cross_entropy"), "loss"),
     (("nccl",), "NCCL"),
     (("reduce_kernel",), "reductions"),
-    (("copy", "cast", "cat"), "copies and casts"),
+    (("copy", "cast", "catarray"), "copies and casts"),
     (("elementwise", "vectorized"), "other element-wise"),
 ]
 
@@ -40,6 +40,7 @@ def kind_of(name):
 
 
 def table(rows, total, unit_total_label):
+    total = max(total, 1e-9)
     print(f"| what | calls | ms | share of {unit_total_label} |")
     print("|---|---|---|---|")
     for name, (calls, us) in rows:

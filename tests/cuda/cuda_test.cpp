@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,9 +31,11 @@ double gap(const at::Tensor& gpu, const at::Tensor& cpu) {
 // require grad), with the same upstream gradient: the outputs and those inputs' gradients agree
 // within `tol`, and on the GPU the op is weft's CUDA kernel (its autograd node), not an ATen
 // fallback.
+// `layout` (optional) lays the upstream gradient out as it arrives in a model (same values).
 template <typename F>
 void expect_same_on_gpu(const std::vector<at::Tensor>& inputs, size_t with_grad, const F& f,
-                        double tol, const std::string& what) {
+                        double tol, const std::string& what,
+                        const std::function<at::Tensor(const at::Tensor&)>& layout = nullptr) {
   SCOPED_TRACE(what);
   std::vector<at::Tensor> cpu, gpu;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -47,9 +50,10 @@ void expect_same_on_gpu(const std::vector<at::Tensor>& inputs, size_t with_grad,
   EXPECT_NE(yg.grad_fn()->name().find("CudaFn"), std::string::npos) << yg.grad_fn()->name();
 #endif
   EXPECT_LT(gap(yg, yc), tol) << "output";
-  const at::Tensor up = torch::randn(yc.sizes(), torch::dtype(at::kFloat)).to(yc.scalar_type());
+  at::Tensor up = torch::randn(yc.sizes(), torch::dtype(at::kFloat)).to(yc.scalar_type());
+  if (layout) up = layout(up);
   yc.backward(up);
-  yg.backward(up.to(kGpu));
+  yg.backward(layout ? layout(up.to(kGpu)) : up.to(kGpu));
   for (size_t i = 0; i < with_grad; ++i) {
     ASSERT_TRUE(gpu[i].grad().defined()) << "input " << i;
     EXPECT_LT(gap(gpu[i].grad(), cpu[i].grad()), tol) << "gradient of input " << i;
@@ -64,13 +68,20 @@ double tolerance(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 1e-2; }
 TEST_P(CudaKernels, RmsNormMatchesTheCpu) {
   torch::manual_seed(1);
   const at::ScalarType dt = GetParam();
-  for (int64_t n : {32, 2048, 5000}) {  // 5000: not a multiple of the block
-    const at::Tensor x = torch::randn({3, 37, n}).to(dt);
+  // 5000: not a multiple of the block; 1200 rows: several rows per block in the backward.
+  for (const auto& [rows, n] :
+       std::vector<std::pair<int64_t, int64_t>>{{111, 32}, {111, 2048}, {111, 5000}, {1200, 256}}) {
+    const at::Tensor x = torch::randn({3, rows / 3, n}).to(dt);
     const at::Tensor w = torch::rand({n}) + 0.5;
+    const std::string what = "rms_norm rows=" + std::to_string(rows) + " n=" + std::to_string(n);
     expect_same_on_gpu(
         {x, w}, 2,
         [](const std::vector<at::Tensor>& v) { return model::rms_norm(v[0], v[1], 1e-5); },
-        tolerance(dt), "rms_norm n=" + std::to_string(n));
+        tolerance(dt), what);
+    expect_same_on_gpu(  // only the weight needs a gradient (a frozen input)
+        {w, x}, 1,
+        [](const std::vector<at::Tensor>& v) { return model::rms_norm(v[1], v[0], 1e-5); },
+        tolerance(dt), what + ", weight gradient only");
   }
 }
 
@@ -97,7 +108,10 @@ TEST_P(CudaKernels, RopeOfAStridedViewMatchesTheCpu) {
       [&](const std::vector<at::Tensor>& v) {
         return model::rope(v[0].narrow(2, 0, H * D).view({B, S, H, D}), v[1], v[2]);
       },
-      tolerance(dt), "rope");
+      tolerance(dt), "rope",
+      // the gradient comes back from attention head-major: [B, S, H, D] with strides of [B, H, S,
+      // D]
+      [](const at::Tensor& g) { return g.transpose(1, 2).contiguous().transpose(1, 2); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaKernels, ::testing::Values(at::kFloat, at::kBFloat16),
@@ -187,6 +201,44 @@ TEST(Cuda, Bf16TrainingTracksTheCpu) {
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], 3e-2 * ref.losses[i]) << "step " << i + 1;
   EXPECT_LT(got.losses.back(), got.losses.front());
+}
+
+// Collectives of CUDA tensors on a group without NCCL go through host memory (dist::Comm's staged
+// path), in fp32 and bf16 (Gloo reduces 2-byte floats in fp32 on the host): each result is on
+// the GPU and equals the CPU's.
+TEST(CudaComm, StagedCollectivesMatchTheCpu) {
+  testing::run_ranks(2, [](const dist::Comm& comm) {
+    const int r = comm.rank();
+    for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
+      // Small integers: exact in bf16, so every result is exact.
+      auto of = [&](int rank) { return (torch::arange(8, torch::kFloat) + 10 * rank).to(dt); };
+      auto expect_on_gpu = [&](const at::Tensor& got, const at::Tensor& want, const char* op) {
+        EXPECT_TRUE(got.is_cuda()) << op;
+        EXPECT_EQ(got.scalar_type(), dt) << op;
+        EXPECT_TRUE(torch::equal(got.cpu().to(at::kFloat), want.to(at::kFloat))) << op;
+      };
+      at::Tensor t = of(r).to(kGpu);
+      comm.all_reduce_sum(t);
+      expect_on_gpu(t, of(0) + of(1), "all_reduce_sum");
+      t = of(r).to(kGpu);
+      dist::Pending pending = comm.all_reduce_sum_async(t);
+      pending.wait();
+      expect_on_gpu(t, of(0) + of(1), "all_reduce_sum_async");
+      t = of(r).to(kGpu);
+      comm.all_reduce_max(t);
+      expect_on_gpu(t, of(1), "all_reduce_max");
+      t = of(r).to(kGpu);
+      comm.broadcast(t, 1);
+      expect_on_gpu(t, of(1), "broadcast");
+      expect_on_gpu(comm.all_gather(of(r).to(kGpu)), torch::cat({of(0), of(1)}), "all_gather");
+      expect_on_gpu(comm.reduce_scatter_sum(of(r).to(kGpu)), (of(0) + of(1)).narrow(0, 4 * r, 4),
+                    "reduce_scatter_sum");
+      expect_on_gpu(comm.all_to_all(of(r).to(kGpu), {4, 4}, {4, 4}),
+                    torch::cat({of(0).narrow(0, 4 * r, 4), of(1).narrow(0, 4 * r, 4)}),
+                    "all_to_all");
+    }
+  });
 }
 
 // Several ranks on one GPU, one thread each: in-process groups have no NCCL backend, so their

@@ -29,7 +29,8 @@ void write_text_file(const std::string& path, const std::string& text) {
 
 namespace {
 int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
-  return std::remove(path) == 0 ? 0 : errno;  // a file, a link or an emptied directory
+  // A file, a link or an emptied directory; one that vanished meanwhile is gone all the same.
+  return std::remove(path) == 0 || errno == ENOENT ? 0 : errno;
 }
 }  // namespace
 

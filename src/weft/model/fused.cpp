@@ -16,8 +16,10 @@ namespace weft::model {
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;                      // elements per parallel task
-constexpr bool kForeachNorm = TORCH_VERSION_MAJOR >= 2;  // at::_foreach_norm on CUDA tensors
+constexpr int64_t kGrain = 1 << 16;  // elements per parallel task
+// at::_foreach_norm on CUDA tensors: from LibTorch 2.3 (earlier ones got empty tensors wrong).
+constexpr bool kForeachNorm = TORCH_VERSION_MAJOR > 2 ||
+                              (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3);
 
 bool fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();

@@ -14,9 +14,9 @@ namespace weft::model {
 double sum_squares(const at::Tensor& x);
 // Σ x² over every defined tensor of `xs`, in double. Tensors the fused loop cannot take (device
 // tensors, other dtypes) are reduced where they live and read back once per device: a GPU waits
-// once for the whole gradient norm, not once per parameter. CUDA fp32 tensors (LibTorch 2) take
-// one multi-tensor norm per device: each tensor's norm in fp32 (relative error ~1e-7), the
-// squares summed in double.
+// once for the whole gradient norm, not once per parameter. CUDA fp32 tensors (LibTorch 2.3 on)
+// take one multi-tensor norm per device: each tensor's norm in fp32 (relative error ~1e-7; a
+// tensor whose norm exceeds fp32's range, ~3e38, reads as infinite), squares summed in double.
 double sum_squares(const std::vector<at::Tensor>& xs);
 
 // One AdamW update of p with gradient g·grad_scale and moments m, v (all the same shape):

@@ -25,6 +25,10 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
 
 void check_launch(const char* what) {
   const cudaError_t e = cudaGetLastError();
+  if (e == cudaErrorNoKernelImageForDevice)
+    throw std::runtime_error(std::string("weft CUDA kernel ") + what +
+                             ": not built for this GPU's architecture; rebuild weft with "
+                             "-DWEFT_CUDA_ARCHITECTURES=native (scripts/gpu does)");
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("weft CUDA kernel ") + what + ": " +
                              cudaGetErrorString(e));

@@ -54,7 +54,12 @@ class StepTrace {
   }
   ~StepTrace() {
 #ifdef WEFT_CUDA
-    torch::autograd::profiler::disableProfiler()->save(path_);
+    try {  // a destructor: a failed save is reported, not thrown
+      torch::autograd::profiler::disableProfiler()->save(path_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "weft bench step: could not write the trace %s: %s\n", path_.c_str(),
+                   e.what());
+    }
 #endif
   }
   StepTrace(const StepTrace&) = delete;

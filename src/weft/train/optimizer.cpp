@@ -48,7 +48,8 @@ void AdamW::step(double lr, double grad_scale) {
     const bool decays = opts_.weight_decay > 0 && p.dim() >= 2;
     if (kHasFusedAdamW && p.is_cuda() && p.scalar_type() == at::kFloat &&
         g.scalar_type() == at::kFloat && g.device() == p.device() && p.is_contiguous() &&
-        g.is_contiguous() && !g.is_sparse()) {
+        !g.is_sparse() && g.strides() == p.strides() && exp_avg_[i].strides() == p.strides() &&
+        exp_avg_sq_[i].strides() == p.strides()) {
       FusedGroup& f = fused[{p.device().index(), decays}];
       f.params.push_back(p);
       f.grads.push_back(g);

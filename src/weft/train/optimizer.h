@@ -28,6 +28,7 @@ class AdamW {
  public:
   AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned = {});
   // One update at learning rate lr, with every gradient multiplied by grad_scale (clipping).
+  // The fused CUDA path may leave the scaled gradient in .grad (the trainer resets grads after).
   void step(double lr, double grad_scale = 1.0);
   int64_t steps() const { return steps_; }
   bool owns(size_t k) const { return owned_[k]; }
