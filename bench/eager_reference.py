@@ -63,12 +63,15 @@ Deliberate idiomatic choices (this is the baseline a PyTorch user would write, n
     are repeated for grouped-query attention on both paths.
 
 Timing: each step = zero grads (set_to_none), per microbatch forward + (loss_sum / targets)
-.backward() with the loss .item() inside the step, clip, set the step's lr, optimizer.step();
-timed with time.perf_counter. Memory: VmRSS right after the imports is the baseline; VmHWM is
+.backward(), clip, set the step's lr, optimizer.step(); timed with time.perf_counter from the
+previous step's finish to this one's. On the CPU the loss .item() is read inside the step. On
+CUDA, as an idiomatic loop that logs without stalling the GPU (and as weft on a GPU), the loss
+and the norm stay on the GPU: step i + 1 is queued before a CUDA event recorded after step i's
+optimizer.step() is waited on, and step i's time ends when that event completes (the GPU's
+pace). Memory: VmRSS right after the imports is the baseline; VmHWM is
 reset (/proc/self/clear_refs) once the model and batches are in memory (torch.optim creates its
 state in the first step) and read after the last step; step_peak_bytes = VmHWM - baseline.
-On CUDA each step is bracketed by torch.cuda.synchronize() (before the clock starts and before
-it stops), torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset
+On CUDA torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset
 (before the first step, as weft resets its device peak) and step_peak_bytes =
 torch.cuda.max_memory_allocated() after the last step: the device memory of the parameters,
 batches, gradients, optimizer state and activations (weft reports the same quantity as
@@ -666,11 +669,12 @@ def build_model(directory, llm_cfg, enc_cfgs):
 # Training step
 
 def grad_norm(params):
+    """The global gradient norm as a 0-dim tensor (not read back)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros(())
     norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    return torch.linalg.vector_norm(norms).item()
+    return torch.linalg.vector_norm(norms)
 
 
 def to_device(mb, device):
@@ -734,31 +738,54 @@ def main(argv):
         torch.cuda.reset_peak_memory_stats(device)
 
     losses, norms, seconds = [], [], []
+    # Step i's time runs from the previous step's finish to its own. On CUDA step i + 1 is queued
+    # before step i is read (its loss and norm stay on the GPU until an event says step i is
+    # done), as weft does: the time is the GPU's pace. On the CPU each step runs alone.
+    pending = None
+    if cuda:
+        torch.cuda.synchronize(device)
+    last = time.perf_counter()
+
+    def finish(i, loss_total, norm, done):
+        nonlocal last
+        if done is not None:
+            done.synchronize()
+        now = time.perf_counter()
+        elapsed, last = now - last, now
+        losses.append(float(loss_total))
+        norms.append(float(norm))
+        if i >= bench["warmup"]:
+            seconds.append(elapsed)
+
     for i, (info, mbs) in enumerate(zip(bench["step"], steps)):
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
+        loss_total = torch.zeros((), dtype=torch.float64, device=device) if cuda else 0.0
         for mb in mbs:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = model(mb, args.head) / info["targets"]
             loss.backward()
-            loss_total += loss.item()
+            loss_total += loss.detach() if cuda else loss.item()
         if clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(trainable, clip))
+            norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
         else:
             norm = grad_norm(trainable)
+        if not cuda:
+            norm = float(norm)
         for group in optimizer.param_groups:
             group["lr"] = info["lr"]
         optimizer.step()
+        done = None
         if cuda:
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-        losses.append(loss_total)
-        norms.append(norm)
-        if i >= bench["warmup"]:
-            seconds.append(elapsed)
+            done = torch.cuda.Event()
+            done.record()
+        if pending is not None:
+            finish(*pending)
+        pending = (i, loss_total, norm, done)
+        if not cuda:
+            finish(*pending)
+            pending = None
+    if pending is not None:
+        finish(*pending)
 
     peak = read_status_bytes("VmHWM")
     device_peak = torch.cuda.max_memory_allocated(device) if cuda else 0

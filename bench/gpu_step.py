@@ -7,10 +7,12 @@
 Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
 eager reference runs under the same interpreter (sys.executable). It runs, one after another:
   weft    `BUILD/weft bench step CONFIG --steps N --warmup W --set train.device=DEVICE --dump DIR`
-          (the real Trainer step, timed in-process with a device synchronize around each step)
+          (the real Trainer step, timed in-process; on a GPU step i + 1 is queued before
+          step i's loss is read, so a step's time runs from one step's finish to the next)
   eager   `bench/eager_reference.py DIR --device DEVICE` (the same model, weights, batches and
           steps in idiomatic PyTorch: autocast bf16, torch.optim.AdamW,
-          scaled_dot_product_attention, Hugging Face-style loss over every position's logits)
+          scaled_dot_product_attention, Hugging Face-style loss over every position's logits;
+          timed the same way: the next step queued before a CUDA event says this one is done)
 checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
 table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
 own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and

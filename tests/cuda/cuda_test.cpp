@@ -2,9 +2,11 @@
 // tests then need a CUDA device): weft's CUDA kernels match the CPU's fused loops, the fused
 // AdamW matches the CPU update, training on the GPU reproduces training on the CPU, and
 // multi-rank layouts on one GPU reproduce one process.
+#include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <utility>
@@ -14,6 +16,7 @@
 #include "support/tiny_run.h"
 #include "weft/model/fused.h"
 #include "weft/train/optimizer.h"
+#include "weft/train/trainer.h"
 
 namespace weft {
 namespace {
@@ -166,6 +169,49 @@ TEST(Cuda, SumOfSquaresOfDeviceTensors) {
     if (t.defined()) want += t.to(at::kDouble).pow(2).sum().item<double>();
   }
   EXPECT_NEAR(model::sum_squares(gpu), want, 1e-6 * want);
+  // Per tensor on the device (the deferred gradient norm), each against the CPU's.
+  const at::Tensor each = model::squares_each(gpu, kGpu);
+  ASSERT_TRUE(each.is_cuda());
+  ASSERT_EQ(each.numel(), static_cast<int64_t>(cpu.size()));
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const double w = cpu[i].defined() ? cpu[i].to(at::kDouble).pow(2).sum().item<double>() : 0.0;
+    EXPECT_NEAR(each[static_cast<int64_t>(i)].item<double>(), w, 1e-6 * w + 1e-30) << i;
+  }
+  EXPECT_NEAR(model::norm_of_squares(each).item<double>(), std::sqrt(want), 1e-6 * std::sqrt(want));
+}
+
+// A queued step never waits for the GPU: under CUDA's sync debug mode "error", any host
+// synchronisation inside Trainer::queue_step (an .item(), a pageable or blocking copy, a
+// stream synchronisation) throws. After two warm-up steps (allocations, library handles).
+TEST(CudaTrainer, QueuedStepNeverWaitsForTheGpu) {
+  const Spec spec = parse_spec(testing::kTinyVlm, "tiny", {"train.steps=4", "train.device=cuda"});
+  train::TrainerOptions o;
+  o.out_dir = testing::temp_dir("cuda_nosync").string();
+  o.progress = false;
+  o.peak_flops = 1e12;
+  o.eval = false;
+  train::Trainer t(spec, plan::make_plan(spec), o);
+  ASSERT_TRUE(t.defers());
+  std::vector<train::StepBatch> batches;
+  for (int64_t i = 0; i < 4; ++i) batches.push_back(t.prepare_step(i));
+  for (int64_t i = 0; i < 2; ++i) {
+    train::QueuedStep q = t.queue_step(batches[i], i);
+    t.finish_step(q);
+  }
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  std::string error;
+  train::QueuedStep q2, q3;
+  try {
+    q2 = t.queue_step(batches[2], 2);
+    q3 = t.queue_step(batches[3], 3);  // two steps in flight
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+  ASSERT_EQ(error, "") << "a queued step synchronised with the GPU";
+  const train::StepOutcome a = t.finish_step(q2), b = t.finish_step(q3);
+  EXPECT_TRUE(std::isfinite(a.loss) && std::isfinite(b.loss));
+  EXPECT_TRUE(std::isfinite(a.grad_norm) && a.grad_norm > 0);
 }
 
 // The tiny VLM trained with `sets` by one process on the CPU (first) and on the GPU (second).

@@ -103,6 +103,25 @@ TEST(Fused, SumOfSquaresIsExactInDouble) {
   EXPECT_EQ(sum_squares(std::vector<at::Tensor>{}), 0.0);
 }
 
+// Per tensor, on the CPU: each entry is that tensor's sum_squares, and their norm is the list's
+// (summed in the same order, so the two agree bit for bit).
+TEST(Fused, SquaresEachAndTheirNormMatchSumSquares) {
+  torch::manual_seed(3);
+  const std::vector<at::Tensor> xs = {torch::randn({70000}), at::Tensor(), torch::randn({9, 4}),
+                                      torch::randn({5, 6}).t(),
+                                      torch::randn({11}, torch::kBFloat16)};
+  const at::Tensor each = squares_each(xs, c10::Device(c10::kCPU));
+  ASSERT_EQ(each.scalar_type(), at::kDouble);
+  ASSERT_EQ(each.numel(), 5);
+  for (int64_t i = 0; i < 5; ++i)
+    EXPECT_EQ(each[i].item<double>(), xs[i].defined() ? sum_squares(xs[i]) : 0.0) << i;
+  const std::vector<at::Tensor> fp32 = {xs[0], xs[1], xs[2]};
+  EXPECT_EQ(norm_of_squares(squares_each(fp32, c10::Device(c10::kCPU))).item<double>(),
+            std::sqrt(sum_squares(fp32)));
+  EXPECT_EQ(squares_each({}, c10::Device(c10::kCPU)).numel(), 0);
+  EXPECT_EQ(norm_of_squares(squares_each({}, c10::Device(c10::kCPU))).item<double>(), 0.0);
+}
+
 // The update as the ATen ops weft used before fusing, in double.
 void reference_adamw(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v,
                      const AdamWUpdate& u) {

@@ -1,7 +1,13 @@
 #include "weft/dist/device.h"
 
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
+
+#include <chrono>
+#include <thread>
 
 #include "weft/core/error.h"
 
@@ -47,6 +53,28 @@ void reset_device_peak(c10::Device device) {
 #ifdef WEFT_CUDA
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #endif
+}
+
+HostCopy::HostCopy(const at::Tensor& t) {
+  if (!t.defined()) return;
+  if (t.is_cpu()) {
+    host_ = t;
+    return;
+  }
+  host_ = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  host_.copy_(t, /*non_blocking=*/true);
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  done_ = std::make_shared<c10::Event>(t.device().type());
+  done_->record(impl.getStream(t.device()));
+}
+
+bool HostCopy::ready() const { return !done_ || done_->query(); }
+
+const at::Tensor& HostCopy::get() const {
+  WEFT_ASSERT(defined(), "HostCopy::get of nothing");
+  // LibTorch 1.13's c10::Event cannot block; a poll every 20 us costs nothing beside a step.
+  while (!ready()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  return host_;
 }
 
 }  // namespace weft::dist

@@ -586,7 +586,7 @@ struct Runtime::Impl {
                    world.rank());
         parts.push_back(loaded.narrow(0, from, hi - lo));
       }
-      x = (parts.size() == 1 ? parts[0] : torch::cat(parts, 0)).to(opts.device);
+      x = model::to_device(parts.size() == 1 ? parts[0] : torch::cat(parts, 0), opts.device);
     } else {
       x = recv(encoder_input_msg(e, m, batch));
       if (mp.weight_grads) x.set_requires_grad(true);
@@ -830,7 +830,7 @@ struct Runtime::Impl {
     saved = {};
   }
 
-  double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
+  at::Tensor step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
     const int64_t M = static_cast<int64_t>(batch.at(0).size());
     WEFT_CHECK(static_cast<int64_t>(batch.size()) == llm_plan->layout.dp, "step: ", batch.size(),
                " data-parallel parts for an LLM with dp = ", llm_plan->layout.dp);
@@ -961,17 +961,19 @@ struct Runtime::Impl {
     }
     times.grad_sync_seconds = now() - t0;
     // The loss, and the routing statistics of an MoE LLM, summed over ranks in one reduction.
+    // One rank alone keeps its loss on the device: nothing here waits for the device.
+    const bool alone = world.size() == 1;
     const int64_t experts = spec.llm.moe.experts;
-    std::vector<double> sums = {loss.defined() ? loss.item<double>() : 0.0, moe_stats.balance,
-                                moe_stats.z, static_cast<double>(moe_stats.routed),
-                                static_cast<double>(moe_stats.dropped)};
+    std::vector<double> sums = {
+        alone || !loss.defined() ? 0.0 : loss.item<double>(), moe_stats.balance, moe_stats.z,
+        static_cast<double>(moe_stats.routed), static_cast<double>(moe_stats.dropped)};
     for (int64_t layer : routing.layers) {
       const auto it = moe_stats.load.find(layer);
       for (int64_t e = 0; e < experts; ++e)
         sums.push_back(it == moe_stats.load.end() ? 0.0 : static_cast<double>(it->second[e]));
     }
     at::Tensor total = torch::tensor(sums, torch::kDouble);
-    world.all_reduce_sum(total);
+    if (!alone) world.all_reduce_sum(total);
     const auto v = total.accessor<double, 1>();
     if (!routing.layers.empty()) {
       const double blocks = static_cast<double>(routing.layers.size());
@@ -991,7 +993,17 @@ struct Runtime::Impl {
         if (sum > 0) routing.imbalance = std::max(routing.imbalance, most * experts / sum);
       }
     }
-    return v[0];
+    if (!alone) return torch::scalar_tensor(v[0], torch::kDouble);
+    if (!loss.defined())
+      return torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opts.device));
+    return loss.detach().to(torch::kDouble);
+  }
+
+  at::Tensor grad_squares() const {
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : trainable) grads.push_back(p.grad());
+    return model::squares_each(grads, opts.device);
   }
 
   double grad_norm() {
@@ -1139,7 +1151,16 @@ std::pair<int64_t, int64_t> Runtime::encoder_items_read(size_t e,
 }
 
 double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets) {
+  return impl_->step(batch, targets).item<double>();
+}
+at::Tensor Runtime::queue_step(const std::vector<std::vector<model::Inputs>>& batch,
+                               int64_t targets) {
   return impl_->step(batch, targets);
+}
+at::Tensor Runtime::grad_squares() const {
+  WEFT_CHECK(impl_->world.size() == 1, "Runtime::grad_squares: one rank only (",
+             impl_->world.size(), " here): use grad_norm()");
+  return impl_->grad_squares();
 }
 const StepTimes& Runtime::times() const { return impl_->times; }
 const RoutingReport& Runtime::routing() const { return impl_->routing; }

@@ -89,6 +89,11 @@ class Runtime {
   // end up summed and synchronised on this rank's parameters. Returns the step's loss, the same
   // on every rank.
   double step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
+  // The same step, its loss as a 0-dim double tensor. With one rank the tensor is on the device
+  // and nothing waits for the device: the work is queued, and the host reads the loss when it
+  // needs it (a GPU keeps busy while the host prepares the next step). With several ranks it is
+  // the ranks' sum, on the CPU.
+  at::Tensor queue_step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
   // The items of encoder e in one microbatch whose inputs this rank reads (its first stage of
   // e): [begin, end) of the microbatch's items of e over all LLM replicas in order, when
   // replica d has counts[d] of them; {0, 0} when it reads none. Only these need loading: every
@@ -108,6 +113,10 @@ class Runtime {
   // replicated or split), all ranks together (clipping scales the update by
   // train::clip_scale(norm, max)). Collective.
   double grad_norm();
+  // One rank only: per trainable parameter (trainable()'s order), Σ grad² as a double tensor
+  // [n] on the device (0 for a parameter without a gradient), queued, not read: the gradient
+  // norm is the square root of its sum, and a non-finite entry names the parameter.
+  at::Tensor grad_squares() const;
   // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values.
   void after_optimizer_step();
 

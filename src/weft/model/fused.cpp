@@ -91,6 +91,51 @@ double sum_squares(const std::vector<at::Tensor>& xs) {
   return host;
 }
 
+at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device) {
+  const at::TensorOptions dbl = at::TensorOptions().dtype(at::kDouble).device(device);
+  if (device.is_cpu()) {
+    at::Tensor out = at::zeros({static_cast<int64_t>(xs.size())}, dbl);
+    double* o = out.data_ptr<double>();
+    for (size_t i = 0; i < xs.size(); ++i)
+      if (xs[i].defined()) o[i] = sum_squares(xs[i].to(at::kCPU));
+    return out;
+  }
+  if (xs.empty()) return at::zeros({0}, dbl);
+  // One 0-dim entry per tensor, stacked once at the end; the CUDA fp32 ones (typically all) from
+  // one multi-tensor norm.
+  const at::Tensor zero = at::zeros({}, dbl);
+  std::vector<at::Tensor> parts(xs.size(), zero);
+  std::vector<size_t> where;
+  std::vector<at::Tensor> foreach;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    if (!x.defined()) continue;
+    if (kForeachNorm && x.device() == device && x.scalar_type() == at::kFloat) {
+      where.push_back(i);
+      foreach
+        .push_back(x);
+      continue;
+    }
+    const at::Tensor norm = at::linalg_vector_norm(x, 2, c10::nullopt, false, at::kDouble);
+    parts[i] = (norm * norm).to(device);
+  }
+  if (!foreach.empty()) {
+    const at::Tensor norms = at::stack(at::_foreach_norm(foreach, 2)).to(at::kDouble);
+    const std::vector<at::Tensor> sq = (norms * norms).unbind(0);
+    for (size_t j = 0; j < where.size(); ++j) parts[where[j]] = sq[j];
+  }
+  return at::stack(parts);
+}
+
+at::Tensor norm_of_squares(const at::Tensor& squares) {
+  if (!squares.is_cpu()) return squares.sum().sqrt();
+  const at::Tensor s = squares.to(at::kDouble).contiguous();
+  const double* v = s.data_ptr<double>();
+  double sum = 0;
+  for (int64_t i = 0; i < s.numel(); ++i) sum += v[i];
+  return at::scalar_tensor(std::sqrt(sum), at::kDouble);
+}
+
 void adamw_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                   const at::Tensor& v, const AdamWUpdate& u) {
   if (!(fusable(p) && fusable(g) && fusable(m) && fusable(v))) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <vector>
 
@@ -18,6 +19,14 @@ double sum_squares(const at::Tensor& x);
 // take one multi-tensor norm per device: each tensor's norm in fp32 (relative error ~1e-7; a
 // tensor whose norm exceeds fp32's range, ~3e38, reads as infinite), squares summed in double.
 double sum_squares(const std::vector<at::Tensor>& xs);
+// Per tensor of `xs`, Σ x² in double (0 for an undefined tensor), as a [n] double tensor on
+// `device`, queued there and never read back: nothing waits for the device. CPU fp32 tensors
+// take the fused loop (each entry equals sum_squares of that tensor); CUDA fp32 tensors one
+// multi-tensor norm (LibTorch 2.3 on; fp32 norms, squared in double).
+at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device);
+// √(Σ squares) as a 0-dim double tensor where `squares` lives, queued on a device; on the CPU
+// summed in order, so it equals √sum_squares(xs) for the tensors squares_each took.
+at::Tensor norm_of_squares(const at::Tensor& squares);
 
 // One AdamW update of p with gradient g·grad_scale and moments m, v (all the same shape):
 //   p ← p·decay;  m ← β1·m + (1−β1)·g';  v ← β2·v + (1−β2)·g'²;

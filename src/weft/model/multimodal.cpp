@@ -7,8 +7,16 @@
 
 namespace weft::model {
 
+at::Tensor to_device(const at::Tensor& t, c10::Device device) {
+  if (!t.defined() || t.device() == device) return t;
+  if (!device.is_cuda() || !t.is_cpu()) return t.to(device);
+  // A pageable copy would wait for the whole stream; the caching host allocator keeps the
+  // pinned buffer until the copy has run.
+  return t.pin_memory().to(t.options().device(device), /*non_blocking=*/true);
+}
+
 Inputs to_device(const Inputs& in, c10::Device device) {
-  auto move = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  auto move = [&](const at::Tensor& t) { return to_device(t, device); };
   Inputs out;
   out.tokens = move(in.tokens);
   out.positions = move(in.positions);

@@ -39,6 +39,9 @@ struct Inputs {
 
 // `in` with every tensor on `device` (no copies when they are there already).
 Inputs to_device(const Inputs& in, c10::Device device);
+// A host tensor on `device`. To a GPU the copy is queued from pinned memory and the host does
+// not wait for it (nor for the work queued before it); elsewhere it is Tensor::to.
+at::Tensor to_device(const at::Tensor& t, c10::Device device);
 
 // What of one module this rank builds: its pipeline stage's range and its TP/CP groups.
 struct ModuleHosting {

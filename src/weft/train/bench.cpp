@@ -14,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -173,15 +174,18 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   double flops = 0, llm_flops = 0, timed = 0;
   int64_t tokens = 0;
   json steps = json::array();
-  for (int64_t i = 0; i < total; ++i) {
-    std::unique_ptr<StepTrace> profiler;
-    if (!o.profile.empty() && i + 1 == total) profiler = std::make_unique<StepTrace>(o.profile);
-    dist::synchronize(device);
-    const double t0 = now_seconds();
-    const StepOutcome out = trainer.train_step(batches[i], i);
-    dist::synchronize(device);
-    const double dt = now_seconds() - t0;
-    profiler.reset();
+  // Step i's time runs from the previous step's finish to its own. Where the trainer defers its
+  // reads (a GPU), step i + 1 is queued before step i is finished, as in `weft train`: the time
+  // is then the device's pace, the host's launches hidden behind the device's work. Otherwise
+  // each step runs alone, bracketed by device synchronisations.
+  std::optional<QueuedStep> pending;
+  dist::synchronize(device);
+  double last = now_seconds();
+  auto finish = [&](QueuedStep& q) {
+    const StepOutcome out = trainer.finish_step(q);
+    if (!trainer.defers()) dist::synchronize(device);
+    const double t = now_seconds(), dt = t - std::exchange(last, t);
+    const int64_t i = q.step;
     losses.push_back(out.loss);
     grad_norms.push_back(out.grad_norm);
     const auto [f, lf] = trainer.step_flops(batches[i]);
@@ -189,13 +193,33 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
                      {"targets", batches[i].targets},
                      {"tokens", batches[i].tokens},
                      {"flops", f}});
-    if (i < o.warmup) continue;
+    if (i < o.warmup) return;
     seconds.push_back(dt);
     timed += dt;
     flops += f;
     llm_flops += lf;
     tokens += batches[i].tokens;
+  };
+  for (int64_t i = 0; i < total; ++i) {
+    std::unique_ptr<StepTrace> profiler;
+    if (!o.profile.empty() && i + 1 == total) {  // the profiled step runs alone
+      if (pending) finish(*pending);
+      pending.reset();
+      profiler = std::make_unique<StepTrace>(o.profile);
+      dist::synchronize(device);
+      last = now_seconds();
+    }
+    QueuedStep q = trainer.queue_step(batches[i], i);
+    if (pending) finish(*pending);
+    pending.reset();
+    if (profiler || !trainer.defers()) {
+      finish(q);
+      profiler.reset();
+    } else {
+      pending = std::move(q);
+    }
   }
+  if (pending) finish(*pending);
   const int64_t peak_rss = peak_rss_bytes();
 
   json j;

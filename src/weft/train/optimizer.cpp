@@ -27,7 +27,15 @@ AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> ow
   }
 }
 
-void AdamW::step(double lr, double grad_scale) {
+void AdamW::step(double lr, double grad_scale) { update(lr, grad_scale, {}, {}); }
+
+void AdamW::step(double lr, const at::Tensor& grad_scale, const at::Tensor& skip) {
+  WEFT_ASSERT(grad_scale.defined() && skip.defined());
+  update(lr, 1.0, grad_scale, skip);
+}
+
+void AdamW::update(double lr, double grad_scale, const at::Tensor& scale_t,
+                   const at::Tensor& skip_t) {
   ++steps_;
   model::AdamWUpdate u;
   u.lr = lr;
@@ -36,11 +44,11 @@ void AdamW::step(double lr, double grad_scale) {
   u.eps = opts_.eps;
   u.bc1 = 1.0 - std::pow(opts_.beta1, static_cast<double>(steps_));
   u.bc2 = 1.0 - std::pow(opts_.beta2, static_cast<double>(steps_));
-  u.grad_scale = grad_scale;
   torch::NoGradGuard no_grad;
   // CUDA fp32 tensors: LibTorch's multi-tensor fused AdamW (one kernel family per device and
   // decay group, as torch.optim.AdamW(fused=True)), the same update as model::adamw_update.
   std::map<std::pair<int, bool>, FusedGroup> fused;
+  std::vector<size_t> rest;  // the others: model::adamw_update
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
@@ -57,23 +65,41 @@ void AdamW::step(double lr, double grad_scale) {
       f.exp_avg_sq.push_back(exp_avg_sq_[i]);
       continue;
     }
-    u.decay = decays ? 1.0 - lr * opts_.weight_decay : 1.0;
-    model::adamw_update(p, g, exp_avg_[i], exp_avg_sq_[i], u);
+    rest.push_back(i);
   }
-  for (auto& [key, f] : fused) fused_step(f, key.second ? opts_.weight_decay : 0.0, lr, grad_scale);
+  if (!rest.empty() && scale_t.defined()) {  // these read the factor and the flag on the host
+    if (skip_t.item<bool>()) rest.clear();
+    grad_scale = scale_t.item<double>();
+  }
+  u.grad_scale = grad_scale;
+  for (size_t i : rest) {
+    const at::Tensor& p = params_[i].second;
+    u.decay = opts_.weight_decay > 0 && p.dim() >= 2 ? 1.0 - lr * opts_.weight_decay : 1.0;
+    model::adamw_update(p, p.grad(), exp_avg_[i], exp_avg_sq_[i], u);
+  }
+  for (auto& [key, f] : fused)
+    fused_step(f, key.second ? opts_.weight_decay : 0.0, lr, grad_scale, scale_t, skip_t);
 }
 
-void AdamW::fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale) {
+void AdamW::fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale,
+                       const at::Tensor& scale_t, const at::Tensor& skip_t) {
 #if TORCH_VERSION_MAJOR >= 2
   const at::TensorOptions on = f.params[0].options().dtype(at::kFloat);
   // The kernel reads the step count (for the bias corrections) from device memory, and divides
   // the gradients by grad_scale (AMP's unscaling): clipping's factor goes in as its inverse.
+  // found_inf = 1 (AMP's overflow flag) makes it leave everything as it was.
   const at::Tensor step = at::scalar_tensor(static_cast<double>(steps_), on);
   const std::vector<at::Tensor> steps(f.params.size(), step);
-  const at::Tensor unscale = at::scalar_tensor(1.0 / grad_scale, on);
+  c10::optional<at::Tensor> unscale, found_inf;
+  if (scale_t.defined()) {
+    unscale = scale_t.reciprocal().to(on);
+    found_inf = skip_t.to(on);
+  } else if (grad_scale != 1.0) {
+    unscale = at::scalar_tensor(1.0 / grad_scale, on);
+  }
   at::_fused_adamw_(f.params, f.grads, f.exp_avg, f.exp_avg_sq, {}, steps, lr, opts_.beta1,
                     opts_.beta2, weight_decay, opts_.eps, /*amsgrad=*/false, /*maximize=*/false,
-                    grad_scale == 1.0 ? c10::optional<at::Tensor>() : unscale, c10::nullopt);
+                    unscale, found_inf);
 #else
   WEFT_ASSERT(false, "fused AdamW needs LibTorch 2");
 #endif
@@ -124,6 +150,13 @@ double lr_at(const TrainSpec& t, int64_t step) {
 
 double clip_scale(double norm, double max_norm) {
   return max_norm > 0 && std::isfinite(norm) && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+}
+
+at::Tensor clip_scale(const at::Tensor& norm, double max_norm) {
+  const at::Tensor one = at::ones_like(norm);
+  if (!(max_norm > 0)) return one;
+  const at::Tensor clipped = at::full_like(norm, max_norm).div(norm + 1e-6);
+  return at::where(at::isfinite(norm).logical_and(norm > max_norm), clipped, one);
 }
 
 }  // namespace weft::train

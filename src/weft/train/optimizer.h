@@ -30,6 +30,11 @@ class AdamW {
   // One update at learning rate lr, with every gradient multiplied by grad_scale (clipping).
   // The fused CUDA path may leave the scaled gradient in .grad (the trainer resets grads after).
   void step(double lr, double grad_scale = 1.0);
+  // The same update with its gradient factor and a skip flag as 0-dim tensors (double, bool),
+  // which may still be computed on the device: the fused CUDA path reads both there (the host
+  // does not wait); where `skip` is true it leaves parameters and moments untouched. Other
+  // parameters read them on the host. steps() counts the step either way.
+  void step(double lr, const at::Tensor& grad_scale, const at::Tensor& skip);
   int64_t steps() const { return steps_; }
   bool owns(size_t k) const { return owned_[k]; }
   // State of the owned parameters as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>").
@@ -45,7 +50,10 @@ class AdamW {
   struct FusedGroup {  // one device's parameters of one decay group
     std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
   };
-  void fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale);
+  // grad_scale: a double on the host or a 0-dim tensor on the device (then `skip` too).
+  void fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale,
+                  const at::Tensor& scale_on_device, const at::Tensor& skip_on_device);
+  void update(double lr, double grad_scale, const at::Tensor& scale_t, const at::Tensor& skip_t);
 
   model::NamedTensors params_;
   std::vector<bool> owned_;
@@ -60,5 +68,7 @@ double lr_at(const TrainSpec& t, int64_t step);
 // Global gradient-norm clipping: the factor max_norm / (norm + 1e-6) when norm > max_norm > 0,
 // else 1 (the optimizer applies it while it reads the gradients).
 double clip_scale(double norm, double max_norm);
+// The same on a 0-dim double tensor where it lives (a device: queued, not read).
+at::Tensor clip_scale(const at::Tensor& norm, double max_norm);
 
 }  // namespace weft::train

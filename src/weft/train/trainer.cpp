@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "weft/io/checkpoint.h"
 #include "weft/io/files.h"
 #include "weft/io/hf.h"
+#include "weft/model/fused.h"
 #include "weft/plan/balance.h"
 #include "weft/plan/flops.h"
 #include "weft/train/eval.h"
@@ -110,6 +112,7 @@ struct Trainer::Impl {
   // Progress carried across resumes (from state.json).
   int64_t start_step = 0;
   double loss_first = NAN;
+  bool defer = false;  // steps leave their loss and norm on the device (queue_step)
   double prior_wall_seconds = 0;
 
   Impl(Spec s, plan::Plan p, TrainerOptions o)
@@ -134,6 +137,13 @@ struct Trainer::Impl {
     device = dist::select_device(spec.train.device, opts.local_rank);
     ro.device = device;
     runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
+    // Deferred reads need the loss and the norm on this rank alone, and no host decision
+    // between backward and the update (train.nonfinite = "skip" reads the norm first).
+    const bool may_defer = opts.comm.size() == 1 && spec.train.nonfinite == NonFinite::kStop;
+    WEFT_CHECK(opts.defer != DeferReads::kAlways || may_defer,
+               "deferred reads need one rank and train.nonfinite = \"stop\"");
+    defer = may_defer && (opts.defer == DeferReads::kAlways ||
+                          (opts.defer == DeferReads::kAuto && device.is_cuda()));
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
     optimizer = std::make_unique<AdamW>(runtime->trainable(), ao, runtime->owned());
     run_dir = !opts.resume_dir.empty()   ? fs::path(opts.resume_dir)
@@ -301,11 +311,18 @@ struct Trainer::Impl {
     return {llm + rest, llm};
   }
 
-  // Module whose gradient holds a NaN/Inf, for the error message.
-  std::string non_finite_grad_module() const {
-    for (const auto& [name, p] : runtime->trainable())
-      if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>())
-        return model::MultimodalModel::module_of(name) + "' (parameter " + name + ")";
+  // Module whose gradient holds a NaN/Inf, for the error message: from the gradients, or from
+  // their squared norms when the gradients are gone (a deferred step).
+  std::string non_finite_grad_module(const at::Tensor& squares = {}) const {
+    const model::NamedTensors& trainable = runtime->trainable();
+    const at::Tensor sq = squares.defined() ? squares.to(at::kCPU) : at::Tensor();
+    for (size_t t = 0; t < trainable.size(); ++t) {
+      const auto& [name, p] = trainable[t];
+      const bool bad = sq.defined()
+                           ? !std::isfinite(sq[static_cast<int64_t>(t)].item<double>())
+                           : p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>();
+      if (bad) return model::MultimodalModel::module_of(name) + "' (parameter " + name + ")";
+    }
     return "?' (on another rank)";
   }
 };
@@ -483,41 +500,101 @@ StepBatch Trainer::prepare_step(int64_t step) {
   return b;
 }
 
+namespace {
+
+std::string diverged(int64_t step, double loss) {
+  std::ostringstream o;
+  o << "step " << step + 1 << ": loss is " << loss
+    << "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
+       "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")";
+  return o.str();
+}
+
+std::string bad_gradient(int64_t step, double norm, const std::string& module) {
+  std::ostringstream o;
+  o << "step " << step + 1 << ": gradient norm is " << norm << " — non-finite gradient in module '"
+    << module << " (skip such steps with train.nonfinite = \"skip\")";
+  return o.str();
+}
+
+}  // namespace
+
 StepOutcome Trainer::train_step(const StepBatch& batch, int64_t step) {
+  QueuedStep q = queue_step(batch, step);
+  return finish_step(q);
+}
+
+bool Trainer::defers() const { return impl_->defer; }
+
+QueuedStep Trainer::queue_step(const StepBatch& batch, int64_t step) {
   Impl& m = *impl_;
   const TrainSpec& ts = m.spec.train;
-  StepOutcome out;
+  QueuedStep q;
+  q.step = step;
+  StepOutcome& out = q.out;
   double t = now_seconds();
   auto lap = [&t] {
     const double t0 = std::exchange(t, now_seconds());
     return t - t0;
   };
+  out.lr = lr_at(ts, step);
+  at::Tensor loss;
   {
     model::ComputeDtypeGuard dtype(m.compute);
-    out.loss = m.runtime->step(batch.inputs, batch.targets);
+    loss = m.runtime->queue_step(batch.inputs, batch.targets);
   }
   out.compute_seconds = lap();
+  q.times = m.runtime->times();
+  q.routing = m.runtime->routing();
+  const std::vector<std::pair<std::string, at::Tensor>>& trainable = m.runtime->trainable();
+  if (m.defer) {
+    // Nothing below reads the device: the norm, the clipping factor and the skip flag stay
+    // there, and the optimizer takes them there (the fused CUDA AdamW).
+    if (after_backward) after_backward(step);
+    lap();
+    torch::NoGradGuard no_grad;
+    q.squares = m.runtime->grad_squares();
+    const at::Tensor norm = model::norm_of_squares(q.squares).to(loss.device());
+    out.norm_seconds = lap();
+    const at::Tensor skip = at::logical_not(at::isfinite(loss).logical_and(at::isfinite(norm)));
+    m.optimizer->step(out.lr, clip_scale(norm, ts.grad_clip), skip);
+    m.runtime->after_optimizer_step();
+    out.optimizer_seconds = lap();
+    for (const auto& [name, p] : trainable) p.mutable_grad().reset();
+    q.scalars = dist::HostCopy(at::stack({loss, norm}));
+    return q;
+  }
+  out.loss = loss.item<double>();
   // Loss and gradient norm are the same on every rank, so every rank takes the same branch.
   const bool may_skip = ts.nonfinite == NonFinite::kSkip;
-  WEFT_CHECK(may_skip || std::isfinite(out.loss), "step ", step + 1, ": loss is ", out.loss,
-             "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
-             "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")");
+  WEFT_CHECK(may_skip || std::isfinite(out.loss), diverged(step, out.loss));
   if (after_backward) after_backward(step);
   lap();
   out.grad_norm = std::isfinite(out.loss) ? m.runtime->grad_norm() : static_cast<double>(NAN);
   out.norm_seconds = lap();
-  WEFT_CHECK(may_skip || std::isfinite(out.grad_norm), "step ", step + 1, ": gradient norm is ",
-             out.grad_norm, " — non-finite gradient in module '", m.non_finite_grad_module(),
-             " (skip such steps with train.nonfinite = \"skip\")");
+  WEFT_CHECK(may_skip || std::isfinite(out.grad_norm),
+             bad_gradient(step, out.grad_norm, m.non_finite_grad_module()));
   out.skipped = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
-  out.lr = lr_at(ts, step);
   if (!out.skipped) {
     m.optimizer->step(out.lr, clip_scale(out.grad_norm, ts.grad_clip));
     m.runtime->after_optimizer_step();
     out.optimizer_seconds = lap();
   }
-  for (const auto& [name, p] : m.runtime->trainable()) p.mutable_grad().reset();
-  return out;
+  for (const auto& [name, p] : trainable) p.mutable_grad().reset();
+  q.finished = true;
+  return q;
+}
+
+StepOutcome Trainer::finish_step(QueuedStep& q) {
+  if (q.finished) return q.out;
+  const at::Tensor v = q.scalars.get();
+  q.out.loss = v[0].item<double>();
+  q.out.grad_norm = v[1].item<double>();
+  q.finished = true;
+  WEFT_CHECK(std::isfinite(q.out.loss), diverged(q.step, q.out.loss));
+  WEFT_CHECK(std::isfinite(q.out.grad_norm),
+             bad_gradient(q.step, q.out.grad_norm, impl_->non_finite_grad_module(q.squares)));
+  return q.out;
 }
 
 std::pair<double, double> Trainer::step_flops(const StepBatch& batch) const {
@@ -581,16 +658,24 @@ Summary Trainer::run() {
                        std::to_string(r.caption_accuracy));
   };
 
-  for (int64_t step = m.start_step; step < ts.steps; ++step) {
-    const double t0 = now_seconds();
-    const StepBatch batch = prepare_step(step);
-    const double data_seconds = now_seconds() - t0;
-    const bool traced = step + 1 == spec.output.trace_step;
-    m.runtime->set_tracing(traced);
-    const StepOutcome out = train_step(batch, step);
+  // A step is finished (its loss read, its metrics written) after the next one is queued when
+  // reads are deferred (a GPU then runs step t while the host prepares step t + 1), at once
+  // otherwise. step_seconds runs from the end of the previous step's bookkeeping to this step's
+  // finish: the step's own time when steps run one by one, the device's pace when they overlap.
+  struct Pending {
+    QueuedStep q;
+    StepBatch batch;
+    double data_seconds = 0;
+  };
+  double last_done = now_seconds();
+  auto complete = [&](Pending& p) {
+    const StepOutcome out = finish_step(p.q);
+    const StepBatch& batch = p.batch;
+    const int64_t step = p.q.step;
+    const double data_seconds = p.data_seconds;
     const double loss = out.loss, grad_norm = out.grad_norm, lr = out.lr;
     const bool skipped = out.skipped;
-    const dist::StepTimes& times = m.runtime->times();
+    const dist::StepTimes& times = p.q.times;
     if (skipped) {
       ++skipped_steps;
       if (show)
@@ -598,11 +683,7 @@ Summary Trainer::run() {
                          (std::isfinite(loss) ? "gradient" : "loss") +
                          ", update skipped (train.nonfinite = \"skip\")");
     }
-    const double step_seconds = now_seconds() - t0;
-    if (traced) {  // collective; rank 0 writes the step's timeline
-      const std::string trace = m.runtime->gather_trace();
-      if (writer) write_text(m.run_dir / "trace.json", trace);
-    }
+    const double step_seconds = now_seconds() - last_done;
 
     const int64_t tokens = batch.tokens;
     // MFU is per device: the job's FLOPs over (seconds x devices x peak).
@@ -638,7 +719,7 @@ Summary Trainer::run() {
     line["microbatch_imbalance"] = plan::spread(mb_costs).max_over_mean;  // max / mean work
     if (m.plan.module("llm").layout.cp > 1) line["cp_imbalance"] = times.cp_imbalance;
     if (m.spec.model.llm.moe.enabled()) {  // expert routing (dist::RoutingReport)
-      const dist::RoutingReport& r = m.runtime->routing();
+      const dist::RoutingReport& r = p.q.routing;
       line["moe_balance_loss"] = r.balance_loss;
       line["moe_z_loss"] = r.z_loss;
       line["moe_expert_imbalance"] = r.imbalance;
@@ -669,6 +750,33 @@ Summary Trainer::run() {
     }
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
+    last_done = now_seconds();
+  };
+
+  std::optional<Pending> pending;
+  for (int64_t step = m.start_step; step < ts.steps; ++step) {
+    const double t0 = now_seconds();
+    Pending current;
+    current.batch = prepare_step(step);
+    current.data_seconds = now_seconds() - t0;
+    const bool traced = step + 1 == spec.output.trace_step;
+    m.runtime->set_tracing(traced);
+    current.q = queue_step(current.batch, step);
+    if (traced) {  // collective; rank 0 writes the step's timeline
+      const std::string trace = m.runtime->gather_trace();
+      if (writer) write_text(m.run_dir / "trace.json", trace);
+    }
+    if (pending) complete(*pending);
+    pending.reset();
+    // Evaluation and checkpoints read the parameters: their step finishes first.
+    const bool last = step + 1 == ts.steps;
+    const bool reads_model =
+        (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
+        (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
+    if (current.q.finished || last || reads_model)
+      complete(current);
+    else
+      pending = std::move(current);
   }
   progress.finish();
   last_eval = true;

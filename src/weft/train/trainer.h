@@ -11,6 +11,8 @@
 #include "weft/core/spec.h"
 #include "weft/data/collate.h"
 #include "weft/dist/comm.h"
+#include "weft/dist/device.h"
+#include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/model/multimodal.h"
 #include "weft/plan/balance.h"
@@ -19,11 +21,14 @@
 namespace weft::data {
 class Dataset;
 }
-namespace weft::dist {
-class Runtime;
-}
 
 namespace weft::train {
+
+// Whether a step leaves its loss and gradient norm on the device for the host to read later
+// (Trainer::queue_step): kAuto on a GPU when the run allows it (one rank, train.nonfinite =
+// "stop"), so the GPU never waits for the host between steps; kAlways forces it where the run
+// allows it, on the CPU too (tests); kNever reads them inside each step.
+enum class DeferReads { kAuto, kAlways, kNever };
 
 struct TrainerOptions {
   std::string out_dir;     // run directory ("" = runs/<timestamp>)
@@ -33,6 +38,7 @@ struct TrainerOptions {
   bool eval = true;        // caption evaluation at eval_every and at the end
   int restart = 0;         // how many times the launcher restarted this job (metrics record it)
   int local_rank = 0;      // this rank's GPU under train.device = "cuda" (LOCAL_RANK)
+  DeferReads defer = DeferReads::kAuto;
   // The job's ranks (default: this process alone). Its size must equal the plan's world size.
   // Rank 0 writes the run directory and evaluates; every rank trains.
   dist::Comm comm;
@@ -73,6 +79,17 @@ struct StepOutcome {
   double compute_seconds = 0, norm_seconds = 0, optimizer_seconds = 0;
 };
 
+// A step queued by Trainer::queue_step whose loss and gradient norm the host may not have read.
+struct QueuedStep {
+  int64_t step = 0;
+  StepOutcome out;  // lr and host times at once; loss and grad_norm once finished
+  bool finished = false;
+  dist::HostCopy scalars;       // [loss, gradient norm] on their way to the host (deferred)
+  at::Tensor squares;           // per trainable parameter, Σ grad² (names a non-finite one)
+  dist::StepTimes times;        // the runtime's, of this step
+  dist::RoutingReport routing;  // the runtime's, of this step
+};
+
 class Trainer {
  public:
   Trainer(Spec spec, plan::Plan plan, TrainerOptions options);
@@ -86,6 +103,15 @@ class Trainer {
   // optimizer update on it (collective over the job's ranks).
   StepBatch prepare_step(int64_t step);
   StepOutcome train_step(const StepBatch& batch, int64_t step);
+  // train_step in two halves. queue_step runs the step; where reads are deferred (defers()) it
+  // clips and updates on the device with the loss and gradient norm left there, and returns
+  // without waiting for the device, so the host can prepare and queue the next step while the
+  // device works. finish_step reads them (waiting for this step's work only) and raises a
+  // non-finite loss or gradient as train_step does (the update of such a step is skipped on
+  // the device; the error comes when the step is finished).
+  QueuedStep queue_step(const StepBatch& batch, int64_t step);
+  StepOutcome finish_step(QueuedStep& q);
+  bool defers() const;
   // The job's model FLOPs of a step, all modules and LLM only (frozen-aware).
   std::pair<double, double> step_flops(const StepBatch& batch) const;
 
