@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "weft/model/mask.h"
 #include "weft/model/torch_compat.h"
@@ -131,6 +132,34 @@ TEST(BlockedAttention, TakesOverFromTheDensePathForLongKeys) {
   EXPECT_LT(rel_diff(blocked_attention(qs, ks, vs, visible, 0.35, 16),
                      compat::attention(qs, ks, vs, visible, 0.35)),
             2e-5);
+}
+
+// The mask prepared once for all blocks (compat::attention_mask: additive on the SDPA path, the
+// boolean one elsewhere) gives exactly what the boolean mask gives, outputs and gradients, in
+// fp32 and bf16.
+TEST(BlockedAttention, PreparedMaskGivesWhatTheBooleanOneGives) {
+  torch::manual_seed(17);
+  const int64_t S = 40;
+  const at::Tensor visible = multimodal_mask(2, S);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
+    const at::Tensor prepared = compat::attention_mask(visible, dt);
+    EXPECT_EQ(prepared.scalar_type(), compat::kHasSdpa ? dt : at::kBool);
+    std::vector<at::Tensor> outs, grads;
+    for (const at::Tensor& mask : {visible, prepared}) {
+      torch::manual_seed(18);
+      at::Tensor q = torch::randn({2, 4, S, 8}).to(dt).requires_grad_(true);
+      at::Tensor k = torch::randn({2, 2, S, 8}).to(dt).requires_grad_(true);
+      at::Tensor v = torch::randn({2, 2, S, 8}).to(dt).requires_grad_(true);
+      at::Tensor o = compat::attention(q, k, v, mask, 0.35);
+      o.backward(torch::ones_like(o));
+      outs.push_back(o.detach());
+      grads.insert(grads.end(), {q.grad(), k.grad(), v.grad()});
+    }
+    EXPECT_TRUE(torch::equal(outs[0], outs[1]));
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(grads[i], grads[i + 3])) << i;
+  }
+  EXPECT_FALSE(compat::attention_mask(at::Tensor(), at::kFloat).defined());
 }
 
 TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {

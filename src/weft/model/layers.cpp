@@ -223,7 +223,8 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  at::Tensor o = compat::attention(q, k, v, mask.visible, 1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor o = compat::attention(q, k, v, mask.prepared.defined() ? mask.prepared : mask.visible,
+                                   1.0 / std::sqrt(static_cast<double>(D)));
   return out(o.transpose(1, 2).reshape({B, S, heads * D}));
 }
 

@@ -166,6 +166,9 @@ struct AttentionMask {
       : visible(std::move(visible)), kv_order(std::move(kv_order)) {}
   at::Tensor visible;   // bool [B, 1, S_q, S_k], true = may attend; undefined = all visible
   at::Tensor kv_order;  // undefined without context parallelism
+  // `visible` as attention takes it (compat::attention_mask): made once for all the blocks
+  // of a forward (Llm::blocks_forward); undefined = take `visible`.
+  at::Tensor prepared;
 };
 
 // Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-

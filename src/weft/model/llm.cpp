@@ -8,6 +8,7 @@
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
 #include "weft/model/recompute.h"
+#include "weft/model/torch_compat.h"
 
 namespace weft::model {
 
@@ -63,8 +64,11 @@ at::Tensor Llm::embed(const at::Tensor& tokens) const {
 }
 
 at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
-                               const AttentionMask& mask, const TokenInfo& tokens) const {
+                               const AttentionMask& mask_in, const TokenInfo& tokens) const {
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
+  AttentionMask mask = mask_in;  // the mask converted once here, not in every block
+  if (!mask.prepared.defined())
+    mask.prepared = compat::attention_mask(mask.visible, x_in.scalar_type());
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
     if (!spec.recompute) {

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <limits>
+
 #include "weft/model/blocked_attention.h"
 #include "weft/model/fused.h"
 
@@ -19,7 +21,8 @@ constexpr bool kHasSdpa = WEFT_TORCH_AT_LEAST(2, 1);
 
 // Attention with a boolean "may attend" mask [B, 1, S, Sk] (true = visible; undefined = all
 // visible). q is [B, H, S, D]; k, v are [B, KV, Sk, D] with H a multiple of KV, query head h using
-// K/V head h / (H / KV) (grouped-query). Every row must have a visible key.
+// K/V head h / (H / KV) (grouped-query). Every row must have a visible key. The mask may also be
+// attention_mask()'s prepared form of one.
 inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
@@ -31,9 +34,10 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
     ke = k.unsqueeze(2).expand({B, KV, rep, Sk, D}).reshape({B, H, Sk, D});
     ve = v.unsqueeze(2).expand({B, KV, rep, Sk, D}).reshape({B, H, Sk, D});
   }
-  return at::scaled_dot_product_attention(
-      q, ke, ve, visible.defined() ? c10::optional<at::Tensor>(visible) : c10::nullopt, 0.0, false,
-      scale);
+  c10::optional<at::Tensor> mask;  // boolean, or additive (attention_mask)
+  if (visible.defined())
+    mask = visible.scalar_type() == at::kBool ? visible : visible.to(q.scalar_type());
+  return at::scaled_dot_product_attention(q, ke, ve, mask, 0.0, false, scale);
 #else
   // Long sequences: blocks of keys with an online softmax, never the S×S scores.
   if (model::blocked_attention_applies(q, k))
@@ -45,6 +49,16 @@ inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor p = model::masked_softmax(at::matmul(qg, k.transpose(-2, -1)), visible, scale);
   return at::matmul(p, v).view({B, H, S, D});
 #endif
+}
+
+// The boolean mask as attention() takes it for queries of `dtype`. SDPA turns a boolean mask
+// into an additive one (0 visible, -inf hidden) in the queries' dtype on every call, and keeps
+// that copy for backward: converted once here, every block shares one tensor (the same values:
+// SDPA's own conversion). Elsewhere (LibTorch 1.13's own attention) the boolean mask itself.
+inline at::Tensor attention_mask(const at::Tensor& visible, at::ScalarType dtype) {
+  if (!kHasSdpa || !visible.defined() || visible.scalar_type() != at::kBool) return visible;
+  return at::zeros(visible.sizes(), visible.options().dtype(dtype))
+      .masked_fill_(visible.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
 // GELU. LibTorch 1.13's CPU GELU backward is wrong when the incoming gradient is not contiguous
