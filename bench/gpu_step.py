@@ -2,7 +2,7 @@
 """Training-step benchmark on one GPU: weft against the PyTorch-eager reference, in one run.
 
     python3 bench/gpu_step.py [--build build-cuda] [--config configs/gpu-1b-vlm.toml]
-                              [--steps 10] [--warmup 3] [--device cuda] [--write]
+                              [--steps 10] [--warmup 3] [--device cuda] [--set K=V]... [--write]
 
 Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
 eager reference runs under the same interpreter (sys.executable). It runs, one after another:
@@ -80,6 +80,9 @@ def main():
     ap.add_argument("--peak-flops", type=float, default=None,
                     help="MFU denominator (default: the device's bf16 datasheet peak when known, "
                     "else weft's measured matmul peak)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for weft (and so for the dump both sides run), "
+                    "e.g. model.llm.attention_chunk=0; repeatable")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
     build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
@@ -96,6 +99,7 @@ def main():
         w = run_json([os.path.join(build, "weft"), "bench", "step", args.config,
                       "--steps", str(args.steps), "--warmup", str(args.warmup),
                       "--set", f"train.device={args.device}", "--dump", dump]
+                     + [a for kv in args.set for a in ("--set", kv)]
                      + (["--peak-flops", str(peak_flops)] if peak_flops else []))
         e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"), dump,
                       "--device", args.device])
@@ -124,7 +128,8 @@ def main():
     table = [
         f"**{name}** — {w['params'] / 1e6:.1f}M parameters ({w['trainable_params'] / 1e6:.1f}M "
         f"trainable), batch {w['batch']}, {w['tokens_per_step']:.0f} tokens/step, "
-        f"{w['precision']}, on {w.get('device', args.device)}, {args.warmup} warmup + {args.steps} timed steps",
+        f"{w['precision']}, on {w.get('device', args.device)}, {args.warmup} warmup + {args.steps} timed steps"
+        + (", with " + ", ".join(f"`{kv}`" for kv in args.set) if args.set else ""),
         "",
         "| implementation | step s (median) | tokens/s | MFU | peak memory MiB |",
         "|---|---|---|---|---|",

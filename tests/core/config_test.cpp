@@ -805,6 +805,7 @@ TEST(Config, Ranges) {
       {"model.llm.kv_heads=0", "model.llm.kv_heads = 0: must be > 0"},
       {"model.llm.ffn=-5", "model.llm.ffn = -5: must be > 0"},
       {"model.llm.max_seq=0", "model.llm.max_seq = 0: must be > 0"},
+      {"model.llm.attention_chunk=-1", "model.llm.attention_chunk = -1: must be >= 0"},
       {"model.llm.rope_theta=0", "model.llm.rope_theta = 0.0: must be > 0"},
       {"model.llm.norm_eps=-1e-5", "model.llm.norm_eps = -1e-05: must be > 0"},
       {"model.vision.hidden=0", "model.vision.hidden = 0: must be > 0"},

@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "weft/model/chunked_attention.h"
 #include "weft/model/mask.h"
 #include "weft/model/torch_compat.h"
 
@@ -160,6 +161,43 @@ TEST(BlockedAttention, PreparedMaskGivesWhatTheBooleanOneGives) {
     for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(grads[i], grads[i + 3])) << i;
   }
   EXPECT_FALSE(compat::attention_mask(at::Tensor(), at::kFloat).defined());
+}
+
+// Attention by query blocks over their key ranges (model::chunked_attention) gives what one
+// attention over all keys gives: outputs and the gradients of q, k and v, grouped-query heads,
+// the multimodal mask (as compat::attention_mask prepares it), fp32 and bf16.
+TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
+  const int64_t B = 2, H = 4, KV = 2, S = 48, D = 8;
+  at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
+  item[0].narrow(0, 18, 10).fill_(0);  // an image across two blocks
+  doc[1].narrow(0, 30, 18).fill_(1);   // a second document
+  item[1].narrow(0, 33, 6).fill_(0);
+  doc[1].narrow(0, S - 3, 3).fill_(-1);  // padding
+  const at::Tensor visible = visible_mask(doc, item);
+  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_LT(chunks[0].k_end, S);  // something is skipped
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
+    const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
+    const at::Tensor prepared = compat::attention_mask(visible, dt);
+    std::vector<at::Tensor> got, want;
+    for (bool chunked : {false, true}) {
+      torch::manual_seed(21);
+      at::Tensor q = torch::randn({B, H, S, D}).to(dt).requires_grad_(true);
+      at::Tensor k = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
+      at::Tensor v = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
+      at::Tensor o = chunked
+                         ? chunked_attention(q, k, v, chunks, chunk_masks(prepared, chunks), 0.3)
+                         : compat::attention(q, k, v, prepared, 0.3);
+      EXPECT_EQ(o.sizes(), q.sizes());
+      o.backward(torch::randn(o.sizes()).to(dt));
+      (chunked ? got : want)
+          .insert((chunked ? got : want).end(), {o.detach(), q.grad(), k.grad(), v.grad()});
+    }
+    const char* names[] = {"output", "dq", "dk", "dv"};
+    for (size_t i = 0; i < 4; ++i) EXPECT_LT(rel_diff(got[i], want[i]), tol) << names[i];
+  }
 }
 
 TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {

@@ -172,5 +172,55 @@ TEST(Mask, DenseMaskEqualsVisibleOnRandomDescriptors) {
   EXPECT_GT(bidirectional, 0);
 }
 
+// Chunks partition the queries, and every key any of a chunk's queries sees (in any row) lies in
+// its key range: on random descriptors (documents and items scattered, padding).
+TEST(AttentionChunks, CoverEveryVisibleKey) {
+  torch::manual_seed(11);
+  const int64_t B = 3, S = 96;
+  at::Tensor doc = torch::randint(-1, 3, {B, S}, torch::kInt);
+  at::Tensor item = torch::randint(-1, 4, {B, S}, torch::kInt);
+  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
+  ASSERT_EQ(chunks.size(), 6u);
+  auto D = doc.accessor<int32_t, 2>();
+  auto I = item.accessor<int32_t, 2>();
+  int64_t next = 0;
+  for (const AttentionChunk& c : chunks) {
+    EXPECT_EQ(c.q_begin, next);
+    next = c.q_end;
+    EXPECT_EQ(c.k_begin % 16, 0);
+    EXPECT_TRUE(c.k_end % 16 == 0 || c.k_end == S);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t q = c.q_begin; q < c.q_end; ++q)
+        for (int64_t k = 0; k < S; ++k)
+          if (visible({D[b][q], I[b][q]}, q, {D[b][k], I[b][k]}, k))
+            EXPECT_TRUE(k >= c.k_begin && k < c.k_end) << b << " " << q << " sees " << k;
+  }
+  EXPECT_EQ(next, S);
+}
+
+// A causal row: each block of queries sees the keys up to its end (5/8 of the square with four
+// blocks); an image makes the block holding its start see to its end; a second document starts
+// its blocks' keys at its own start. Nothing to skip, or too short: no chunks.
+TEST(AttentionChunks, SkipWhatTheMaskHides) {
+  const int64_t S = 64;
+  at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
+  auto ranges = [](const std::vector<AttentionChunk>& cs) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const AttentionChunk& c : cs) out.emplace_back(c.k_begin, c.k_end);
+    return out;
+  };
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 32}, {0, 48}, {0, 64}}));
+  item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
+  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 48}, {0, 48}, {0, 64}}));
+  item.fill_(-1);
+  doc.narrow(1, 32, 32).fill_(1);  // a second document from 32
+  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 32}, {32, 48}, {32, 64}}));
+  EXPECT_TRUE(attention_chunks(doc, item, 33).empty());  // fewer than two blocks
+  item.fill_(0);
+  doc.fill_(0);  // one item over the whole row: everything visible
+  EXPECT_TRUE(attention_chunks(doc, item, 16).empty());
+}
+
 }  // namespace
 }  // namespace weft::model

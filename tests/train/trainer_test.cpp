@@ -191,6 +191,29 @@ TEST(Trainer, NonFiniteStepIsSkippedWhenAsked) {
     EXPECT_TRUE(torch::isfinite(p).all().item<bool>()) << name;
 }
 
+// model.llm.attention_chunk: attention by blocks of 8 queries over the keys they see trains as
+// one attention over all keys (fp32). Where LibTorch 1.13's own attention runs, the knob has
+// nothing to do and the runs are the same run.
+TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
+  std::vector<std::vector<double>> losses;
+  std::vector<std::map<std::string, at::Tensor>> params;
+  for (const char* chunk : {"model.llm.attention_chunk=0", "model.llm.attention_chunk=8"}) {
+    Spec spec = tiny_spec({"train.steps=3", "train.precision=\"fp32\"", chunk});
+    const fs::path out = temp_dir("attention_chunk");
+    Trainer t(spec, plan::make_plan(spec), quiet_options(out));
+    t.run();
+    losses.push_back(run_losses(out));
+    params.push_back(snapshot(t.model()));
+  }
+  ASSERT_EQ(losses[0].size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(losses[1][i], losses[0][i], 1e-6 * losses[0][i]) << "step " << i + 1;
+  for (const auto& [name, p] : params[0])
+    EXPECT_LT((params[1].at(name) - p).norm().item<double>(),
+              1e-5 * p.norm().item<double>() + 1e-12)
+        << name;
+}
+
 TEST(Trainer, WritesRunDirectory) {
   const fs::path out = temp_dir("rundir");
   Spec spec = tiny_spec({"train.steps=3", "train.checkpoint_every=1", "output.keep_checkpoints=2"});

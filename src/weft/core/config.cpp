@@ -50,6 +50,7 @@ constexpr std::string_view kLlmKeys[] = {"vocab",
                                          "tie_embeddings",
                                          "frozen",
                                          "recompute",
+                                         "attention_chunk",
                                          "qkv_bias",
                                          "rope_scaling",
                                          "rope_scaling_factor",
@@ -484,6 +485,7 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.count("rope_original_max_position", &l->rope_scaling.original_max_position);
   s.read("frozen", &l->frozen);
   s.read("recompute", &l->recompute);
+  s.count("attention_chunk", &l->attention_chunk, /*positive=*/false);
   if (const toml::table* t = s.table("moe")) {
     WEFT_CHECK(hf_file.empty() || l->moe.enabled(), s.source(), ": ", s.path("moe"),
                ": mixture-of-experts layers need a Mixtral checkpoint, and ", hf_file,
@@ -911,6 +913,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("rope_original_max_position", l.rope_scaling.original_max_position);
   w.put("frozen", l.frozen);
   w.put("recompute", l.recompute);
+  w.put("attention_chunk", l.attention_chunk);
   if (!l.hf.empty()) w.put("hf", l.hf);
   if (l.moe.enabled()) {
     const MoeSpec& m = l.moe;

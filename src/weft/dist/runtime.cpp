@@ -708,9 +708,12 @@ struct Runtime::Impl {
     const int64_t d = role.c.dp, cp = lp.layout.cp;
     const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
     const int64_t S = layout ? layout->S : batch[d][m].tokens.size(1);
-    const model::Inputs in = model::to_device(padded(batch[d][m], S), opts.device);
+    const model::Inputs host = padded(batch[d][m], S);
+    const model::Inputs in = model::to_device(host, opts.device);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
+    if (!layout && spec.llm.attention_chunk > 0)  // from the host's descriptors: no device read
+      mask.chunks = model::attention_chunks(host.doc, host.item, spec.llm.attention_chunk);
     at::Tensor positions = in.positions;
     at::Tensor own;
     if (layout) {

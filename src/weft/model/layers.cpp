@@ -7,6 +7,7 @@
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
+#include "weft/model/chunked_attention.h"
 #include "weft/model/fused.h"
 #include "weft/model/torch_compat.h"
 
@@ -223,8 +224,11 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  at::Tensor o = compat::attention(q, k, v, mask.prepared.defined() ? mask.prepared : mask.visible,
-                                   1.0 / std::sqrt(static_cast<double>(D)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  at::Tensor o = !mask.chunk_masks.empty()
+                     ? chunked_attention(q, k, v, mask.chunks, mask.chunk_masks, scale)
+                     : compat::attention(
+                           q, k, v, mask.prepared.defined() ? mask.prepared : mask.visible, scale);
   return out(o.transpose(1, 2).reshape({B, S, heads * D}));
 }
 

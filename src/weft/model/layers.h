@@ -18,6 +18,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/model/mask.h"
 
 namespace weft::model {
 
@@ -169,6 +170,11 @@ struct AttentionMask {
   // `visible` as attention takes it (compat::attention_mask): made once for all the blocks
   // of a forward (Llm::blocks_forward); undefined = take `visible`.
   at::Tensor prepared;
+  // Blocks of queries and the keys they see (model::attention_chunks; empty = attention over
+  // all keys at once), and each block's part of the mask, made once per forward where
+  // attention is LibTorch's SDPA (model::chunked_attention).
+  std::vector<AttentionChunk> chunks;
+  std::vector<at::Tensor> chunk_masks;
 };
 
 // Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-

@@ -502,9 +502,12 @@ StepBatch Trainer::prepare_step(int64_t step) {
 
 namespace {
 
+// A NaN prints as "nan" whatever its sign bit (which differs between kernels).
+double unsigned_nan(double v) { return std::isnan(v) ? std::fabs(v) : v; }
+
 std::string diverged(int64_t step, double loss) {
   std::ostringstream o;
-  o << "step " << step + 1 << ": loss is " << loss
+  o << "step " << step + 1 << ": loss is " << unsigned_nan(loss)
     << "; training diverged (lower train.lr, keep train.grad_clip > 0, try "
        "train.precision = \"fp32\", or skip such steps with train.nonfinite = \"skip\")";
   return o.str();
@@ -512,8 +515,9 @@ std::string diverged(int64_t step, double loss) {
 
 std::string bad_gradient(int64_t step, double norm, const std::string& module) {
   std::ostringstream o;
-  o << "step " << step + 1 << ": gradient norm is " << norm << " — non-finite gradient in module '"
-    << module << " (skip such steps with train.nonfinite = \"skip\")";
+  o << "step " << step + 1 << ": gradient norm is " << unsigned_nan(norm)
+    << " — non-finite gradient in module '" << module
+    << " (skip such steps with train.nonfinite = \"skip\")";
   return o.str();
 }
 
