@@ -184,7 +184,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   auto finish = [&](QueuedStep& q) {
     const StepOutcome out = trainer.finish_step(q);
     if (!trainer.defers()) dist::synchronize(device);
-    const double t = now_seconds(), dt = t - std::exchange(last, t);
+    const double dt = now_seconds() - last;
     const int64_t i = q.step;
     losses.push_back(out.loss);
     grad_norms.push_back(out.grad_norm);
@@ -193,12 +193,14 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
                      {"targets", batches[i].targets},
                      {"tokens", batches[i].tokens},
                      {"flops", f}});
-    if (i < o.warmup) return;
-    seconds.push_back(dt);
-    timed += dt;
-    flops += f;
-    llm_flops += lf;
-    tokens += batches[i].tokens;
+    if (i >= o.warmup) {
+      seconds.push_back(dt);
+      timed += dt;
+      flops += f;
+      llm_flops += lf;
+      tokens += batches[i].tokens;
+    }
+    last = now_seconds();  // this bookkeeping counts toward no step
   };
   for (int64_t i = 0; i < total; ++i) {
     std::unique_ptr<StepTrace> profiler;
