@@ -746,16 +746,21 @@ def main(argv):
         torch.cuda.synchronize(device)
     last = time.perf_counter()
 
-    def finish(i, loss_total, norm, done):
+    def finish(i, loss_total, norm, done, next_in_flight):
+        # On CUDA loss_total and norm are a pinned host copy made behind step i's work: reading
+        # them after the event waits for step i only (float() of a device tensor would wait for
+        # the whole stream, step i + 1 included).
         nonlocal last
         if done is not None:
             done.synchronize()
-        now = time.perf_counter()
-        elapsed, last = now - last, now
+            loss_total, norm = loss_total.tolist()
+        finished = time.perf_counter()
         losses.append(float(loss_total))
         norms.append(float(norm))
         if i >= bench["warmup"]:
-            seconds.append(elapsed)
+            seconds.append(finished - last)
+        # As weft's bench: with a step in flight the bookkeeping is the next step's time.
+        last = finished if next_in_flight else time.perf_counter()
 
     for i, (info, mbs) in enumerate(zip(bench["step"], steps)):
         optimizer.zero_grad(set_to_none=True)
@@ -776,16 +781,19 @@ def main(argv):
         optimizer.step()
         done = None
         if cuda:
+            scalars = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            scalars.copy_(torch.stack([loss_total, norm.double()]), non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+            loss_total, norm = scalars, None
         if pending is not None:
-            finish(*pending)
+            finish(*pending, next_in_flight=cuda)
         pending = (i, loss_total, norm, done)
         if not cuda:
-            finish(*pending)
+            finish(*pending, next_in_flight=False)
             pending = None
     if pending is not None:
-        finish(*pending)
+        finish(*pending, next_in_flight=False)
 
     peak = read_status_bytes("VmHWM")
     device_peak = torch.cuda.max_memory_allocated(device) if cuda else 0

@@ -200,6 +200,19 @@ TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
   }
 }
 
+// A second backward through the same chunked forward is an error, not silently no gradient.
+TEST(ChunkedAttention, RefusesASecondBackward) {
+  const int64_t S = 32;
+  at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
+  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 8);
+  ASSERT_FALSE(chunks.empty());
+  const at::Tensor masks = compat::attention_mask(visible_mask(doc, item), at::kFloat);
+  at::Tensor q = torch::randn({1, 2, S, 4}).requires_grad_(true);
+  at::Tensor o = chunked_attention(q, q, q, chunks, chunk_masks(masks, chunks), 0.5).sum();
+  o.backward({}, /*retain_graph=*/true);
+  EXPECT_THROW(o.backward(), std::exception);
+}
+
 TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {
   at::Tensor q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 1, 6, 8});
   at::Tensor bad = torch::ones({1, 1, 4, 5}, torch::kBool);

@@ -15,7 +15,9 @@
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/io/checkpoint.h"
+#include "weft/model/chunked_attention.h"
 #include "weft/model/mask.h"
+#include "weft/model/torch_compat.h"
 #include "weft/plan/plan.h"
 
 namespace fs = std::filesystem;
@@ -215,7 +217,11 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
       const StepBatch b = t.prepare_step(0);
       EXPECT_GE(model::attention_chunks(b.inputs[0][0].doc, b.inputs[0][0].item, 8).size(), 2u);
     }
+    const int64_t calls = model::chunked_attention_calls();
     t.run();
+    // The blocks run where attention is SDPA (LibTorch 2), and only when asked for.
+    const bool chunked = variant[0] != "model.llm.attention_chunk=0" && compat::kHasSdpa;
+    EXPECT_EQ(model::chunked_attention_calls() > calls, chunked) << variant[0];
     losses.push_back(run_losses(out));
     params.push_back(snapshot(t.model()));
   }

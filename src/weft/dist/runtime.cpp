@@ -15,6 +15,7 @@
 #include "weft/dist/data_parallel.h"
 #include "weft/model/fused.h"
 #include "weft/model/mask.h"
+#include "weft/model/torch_compat.h"
 #include "weft/plan/cp_split.h"
 #include "weft/plan/trace.h"
 
@@ -712,7 +713,9 @@ struct Runtime::Impl {
     const model::Inputs in = model::to_device(host, opts.device);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
-    if (!layout && spec.llm.attention_chunk > 0)  // from the host's descriptors: no device read
+    // Query blocks for SDPA (model/chunked_attention.h), from the host's descriptors: no device
+    // read. Not under CP, nor where LibTorch 1.13's attention skips hidden blocks itself.
+    if (compat::kHasSdpa && !layout && spec.llm.attention_chunk > 0)
       mask.chunks = model::attention_chunks(host.doc, host.item, spec.llm.attention_chunk);
     at::Tensor positions = in.positions;
     at::Tensor own;

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <atomic>
 #include <utility>
 
 #include "weft/core/error.h"
@@ -22,7 +23,10 @@ struct ChunkGraphs : torch::CustomClassHolder {
   std::vector<std::array<at::Tensor, 3>> inputs;  // q, k, v slices (leaves requiring grad)
   std::vector<at::Tensor> outputs;
   int64_t keys = 0;  // k's length
+  bool spent = false;
 };
+
+std::atomic<int64_t> g_calls{0};
 
 struct ChunkedAttentionFn : torch::autograd::Function<ChunkedAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
@@ -58,6 +62,9 @@ struct ChunkedAttentionFn : torch::autograd::Function<ChunkedAttentionFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     const auto capsule = ctx->saved_data["graphs"].toCapsule();
     auto* graphs = static_cast<ChunkGraphs*>(capsule.get());
+    WEFT_CHECK(!graphs->spent,
+               "chunked attention: a second backward through the same forward (retain_graph) is "
+               "not supported; set model.llm.attention_chunk = 0");
     const at::Tensor& g = grad[0];
     at::Tensor dq, dk, dv;
     torch::AutoGradMode grad_mode(true);
@@ -90,8 +97,9 @@ struct ChunkedAttentionFn : torch::autograd::Function<ChunkedAttentionFn> {
       take(in[1], dk, ch.k_begin, ch.k_end, true);
       take(in[2], dv, ch.k_begin, ch.k_end, true);
     }
-    graphs->inputs.clear();  // once: the chunk graphs are spent
+    graphs->inputs.clear();  // the chunk graphs are spent
     graphs->outputs.clear();
+    graphs->spent = true;
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -113,8 +121,15 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              const std::vector<at::Tensor>& masks, double scale) {
   WEFT_ASSERT(masks.size() == chunks.size() && !chunks.empty(), "chunked_attention: ", masks.size(),
               " masks for ", chunks.size(), " chunks");
-  WEFT_ASSERT(q.size(2) == k.size(2) && chunks.back().q_end == q.size(2),
+  int64_t next = 0;  // the blocks tile the queries (dq is written block by block)
+  for (const AttentionChunk& c : chunks) {
+    WEFT_ASSERT(c.q_begin == next && c.q_end > c.q_begin && c.k_begin < c.k_end,
+                "chunked_attention: blocks must tile the queries in order");
+    next = c.q_end;
+  }
+  WEFT_ASSERT(q.size(2) == k.size(2) && next == q.size(2),
               "chunked_attention: chunks for self-attention over all ", q.size(2), " positions");
+  g_calls.fetch_add(1, std::memory_order_relaxed);
   const int64_t B = q.size(0), H = q.size(1), KV = k.size(1), Sk = k.size(2), D = k.size(3);
   at::Tensor ke = k, ve = v;
   if (H != KV) {  // once here, not once per chunk
@@ -123,5 +138,7 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
   }
   return ChunkedAttentionFn::apply(q, ke, ve, chunks, masks, scale);
 }
+
+int64_t chunked_attention_calls() { return g_calls.load(std::memory_order_relaxed); }
 
 }  // namespace weft::model

@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "weft/model/mask.h"
@@ -27,5 +28,8 @@ std::vector<at::Tensor> chunk_masks(const at::Tensor& mask,
 at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::vector<AttentionChunk>& chunks,
                              const std::vector<at::Tensor>& masks, double scale);
+
+// How many chunked_attention calls this process made (tests check that the path runs).
+int64_t chunked_attention_calls();
 
 }  // namespace weft::model

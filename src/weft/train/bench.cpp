@@ -181,10 +181,12 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   std::optional<QueuedStep> pending;
   dist::synchronize(device);
   double last = now_seconds();
-  auto finish = [&](QueuedStep& q) {
+  // next_in_flight: a step runs on the device during this one's bookkeeping, whose time then
+  // belongs to the next step's (finish to finish); otherwise the bookkeeping counts toward none.
+  auto finish = [&](QueuedStep& q, bool next_in_flight) {
     const StepOutcome out = trainer.finish_step(q);
     if (!trainer.defers()) dist::synchronize(device);
-    const double dt = now_seconds() - last;
+    const double finished = now_seconds(), dt = finished - last;
     const int64_t i = q.step;
     losses.push_back(out.loss);
     grad_norms.push_back(out.grad_norm);
@@ -200,28 +202,28 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
       llm_flops += lf;
       tokens += batches[i].tokens;
     }
-    last = now_seconds();  // this bookkeeping counts toward no step
+    last = next_in_flight ? finished : now_seconds();
   };
   for (int64_t i = 0; i < total; ++i) {
     std::unique_ptr<StepTrace> profiler;
     if (!o.profile.empty() && i + 1 == total) {  // the profiled step runs alone
-      if (pending) finish(*pending);
+      if (pending) finish(*pending, false);
       pending.reset();
       profiler = std::make_unique<StepTrace>(o.profile);
       dist::synchronize(device);
       last = now_seconds();
     }
     QueuedStep q = trainer.queue_step(batches[i], i);
-    if (pending) finish(*pending);
+    if (pending) finish(*pending, !q.finished);
     pending.reset();
     if (profiler || !trainer.defers()) {
-      finish(q);
+      finish(q, false);
       profiler.reset();
     } else {
       pending = std::move(q);
     }
   }
-  if (pending) finish(*pending);
+  if (pending) finish(*pending, false);
   const int64_t peak_rss = peak_rss_bytes();
 
   json j;

@@ -594,10 +594,10 @@ StepOutcome Trainer::finish_step(QueuedStep& q) {
   const at::Tensor v = q.scalars.get();
   q.out.loss = v[0].item<double>();
   q.out.grad_norm = v[1].item<double>();
-  q.finished = true;
   WEFT_CHECK(std::isfinite(q.out.loss), diverged(q.step, q.out.loss));
   WEFT_CHECK(std::isfinite(q.out.grad_norm),
              bad_gradient(q.step, q.out.grad_norm, impl_->non_finite_grad_module(q.squares)));
+  q.finished = true;
   return q.out;
 }
 
@@ -664,16 +664,18 @@ Summary Trainer::run() {
 
   // A step is finished (its loss read, its metrics written) after the next one is queued when
   // reads are deferred (a GPU then runs step t while the host prepares step t + 1), at once
-  // otherwise. step_seconds runs from the end of the previous step's bookkeeping to this step's
-  // finish: the step's own time when steps run one by one, the device's pace when they overlap.
+  // otherwise. step_seconds runs to this step's finish from the previous one's: from its finish
+  // when a step was in flight during its bookkeeping (the device's pace), from the end of its
+  // bookkeeping (metrics, evaluation, checkpoint) when none was.
   struct Pending {
     QueuedStep q;
     StepBatch batch;
     double data_seconds = 0;
   };
   double last_done = now_seconds();
-  auto complete = [&](Pending& p) {
+  auto complete = [&](Pending& p, bool next_in_flight) {
     const StepOutcome out = finish_step(p.q);
+    const double finished = now_seconds();
     const StepBatch& batch = p.batch;
     const int64_t step = p.q.step;
     const double data_seconds = p.data_seconds;
@@ -687,7 +689,7 @@ Summary Trainer::run() {
                          (std::isfinite(loss) ? "gradient" : "loss") +
                          ", update skipped (train.nonfinite = \"skip\")");
     }
-    const double step_seconds = now_seconds() - last_done;
+    const double step_seconds = finished - last_done;
 
     const int64_t tokens = batch.tokens;
     // MFU is per device: the job's FLOPs over (seconds x devices x peak).
@@ -754,33 +756,47 @@ Summary Trainer::run() {
     }
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
       m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
-    last_done = now_seconds();
+    last_done = next_in_flight ? finished : now_seconds();
   };
 
   std::optional<Pending> pending;
-  for (int64_t step = m.start_step; step < ts.steps; ++step) {
-    const double t0 = now_seconds();
-    Pending current;
-    current.batch = prepare_step(step);
-    current.data_seconds = now_seconds() - t0;
-    const bool traced = step + 1 == spec.output.trace_step;
-    m.runtime->set_tracing(traced);
-    current.q = queue_step(current.batch, step);
-    if (traced) {  // collective; rank 0 writes the step's timeline
-      const std::string trace = m.runtime->gather_trace();
-      if (writer) write_text(m.run_dir / "trace.json", trace);
+  try {
+    for (int64_t step = m.start_step; step < ts.steps; ++step) {
+      const double t0 = now_seconds();
+      Pending current;
+      current.batch = prepare_step(step);
+      current.data_seconds = now_seconds() - t0;
+      const bool traced = step + 1 == spec.output.trace_step;
+      m.runtime->set_tracing(traced);
+      current.q = queue_step(current.batch, step);
+      if (traced) {  // collective; rank 0 writes the step's timeline
+        const std::string trace = m.runtime->gather_trace();
+        if (writer) write_text(m.run_dir / "trace.json", trace);
+      }
+      if (pending) {
+        Pending previous = std::move(*pending);
+        pending.reset();
+        complete(previous, !current.q.finished);
+      }
+      // Evaluation and checkpoints read the parameters: their step finishes first.
+      const bool last = step + 1 == ts.steps;
+      const bool reads_model =
+          (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
+          (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
+      if (current.q.finished || last || reads_model)
+        complete(current, false);
+      else
+        pending = std::move(current);
     }
-    if (pending) complete(*pending);
-    pending.reset();
-    // Evaluation and checkpoints read the parameters: their step finishes first.
-    const bool last = step + 1 == ts.steps;
-    const bool reads_model =
-        (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
-        (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
-    if (current.q.finished || last || reads_model)
-      complete(current);
-    else
-      pending = std::move(current);
+  } catch (...) {
+    // A later step failed while one was still unread: keep that one's metrics if it went well.
+    if (pending) {
+      try {
+        complete(*pending, false);
+      } catch (...) {  // the later step's error is the one reported
+      }
+    }
+    throw;
   }
   progress.finish();
   last_eval = true;
