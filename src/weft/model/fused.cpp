@@ -51,46 +51,6 @@ double sum_squares(const at::Tensor& x) {
   return sum;
 }
 
-double sum_squares(const std::vector<at::Tensor>& xs) {
-  double host = 0;
-  std::vector<at::Tensor> device;  // one running sum per device, read at the end
-  auto add = [&](const at::Tensor& sum) {
-    auto it = std::find_if(device.begin(), device.end(),
-                           [&](const at::Tensor& s) { return s.device() == sum.device(); });
-    if (it == device.end())
-      device.push_back(sum);
-    else
-      *it += sum;
-  };
-  std::vector<std::vector<at::Tensor>> cuda;  // CUDA fp32 tensors, a list per device
-  for (const at::Tensor& x : xs) {
-    if (!x.defined()) continue;
-    if (fusable(x)) {
-      host += sum_squares(x);
-      continue;
-    }
-    if (kForeachNorm && x.is_cuda() && x.scalar_type() == at::kFloat) {
-      auto it = std::find_if(cuda.begin(), cuda.end(),
-                             [&](const auto& l) { return l[0].device() == x.device(); });
-      if (it == cuda.end())
-        cuda.push_back({x});
-      else
-        it->push_back(x);
-      continue;
-    }
-    const at::Tensor norm = at::linalg_vector_norm(x, 2, c10::nullopt, false, at::kDouble);
-    add(norm * norm);
-  }
-  // A handful of kernels per device for all its tensors, where a norm per tensor costs the GPU
-  // a wait for each launch: each tensor's norm in fp32, their squares summed in double.
-  for (const auto& list : cuda) {
-    const at::Tensor norms = at::stack(at::_foreach_norm(list, 2)).to(at::kDouble);
-    add((norms * norms).sum());
-  }
-  for (const at::Tensor& s : device) host += s.item<double>();
-  return host;
-}
-
 at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device) {
   const at::TensorOptions dbl = at::TensorOptions().dtype(at::kDouble).device(device);
   if (device.is_cpu()) {
@@ -106,35 +66,53 @@ at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device) {
   const at::Tensor zero = at::zeros({}, dbl);
   std::vector<at::Tensor> parts(xs.size(), zero);
   std::vector<size_t> where;
-  std::vector<at::Tensor> foreach;
+  std::vector<at::Tensor> listed;  // for the multi-tensor norm
   for (size_t i = 0; i < xs.size(); ++i) {
     const at::Tensor& x = xs[i];
     if (!x.defined()) continue;
     if (kForeachNorm && x.device() == device && x.scalar_type() == at::kFloat) {
       where.push_back(i);
-      foreach
-        .push_back(x);
+      listed.push_back(x);
       continue;
     }
     const at::Tensor norm = at::linalg_vector_norm(x, 2, c10::nullopt, false, at::kDouble);
     parts[i] = (norm * norm).to(device);
   }
-  if (!foreach.empty()) {
-    const at::Tensor norms = at::stack(at::_foreach_norm(foreach, 2)).to(at::kDouble);
+  // A handful of kernels for all the tensors, where a norm per tensor costs the GPU a wait for
+  // each launch: each tensor's norm in fp32, squared in double.
+  if (!listed.empty()) {
+    const at::Tensor norms = at::stack(at::_foreach_norm(listed, 2)).to(at::kDouble);
     const std::vector<at::Tensor> sq = (norms * norms).unbind(0);
     for (size_t j = 0; j < where.size(); ++j) parts[where[j]] = sq[j];
   }
   return at::stack(parts);
 }
 
-at::Tensor norm_of_squares(const at::Tensor& squares) {
-  if (!squares.is_cpu()) return squares.sum().sqrt();
+namespace {
+
+// Σ squares as a 0-dim double tensor where they live; on the CPU added in order.
+at::Tensor total_of(const at::Tensor& squares) {
+  if (!squares.is_cpu()) return squares.sum();
   const at::Tensor s = squares.to(at::kDouble).contiguous();
   const double* v = s.data_ptr<double>();
   double sum = 0;
   for (int64_t i = 0; i < s.numel(); ++i) sum += v[i];
-  return at::scalar_tensor(std::sqrt(sum), at::kDouble);
+  return at::scalar_tensor(sum, at::kDouble);
 }
+
+}  // namespace
+
+double sum_squares(const std::vector<at::Tensor>& xs) {
+  c10::Device device(c10::kCPU);  // the first device tensor's device, else the CPU
+  for (const at::Tensor& x : xs)
+    if (x.defined() && !x.is_cpu()) {
+      device = x.device();
+      break;
+    }
+  return total_of(squares_each(xs, device)).item<double>();  // one read back
+}
+
+at::Tensor norm_of_squares(const at::Tensor& squares) { return total_of(squares).sqrt(); }
 
 void adamw_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                   const at::Tensor& v, const AdamWUpdate& u) {

@@ -13,16 +13,15 @@ namespace weft::model {
 
 // Σ x² accumulated in double.
 double sum_squares(const at::Tensor& x);
-// Σ x² over every defined tensor of `xs`, in double. Tensors the fused loop cannot take (device
-// tensors, other dtypes) are reduced where they live and read back once per device: a GPU waits
-// once for the whole gradient norm, not once per parameter. CUDA fp32 tensors (LibTorch 2.3 on)
-// take one multi-tensor norm per device: each tensor's norm in fp32 (relative error ~1e-7; a
-// tensor whose norm exceeds fp32's range, ~3e38, reads as infinite), squares summed in double.
+// Σ x² over every defined tensor of `xs`, in double: squares_each on the first device tensor's
+// device (else the CPU), summed there and read back once, so a GPU waits once for the whole
+// gradient norm, not once per parameter. On the CPU the per-tensor sums are added in order.
 double sum_squares(const std::vector<at::Tensor>& xs);
 // Per tensor of `xs`, Σ x² in double (0 for an undefined tensor), as a [n] double tensor on
 // `device`, queued there and never read back: nothing waits for the device. CPU fp32 tensors
-// take the fused loop (each entry equals sum_squares of that tensor); CUDA fp32 tensors one
-// multi-tensor norm (LibTorch 2.3 on; fp32 norms, squared in double).
+// take the fused loop (each entry equals sum_squares of that tensor); CUDA fp32 tensors on
+// `device` one multi-tensor norm (LibTorch 2.3 on; fp32 norms — relative error ~1e-7, a norm
+// past fp32's range reads as infinite — squared in double); others their norm in double.
 at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device);
 // √(Σ squares) as a 0-dim double tensor where `squares` lives, queued on a device; on the CPU
 // summed in order, so it equals √sum_squares(xs) for the tensors squares_each took.
