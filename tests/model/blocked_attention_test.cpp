@@ -163,9 +163,12 @@ TEST(BlockedAttention, PreparedMaskGivesWhatTheBooleanOneGives) {
   EXPECT_FALSE(compat::attention_mask(at::Tensor(), at::kFloat).defined());
 }
 
-// Attention by query blocks over their key ranges (model::chunked_attention) gives what one
-// attention over all keys gives: outputs and the gradients of q, k and v, grouped-query heads,
-// the multimodal mask (as compat::attention_mask prepares it), fp32 and bf16.
+// Attention by query blocks over tiles of their keys (model::chunked_attention), the tiles merged
+// by their log-sum-exps, gives what one attention over all keys gives: outputs and the gradients
+// of q, k and v; with LibTorch's kernels and with the fp32 reference tiles; grouped-query heads;
+// fp32 and bf16; on a mix of documents, images and padding where most tiles are masked, on
+// causal rows with an image, where unmasked, causal and masked tiles meet in one block, and on
+// causal text in one causal tile.
 TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
   const int64_t B = 2, H = 4, KV = 2, S = 48, D = 8;
   at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
@@ -173,44 +176,77 @@ TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
   doc[1].narrow(0, 30, 18).fill_(1);   // a second document
   item[1].narrow(0, 33, 6).fill_(0);
   doc[1].narrow(0, S - 3, 3).fill_(-1);  // padding
-  const at::Tensor visible = visible_mask(doc, item);
-  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
-  ASSERT_EQ(chunks.size(), 3u);
-  EXPECT_LT(chunks[0].k_end, S);  // something is skipped
-  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
-    const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
-    const at::Tensor prepared = compat::attention_mask(visible, dt);
-    std::vector<at::Tensor> got, want;
-    for (bool chunked : {false, true}) {
-      torch::manual_seed(21);
-      at::Tensor q = torch::randn({B, H, S, D}).to(dt).requires_grad_(true);
-      at::Tensor k = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
-      at::Tensor v = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
-      at::Tensor o = chunked
-                         ? chunked_attention(q, k, v, chunks, chunk_masks(prepared, chunks), 0.3)
-                         : compat::attention(q, k, v, prepared, 0.3);
-      EXPECT_EQ(o.sizes(), q.sizes());
-      o.backward(torch::randn(o.sizes()).to(dt));
-      (chunked ? got : want)
-          .insert((chunked ? got : want).end(), {o.detach(), q.grad(), k.grad(), v.grad()});
+  at::Tensor doc2 = torch::zeros({B, S}, torch::kInt);
+  at::Tensor item2 = torch::full({B, S}, -1, torch::kInt);
+  item2.narrow(1, 36, 6).fill_(0);  // the same image in both rows, inside the last block
+  const at::Tensor text = torch::full({B, S}, -1, torch::kInt);
+  for (int mix = 0; mix < 3; ++mix) {
+    const at::Tensor& d = mix == 0 ? doc : doc2;
+    const at::Tensor& it = mix == 0 ? item : mix == 1 ? item2 : text;
+    const at::Tensor visible = visible_mask(d, it);
+    // The last: causal text in one block of all 48 queries, one causal tile (K/V expanded for
+    // that tile alone).
+    const std::vector<AttentionChunk> chunks =
+        attention_chunks(d, it, mix == 2 ? S : 16, /*most=*/1.0);
+    ASSERT_EQ(chunks.size(), mix == 2 ? 1u : 3u);
+    if (mix == 2) {
+      ASSERT_EQ(chunks[0].tiles.size(), 1u);
+      EXPECT_EQ(chunks[0].tiles[0].kind, TileKind::kCausal);
+    } else if (mix == 0) {
+      EXPECT_LT(chunks[0].tiles.back().k_end, S);  // something is skipped
+    } else {                                       // 0-16A 16-32A 32-48M merged: 0-32A 32-48M
+      ASSERT_EQ(chunks[1].tiles.size(), 2u);
+      EXPECT_EQ(chunks[1].tiles[1].kind, TileKind::kCausal);
+      ASSERT_EQ(chunks[2].tiles.size(), 2u);
+      EXPECT_EQ(chunks[2].tiles[0].kind, TileKind::kAll);
+      EXPECT_EQ(chunks[2].tiles[1].kind, TileKind::kMasked);
     }
-    const char* names[] = {"output", "dq", "dk", "dv"};
-    for (size_t i = 0; i < 4; ++i) EXPECT_LT(rel_diff(got[i], want[i]), tol) << names[i];
+    for (TileKernels kernels : {TileKernels::kFastest, TileKernels::kMath})
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        SCOPED_TRACE(std::string(mix == 0   ? "mixed rows"
+                                 : mix == 1 ? "causal rows with an image"
+                                            : "causal text, one tile") +
+                     (kernels == TileKernels::kMath ? ", fp32 reference tiles" : ", kernels") +
+                     (dt == at::kFloat ? ", fp32" : ", bf16"));
+        const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
+        const at::Tensor prepared = compat::attention_mask(visible, dt);
+        std::vector<at::Tensor> got, want;
+        for (bool chunked : {false, true}) {
+          torch::manual_seed(21);
+          at::Tensor q = torch::randn({B, H, S, D}).to(dt).requires_grad_(true);
+          at::Tensor k = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
+          at::Tensor v = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
+          at::Tensor o = chunked ? chunked_attention(q, k, v, chunks, chunk_masks(prepared, chunks),
+                                                     0.3, kernels)
+                                 : reference(q.to(at::kDouble), k.to(at::kDouble),
+                                             v.to(at::kDouble), visible, 0.3);
+          EXPECT_EQ(o.sizes(), q.sizes());
+          o.backward(torch::randn(o.sizes()).to(dt).to(o.scalar_type()));
+          (chunked ? got : want)
+              .insert((chunked ? got : want).end(), {o.detach(), q.grad(), k.grad(), v.grad()});
+        }
+        const char* names[] = {"output", "dq", "dk", "dv"};
+        for (size_t i = 0; i < 4; ++i) EXPECT_LT(rel_diff(got[i], want[i]), tol) << names[i];
+      }
   }
 }
 
-// A second backward through the same chunked forward is an error, not silently no gradient.
-TEST(ChunkedAttention, RefusesASecondBackward) {
+// The graph keeps no per-tile state that a backward spends: a second backward through the same
+// forward (retain_graph) gives the same gradients again.
+TEST(ChunkedAttention, ASecondBackwardGivesTheSameGradients) {
   const int64_t S = 32;
   at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
+  item.narrow(1, 4, 8).fill_(0);
   const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 8);
   ASSERT_FALSE(chunks.empty());
   const at::Tensor masks = compat::attention_mask(visible_mask(doc, item), at::kFloat);
   at::Tensor q = torch::randn({1, 2, S, 4}).requires_grad_(true);
   at::Tensor o = chunked_attention(q, q, q, chunks, chunk_masks(masks, chunks), 0.5).sum();
   o.backward({}, /*retain_graph=*/true);
-  EXPECT_THROW(o.backward(), std::exception);
+  const at::Tensor first = q.grad().clone();
+  q.grad().zero_();
+  o.backward();
+  EXPECT_TRUE(torch::allclose(q.grad(), first, 1e-6, 1e-6));
 }
 
 TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {

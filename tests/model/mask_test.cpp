@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <initializer_list>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -172,51 +174,119 @@ TEST(Mask, DenseMaskEqualsVisibleOnRandomDescriptors) {
   EXPECT_GT(bidirectional, 0);
 }
 
-// Chunks partition the queries, and every key any of a chunk's queries sees (in any row) lies in
-// its key range: on random descriptors (documents and items scattered, padding).
-TEST(AttentionChunks, CoverEveryVisibleKey) {
-  torch::manual_seed(11);
-  const int64_t B = 3, S = 96;
-  at::Tensor doc = torch::randint(-1, 3, {B, S}, torch::kInt);
-  at::Tensor item = torch::randint(-1, 4, {B, S}, torch::kInt);
-  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
-  ASSERT_EQ(chunks.size(), 6u);
+// Rows of packed documents of random lengths, each with images (contiguous items) inside and
+// padding at the end, as the collator lays them out.
+std::pair<at::Tensor, at::Tensor> random_rows(int64_t B, int64_t S, uint64_t seed) {
+  at::Tensor doc = torch::full({B, S}, -1, torch::kInt),
+             item = torch::full({B, S}, -1, torch::kInt);
   auto D = doc.accessor<int32_t, 2>();
   auto I = item.accessor<int32_t, 2>();
-  int64_t next = 0;
-  for (const AttentionChunk& c : chunks) {
-    EXPECT_EQ(c.q_begin, next);
-    next = c.q_end;
-    EXPECT_EQ(c.k_begin % 16, 0);
-    EXPECT_TRUE(c.k_end % 16 == 0 || c.k_end == S);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t q = c.q_begin; q < c.q_end; ++q)
-        for (int64_t k = 0; k < S; ++k)
-          if (visible({D[b][q], I[b][q]}, q, {D[b][k], I[b][k]}, k))
-            EXPECT_TRUE(k >= c.k_begin && k < c.k_end) << b << " " << q << " sees " << k;
+  std::mt19937_64 rng(seed);
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1));
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = uniform(S / 2, S);  // then padding
+    int32_t d = 0, it = 0;
+    for (int64_t s = 0; s < used; ++d) {
+      const int64_t len = std::min(used - s, uniform(4, S / 2));
+      for (int64_t j = 0; j < len; ++j) D[b][s + j] = d;
+      for (int64_t images = uniform(0, 2); images > 0; --images) {
+        const int64_t n = uniform(1, std::max<int64_t>(1, len / 3));
+        const int64_t at = s + uniform(0, len - n);
+        if (I[b][at] >= 0 || I[b][at + n - 1] >= 0) continue;  // no overlap with another image
+        bool free = true;
+        for (int64_t j = 0; j < n; ++j) free = free && I[b][at + j] < 0;
+        if (!free) continue;
+        for (int64_t j = 0; j < n; ++j) I[b][at + j] = it;
+        ++it;
+      }
+      s += len;
+    }
   }
-  EXPECT_EQ(next, S);
+  return {doc, item};
 }
 
-// A causal row: each block of queries sees the keys up to its end (5/8 of the square with four
-// blocks); an image makes the block holding its start see to its end; a second document starts
-// its blocks' keys at its own start. Nothing to skip, or too short: no chunks.
+// Chunks partition the queries; a key in no tile is hidden from all of the block's queries in
+// every row, an unmasked tile's keys are seen by all of them, a causal tile is exactly the
+// triangle; tiles are in key order, one call per run of a kind. On random packed rows.
+TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
+  const int64_t B = 3, S = 96;
+  int64_t kinds[3] = {0, 0, 0};
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    const auto [doc, item] = random_rows(B, S, seed);
+    const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
+    ASSERT_EQ(chunks.size(), 6u) << seed;
+    auto D = doc.accessor<int32_t, 2>();
+    auto I = item.accessor<int32_t, 2>();
+    int64_t next = 0;
+    for (const AttentionChunk& c : chunks) {
+      EXPECT_EQ(c.q_begin, next);
+      next = c.q_end;
+      int64_t k_next = 0;
+      for (size_t i = 0; i < c.tiles.size(); ++i) {
+        const AttentionTile& t = c.tiles[i];
+        EXPECT_GE(t.k_begin, k_next);
+        k_next = t.k_end;
+        ++kinds[static_cast<int>(t.kind)];
+        if (i > 0 && c.tiles[i - 1].k_end == t.k_begin) {
+          EXPECT_TRUE(t.kind == TileKind::kCausal || c.tiles[i - 1].kind != t.kind);
+        }
+        if (t.kind == TileKind::kCausal) {
+          EXPECT_EQ(t.k_begin, c.q_begin);
+          EXPECT_EQ(t.k_end, c.q_end);
+        }
+      }
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t q = c.q_begin; q < c.q_end; ++q)
+          for (int64_t k = 0; k < S; ++k) {
+            const bool sees = visible({D[b][q], I[b][q]}, q, {D[b][k], I[b][k]}, k);
+            const AttentionTile* in = nullptr;
+            for (const AttentionTile& t : c.tiles)
+              if (k >= t.k_begin && k < t.k_end) in = &t;
+            if (!in) {
+              EXPECT_FALSE(sees) << seed << ": " << b << " " << q << " sees " << k;
+            } else if (in->kind == TileKind::kAll) {
+              EXPECT_TRUE(sees) << seed << ": " << b << " " << q << " misses " << k;
+            } else if (in->kind == TileKind::kCausal) {
+              EXPECT_EQ(sees, k <= q) << seed << ": " << b << " " << q << ", " << k;
+            }
+          }
+    }
+    EXPECT_EQ(next, S);
+  }
+  for (int kind = 0; kind < 3; ++kind) EXPECT_GT(kinds[kind], 0) << kind;  // every kind met
+}
+
+// A causal row: each block is its causal diagonal after one unmasked tile of the keys before it;
+// an image makes the tiles it cuts through masked; a second document starts its blocks' keys at
+// its own start. A lone block, causal, is one causal tile. Nothing to skip, or descriptors
+// that are not spans (a document resumed after another): no chunks.
 TEST(AttentionChunks, SkipWhatTheMaskHides) {
   const int64_t S = 64;
   at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
-  auto ranges = [](const std::vector<AttentionChunk>& cs) {
-    std::vector<std::pair<int64_t, int64_t>> out;
-    for (const AttentionChunk& c : cs) out.emplace_back(c.k_begin, c.k_end);
+  auto tiles = [](const std::vector<AttentionChunk>& cs) {
+    std::string out;
+    for (const AttentionChunk& c : cs) {
+      for (const AttentionTile& t : c.tiles)
+        out += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
+               "ACM"[static_cast<int>(t.kind)] + " ";
+      out += "| ";
+    }
     return out;
   };
-  using R = std::vector<std::pair<int64_t, int64_t>>;
-  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 32}, {0, 48}, {0, 64}}));
+  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+            "0-16C | 0-16A 16-32C | 0-32A 32-48C | 0-48A 48-64C | ");
+  EXPECT_EQ(tiles(attention_chunks(doc, item, 64)), "0-64C | ");
   item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
-  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 48}, {0, 48}, {0, 64}}));
+  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+            "0-16C | 0-16A 16-48M | 0-32A 32-48M | 0-48A 48-64C | ");
   item.fill_(-1);
   doc.narrow(1, 32, 32).fill_(1);  // a second document from 32
-  EXPECT_EQ(ranges(attention_chunks(doc, item, 16)), (R{{0, 16}, {0, 32}, {32, 48}, {32, 64}}));
-  EXPECT_TRUE(attention_chunks(doc, item, 33).empty());  // fewer than two blocks
+  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+            "0-16C | 0-16A 16-32C | 32-48C | 32-48A 48-64C | ");
+  doc.narrow(1, 48, 8).fill_(0);  // document 0 resumed after document 1
+  EXPECT_TRUE(attention_chunks(doc, item, 16).empty());
   item.fill_(0);
   doc.fill_(0);  // one item over the whole row: everything visible
   EXPECT_TRUE(attention_chunks(doc, item, 16).empty());

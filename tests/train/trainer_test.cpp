@@ -194,9 +194,9 @@ TEST(Trainer, NonFiniteStepIsSkippedWhenAsked) {
     EXPECT_TRUE(torch::isfinite(p).all().item<bool>()) << name;
 }
 
-// model.llm.attention_chunk: attention by blocks of 8 queries over the keys they see trains as
-// one attention over all keys (fp32; 64-token synthetic sequences with an image each). Where
-// LibTorch 1.13's own attention runs, the knob has nothing to do and the runs are the same run.
+// model.llm.attention_chunk: attention by blocks of 8 queries over tiles of the keys they see
+// trains as one attention over all keys (fp32; 64-token synthetic sequences with an image each).
+// Where LibTorch 1.13's own attention runs, the knob has nothing to do and the runs are the same.
 TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
   const std::vector<std::vector<std::string>> variants = {
       {"model.llm.attention_chunk=0"},
@@ -219,8 +219,9 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
     }
     const int64_t calls = model::chunked_attention_calls();
     t.run();
-    // The blocks run where attention is SDPA (LibTorch 2), and only when asked for.
-    const bool chunked = variant[0] != "model.llm.attention_chunk=0" && compat::kHasSdpa;
+    // The tiles run where LibTorch has their kernels (2.3 on), and only when asked for.
+    const bool chunked =
+        variant[0] != "model.llm.attention_chunk=0" && model::chunked_attention_has_kernels();
     EXPECT_EQ(model::chunked_attention_calls() > calls, chunked) << variant[0];
     losses.push_back(run_losses(out));
     params.push_back(snapshot(t.model()));
@@ -230,9 +231,12 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
     SCOPED_TRACE("variant " + std::to_string(v));
     for (size_t i = 0; i < 3; ++i)
       EXPECT_NEAR(losses[v][i], losses[0][i], 1e-6 * losses[0][i]) << "step " << i + 1;
+    // Relative to the tensor, plus 1e-6 per element: AdamW steps an element whose gradient is
+    // near zero by up to lr whatever its size, so an fp32 rounding difference in attention (the
+    // tiles sum in another order) shows in a small bias's elements.
     for (const auto& [name, p] : params[0])
       EXPECT_LT((params[v].at(name) - p).norm().item<double>(),
-                1e-5 * p.norm().item<double>() + 1e-12)
+                1e-5 * p.norm().item<double>() + 1e-6 * std::sqrt(static_cast<double>(p.numel())))
           << name;
   }
 }

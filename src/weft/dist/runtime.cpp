@@ -713,9 +713,10 @@ struct Runtime::Impl {
     const model::Inputs in = model::to_device(host, opts.device);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
-    // Query blocks for SDPA (model/chunked_attention.h), from the host's descriptors: no device
-    // read. Not under CP, nor where LibTorch 1.13's attention skips hidden blocks itself.
-    if (compat::kHasSdpa && !layout && spec.llm.attention_chunk > 0)
+    // Query blocks and key tiles (model/chunked_attention.h), from the host's descriptors: no
+    // device read. Not under CP, nor where LibTorch has no tile kernels (1.13's attention skips
+    // hidden blocks itself).
+    if (model::chunked_attention_has_kernels() && !layout && spec.llm.attention_chunk > 0)
       mask.chunks = model::attention_chunks(host.doc, host.item, spec.llm.attention_chunk);
     at::Tensor positions = in.positions;
     at::Tensor own;

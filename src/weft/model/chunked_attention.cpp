@@ -4,10 +4,15 @@
 
 #include <array>
 #include <atomic>
+#include <limits>
 #include <utility>
 
 #include "weft/core/error.h"
 #include "weft/model/torch_compat.h"
+
+#ifdef WEFT_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 namespace weft::model {
 
@@ -16,128 +21,360 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Each chunk's own little graph, built in forward on detached slices of q, k and v and run
-// backward by the outer node: its inputs (leaves) and its output.
-struct ChunkGraphs : torch::CustomClassHolder {
+// LibTorch's private SDPA kernels that return the log-sum-exp: the CPU's flash attention takes a
+// mask from 2.3 on; CUDA's flash and memory-efficient ones (with a bias) are older.
+constexpr bool kKernels = WEFT_TORCH_AT_LEAST(2, 3);
+
+enum class Kernel { kMath, kCpuFlash, kCudaFlash, kCudaEfficient };
+
+Kernel kernel_for(const at::Tensor& q, TileKind kind, TileKernels kernels) {
+  if (!kKernels || kernels == TileKernels::kMath) return Kernel::kMath;
+  const int64_t D = q.size(3);
+  if (q.is_cpu()) return Kernel::kCpuFlash;
+#ifdef WEFT_CUDA
+  if (q.is_cuda() && D % 8 == 0) {
+    const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+    if (kind != TileKind::kMasked && half && D <= 256 &&
+        at::cuda::getDeviceProperties(q.device().index())->major >= 8)
+      return Kernel::kCudaFlash;
+    return Kernel::kCudaEfficient;
+  }
+#else
+  (void)kind;
+  (void)D;
+#endif
+  return Kernel::kMath;
+}
+
+// CUDA's flash attention maps query head h to K/V head h / (H / KV) itself (forward and
+// backward, whose dk / dv come back per K/V head); the other kernels take K/V expanded to H heads.
+bool takes_kv_heads(Kernel kernel) { return kernel == Kernel::kCudaFlash; }
+
+// K or V [B, KV, S, D] as each tile's kernel takes it. Expanded to H heads ([B, H, S, D]) once
+// for all the tiles that need it when they cover more than S keys between them, else per tile.
+struct Heads {
+  at::Tensor kv, once;
+  int64_t H = 1;
+
+  Heads(const at::Tensor& t, int64_t heads, int64_t expanded_keys) : kv(t), H(heads) {
+    if (H != kv.size(1) && expanded_keys > kv.size(2)) once = expand(kv);
+  }
+  at::Tensor expand(const at::Tensor& t) const {
+    const int64_t B = t.size(0), KV = t.size(1), n = t.size(2), D = t.size(3);
+    return t.unsqueeze(2).expand({B, KV, H / KV, n, D}).reshape({B, H, n, D});
+  }
+  bool expands(Kernel kernel) const { return H != kv.size(1) && !takes_kv_heads(kernel); }
+  at::Tensor tile(int64_t k0, int64_t nk, Kernel kernel) const {
+    if (!expands(kernel)) return kv.narrow(2, k0, nk);
+    return once.defined() ? once.narrow(2, k0, nk) : expand(kv.narrow(2, k0, nk));
+  }
+};
+
+// A gradient per query head [B, H, n, D] summed to its K/V head: [B, KV, n, D].
+at::Tensor per_kv_head(const at::Tensor& g, int64_t KV) {
+  return g.reshape({g.size(0), KV, g.size(1) / KV, g.size(2), g.size(3)}).sum(2);
+}
+
+// One tile's attention: its output [B, H, queries, D], fp32 log-sum-exp [B, H, queries] and what
+// its backward needs besides (the kernel's random-number state, unused without dropout).
+struct TileOut {
+  at::Tensor out, lse, seed, offset;
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Scores of q against k in fp32, the tile's pattern applied.
+at::Tensor math_scores(const at::Tensor& q, const at::Tensor& k, bool causal,
+                       const at::Tensor& bias, double scale) {
+  at::Tensor s = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)).mul_(scale);
+  if (causal)
+    s.masked_fill_(at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu_(1),
+                   -kInf);
+  if (bias.defined()) s.add_(bias.to(at::kFloat));
+  return s;
+}
+
+TileOut tile_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     bool causal, const at::Tensor& bias, double scale) {
+  switch (kernel) {
+    case Kernel::kMath: {
+      const at::Tensor s = math_scores(q, k, causal, bias, scale);
+      at::Tensor lse = s.logsumexp(-1);
+      at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
+      return {at::matmul(p, v.to(at::kFloat)).to(q.scalar_type()), lse, {}, {}};
+    }
+#if WEFT_TORCH_AT_LEAST(2, 3)
+    case Kernel::kCpuFlash: {
+      c10::optional<at::Tensor> mask;
+      if (bias.defined()) mask = bias;
+      auto r = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, mask, scale);
+      return {std::get<0>(r), std::get<1>(r), {}, {}};
+    }
+    case Kernel::kCudaFlash: {
+      auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, scale);
+      return {std::get<0>(r), std::get<1>(r), std::get<6>(r), std::get<7>(r)};
+    }
+    case Kernel::kCudaEfficient: {
+      c10::optional<at::Tensor> attn_bias;
+      if (bias.defined()) attn_bias = bias.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+      auto r =
+          at::_scaled_dot_product_efficient_attention(q, k, v, attn_bias, true, 0.0, causal, scale);
+      // Its log-sum-exp is padded to a multiple of 32 queries; a row that sees no key of the
+      // tile gets 0 there (and output 0): the merge ignores it by the tile's `sees`.
+      return {std::get<0>(r), std::get<1>(r).narrow(2, 0, q.size(2)), std::get<2>(r),
+              std::get<3>(r)};
+    }
+#endif
+    default:
+      WEFT_FAIL("chunked_attention: no such kernel in this LibTorch");
+  }
+}
+
+// dq, dk, dv of one tile, given the block's merged output and log-sum-exp.
+std::array<at::Tensor, 3> tile_backward(Kernel kernel, const at::Tensor& dout, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                        const at::Tensor& bias, const TileOut& fwd, double scale) {
+  switch (kernel) {
+    case Kernel::kMath: {
+      const at::ScalarType dt = q.scalar_type();
+      const at::Tensor s = math_scores(q, k, causal, bias, scale);
+      const at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
+      const at::Tensor g = dout.to(at::kFloat);
+      const at::Tensor delta = (g * out.to(at::kFloat)).sum(-1, true);
+      at::Tensor ds = at::matmul(g, v.to(at::kFloat).transpose(-2, -1)).sub_(delta).mul_(p);
+      ds.mul_(scale);
+      return {at::matmul(ds, k.to(at::kFloat)).to(dt),
+              at::matmul(ds.transpose(-2, -1), q.to(at::kFloat)).to(dt),
+              at::matmul(p.transpose(-2, -1), g).to(dt)};
+    }
+#if WEFT_TORCH_AT_LEAST(2, 3)
+    case Kernel::kCpuFlash: {
+      c10::optional<at::Tensor> mask;
+      if (bias.defined()) mask = bias;
+      auto r = at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse,
+                                                                        0.0, causal, mask, scale);
+      return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    }
+    case Kernel::kCudaFlash: {
+      auto r = at::_scaled_dot_product_flash_attention_backward(
+          dout, q, k, v, out, lse, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, causal,
+          fwd.seed, fwd.offset, scale);
+      return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    }
+    case Kernel::kCudaEfficient: {
+      const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+      // It reads the log-sum-exp as its forward wrote it: rows padded to 32 queries with +inf.
+      at::Tensor padded = at::full({B, H, (L + 31) / 32 * 32}, kInf, lse.options());
+      padded.narrow(2, 0, L).copy_(lse);
+      at::Tensor attn_bias;
+      if (bias.defined()) attn_bias = bias.expand({B, H, L, k.size(2)});
+      auto r = at::_scaled_dot_product_efficient_attention_backward(
+          dout, q, k, v, attn_bias, out, padded, fwd.seed, fwd.offset, 0.0,
+          {true, true, true, false}, causal, scale);
+      return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    }
+#endif
+    default:
+      WEFT_FAIL("chunked_attention: no such kernel in this LibTorch");
+  }
+}
+
+// What backward needs beyond the saved tensors: the tiles, their masks and kernels, and each
+// block's merged log-sum-exp and each tile's kernel state.
+struct Tiles : torch::CustomClassHolder {
   std::vector<AttentionChunk> chunks;
-  std::vector<std::array<at::Tensor, 3>> inputs;  // q, k, v slices (leaves requiring grad)
-  std::vector<at::Tensor> outputs;
-  int64_t keys = 0;  // k's length
-  bool spent = false;
+  ChunkMasks masks;
+  TileKernels kernels = TileKernels::kFastest;
+  double scale = 1;
+  std::vector<at::Tensor> lse;               // per chunk
+  std::vector<std::vector<TileOut>> states;  // per chunk and tile (out and lse dropped)
+
+  // How many keys the tiles whose kernels take K/V per query head read between them.
+  int64_t expanded_keys(const at::Tensor& q, bool grouped) const {
+    int64_t n = 0;
+    for (const AttentionChunk& c : chunks)
+      for (const AttentionTile& t : c.tiles)
+        if (grouped && !takes_kv_heads(kernel_for(q, t.kind, kernels))) n += t.k_end - t.k_begin;
+    return n;
+  }
 };
 
 std::atomic<int64_t> g_calls{0};
 
-struct ChunkedAttentionFn : torch::autograd::Function<ChunkedAttentionFn> {
+struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const std::vector<AttentionChunk>& chunks,
-                            const std::vector<at::Tensor>& masks, double scale) {
-    auto graphs = c10::make_intrusive<ChunkGraphs>();
-    graphs->chunks = chunks;
-    graphs->keys = k.size(2);
-    const bool grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
-    torch::AutoGradMode grad_mode(grad);
-    std::vector<at::Tensor> parts;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      const AttentionChunk& ch = chunks[c];
-      auto slice = [&](const at::Tensor& t, int64_t from, int64_t to) {
-        at::Tensor s = t.narrow(2, from, to - from).detach();
-        return grad ? s.requires_grad_(t.requires_grad()) : s;
-      };
-      std::array<at::Tensor, 3> in = {slice(q, ch.q_begin, ch.q_end),
-                                      slice(k, ch.k_begin, ch.k_end),
-                                      slice(v, ch.k_begin, ch.k_end)};
-      at::Tensor o = compat::attention(in[0], in[1], in[2], masks[c], scale);
-      parts.push_back(o.detach().transpose(1, 2));  // [B, queries, H, D]
-      if (grad) {
-        graphs->inputs.push_back(std::move(in));
-        graphs->outputs.push_back(std::move(o));
+                            const at::Tensor& v, c10::intrusive_ptr<Tiles> tiles) {
+    at::NoGradGuard no_grad;
+    const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
+    at::Tensor out = at::empty({B, S, H, D}, q.options()).transpose(1, 2);
+    const int64_t expanded = tiles->expanded_keys(q, H != k.size(1));
+    const Heads ks(k, H, expanded), vs(v, H, expanded);
+    size_t masked = 0;  // masked tiles so far (their masks, in order)
+    for (const AttentionChunk& c : tiles->chunks) {
+      const int64_t q0 = c.q_begin, nq = c.q_end - c.q_begin;
+      const at::Tensor qc = q.narrow(2, q0, nq);
+      std::vector<TileOut> parts;
+      std::vector<at::Tensor> sees;
+      for (const AttentionTile& t : c.tiles) {
+        const bool is_masked = t.kind == TileKind::kMasked;
+        const at::Tensor bias = is_masked ? tiles->masks.bias.at(masked) : at::Tensor();
+        sees.push_back(is_masked ? tiles->masks.sees.at(masked++) : at::Tensor());
+        const int64_t nk = t.k_end - t.k_begin;
+        const Kernel kernel = kernel_for(q, t.kind, tiles->kernels);
+        parts.push_back(tile_forward(kernel, qc, ks.tile(t.k_begin, nk, kernel),
+                                     vs.tile(t.k_begin, nk, kernel), t.kind == TileKind::kCausal,
+                                     bias, tiles->scale));
       }
+      at::Tensor lse;
+      if (parts.size() == 1) {  // a block's only tile holds its diagonal: every row sees a key
+        out.narrow(2, q0, nq).copy_(parts[0].out);
+        lse = parts[0].lse.contiguous();
+      } else {
+        // A masked tile's rows that see none of its keys weigh nothing (kernels differ in what
+        // they return for them).
+        std::vector<at::Tensor> lses;
+        for (size_t i = 0; i < parts.size(); ++i)
+          lses.push_back(sees[i].defined() ? parts[i].lse.masked_fill(sees[i].logical_not(), -kInf)
+                                           : parts[i].lse);
+        lse = at::stack(lses).logsumexp(0);
+        at::Tensor sum;
+        for (size_t i = 0; i < parts.size(); ++i) {
+          at::Tensor w = (lses[i] - lse).exp_().unsqueeze(-1);
+          at::Tensor part = parts[i].out.to(at::kFloat).mul_(w);
+          if (sees[i].defined()) part.masked_fill_(sees[i].logical_not().unsqueeze(-1), 0);
+          sum = sum.defined() ? sum.add_(part) : part;
+        }
+        out.narrow(2, q0, nq).copy_(sum);
+      }
+      tiles->lse.push_back(std::move(lse));
+      for (TileOut& p : parts) p.out = p.lse = at::Tensor();
+      tiles->states.push_back(std::move(parts));
     }
-    ctx->saved_data["graphs"] = c10::IValue::make_capsule(graphs);
-    // Laid out as [B, S, H, D] (as SDPA's own output), so the caller's transpose back is free.
-    return at::cat(parts, 1).transpose(1, 2);
+    ctx->save_for_backward({q, k, v, out});
+    ctx->saved_data["tiles"] = c10::IValue::make_capsule(std::move(tiles));
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    const auto capsule = ctx->saved_data["graphs"].toCapsule();
-    auto* graphs = static_cast<ChunkGraphs*>(capsule.get());
-    WEFT_CHECK(!graphs->spent,
-               "chunked attention: a second backward through the same forward (retain_graph) is "
-               "not supported; set model.llm.attention_chunk = 0");
-    const at::Tensor& g = grad[0];
-    at::Tensor dq, dk, dv;
-    torch::AutoGradMode grad_mode(true);
-    for (size_t c = 0; c < graphs->outputs.size(); ++c) {
-      const AttentionChunk& ch = graphs->chunks[c];
-      const std::array<at::Tensor, 3>& in = graphs->inputs[c];
-      std::vector<at::Tensor> wrt;
-      for (const at::Tensor& t : in)
-        if (t.requires_grad()) wrt.push_back(t);
-      if (wrt.empty()) continue;
-      const variable_list d = torch::autograd::grad(
-          {graphs->outputs[c]}, wrt, {g.narrow(2, ch.q_begin, ch.q_end - ch.q_begin)},
-          /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
-      torch::NoGradGuard no_grad;
-      size_t j = 0;
-      auto take = [&](const at::Tensor& leaf, at::Tensor& full, int64_t from, int64_t to,
-                      bool overlap) {
-        if (!leaf.requires_grad()) return;
-        const at::Tensor& part = d[j++];
-        if (!part.defined()) return;
-        if (!full.defined()) {
-          std::vector<int64_t> shape = part.sizes().vec();
-          shape[2] = graphs->keys;  // q and k have the same length (self-attention)
-          full = overlap ? at::zeros(shape, part.options()) : at::empty(shape, part.options());
+    at::NoGradGuard no_grad;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
+    const auto capsule = ctx->saved_data["tiles"].toCapsule();
+    const Tiles& tiles = *static_cast<const Tiles*>(capsule.get());
+    at::Tensor g = grad[0];
+    if (g.stride(-1) != 1) g = g.contiguous();
+    // Sums of the tiles' gradients, in fp32 for 16-bit inputs (rounded once at the end, as one
+    // kernel's would be); [B, H, S, D] laid out as [B, S, H, D].
+    const at::ScalarType sum_type =
+        at::elementSize(q.scalar_type()) < 4 ? at::kFloat : q.scalar_type();
+    auto like = [&](const at::Tensor& t) {
+      return at::zeros({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options().dtype(sum_type))
+          .transpose(1, 2);
+    };
+    const int64_t H = q.size(1), KV = k.size(1);
+    const int64_t expanded = tiles.expanded_keys(q, H != KV);
+    const Heads ks(k, H, expanded), vs(v, H, expanded);
+    at::Tensor dq = like(q), dk = like(k), dv = like(v);
+    // Gradients of the K/V expanded once, per query head, summed per K/V head at the end.
+    at::Tensor dk_once = ks.once.defined() ? like(ks.once) : at::Tensor();
+    at::Tensor dv_once = ks.once.defined() ? like(vs.once) : at::Tensor();
+    size_t masked = 0;
+    for (size_t ci = 0; ci < tiles.chunks.size(); ++ci) {
+      const AttentionChunk& c = tiles.chunks[ci];
+      const int64_t q0 = c.q_begin, nq = c.q_end - c.q_begin;
+      const at::Tensor qc = q.narrow(2, q0, nq), gc = g.narrow(2, q0, nq);
+      const at::Tensor oc = out.narrow(2, q0, nq);
+      at::Tensor dqc = dq.narrow(2, q0, nq);
+      for (size_t ti = 0; ti < c.tiles.size(); ++ti) {
+        const AttentionTile& t = c.tiles[ti];
+        const bool is_masked = t.kind == TileKind::kMasked;
+        const at::Tensor bias = is_masked ? tiles.masks.bias.at(masked++) : at::Tensor();
+        const int64_t nk = t.k_end - t.k_begin;
+        const Kernel kernel = kernel_for(q, t.kind, tiles.kernels);
+        const std::array<at::Tensor, 3> d = tile_backward(
+            kernel, gc, qc, ks.tile(t.k_begin, nk, kernel), vs.tile(t.k_begin, nk, kernel), oc,
+            tiles.lse[ci], t.kind == TileKind::kCausal, bias, tiles.states[ci][ti], tiles.scale);
+        dqc.add_(d[0]);
+        if (!ks.expands(kernel)) {
+          dk.narrow(2, t.k_begin, nk).add_(d[1]);
+          dv.narrow(2, t.k_begin, nk).add_(d[2]);
+        } else if (dk_once.defined()) {
+          dk_once.narrow(2, t.k_begin, nk).add_(d[1]);
+          dv_once.narrow(2, t.k_begin, nk).add_(d[2]);
+        } else {
+          dk.narrow(2, t.k_begin, nk).add_(per_kv_head(d[1], KV));
+          dv.narrow(2, t.k_begin, nk).add_(per_kv_head(d[2], KV));
         }
-        at::Tensor dst = full.narrow(2, from, to - from);
-        overlap ? dst.add_(part) : dst.copy_(part);
-      };
-      take(in[0], dq, ch.q_begin, ch.q_end, false);  // query blocks do not overlap
-      take(in[1], dk, ch.k_begin, ch.k_end, true);
-      take(in[2], dv, ch.k_begin, ch.k_end, true);
+      }
     }
-    graphs->inputs.clear();  // the chunk graphs are spent
-    graphs->outputs.clear();
-    graphs->spent = true;
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    if (dk_once.defined()) {
+      dk.add_(per_kv_head(dk_once, KV));
+      dv.add_(per_kv_head(dv_once, KV));
+    }
+    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor()};
   }
 };
 
 }  // namespace
 
-std::vector<at::Tensor> chunk_masks(const at::Tensor& mask,
-                                    const std::vector<AttentionChunk>& chunks) {
-  std::vector<at::Tensor> out;
+ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>& chunks) {
+  ChunkMasks out;
   for (const AttentionChunk& c : chunks)
-    out.push_back(mask.narrow(2, c.q_begin, c.q_end - c.q_begin)
-                      .narrow(3, c.k_begin, c.k_end - c.k_begin)
-                      .contiguous());
+    for (const AttentionTile& t : c.tiles) {
+      if (t.kind != TileKind::kMasked) continue;
+      const int64_t nq = c.q_end - c.q_begin, nk = t.k_end - t.k_begin;
+      const at::Tensor part = mask.narrow(2, c.q_begin, nq).narrow(3, t.k_begin, nk);
+      at::Tensor bias;
+      if (mask.scalar_type() == at::kBool) {
+        bias = at::zeros(part.sizes(), part.options().dtype(at::kFloat))
+                   .masked_fill_(part.logical_not(), -kInf);
+      } else {
+        // Rows padded to a multiple of 16 keys: CUDA's memory-efficient kernel reads the bias
+        // in aligned rows (SDPA pads it the same way).
+        const int64_t row = mask.is_cuda() ? (nk + 15) / 16 * 16 : nk;
+        bias = at::empty({part.size(0), 1, nq, row}, part.options()).narrow(3, 0, nk);
+        bias.copy_(part);
+      }
+      out.sees.push_back(bias.isfinite().any(-1));
+      out.bias.push_back(std::move(bias));
+    }
   return out;
 }
 
 at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const std::vector<AttentionChunk>& chunks,
-                             const std::vector<at::Tensor>& masks, double scale) {
-  WEFT_ASSERT(masks.size() == chunks.size() && !chunks.empty(), "chunked_attention: ", masks.size(),
-              " masks for ", chunks.size(), " chunks");
-  int64_t next = 0;  // the blocks tile the queries (dq is written block by block)
+                             const std::vector<AttentionChunk>& chunks, const ChunkMasks& masks,
+                             double scale, TileKernels kernels) {
+  WEFT_ASSERT(!chunks.empty(), "chunked_attention: no chunks");
+  int64_t next = 0;  // the blocks tile the queries in order
+  size_t masked = 0;
   for (const AttentionChunk& c : chunks) {
-    WEFT_ASSERT(c.q_begin == next && c.q_end > c.q_begin && c.k_begin < c.k_end,
+    WEFT_ASSERT(c.q_begin == next && c.q_end > c.q_begin && !c.tiles.empty(),
                 "chunked_attention: blocks must tile the queries in order");
     next = c.q_end;
+    for (const AttentionTile& t : c.tiles) {
+      WEFT_ASSERT(t.k_begin < t.k_end && t.k_end <= k.size(2), "chunked_attention: a bad tile");
+      WEFT_ASSERT(t.kind != TileKind::kCausal || (t.k_begin == c.q_begin && t.k_end == c.q_end),
+                  "chunked_attention: a causal tile must be the block's diagonal");
+      masked += t.kind == TileKind::kMasked;
+    }
   }
   WEFT_ASSERT(q.size(2) == k.size(2) && next == q.size(2),
               "chunked_attention: chunks for self-attention over all ", q.size(2), " positions");
+  WEFT_ASSERT(masks.bias.size() == masked && masks.sees.size() == masked,
+              "chunked_attention: ", masks.bias.size(), " masks for ", masked, " masked tiles");
   g_calls.fetch_add(1, std::memory_order_relaxed);
-  const int64_t B = q.size(0), H = q.size(1), KV = k.size(1), Sk = k.size(2), D = k.size(3);
-  at::Tensor ke = k, ve = v;
-  if (H != KV) {  // once here, not once per chunk
-    ke = k.unsqueeze(2).expand({B, KV, H / KV, Sk, D}).reshape({B, H, Sk, D});
-    ve = v.unsqueeze(2).expand({B, KV, H / KV, Sk, D}).reshape({B, H, Sk, D});
-  }
-  return ChunkedAttentionFn::apply(q, ke, ve, chunks, masks, scale);
+  WEFT_ASSERT(q.size(1) % k.size(1) == 0, "chunked_attention: ", q.size(1), " query heads over ",
+              k.size(1), " K/V heads");
+  auto tiles = c10::make_intrusive<Tiles>();
+  tiles->chunks = chunks;
+  tiles->masks = masks;
+  tiles->kernels = kernels;
+  tiles->scale = scale;
+  return TiledAttentionFn::apply(q, k, v, tiles);
 }
+
+bool chunked_attention_has_kernels() { return kKernels; }
 
 int64_t chunked_attention_calls() { return g_calls.load(std::memory_order_relaxed); }
 

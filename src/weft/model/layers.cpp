@@ -225,7 +225,7 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  at::Tensor o = !mask.chunk_masks.empty()
+  at::Tensor o = !mask.chunks.empty()
                      ? chunked_attention(q, k, v, mask.chunks, mask.chunk_masks, scale)
                      : compat::attention(
                            q, k, v, mask.prepared.defined() ? mask.prepared : mask.visible, scale);

@@ -18,6 +18,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/model/chunked_attention.h"
 #include "weft/model/mask.h"
 
 namespace weft::model {
@@ -170,11 +171,11 @@ struct AttentionMask {
   // `visible` as attention takes it (compat::attention_mask): made once for all the blocks
   // of a forward (Llm::blocks_forward); undefined = take `visible`.
   at::Tensor prepared;
-  // Blocks of queries and the keys they see (model::attention_chunks; empty = attention over
-  // all keys at once), and each block's part of the mask, made once per forward where
-  // attention is LibTorch's SDPA (model::chunked_attention).
+  // Blocks of queries and the tiles of keys they see (model::attention_chunks; empty = one
+  // attention over all keys), and the masked tiles' parts of the mask, made once per forward
+  // (Llm::blocks_forward) where LibTorch has the tile kernels (model::chunked_attention).
   std::vector<AttentionChunk> chunks;
-  std::vector<at::Tensor> chunk_masks;
+  ChunkMasks chunk_masks;
 };
 
 // Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-

@@ -70,11 +70,11 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
   AttentionMask mask = mask_in;  // the mask converted once here, not in every block
   if (!mask.prepared.defined())
     mask.prepared = compat::attention_mask(mask.visible, x_in.scalar_type());
-  // Blocks of queries over the keys they see (the runtime fills `chunks` where attention is
-  // SDPA, which skips nothing under a mask). Not under CP.
-  if (!compat::kHasSdpa || mask.kv_order.defined() || !mask.prepared.defined()) mask.chunks.clear();
-  if (!mask.chunks.empty() && mask.chunk_masks.empty())
-    mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks);
+  // Blocks of queries over tiles of the keys they see (the runtime fills `chunks`). Not under
+  // CP, whose ranks hold the queries in another order.
+  if (!chunked_attention_has_kernels() || mask.kv_order.defined() || !mask.prepared.defined())
+    mask.chunks.clear();
+  if (!mask.chunks.empty()) mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks);
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
     if (!spec.recompute) {

@@ -3,7 +3,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <unordered_map>
+#include <map>
+#include <utility>
 
 #include "weft/core/error.h"
 
@@ -25,50 +26,69 @@ std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc_in, const at:
                                              int64_t chunk, double most) {
   WEFT_ASSERT(chunk > 0 && doc_in.dim() == 2 && doc_in.sizes() == item_in.sizes());
   const int64_t B = doc_in.size(0), S = doc_in.size(1);
-  if (S < 2 * chunk) return {};
   const at::Tensor doc = doc_in.to(at::kCPU, at::kLong).contiguous();
   const at::Tensor item = item_in.to(at::kCPU, at::kLong).contiguous();
   const int64_t* dp = doc.data_ptr<int64_t>();
   const int64_t* ip = item.data_ptr<int64_t>();
-  // Per query position (over the rows): the first and one past the last key it sees.
-  std::vector<int64_t> first(static_cast<size_t>(S), S), end(static_cast<size_t>(S), 0);
+  // Per row and query, the keys it sees: one span [lo, hi) when documents and items are
+  // contiguous (a document's start to the query, or to its item's end if that is later).
+  std::vector<int64_t> lo(static_cast<size_t>(B * S)), hi(static_cast<size_t>(B * S));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* d = dp + b * S;
     const int64_t* it = ip + b * S;
-    // A document's first position, an item's last one (of the same document).
-    std::unordered_map<int64_t, int64_t> doc_first, item_last;
+    std::map<int64_t, std::pair<int64_t, int64_t>> docs;  // first and last position
+    std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> items;  // (doc, item)
+    auto extend = [](auto& spans, const auto& key, int64_t s) {
+      auto [span, fresh] = spans.emplace(key, std::make_pair(s, s));
+      if (fresh) return true;
+      if (span->second.second != s - 1) return false;  // resumed after something else
+      span->second.second = s;
+      return true;
+    };
     for (int64_t s = 0; s < S; ++s) {
       if (d[s] < 0) continue;
-      doc_first.emplace(d[s], s);
-      if (it[s] >= 0) item_last[it[s]] = s;
+      if (!extend(docs, d[s], s)) return {};
+      if (it[s] >= 0 && !extend(items, std::make_pair(d[s], it[s]), s)) return {};
     }
     for (int64_t s = 0; s < S; ++s) {
-      int64_t lo = s, hi = s + 1;  // every token sees itself
-      if (d[s] >= 0) {
-        lo = doc_first.at(d[s]);
-        if (it[s] >= 0) hi = std::max(hi, item_last.at(it[s]) + 1);
-      }
-      first[s] = std::min(first[s], lo);
-      end[s] = std::max(end[s], hi);
+      const size_t at = static_cast<size_t>(b * S + s);
+      lo[at] = s;  // padding sees itself alone
+      hi[at] = s + 1;
+      if (d[s] < 0) continue;
+      lo[at] = docs.at(d[s]).first;
+      if (it[s] >= 0) hi[at] = std::max(hi[at], items.at({d[s], it[s]}).second + 1);
     }
   }
   std::vector<AttentionChunk> chunks;
-  double area = 0;
+  double work = 0;
   for (int64_t q0 = 0; q0 < S; q0 += chunk) {
     AttentionChunk c;
     c.q_begin = q0;
     c.q_end = std::min(S, q0 + chunk);
-    c.k_begin = S;
-    for (int64_t s = c.q_begin; s < c.q_end; ++s) {
-      c.k_begin = std::min(c.k_begin, first[s]);
-      c.k_end = std::max(c.k_end, end[s]);
+    for (int64_t k0 = 0; k0 < S; k0 += chunk) {
+      const int64_t k1 = std::min(S, k0 + chunk);
+      bool all = true, none = true, causal = k0 == q0;
+      for (int64_t b = 0; b < B && (all || none || causal); ++b)
+        for (int64_t s = c.q_begin; s < c.q_end; ++s) {
+          const size_t at = static_cast<size_t>(b * S + s);
+          all = all && lo[at] <= k0 && hi[at] >= k1;
+          none = none && (hi[at] <= k0 || lo[at] >= k1);
+          causal = causal && lo[at] <= k0 && hi[at] == s + 1;
+        }
+      if (none) continue;
+      const TileKind kind = all ? TileKind::kAll : causal ? TileKind::kCausal : TileKind::kMasked;
+      const double area = static_cast<double>(c.q_end - c.q_begin) * static_cast<double>(k1 - k0);
+      work += kind == TileKind::kCausal ? area / 2 : area;
+      if (!c.tiles.empty() && c.tiles.back().k_end == k0 && c.tiles.back().kind == kind &&
+          kind != TileKind::kCausal)
+        c.tiles.back().k_end = k1;  // one call for a run of one kind
+      else
+        c.tiles.push_back({k0, k1, kind});
     }
-    c.k_begin = c.k_begin / 16 * 16;
-    c.k_end = std::min(S, (c.k_end + 15) / 16 * 16);
-    area += static_cast<double>(c.q_end - c.q_begin) * static_cast<double>(c.k_end - c.k_begin);
-    chunks.push_back(c);
+    WEFT_ASSERT(!c.tiles.empty(), "attention_chunks: queries ", c.q_begin, " see no key");
+    chunks.push_back(std::move(c));
   }
-  if (area > most * static_cast<double>(S) * static_cast<double>(S)) return {};
+  if (work > most * static_cast<double>(S) * static_cast<double>(S)) return {};
   return chunks;
 }
 

@@ -13,17 +13,29 @@ namespace weft::model {
 // following weft::visible exactly.
 at::Tensor visible_mask(const at::Tensor& doc, const at::Tensor& item);
 
-// Queries [q_begin, q_end) and a range of keys [k_begin, k_end) holding every key that any of
-// them sees in any row (by weft::visible): attention of those queries over these keys alone is
-// their attention over all keys.
-struct AttentionChunk {
-  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
+// How a tile of the score matrix (a block of queries against a range of keys) is seen, in every
+// row of the batch: every key by every query; the causal triangle of a square tile on the
+// diagonal (query i sees keys <= i); or some other pattern, which needs the mask.
+enum class TileKind : uint8_t { kAll, kCausal, kMasked };
+
+struct AttentionTile {
+  int64_t k_begin = 0, k_end = 0;
+  TileKind kind = TileKind::kMasked;
 };
 
-// Blocks of `chunk` queries and their key ranges (ends rounded out to multiples of 16), from
-// host doc / item [B, S]. Empty when the blocks would still cover more than `most` of the S×S
-// scores (every key visible, short rows): then one attention over all keys is as cheap. Under a
-// causal mask with S = 4·chunk they cover 5/8.
+// Queries [q_begin, q_end) and the tiles of keys they see, in key order: every key any of them
+// sees (in any row, by weft::visible) lies in a tile; keys in no tile are hidden from them all.
+struct AttentionChunk {
+  int64_t q_begin = 0, q_end = 0;
+  std::vector<AttentionTile> tiles;
+};
+
+// Blocks of `chunk` queries and their tiles (key blocks of `chunk` at the same boundaries,
+// adjacent ones of one kind merged, hidden ones dropped), from host doc / item [B, S]. Empty when
+// tiling saves too little: when the tiles' work (a causal tile counting half) is more than `most`
+// of the S×S square, or when the descriptors are not contiguous spans (a document or an item
+// resumed after another; such rows take the whole mask). Under a causal mask a row is one causal
+// tile per block plus one unmasked tile of the keys before it: half the square, no mask.
 std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc, const at::Tensor& item,
                                              int64_t chunk, double most = 0.8);
 
