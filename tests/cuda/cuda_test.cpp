@@ -74,9 +74,10 @@ double tolerance(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 1e-2; }
 TEST_P(CudaKernels, RmsNormMatchesTheCpu) {
   torch::manual_seed(1);
   const at::ScalarType dt = GetParam();
-  // 5000: not a multiple of the block; 1200 rows: several rows per block in the backward.
-  for (const auto& [rows, n] :
-       std::vector<std::pair<int64_t, int64_t>>{{111, 32}, {111, 2048}, {111, 5000}, {1200, 256}}) {
+  // 5000: not a multiple of the block; 1200 rows: several rows per block in the backward; 30:
+  // rows of no whole 16-byte vectors (the scalar kernels), the others vectors.
+  for (const auto& [rows, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {111, 32}, {111, 2048}, {111, 5000}, {1200, 256}, {111, 30}}) {
     const at::Tensor x = torch::randn({3, rows / 3, n}).to(dt);
     const at::Tensor w = torch::rand({n}) + 0.5;
     const std::string what = "rms_norm rows=" + std::to_string(rows) + " n=" + std::to_string(n);
@@ -94,30 +95,38 @@ TEST_P(CudaKernels, RmsNormMatchesTheCpu) {
 TEST_P(CudaKernels, SwigluMatchesTheCpu) {
   torch::manual_seed(2);
   const at::ScalarType dt = GetParam();
-  const at::Tensor gu = torch::randn({5, 19, 2 * 96}).to(dt);
-  expect_same_on_gpu(
-      {gu}, 1, [](const std::vector<at::Tensor>& v) { return model::swiglu(v[0]); }, tolerance(dt),
-      "swiglu");
+  for (int64_t f : {96, 10}) {  // rows of whole 16-byte vectors (the vector kernels), and not
+    const at::Tensor gu = torch::randn({5, 19, 2 * f}).to(dt);
+    expect_same_on_gpu(
+        {gu}, 1, [](const std::vector<at::Tensor>& v) { return model::swiglu(v[0]); },
+        tolerance(dt), "swiglu f=" + std::to_string(f));
+  }
 }
 
 TEST_P(CudaKernels, RopeOfAStridedViewMatchesTheCpu) {
   torch::manual_seed(3);
   const at::ScalarType dt = GetParam();
-  const int64_t B = 2, S = 7, H = 3, D = 16;
-  // q as a view into a fused projection [B, S, 2·H·D], the way attention hands it over.
-  const at::Tensor qk = torch::randn({B, S, 2 * H * D}).to(dt);
-  const at::Tensor angle = torch::rand({B, S, 1, D / 2}) * 6.0;
-  const at::Tensor cos = torch::cat({angle.cos(), angle.cos()}, -1).contiguous();
-  const at::Tensor rot_sin = torch::cat({-angle.sin(), angle.sin()}, -1).contiguous();
-  expect_same_on_gpu(
-      {qk, cos, rot_sin}, 1,
-      [&](const std::vector<at::Tensor>& v) {
-        return model::rope(v[0].narrow(2, 0, H * D).view({B, S, H, D}), v[1], v[2]);
-      },
-      tolerance(dt), "rope",
-      // the gradient comes back from attention head-major: [B, S, H, D] with strides of [B, H, S,
-      // D]
-      [](const at::Tensor& g) { return g.transpose(1, 2).contiguous().transpose(1, 2); });
+  const int64_t B = 2, S = 7, H = 3;
+  // D = 16: the vector kernel (q at the row's start, k after q's heads); D = 12: half rows of 6,
+  // no whole 16-byte vectors (the scalar kernel).
+  for (const auto& [D, first] :
+       std::vector<std::pair<int64_t, int64_t>>{{16, 0}, {16, 1}, {12, 0}}) {
+    // q (or k) as a view into a fused projection [B, S, 2·H·D], the way attention hands it over.
+    const at::Tensor qk = torch::randn({B, S, 2 * H * D}).to(dt);
+    const at::Tensor angle = torch::rand({B, S, 1, D / 2}) * 6.0;
+    const at::Tensor cos = torch::cat({angle.cos(), angle.cos()}, -1).contiguous();
+    const at::Tensor rot_sin = torch::cat({-angle.sin(), angle.sin()}, -1).contiguous();
+    const int64_t d = D, offset = first * H * D;
+    expect_same_on_gpu(
+        {qk, cos, rot_sin}, 1,
+        [&](const std::vector<at::Tensor>& v) {
+          return model::rope(v[0].narrow(2, offset, H * d).view({B, S, H, d}), v[1], v[2]);
+        },
+        tolerance(dt), "rope D=" + std::to_string(D) + (first ? ", k" : ", q"),
+        // the gradient comes back from attention head-major: [B, S, H, D] with strides of [B,
+        // H, S, D]
+        [](const at::Tensor& g) { return g.transpose(1, 2).contiguous().transpose(1, 2); });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaKernels, ::testing::Values(at::kFloat, at::kBFloat16),
