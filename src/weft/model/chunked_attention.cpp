@@ -100,7 +100,9 @@ TileOut tile_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k, co
     case Kernel::kMath: {
       const at::Tensor s = math_scores(q, k, causal, bias, scale);
       at::Tensor lse = s.logsumexp(-1);
-      at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
+      // A row that sees no key: output 0, as the kernels give (not 0/0).
+      const at::Tensor finite = lse.masked_fill(lse.isinf(), 0);
+      at::Tensor p = (s - finite.unsqueeze(-1)).exp_();
       return {at::matmul(p, v.to(at::kFloat)).to(q.scalar_type()), lse, {}, {}};
     }
 #if WEFT_TORCH_AT_LEAST(2, 3)
@@ -231,21 +233,22 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
         out.narrow(2, q0, nq).copy_(parts[0].out);
         lse = parts[0].lse.contiguous();
       } else {
-        // A masked tile's rows that see none of its keys weigh nothing (kernels differ in what
-        // they return for them).
+        // A masked tile's rows that see none of its keys weigh nothing: their log-sum-exp is
+        // -inf (kernels differ in what they return there; their output is 0).
         std::vector<at::Tensor> lses;
-        for (size_t i = 0; i < parts.size(); ++i)
+        for (size_t i = 0; i < parts.size(); ++i) {
           lses.push_back(sees[i].defined() ? parts[i].lse.masked_fill(sees[i].logical_not(), -kInf)
                                            : parts[i].lse);
-        lse = at::stack(lses).logsumexp(0);
+          lse = i == 0 ? lses[0] : at::logaddexp(lse, lses[i]);
+        }
+        // Σ exp(lse_i − lse)·out_i in fp32: one pass over each tile's output, one to store.
         at::Tensor sum;
         for (size_t i = 0; i < parts.size(); ++i) {
-          at::Tensor w = (lses[i] - lse).exp_().unsqueeze(-1);
-          at::Tensor part = parts[i].out.to(at::kFloat).mul_(w);
-          if (sees[i].defined()) part.masked_fill_(sees[i].logical_not().unsqueeze(-1), 0);
-          sum = sum.defined() ? sum.add_(part) : part;
+          const at::Tensor w = (lses[i] - lse).exp_().unsqueeze(-1);
+          sum = i == 0 ? parts[0].out * w : sum.addcmul_(parts[i].out, w);
         }
         out.narrow(2, q0, nq).copy_(sum);
+        lse = lse.contiguous();  // as the kernels' backward reads it
       }
       tiles->lse.push_back(std::move(lse));
       for (TileOut& p : parts) p.out = p.lse = at::Tensor();
@@ -268,14 +271,15 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
     // kernel's would be); [B, H, S, D] laid out as [B, S, H, D].
     const at::ScalarType sum_type =
         at::elementSize(q.scalar_type()) < 4 ? at::kFloat : q.scalar_type();
-    auto like = [&](const at::Tensor& t) {
-      return at::zeros({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options().dtype(sum_type))
-          .transpose(1, 2);
+    auto like = [&](const at::Tensor& t, bool zeros = true) {
+      const std::vector<int64_t> shape = {t.size(0), t.size(2), t.size(1), t.size(3)};
+      const at::TensorOptions o = t.options().dtype(sum_type);
+      return (zeros ? at::zeros(shape, o) : at::empty(shape, o)).transpose(1, 2);
     };
     const int64_t H = q.size(1), KV = k.size(1);
     const int64_t expanded = tiles.expanded_keys(q, H != KV);
     const Heads ks(k, H, expanded), vs(v, H, expanded);
-    at::Tensor dq = like(q), dk = like(k), dv = like(v);
+    at::Tensor dq = like(q, false), dk = like(k), dv = like(v);  // each block's dq: its tiles
     // Gradients of the K/V expanded once, per query head, summed per K/V head at the end.
     at::Tensor dk_once = ks.once.defined() ? like(ks.once) : at::Tensor();
     at::Tensor dv_once = ks.once.defined() ? like(vs.once) : at::Tensor();
@@ -295,7 +299,7 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
         const std::array<at::Tensor, 3> d = tile_backward(
             kernel, gc, qc, ks.tile(t.k_begin, nk, kernel), vs.tile(t.k_begin, nk, kernel), oc,
             tiles.lse[ci], t.kind == TileKind::kCausal, bias, tiles.states[ci][ti], tiles.scale);
-        dqc.add_(d[0]);
+        ti == 0 ? dqc.copy_(d[0]) : dqc.add_(d[0]);
         if (!ks.expands(kernel)) {
           dk.narrow(2, t.k_begin, nk).add_(d[1]);
           dv.narrow(2, t.k_begin, nk).add_(d[2]);
