@@ -671,6 +671,7 @@ Summary Trainer::run() {
     QueuedStep q;
     StepBatch batch;
     double data_seconds = 0;
+    int64_t data_skipped = 0;  // bad records found so far, this step's included (not the next's)
   };
   double last_done = now_seconds();
   auto complete = [&](Pending& p, bool next_in_flight) {
@@ -734,7 +735,7 @@ Summary Trainer::run() {
       line["moe_expert_load"] = r.load;
     }
     if (skipped) line["skipped"] = true;
-    if (m.dataset->skipped() > 0) line["data_skipped"] = m.dataset->skipped();  // bad records
+    if (p.data_skipped > 0) line["data_skipped"] = p.data_skipped;  // bad records
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
     if (comm.size() > 1) {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
@@ -766,6 +767,7 @@ Summary Trainer::run() {
       Pending current;
       current.batch = prepare_step(step);
       current.data_seconds = now_seconds() - t0;
+      current.data_skipped = m.dataset->skipped();
       const bool traced = step + 1 == spec.output.trace_step;
       m.runtime->set_tracing(traced);
       current.q = queue_step(current.batch, step);
