@@ -44,7 +44,7 @@ class StepTrace {
   explicit StepTrace(std::string path) : path_(std::move(path)) {
 #ifdef WEFT_CUDA
     namespace impl = torch::profiler::impl;
-    const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+    const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
     const std::set<impl::ActivityType> activities{impl::ActivityType::CPU,
                                                   impl::ActivityType::CUDA};
     torch::autograd::profiler::prepareProfiler(config, activities);
