@@ -195,24 +195,27 @@ TEST(Cuda, SumOfSquaresOfDeviceTensors) {
 // Attention in tiles on the GPU (model::chunked_attention: flash attention for unmasked and
 // causal tiles in bf16, with grouped K/V heads as they are; memory-efficient attention with the
 // mask's bias for masked tiles and for fp32) against softmax attention in double on the CPU:
-// outputs and dq, dk, dv. Rows of packed documents with images (bidirectional) and padding, 4
-// query heads over 2 K/V heads, head dim 64, blocks of 64 queries; the same tiles through the
-// fp32 reference kernels too.
+// outputs and dq, dk, dv. 4 query heads over 2 K/V heads, head dim 64, blocks of 64 queries over
+// 200 positions (the last block 8); row 0 one document with two images, row 1 a second document
+// from 64, so its queries see none of the masked tile of keys 0-64 beside their unmasked and
+// causal tiles; the last block's masked tile is 8 keys wide. The same tiles through the fp32
+// reference kernels too.
 TEST(CudaAttention, TilesMatchOneAttention) {
-  const int64_t B = 2, H = 4, KV = 2, S = 256, D = 64;
+  const int64_t B = 2, H = 4, KV = 2, S = 200, D = 64;
   at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
-  item[0].narrow(0, 100, 40).fill_(0);  // an image across two blocks
-  doc[1].narrow(0, 160, 96).fill_(1);   // a second document with an image, then padding
-  item[1].narrow(0, 170, 20).fill_(0);
-  doc[1].narrow(0, S - 10, 10).fill_(-1);
+  item[0].narrow(0, 20, 10).fill_(0);
+  item[0].narrow(0, 195, 4).fill_(1);
+  doc[1].narrow(0, 64, S - 64).fill_(1);
   const std::vector<model::AttentionChunk> chunks =
       model::attention_chunks(doc, item, 64, /*most=*/1.0);
-  ASSERT_EQ(chunks.size(), 4u);
-  int kinds[3] = {0, 0, 0};
-  for (const model::AttentionChunk& c : chunks)
-    for (const model::AttentionTile& t : c.tiles) ++kinds[static_cast<int>(t.kind)];
-  EXPECT_GT(kinds[0], 0);  // unmasked tiles, masked ones: both kernels run in bf16
-  EXPECT_GT(kinds[2], 0);
+  std::string tiles;
+  for (const model::AttentionChunk& c : chunks) {
+    for (const model::AttentionTile& t : c.tiles)
+      tiles += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
+               "ACM"[static_cast<int>(t.kind)] + " ";
+    tiles += "| ";
+  }
+  ASSERT_EQ(tiles, "0-64M | 0-64M 64-128C | 0-64M 64-128A 128-192C | 0-64M 64-192A 192-200M | ");
   const at::Tensor visible = model::visible_mask(doc, item).to(kGpu);
   torch::manual_seed(5);
   const at::Tensor q0 = torch::randn({B, H, S, D}), k0 = torch::randn({B, KV, S, D});
@@ -240,7 +243,7 @@ TEST(CudaAttention, TilesMatchOneAttention) {
       };
       at::Tensor q = on_gpu(q0), k = on_gpu(k0), v = on_gpu(v0);
       const model::ChunkMasks masks =
-          model::chunk_masks(compat::attention_mask(visible, dt), chunks);
+          model::chunk_masks(compat::attention_mask(visible, dt), chunks, dt);
       at::Tensor o = model::chunked_attention(q, k, v, chunks, masks, 0.125, kernels);
       ASSERT_TRUE(o.is_cuda());
       o.backward(up.to(kGpu, dt));

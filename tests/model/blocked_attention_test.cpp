@@ -166,48 +166,69 @@ TEST(BlockedAttention, PreparedMaskGivesWhatTheBooleanOneGives) {
 // Attention by query blocks over tiles of their keys (model::chunked_attention), the tiles merged
 // by their log-sum-exps, gives what one attention over all keys gives: outputs and the gradients
 // of q, k and v; with LibTorch's kernels and with the fp32 reference tiles; grouped-query heads;
-// fp32 and bf16; on a mix of documents, images and padding where most tiles are masked, on
-// causal rows with an image, where unmasked, causal and masked tiles meet in one block, and on
-// causal text in one causal tile.
+// fp32 and bf16. The layouts: documents, images and padding mixed over the rows (most tiles
+// masked); causal rows with an image (unmasked and causal tiles, unmasked and masked ones in a
+// block); causal text in one causal tile (K/V expanded for that tile alone); a block of three
+// tiles, a masked one where a row sees none of its keys (its second document starts later); and
+// blocks that do not divide the row (the last one shorter).
 TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
   const int64_t B = 2, H = 4, KV = 2, S = 48, D = 8;
-  at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
-  item[0].narrow(0, 18, 10).fill_(0);  // an image across two blocks
-  doc[1].narrow(0, 30, 18).fill_(1);   // a second document
-  item[1].narrow(0, 33, 6).fill_(0);
-  doc[1].narrow(0, S - 3, 3).fill_(-1);  // padding
-  at::Tensor doc2 = torch::zeros({B, S}, torch::kInt);
-  at::Tensor item2 = torch::full({B, S}, -1, torch::kInt);
-  item2.narrow(1, 36, 6).fill_(0);  // the same image in both rows, inside the last block
-  const at::Tensor text = torch::full({B, S}, -1, torch::kInt);
-  for (int mix = 0; mix < 3; ++mix) {
-    const at::Tensor& d = mix == 0 ? doc : doc2;
-    const at::Tensor& it = mix == 0 ? item : mix == 1 ? item2 : text;
-    const at::Tensor visible = visible_mask(d, it);
-    // The last: causal text in one block of all 48 queries, one causal tile (K/V expanded for
-    // that tile alone).
+  struct Case {
+    std::string name;
+    at::Tensor doc, item;
+    int64_t chunk;
+    std::string tiles;  // expected: per block, each tile's keys and kind (A, C, M)
+  };
+  auto zeros = [&] { return torch::zeros({B, S}, torch::kInt); };
+  auto text = [&] { return torch::full({B, S}, -1, torch::kInt); };
+  std::vector<Case> cases;
+  {
+    Case c{"mixed rows", zeros(), text(), 16, ""};
+    c.item[0].narrow(0, 18, 10).fill_(0);  // an image across two blocks
+    c.doc[1].narrow(0, 30, 18).fill_(1);   // a second document
+    c.item[1].narrow(0, 33, 6).fill_(0);
+    c.doc[1].narrow(0, S - 3, 3).fill_(-1);  // padding
+    c.tiles = "0-16C | 0-32M | 0-48M | ";
+    cases.push_back(c);
+  }
+  {
+    Case c{"causal rows with an image", zeros(), text(), 16,
+           "0-16C | 0-16A 16-32C | 0-32A 32-48M | "};
+    c.item.narrow(1, 36, 6).fill_(0);  // the same image in both rows, inside the last block
+    cases.push_back(c);
+  }
+  cases.push_back({"causal text, one tile", zeros(), text(), S, "0-48C | "});
+  {
+    Case c{"a row that sees none of a masked tile", zeros(), text(), 16,
+           "0-16C | 0-16M 16-32C | 0-16M 16-32A 32-48M | "};
+    c.item[0].narrow(0, 36, 4).fill_(0);
+    c.doc[1].narrow(0, 16, 32).fill_(1);  // row 1: a second document from 16
+    cases.push_back(c);
+  }
+  {
+    Case c{"blocks that do not divide the row", zeros(), text(), 20,
+           "0-20C | 0-20A 20-40M | 0-40A 40-48C | "};
+    c.item.narrow(1, 36, 3).fill_(0);
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const at::Tensor visible = visible_mask(c.doc, c.item);
     const std::vector<AttentionChunk> chunks =
-        attention_chunks(d, it, mix == 2 ? S : 16, /*most=*/1.0);
-    ASSERT_EQ(chunks.size(), mix == 2 ? 1u : 3u);
-    if (mix == 2) {
-      ASSERT_EQ(chunks[0].tiles.size(), 1u);
-      EXPECT_EQ(chunks[0].tiles[0].kind, TileKind::kCausal);
-    } else if (mix == 0) {
-      EXPECT_LT(chunks[0].tiles.back().k_end, S);  // something is skipped
-    } else {                                       // 0-16A 16-32A 32-48M merged: 0-32A 32-48M
-      ASSERT_EQ(chunks[1].tiles.size(), 2u);
-      EXPECT_EQ(chunks[1].tiles[1].kind, TileKind::kCausal);
-      ASSERT_EQ(chunks[2].tiles.size(), 2u);
-      EXPECT_EQ(chunks[2].tiles[0].kind, TileKind::kAll);
-      EXPECT_EQ(chunks[2].tiles[1].kind, TileKind::kMasked);
+        attention_chunks(c.doc, c.item, c.chunk, /*most=*/1.0);
+    std::string tiles;
+    for (const AttentionChunk& ch : chunks) {
+      for (const AttentionTile& t : ch.tiles)
+        tiles += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
+                 "ACM"[static_cast<int>(t.kind)] + " ";
+      tiles += "| ";
     }
+    EXPECT_EQ(tiles, c.tiles);
     for (TileKernels kernels : {TileKernels::kFastest, TileKernels::kMath})
       for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-        SCOPED_TRACE(std::string(mix == 0   ? "mixed rows"
-                                 : mix == 1 ? "causal rows with an image"
-                                            : "causal text, one tile") +
-                     (kernels == TileKernels::kMath ? ", fp32 reference tiles" : ", kernels") +
-                     (dt == at::kFloat ? ", fp32" : ", bf16"));
+        SCOPED_TRACE(
+            std::string(kernels == TileKernels::kMath ? "fp32 reference tiles" : "kernels") +
+            (dt == at::kFloat ? ", fp32" : ", bf16"));
         const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
         const at::Tensor prepared = compat::attention_mask(visible, dt);
         std::vector<at::Tensor> got, want;
@@ -216,10 +237,11 @@ TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
           at::Tensor q = torch::randn({B, H, S, D}).to(dt).requires_grad_(true);
           at::Tensor k = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
           at::Tensor v = torch::randn({B, KV, S, D}).to(dt).requires_grad_(true);
-          at::Tensor o = chunked ? chunked_attention(q, k, v, chunks, chunk_masks(prepared, chunks),
-                                                     0.3, kernels)
-                                 : reference(q.to(at::kDouble), k.to(at::kDouble),
-                                             v.to(at::kDouble), visible, 0.3);
+          at::Tensor o = chunked
+                             ? chunked_attention(q, k, v, chunks, chunk_masks(prepared, chunks, dt),
+                                                 0.3, kernels)
+                             : reference(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble),
+                                         visible, 0.3);
           EXPECT_EQ(o.sizes(), q.sizes());
           o.backward(torch::randn(o.sizes()).to(dt).to(o.scalar_type()));
           (chunked ? got : want)
@@ -241,7 +263,8 @@ TEST(ChunkedAttention, ASecondBackwardGivesTheSameGradients) {
   ASSERT_FALSE(chunks.empty());
   const at::Tensor masks = compat::attention_mask(visible_mask(doc, item), at::kFloat);
   at::Tensor q = torch::randn({1, 2, S, 4}).requires_grad_(true);
-  at::Tensor o = chunked_attention(q, q, q, chunks, chunk_masks(masks, chunks), 0.5).sum();
+  at::Tensor o =
+      chunked_attention(q, q, q, chunks, chunk_masks(masks, chunks, at::kFloat), 0.5).sum();
   o.backward({}, /*retain_graph=*/true);
   const at::Tensor first = q.grad().clone();
   q.grad().zero_();

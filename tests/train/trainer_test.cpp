@@ -220,8 +220,8 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
     const int64_t calls = model::chunked_attention_calls();
     t.run();
     // The tiles run where LibTorch has their kernels (2.3 on), and only when asked for.
-    const bool chunked =
-        variant[0] != "model.llm.attention_chunk=0" && model::chunked_attention_has_kernels();
+    const bool chunked = variant[0] != "model.llm.attention_chunk=0" &&
+                         model::chunked_attention_has_kernels(c10::Device(at::kCPU), at::kFloat, 8);
     EXPECT_EQ(model::chunked_attention_calls() > calls, chunked) << variant[0];
     losses.push_back(run_losses(out));
     params.push_back(snapshot(t.model()));

@@ -27,23 +27,35 @@ constexpr bool kKernels = WEFT_TORCH_AT_LEAST(2, 3);
 
 enum class Kernel { kMath, kCpuFlash, kCudaFlash, kCudaEfficient };
 
-Kernel kernel_for(const at::Tensor& q, TileKind kind, TileKernels kernels) {
+// The kernel for a tile of `kind` with queries on `device` in `dtype` and heads of D: the
+// fused ones within LibTorch's own limits for them (sdp_utils), else the fp32 reference.
+Kernel kernel_for(c10::Device device, at::ScalarType dtype, int64_t D, TileKind kind,
+                  TileKernels kernels) {
   if (!kKernels || kernels == TileKernels::kMath) return Kernel::kMath;
-  const int64_t D = q.size(3);
-  if (q.is_cpu()) return Kernel::kCpuFlash;
+  if (device.is_cpu()) return Kernel::kCpuFlash;
 #ifdef WEFT_CUDA
-  if (q.is_cuda() && D % 8 == 0) {
-    const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-    if (kind != TileKind::kMasked && half && D <= 256 &&
-        at::cuda::getDeviceProperties(q.device().index())->major >= 8)
+  if (device.is_cuda() && D % 8 == 0) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index());
+    const int sm = prop->major * 10 + prop->minor;
+    const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+    // Flash: sm80 on, heads up to 256 (over 192 its backward only on sm80 and sm90).
+    if (kind != TileKind::kMasked && half && sm >= 80 &&
+        (D <= 192 || (D <= 256 && (sm == 80 || sm == 90))))
       return Kernel::kCudaFlash;
-    return Kernel::kCudaEfficient;
+    // Memory-efficient: bf16 from sm80, fp16 and fp32 from sm50.
+    if (dtype == at::kFloat || dtype == at::kHalf || (dtype == at::kBFloat16 && sm >= 80))
+      return Kernel::kCudaEfficient;
   }
 #else
-  (void)kind;
+  (void)dtype;
   (void)D;
+  (void)kind;
 #endif
   return Kernel::kMath;
+}
+
+Kernel kernel_for(const at::Tensor& q, TileKind kind, TileKernels kernels) {
+  return kernel_for(q.device(), q.scalar_type(), q.size(3), kind, kernels);
 }
 
 // CUDA's flash attention maps query head h to K/V head h / (H / KV) itself (forward and
@@ -241,11 +253,18 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
                                            : parts[i].lse);
           lse = i == 0 ? lses[0] : at::logaddexp(lse, lses[i]);
         }
-        // Σ exp(lse_i − lse)·out_i in fp32: one pass over each tile's output, one to store.
+        // Σ exp(lse_i − lse)·out_i in fp32: one pass over each tile's output, one to store. A
+        // masked tile's rows that see none of its keys add 0 whatever the kernel left there.
         at::Tensor sum;
         for (size_t i = 0; i < parts.size(); ++i) {
           const at::Tensor w = (lses[i] - lse).exp_().unsqueeze(-1);
-          sum = i == 0 ? parts[0].out * w : sum.addcmul_(parts[i].out, w);
+          if (sees[i].defined()) {
+            const at::Tensor part =
+                (parts[i].out * w).masked_fill_(sees[i].logical_not().unsqueeze(-1), 0);
+            sum = i == 0 ? part : sum.add_(part);
+          } else {
+            sum = i == 0 ? parts[0].out * w : sum.addcmul_(parts[i].out, w);
+          }
         }
         out.narrow(2, q0, nq).copy_(sum);
         lse = lse.contiguous();  // as the kernels' backward reads it
@@ -307,8 +326,8 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
           dk_once.narrow(2, t.k_begin, nk).add_(d[1]);
           dv_once.narrow(2, t.k_begin, nk).add_(d[2]);
         } else {
-          dk.narrow(2, t.k_begin, nk).add_(per_kv_head(d[1], KV));
-          dv.narrow(2, t.k_begin, nk).add_(per_kv_head(d[2], KV));
+          dk.narrow(2, t.k_begin, nk).add_(per_kv_head(d[1].to(sum_type), KV));
+          dv.narrow(2, t.k_begin, nk).add_(per_kv_head(d[2].to(sum_type), KV));
         }
       }
     }
@@ -322,24 +341,23 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
 
 }  // namespace
 
-ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>& chunks) {
+ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>& chunks,
+                       at::ScalarType dtype) {
   ChunkMasks out;
   for (const AttentionChunk& c : chunks)
     for (const AttentionTile& t : c.tiles) {
       if (t.kind != TileKind::kMasked) continue;
       const int64_t nq = c.q_end - c.q_begin, nk = t.k_end - t.k_begin;
       const at::Tensor part = mask.narrow(2, c.q_begin, nq).narrow(3, t.k_begin, nk);
-      at::Tensor bias;
-      if (mask.scalar_type() == at::kBool) {
-        bias = at::zeros(part.sizes(), part.options().dtype(at::kFloat))
-                   .masked_fill_(part.logical_not(), -kInf);
-      } else {
-        // Rows padded to a multiple of 16 keys: CUDA's memory-efficient kernel reads the bias
-        // in aligned rows (SDPA pads it the same way).
-        const int64_t row = mask.is_cuda() ? (nk + 15) / 16 * 16 : nk;
-        bias = at::empty({part.size(0), 1, nq, row}, part.options()).narrow(3, 0, nk);
+      // Rows padded to a multiple of 16 keys on CUDA: its memory-efficient kernel reads the bias
+      // in aligned rows (SDPA pads it the same way).
+      const int64_t row = mask.is_cuda() ? (nk + 15) / 16 * 16 : nk;
+      at::Tensor bias =
+          at::empty({part.size(0), 1, nq, row}, part.options().dtype(dtype)).narrow(3, 0, nk);
+      if (mask.scalar_type() == at::kBool)
+        bias.fill_(0).masked_fill_(part.logical_not(), -kInf);
+      else
         bias.copy_(part);
-      }
       out.sees.push_back(bias.isfinite().any(-1));
       out.bias.push_back(std::move(bias));
     }
@@ -356,8 +374,11 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
     WEFT_ASSERT(c.q_begin == next && c.q_end > c.q_begin && !c.tiles.empty(),
                 "chunked_attention: blocks must tile the queries in order");
     next = c.q_end;
+    int64_t k_next = 0;  // a block's tiles in key order, apart
     for (const AttentionTile& t : c.tiles) {
-      WEFT_ASSERT(t.k_begin < t.k_end && t.k_end <= k.size(2), "chunked_attention: a bad tile");
+      WEFT_ASSERT(t.k_begin >= k_next && t.k_begin < t.k_end && t.k_end <= k.size(2),
+                  "chunked_attention: tiles must be ranges of keys in order, apart");
+      k_next = t.k_end;
       WEFT_ASSERT(t.kind != TileKind::kCausal || (t.k_begin == c.q_begin && t.k_end == c.q_end),
                   "chunked_attention: a causal tile must be the block's diagonal");
       masked += t.kind == TileKind::kMasked;
@@ -378,7 +399,12 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return TiledAttentionFn::apply(q, k, v, tiles);
 }
 
-bool chunked_attention_has_kernels() { return kKernels; }
+bool chunked_attention_has_kernels(c10::Device device, at::ScalarType dtype, int64_t head_dim) {
+  for (TileKind kind : {TileKind::kAll, TileKind::kCausal, TileKind::kMasked})
+    if (kernel_for(device, dtype, head_dim, kind, TileKernels::kFastest) == Kernel::kMath)
+      return false;
+  return true;
+}
 
 int64_t chunked_attention_calls() { return g_calls.load(std::memory_order_relaxed); }
 

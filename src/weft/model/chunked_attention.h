@@ -14,11 +14,14 @@
 //
 // Backward runs each tile's kernel backward with the block's merged output and log-sum-exp, which
 // gives that tile's exact share of dq, dk and dv; key and value gradients are summed into their
-// ranges in place. Saves q, k, v, the output and one fp32 log-sum-exp per query: no per-tile
-// activations.
+// ranges in place. Saves q, k, v, the output and one fp32 log-sum-exp per query and head: no
+// per-tile activations. Backward sums the gradients of 16-bit inputs in fp32 buffers of dq, dk
+// and dv (of K/V expanded to H heads, when expanded once).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <vector>
@@ -35,24 +38,26 @@ struct ChunkMasks {
   bool empty() const { return sees.empty(); }
 };
 
-// `mask`: [B, 1, S, S], boolean (true = visible) or compat::attention_mask's additive form. The
-// bias keeps an additive mask's dtype (a boolean one becomes fp32).
-ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>& chunks);
+// `mask`: [B, 1, S, S], boolean (true = visible) or compat::attention_mask's additive form; the
+// bias in `dtype`, the queries' (CUDA's memory-efficient kernel takes no other).
+ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>& chunks,
+                       at::ScalarType dtype);
 
 enum class TileKernels { kFastest, kMath };
 
 // Same contract as compat::attention (q [B, H, S, D]; k, v [B, KV, S, D], self-attention), with
 // the mask given as `chunks` and their `masks`. CUDA's flash attention takes grouped K/V heads
 // as they are; for the other kernels they are expanded to H heads (once, or per tile when the
-// tiles that need it read fewer than S keys). Output [B, H, S, D], laid out as [B, S, H, D] so
-// the caller's transpose back is free.
+// tiles that need it read at most S keys between them). Output [B, H, S, D], laid out as [B, S, H,
+// D] so the caller's transpose back is free.
 at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::vector<AttentionChunk>& chunks, const ChunkMasks& masks,
                              double scale, TileKernels kernels = TileKernels::kFastest);
 
-// Whether this LibTorch has a fused kernel for every tile on the CPU and on CUDA (2.3 on);
-// before, tiles take kMath, which is slower than one attention over all keys.
-bool chunked_attention_has_kernels();
+// Whether LibTorch has a fused kernel for every kind of tile for queries on `device` in `dtype`
+// with heads of `head_dim` (from 2.3 on; on CUDA within the kernels' limits of GPU, dtype and
+// head size). Where it has not, tiles would take kMath, slower than one attention over all keys.
+bool chunked_attention_has_kernels(c10::Device device, at::ScalarType dtype, int64_t head_dim);
 
 // How many chunked_attention calls this process made (tests check that the path runs).
 int64_t chunked_attention_calls();

@@ -72,9 +72,11 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
     mask.prepared = compat::attention_mask(mask.visible, x_in.scalar_type());
   // Blocks of queries over tiles of the keys they see (the runtime fills `chunks`). Not under
   // CP, whose ranks hold the queries in another order.
-  if (!chunked_attention_has_kernels() || mask.kv_order.defined() || !mask.prepared.defined())
+  if (!chunked_attention_has_kernels(x_in.device(), x_in.scalar_type(), spec.head_dim()) ||
+      mask.kv_order.defined() || !mask.prepared.defined())
     mask.chunks.clear();
-  if (!mask.chunks.empty()) mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks);
+  if (!mask.chunks.empty())
+    mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks, x_in.scalar_type());
   at::Tensor x = x_in;
   for (const LlmBlock& b : blocks) {
     if (!spec.recompute) {
