@@ -2,7 +2,8 @@
 """Training-step benchmark on one GPU: weft against the PyTorch-eager reference, in one run.
 
     python3 bench/gpu_step.py [--build build-cuda] [--config configs/gpu-1b-vlm.toml]
-                              [--steps 10] [--warmup 3] [--device cuda] [--set K=V]... [--write]
+                              [--steps 10] [--warmup 3] [--device cuda] [--set K=V]...
+                              [--ablate K=V]... [--no-ablate] [--write]
 
 Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
 eager reference runs under the same interpreter (sys.executable). It runs, one after another:
@@ -13,6 +14,9 @@ eager reference runs under the same interpreter (sys.executable). It runs, one a
           steps in idiomatic PyTorch: autocast bf16, torch.optim.AdamW,
           scaled_dot_product_attention, Hugging Face-style loss over every position's logits;
           timed the same way: the next step queued before a CUDA event says this one is done)
+and then weft again with each ablation (--ablate K=V, repeatable; by default
+`model.llm.attention_chunk=0`, attention as one SDPA call with the mask instead of tiles), each
+row with its step time against weft's in the same run. It
 checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
 table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
 own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and
@@ -83,6 +87,10 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for weft (and so for the dump both sides run), "
                     "e.g. model.llm.attention_chunk=0; repeatable")
+    ap.add_argument("--ablate", action="append", default=[], metavar="KEY=VALUE",
+                    help="also time weft with this override, in the same run (repeatable; "
+                    "default: model.llm.attention_chunk=0)")
+    ap.add_argument("--no-ablate", action="store_true", help="no ablation runs")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
     build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
@@ -94,18 +102,29 @@ def main():
                  else "the given peak" if peak_flops else
                  "weft's measured matmul peak on the " + ("device" if cuda else "CPU"))
 
+    ablations = [] if args.no_ablate else (args.ablate or ["model.llm.attention_chunk=0"])
+
+    def weft(extra, dump=None):
+        return run_json([os.path.join(build, "weft"), "bench", "step", args.config,
+                         "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--set", f"train.device={args.device}"]
+                        + (["--dump", dump] if dump else [])
+                        + [a for kv in args.set + extra for a in ("--set", kv)]
+                        + (["--peak-flops", str(peak_flops)] if peak_flops else []))
+
     with tempfile.TemporaryDirectory() as tmp:
         dump = os.path.join(tmp, "dump")
-        w = run_json([os.path.join(build, "weft"), "bench", "step", args.config,
-                      "--steps", str(args.steps), "--warmup", str(args.warmup),
-                      "--set", f"train.device={args.device}", "--dump", dump]
-                     + [a for kv in args.set for a in ("--set", kv)]
-                     + (["--peak-flops", str(peak_flops)] if peak_flops else []))
+        w = weft([], dump)
         e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"), dump,
                       "--device", args.device])
         with open(os.path.join(dump, "bench.json")) as f:
             bench = json.load(f)
     check_losses(w, e, f"{args.config} weft vs eager")
+    ablated = []
+    for kv in ablations:
+        a = weft([kv])
+        check_losses(a, w, f"{args.config} weft with {kv} vs weft")
+        ablated.append((kv, a))
 
     # Eager MFU with weft's FLOPs per step and weft's peak (the dump's bench.json).
     timed = bench["step"][bench["warmup"]:]
@@ -140,6 +159,18 @@ def main():
         f"| eager / weft | {ratio(es, ws)} | {ratio(et, wt)} | {ratio(em, wm)} | "
         f"{ratio(eb, wb)} |",
         "",
+    ]
+    if ablated:
+        table += ["| weft with | step s (median) | step / weft's | MFU | peak memory MiB |",
+                  "|---|---|---|---|---|"]
+        for kv, a in ablated:
+            a_mem = (a.get("device_peak_bytes", a["step_peak_bytes"]) if cuda
+                     else a["step_peak_bytes"])
+            table.append(f"| `{kv}` | {a['median_step_seconds']:.3f} | "
+                         f"{ratio(a['median_step_seconds'], ws)} | {100 * a['mfu']:.1f}% | "
+                         f"{mib(a_mem):.0f} |")
+        table.append("")
+    table += [
         f"speed-up of weft (eager step time / weft step time): **{ratio(es, ws)}**; "
         f"memory eager/weft: {ratio(eb, wb)}",
         "",
@@ -152,6 +183,9 @@ def main():
                              ("steps", 10), ("warmup", 3), ("device", "cuda")):
             if getattr(args, opt) != default:
                 repro += f" --{opt} {getattr(args, opt)}"
+        repro += "".join(f" --set {kv}" for kv in args.set)
+        repro += (" --no-ablate" if args.no_ablate else
+                  "".join(f" --ablate {kv}" for kv in args.ablate))
         lines = [BEGIN, "## Training step on one GPU: weft vs PyTorch eager", "",
                  f"Device: {device}; PyTorch (Python) {e['torch']} ({attention} attention), "
                  f"weft built against LibTorch {w['torch']}. Host: {results_md.machine()}. "
