@@ -7,10 +7,11 @@
 // square, most of them without a mask. Where LibTorch 1.13's own path (blocked_attention) skips
 // hidden key blocks itself, it is not needed.
 //
-// Kernels per tile, by device: on CUDA, flash attention for unmasked and causal tiles (bf16 /
-// fp16, head dim a multiple of 8 up to 256, sm80 and later), memory-efficient attention with a
-// bias otherwise; on the CPU LibTorch's flash attention (2.3 on, masks included); and a reference
-// in fp32 ATen ops (kMath: LibTorch before 2.3, head dims no kernel takes, and tests).
+// Kernels per tile, by device, within LibTorch's own limits for them: on CUDA, flash attention for
+// unmasked and causal tiles (bf16 / fp16 from sm80, head dim a multiple of 8 up to 192, 256 on
+// sm80 and sm90), memory-efficient attention with a bias otherwise (bf16 from sm80); on the CPU
+// LibTorch's flash attention (2.3 on, masks included); and a reference in fp32 ATen ops (kMath:
+// for tests; Llm::blocks_forward does not tile where a kind of tile would fall to it).
 //
 // Backward runs each tile's kernel backward with the block's merged output and log-sum-exp, which
 // gives that tile's exact share of dq, dk and dv; key and value gradients are summed into their

@@ -70,8 +70,8 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
   AttentionMask mask = mask_in;  // the mask converted once here, not in every block
   if (!mask.prepared.defined())
     mask.prepared = compat::attention_mask(mask.visible, x_in.scalar_type());
-  // Blocks of queries over tiles of the keys they see (the runtime fills `chunks`). Not under
-  // CP, whose ranks hold the queries in another order.
+  // Blocks of queries over tiles of the keys they see (the runtime fills `chunks`, never under
+  // CP, where a rank's queries are its share of the keys).
   if (!chunked_attention_has_kernels(x_in.device(), x_in.scalar_type(), spec.head_dim()) ||
       mask.kv_order.defined() || !mask.prepared.defined())
     mask.chunks.clear();
