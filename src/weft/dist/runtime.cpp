@@ -714,9 +714,12 @@ struct Runtime::Impl {
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
     model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
     // Query blocks and key tiles (model/chunked_attention.h), from the host's descriptors: no
-    // device read. Not under CP; Llm::blocks_forward drops them where LibTorch has no kernels
-    // for them (1.13, whose own attention skips hidden blocks itself).
-    if (!layout && spec.llm.attention_chunk > 0)
+    // device read. Not under CP, nor where LibTorch has no kernel for some kind of tile here
+    // (1.13, whose own attention skips hidden blocks itself; GPUs, dtypes or head sizes beyond
+    // the kernels' limits).
+    if (!layout && spec.llm.attention_chunk > 0 &&
+        model::chunked_attention_has_kernels(opts.device, model::compute_dtype(),
+                                             spec.llm.head_dim()))
       mask.chunks = model::attention_chunks(host.doc, host.item, spec.llm.attention_chunk);
     at::Tensor positions = in.positions;
     at::Tensor own;

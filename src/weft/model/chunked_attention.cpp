@@ -133,8 +133,8 @@ TileOut tile_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k, co
       if (bias.defined()) attn_bias = bias.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
       auto r =
           at::_scaled_dot_product_efficient_attention(q, k, v, attn_bias, true, 0.0, causal, scale);
-      // Its log-sum-exp is padded to a multiple of 32 queries; a row that sees no key of the
-      // tile gets 0 there (and output 0): the merge ignores it by the tile's `sees`.
+      // Its log-sum-exp is padded to a multiple of 32 queries. A row that sees no key of the
+      // tile gets some value there: the merge ignores the row by the tile's `sees`.
       return {std::get<0>(r), std::get<1>(r).narrow(2, 0, q.size(2)), std::get<2>(r),
               std::get<3>(r)};
     }
@@ -246,7 +246,7 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
         lse = parts[0].lse.contiguous();
       } else {
         // A masked tile's rows that see none of its keys weigh nothing: their log-sum-exp is
-        // -inf (kernels differ in what they return there; their output is 0).
+        // -inf (kernels differ in what they return there, log-sum-exp and output alike).
         std::vector<at::Tensor> lses;
         for (size_t i = 0; i < parts.size(); ++i) {
           lses.push_back(sees[i].defined() ? parts[i].lse.masked_fill(sees[i].logical_not(), -kInf)

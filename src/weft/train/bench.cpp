@@ -37,8 +37,8 @@ namespace weft::train {
 namespace {
 
 // A Chrome trace of one step's operators, written when it goes out of scope. CUDA builds record
-// through Kineto (CUPTI): each operator with the GPU kernels it launched and their device times;
-// CPU builds through the autograd profiler (operators' CPU times).
+// through Kineto (CUPTI): each operator with its input shapes and the GPU kernels it launched
+// with their device times; CPU builds through the autograd profiler (operators' CPU times).
 class StepTrace {
  public:
   explicit StepTrace(std::string path) : path_(std::move(path)) {

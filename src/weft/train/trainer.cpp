@@ -671,7 +671,9 @@ Summary Trainer::run() {
     QueuedStep q;
     StepBatch batch;
     double data_seconds = 0;
-    int64_t data_skipped = 0;  // bad records found so far, this step's included (not the next's)
+    // Bad records found by the time this step was prepared: its own, and any of the next
+    // data.prefetch steps' that planning them found invalid (not those of steps queued later).
+    int64_t data_skipped = 0;
   };
   double last_done = now_seconds();
   auto complete = [&](Pending& p, bool next_in_flight) {
