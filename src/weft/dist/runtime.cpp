@@ -13,9 +13,9 @@
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
 #include "weft/dist/data_parallel.h"
+#include "weft/model/chunked_attention.h"
 #include "weft/model/fused.h"
 #include "weft/model/mask.h"
-#include "weft/model/torch_compat.h"
 #include "weft/plan/cp_split.h"
 #include "weft/plan/trace.h"
 
