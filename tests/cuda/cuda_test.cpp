@@ -208,14 +208,8 @@ TEST(CudaAttention, TilesMatchOneAttention) {
   doc[1].narrow(0, 64, S - 64).fill_(1);
   const std::vector<model::AttentionChunk> chunks =
       model::attention_chunks(doc, item, 64, /*most=*/1.0);
-  std::string tiles;
-  for (const model::AttentionChunk& c : chunks) {
-    for (const model::AttentionTile& t : c.tiles)
-      tiles += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
-               "ACM"[static_cast<int>(t.kind)] + " ";
-    tiles += "| ";
-  }
-  ASSERT_EQ(tiles, "0-64M | 0-64M 64-128C | 0-64M 64-128A 128-192C | 0-64M 64-192A 192-200M | ");
+  ASSERT_EQ(model::describe(chunks),
+            "0-64M | 0-64M 64-128C | 0-64M 64-128A 128-192C | 0-64M 64-192A 192-200M | ");
   const at::Tensor visible = model::visible_mask(doc, item).to(kGpu);
   torch::manual_seed(5);
   const at::Tensor q0 = torch::randn({B, H, S, D}), k0 = torch::randn({B, KV, S, D});

@@ -216,14 +216,7 @@ TEST(ChunkedAttention, MatchesOneAttentionOverAllKeys) {
     const at::Tensor visible = visible_mask(c.doc, c.item);
     const std::vector<AttentionChunk> chunks =
         attention_chunks(c.doc, c.item, c.chunk, /*most=*/1.0);
-    std::string tiles;
-    for (const AttentionChunk& ch : chunks) {
-      for (const AttentionTile& t : ch.tiles)
-        tiles += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
-                 "ACM"[static_cast<int>(t.kind)] + " ";
-      tiles += "| ";
-    }
-    EXPECT_EQ(tiles, c.tiles);
+    EXPECT_EQ(describe(chunks), c.tiles);
     for (TileKernels kernels : {TileKernels::kFastest, TileKernels::kMath})
       for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
         SCOPED_TRACE(

@@ -265,25 +265,15 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
 TEST(AttentionChunks, SkipWhatTheMaskHides) {
   const int64_t S = 64;
   at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
-  auto tiles = [](const std::vector<AttentionChunk>& cs) {
-    std::string out;
-    for (const AttentionChunk& c : cs) {
-      for (const AttentionTile& t : c.tiles)
-        out += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
-               "ACM"[static_cast<int>(t.kind)] + " ";
-      out += "| ";
-    }
-    return out;
-  };
-  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
             "0-16C | 0-16A 16-32C | 0-32A 32-48C | 0-48A 48-64C | ");
-  EXPECT_EQ(tiles(attention_chunks(doc, item, 64)), "0-64C | ");
+  EXPECT_EQ(describe(attention_chunks(doc, item, 64)), "0-64C | ");
   item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
-  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
             "0-16C | 0-16A 16-48M | 0-32A 32-48M | 0-48A 48-64C | ");
   item.fill_(-1);
   doc.narrow(1, 32, 32).fill_(1);  // a second document from 32
-  EXPECT_EQ(tiles(attention_chunks(doc, item, 16)),
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
             "0-16C | 0-16A 16-32C | 32-48C | 32-48A 48-64C | ");
   doc.narrow(1, 48, 8).fill_(0);  // document 0 resumed after document 1
   EXPECT_TRUE(attention_chunks(doc, item, 16).empty());

@@ -203,6 +203,7 @@ struct Tiles : torch::CustomClassHolder {
   double scale = 1;
   std::vector<at::Tensor> lse;               // per chunk
   std::vector<std::vector<TileOut>> states;  // per chunk and tile (out and lse dropped)
+  int64_t expanded = 0;                      // expanded_keys(), as forward found it
 
   // How many keys the tiles whose kernels take K/V per query head read between them.
   int64_t expanded_keys(const at::Tensor& q, bool grouped) const {
@@ -222,8 +223,8 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
     at::NoGradGuard no_grad;
     const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
     at::Tensor out = at::empty({B, S, H, D}, q.options()).transpose(1, 2);
-    const int64_t expanded = tiles->expanded_keys(q, H != k.size(1));
-    const Heads ks(k, H, expanded), vs(v, H, expanded);
+    tiles->expanded = tiles->expanded_keys(q, H != k.size(1));
+    const Heads ks(k, H, tiles->expanded), vs(v, H, tiles->expanded);
     size_t masked = 0;  // masked tiles so far (their masks, in order)
     for (const AttentionChunk& c : tiles->chunks) {
       const int64_t q0 = c.q_begin, nq = c.q_end - c.q_begin;
@@ -296,8 +297,7 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
       return (zeros ? at::zeros(shape, o) : at::empty(shape, o)).transpose(1, 2);
     };
     const int64_t H = q.size(1), KV = k.size(1);
-    const int64_t expanded = tiles.expanded_keys(q, H != KV);
-    const Heads ks(k, H, expanded), vs(v, H, expanded);
+    const Heads ks(k, H, tiles.expanded), vs(v, H, tiles.expanded);
     at::Tensor dq = like(q, false), dk = like(k), dv = like(v);  // each block's dq: its tiles
     // Gradients of the K/V expanded once, per query head, summed per K/V head at the end.
     at::Tensor dk_once = ks.once.defined() ? like(ks.once) : at::Tensor();

@@ -92,4 +92,15 @@ std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc_in, const at:
   return chunks;
 }
 
+std::string describe(const std::vector<AttentionChunk>& chunks) {
+  std::string out;
+  for (const AttentionChunk& c : chunks) {
+    for (const AttentionTile& t : c.tiles)
+      out += std::to_string(t.k_begin) + "-" + std::to_string(t.k_end) +
+             "ACM"[static_cast<int>(t.kind)] + " ";
+    out += "| ";
+  }
+  return out;
+}
+
 }  // namespace weft::model

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace weft::model {
@@ -38,5 +39,9 @@ struct AttentionChunk {
 // tile per block plus one unmasked tile of the keys before it: half the square, no mask.
 std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc, const at::Tensor& item,
                                              int64_t chunk, double most = 0.8);
+
+// The chunks as text: per block, each tile's keys and kind (A unmasked, C causal, M masked),
+// blocks ended by "| ": "0-16C | 0-16A 16-32C | ".
+std::string describe(const std::vector<AttentionChunk>& chunks);
 
 }  // namespace weft::model
