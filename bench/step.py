@@ -9,7 +9,8 @@ For tiny-vlm and small-vlm (configs/), each round runs, one after another on the
   eager-tgt   bench/eager_reference.py DIR --head targets (PyTorch with weft's target-only head)
 and reports per-step medians and the ratios eager/weft measured in the same round (the median
 over rounds); the runs' losses must agree (bf16: 2e-2 relative) or the benchmark fails. Then:
-activation recomputation on vs off (peak memory and step time), and how the step grows with
+activation recomputation on vs off (peak memory and step time), parameters cast to bf16 once
+per step vs at every use (4 microbatches; identical losses checked), and how the step grows with
 sequence length and with images per sample (data.kind = "synthetic"), written as a table and an
 SVG plot (bench/step_scaling.svg). --write replaces the "Training step" section of
 bench/RESULTS.md with the result.
@@ -138,6 +139,40 @@ def recompute_table(args):
     ]
 
 
+def cast_once_table(args, rounds):
+    """Casting each parameter once per step against casting it at every use, with the batch in
+    4 microbatches (the forward casts of 3 of them saved); rounds alternate, ratios per round."""
+    config = "configs/small-vlm.toml"
+    runs = {True: [], False: []}
+    for _ in range(rounds):
+        for once in (True, False):
+            runs[once].append(weft(args, config, sets=["train.microbatches=4",
+                                                        f"train.cast_once={str(once).lower()}"]))
+    for a, b in zip(runs[True], runs[False]):
+        if a["losses"] != b["losses"]:
+            sys.exit(f"step.py: cast once: losses {a['losses']} vs {b['losses']}: not identical")
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    speed = statistics.median(b["median_step_seconds"] / a["median_step_seconds"]
+                              for a, b in zip(runs[True], runs[False]))
+    memory = statistics.median(b["step_peak_bytes"] / a["step_peak_bytes"]
+                               for a, b in zip(runs[True], runs[False]))
+    rows = [(once, med(runs[once], "median_step_seconds"), med(runs[once], "step_peak_bytes"))
+            for once in (True, False)]
+    return [
+        "**Parameters cast to bf16 once per step** (small-vlm, batch 8 in 4 microbatches; "
+        "`train.cast_once`, model::CastOnce; identical losses checked)",
+        "",
+        "| casts | step s (median) | step peak memory MiB |",
+        "|---|---|---|",
+    ] + [f"| {'once per step' if once else 'at every use'} | {t:.3f} | {mib(m):.0f} |"
+         for once, t, m in rows] + [
+        "",
+        f"speed-up of casting once (every-use step time / once step time, same round): "
+        f"**{speed:.2f}x**; memory every-use/once: {memory:.2f}x",
+        "",
+    ]
+
+
 def sweep(args, label, points, sets_of):
     out = []
     for x in points:
@@ -241,6 +276,9 @@ def main():
     rec = recompute_table(args)
     lines += rec
     print("\n".join(rec), flush=True)
+    once = cast_once_table(args, args.rounds)
+    lines += once
+    print("\n".join(once), flush=True)
     if not args.no_sweeps:
         sc = scaling_tables(args)
         lines += sc

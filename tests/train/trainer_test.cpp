@@ -16,6 +16,7 @@
 #include "weft/core/error.h"
 #include "weft/io/checkpoint.h"
 #include "weft/model/chunked_attention.h"
+#include "weft/model/layers.h"
 #include "weft/model/mask.h"
 #include "weft/model/torch_compat.h"
 #include "weft/plan/plan.h"
@@ -238,6 +239,33 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
       EXPECT_LT((params[v].at(name) - p).norm().item<double>(),
                 1e-5 * p.norm().item<double>() + 1e-6 * std::sqrt(static_cast<double>(p.numel())))
           << name;
+  }
+}
+
+// Casting each parameter once per step (model::CastOnce) trains exactly as casting it at every
+// use: bf16, two microbatches, the vision encoder frozen (its casts are not kept), and again with
+// the LLM recomputed.
+TEST(Trainer, CastOnceTrainsExactlyAsCastingAtEveryUse) {
+  for (const char* recompute : {"false", "true"}) {
+    SCOPED_TRACE(std::string("recompute ") + recompute);
+    std::vector<std::vector<double>> losses;
+    std::vector<std::map<std::string, at::Tensor>> params;
+    for (const char* once : {"true", "false"}) {
+      Spec spec = tiny_spec({"train.steps=3", "train.warmup=0", "train.microbatches=2",
+                             "train.precision=\"bf16\"", "model.vision.frozen=true",
+                             std::string("model.llm.recompute=") + recompute,
+                             std::string("train.cast_once=") + once});
+      const fs::path out = temp_dir("cast_once");
+      Trainer t(spec, plan::make_plan(spec), quiet_options(out));
+      const int64_t shared = model::CastOnce::shared_total();
+      t.run();
+      EXPECT_EQ(model::CastOnce::shared_total() > shared, std::string(once) == "true") << once;
+      losses.push_back(run_losses(out));
+      params.push_back(snapshot(t.model()));
+    }
+    ASSERT_EQ(losses[0].size(), 3u);
+    EXPECT_EQ(losses[0], losses[1]);
+    for (const auto& [name, p] : params[1]) EXPECT_TRUE(params[0].at(name).equal(p)) << name;
   }
 }
 

@@ -101,7 +101,8 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "threads",
                                            "zero_stage",
                                            "overlap_grad_reduce",
-                                           "grad_bucket_mb"};
+                                           "grad_bucket_mb",
+                                           "cast_once"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "etp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
@@ -729,6 +730,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
   s.amount("grad_bucket_mb", &t->grad_bucket_mb);
+  s.read("cast_once", &t->cast_once);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -1010,6 +1012,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("zero_stage", t.zero_stage);
   w.put("overlap_grad_reduce", t.overlap_grad_reduce);
   w.put("grad_bucket_mb", t.grad_bucket_mb);
+  w.put("cast_once", t.cast_once);
 
   w.header("output");
   w.put("dir", spec.output.dir);

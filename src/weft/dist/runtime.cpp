@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -858,6 +859,10 @@ struct Runtime::Impl {
       for (const auto& replica : batch)
         for (const model::Inputs& in : replica) cp_layout(in);
     at::Tensor loss;  // this rank's share of the loss (double, on the device)
+    // One cast of each trained parameter for the whole step (every microbatch, pipeline op and
+    // backward), made at its first use with gradients.
+    std::optional<model::CastOnce> casts;
+    if (opts.cast_once) casts.emplace(model->parameters(), model::CastOnce::Keep::kTrained);
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)

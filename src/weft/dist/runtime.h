@@ -45,7 +45,8 @@ namespace weft::dist {
 struct RuntimeOptions {
   int64_t bucket_bytes = 4 << 20;  // gradient all-reduce bucket size
   bool overlap_grad_reduce = true;
-  bool zero1 = false;  // optimizer state sharded over each module's data-parallel ranks
+  bool zero1 = false;     // optimizer state sharded over each module's data-parallel ranks
+  bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)
   // Where parameters and activations live (the batch stays on the CPU: each rank moves its own
   // slices). With several ranks on CUDA, a Comm connected with device collectives runs them over
   // NCCL; without (ranks sharing a GPU in tests), they go through host memory over Gloo.

@@ -3,12 +3,16 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <mutex>
 
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
 #include "weft/model/chunked_attention.h"
 #include "weft/model/fused.h"
+#include "weft/model/recompute.h"
 #include "weft/model/torch_compat.h"
 
 namespace weft::model {
@@ -83,8 +87,111 @@ ComputeDtypeGuard::ComputeDtypeGuard(at::ScalarType dtype) : saved_(t_compute_dt
 }
 ComputeDtypeGuard::~ComputeDtypeGuard() { t_compute_dtype = saved_; }
 
+// A kept cast handed to one use: its own autograd node, whose backward casts the gradient back
+// to the parameter's dtype (what the cast's ToCopyBackward would do).
+struct SharedCastFn : torch::autograd::Function<SharedCastFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& param,
+                            const at::Tensor* cast) {
+    ctx->saved_data["dtype"] = static_cast<int64_t>(param.scalar_type());
+    return cast->detach();  // a new tensor on the cast's storage, for this node to own
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad[0].defined() ? grad[0].to(dtype) : grad[0], at::Tensor()};
+  }
+};
+
+namespace {
+std::atomic<int64_t> g_shared_total{0};
+}
+
+struct CastOnce::Cache {
+  struct Entry {
+    at::Tensor param;  // the registered parameter (its shape, strides, dtype and device)
+    at::Tensor cast;   // undefined until kept
+  };
+  std::vector<Entry> entries;
+  std::vector<std::pair<const void*, size_t>> by_address;  // sorted: data pointer, entry
+  Keep keep = Keep::kTrained;
+  int64_t casts = 0, shared = 0;
+  std::mutex mu;              // a recomputed block's backward may run on an autograd device thread
+  std::weak_ptr<Cache> self;  // for current()
+
+  // to_compute(t) from the cache; undefined when t is none of the parameters, or when its cast
+  // is neither kept nor to be kept.
+  at::Tensor find(const at::Tensor& t) {
+    if (t.numel() == 0) return {};
+    const void* address = t.data_ptr();
+    std::lock_guard<std::mutex> lock(mu);
+    auto it =
+        std::lower_bound(by_address.begin(), by_address.end(), std::make_pair(address, size_t{0}));
+    for (; it != by_address.end() && it->first == address; ++it) {
+      Entry& e = entries[it->second];
+      if (e.param.sizes() != t.sizes() || e.param.strides() != t.strides() ||
+          e.param.scalar_type() != t.scalar_type() || e.param.device() != t.device())
+        continue;
+      const bool grad = at::GradMode::is_enabled() && t.requires_grad();
+      if (!e.cast.defined() || e.cast.scalar_type() != t_compute_dtype) {
+        if (keep == Keep::kTrained && (!grad || recomputing())) return {};
+        at::NoGradGuard no_grad;
+        e.cast = t.detach().to(t_compute_dtype);
+        ++casts;
+      } else {
+        ++shared;
+        ++g_shared_total;
+      }
+      return grad ? SharedCastFn::apply(t, &e.cast) : e.cast.detach();
+    }
+    return {};
+  }
+};
+
+namespace {
+thread_local CastOnce::Cache* t_cast_once = nullptr;
+}
+
+CastOnce::CastOnce(const NamedTensors& params, Keep keep)
+    : cache_(std::make_shared<Cache>()), saved_(t_cast_once) {
+  cache_->keep = keep;
+  cache_->self = cache_;
+  for (const auto& [name, p] : params) {
+    if (!p.defined() || p.numel() == 0 || !p.is_floating_point()) continue;
+    cache_->by_address.emplace_back(p.data_ptr(), cache_->entries.size());
+    cache_->entries.push_back({p, {}});
+  }
+  std::sort(cache_->by_address.begin(), cache_->by_address.end());
+  t_cast_once = cache_.get();
+}
+CastOnce::~CastOnce() { t_cast_once = saved_; }
+
+int64_t CastOnce::casts() const {
+  std::lock_guard<std::mutex> lock(cache_->mu);
+  return cache_->casts;
+}
+int64_t CastOnce::shared() const {
+  std::lock_guard<std::mutex> lock(cache_->mu);
+  return cache_->shared;
+}
+
+int64_t CastOnce::shared_total() { return g_shared_total; }
+
+std::weak_ptr<CastOnce::Cache> CastOnce::current() {
+  return t_cast_once ? t_cast_once->self : std::weak_ptr<Cache>();
+}
+
+CastOnce::Resume::Resume(const std::weak_ptr<Cache>& cache)
+    : held_(cache.lock()), saved_(t_cast_once) {
+  if (held_) t_cast_once = held_.get();
+}
+CastOnce::Resume::~Resume() { t_cast_once = saved_; }
+
 at::Tensor to_compute(const at::Tensor& t) {
   if (!t.defined() || t.scalar_type() == t_compute_dtype || !t.is_floating_point()) return t;
+  if (t_cast_once) {
+    at::Tensor cast = t_cast_once->find(t);
+    if (cast.defined()) return cast;
+  }
   return t.to(t_compute_dtype);
 }
 

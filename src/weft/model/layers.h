@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,8 +98,62 @@ class ComputeDtypeGuard {
  private:
   at::ScalarType saved_;
 };
-// A floating tensor cast to the compute dtype (no-op when it already is).
+// A floating tensor cast to the compute dtype (no-op when it already is). Inside a CastOnce
+// scope, a parameter's cast is made once and shared.
 at::Tensor to_compute(const at::Tensor& t);
+
+// Parameters cast to the compute dtype once per scope (a training step, an evaluation) instead
+// of at every use. Without it, every microbatch, every pipeline op and every recomputed block
+// casts each fp32 master again, and 1F1B keeps one bf16 copy of a stage's weights alive per
+// microbatch in flight (each forward's cast is saved for its backward). With it, one cast per
+// parameter and scope, shared; every use still has its own gradient edge to the parameter (the
+// gradient cast back to its dtype, as the cast's own backward does), so gradients, hooks and
+// their order are unchanged.
+//
+// Only `params` are looked up (by storage address, shape, strides, dtype and device, so the
+// detached aliases a recomputed block sees match too): inputs and activations, whose memory the
+// allocator reuses, never are. `keep` says which casts are kept:
+//   kTrained     casts made with gradients (grad mode on, the parameter requires grad, not inside
+//                a recomputed block): autograd keeps those alive until their backward anyway,
+//                so peak memory does not grow. Casts made without gradients (a frozen module, a
+//                recomputed block's forward) are made at each use as before.
+//   kEverything  every parameter's cast, for the scope (evaluation and generation: the weights
+//                do not change, and every generated token would cast them all again).
+// The parameters must not change while the scope lives. One scope per thread at a time (the
+// innermost counts).
+class CastOnce {
+ public:
+  enum class Keep { kTrained, kEverything };
+  CastOnce(const NamedTensors& params, Keep keep);
+  ~CastOnce();
+  CastOnce(const CastOnce&) = delete;
+  CastOnce& operator=(const CastOnce&) = delete;
+
+  int64_t casts() const;          // casts made and kept so far
+  int64_t shared() const;         // uses served by a kept cast
+  static int64_t shared_total();  // uses served by a kept cast, every scope of the process
+
+  // The scope's state, for work of the scope that runs on another thread (a recomputed block's
+  // backward on an autograd device thread): current() on the scope's thread, then a Resume
+  // there. A Resume of a scope that has ended does nothing.
+  struct Cache;
+  static std::weak_ptr<Cache> current();
+  class Resume {
+   public:
+    explicit Resume(const std::weak_ptr<Cache>& cache);
+    ~Resume();
+    Resume(const Resume&) = delete;
+    Resume& operator=(const Resume&) = delete;
+
+   private:
+    std::shared_ptr<Cache> held_;
+    Cache* saved_;
+  };
+
+ private:
+  std::shared_ptr<Cache> cache_;
+  Cache* saved_;
+};
 
 // Initialisation: the full tensor ~ N(0, std), drawn from a generator seeded by this thread's
 // model seed (InitSeedGuard; 0 without one) and `name`: deterministic, independent of other

@@ -20,11 +20,14 @@ struct RecomputingGuard {
   ~RecomputingGuard() { g_recomputing = saved; }
 };
 
-// What backward needs besides the saved tensors: the block and the forward's compute dtype.
+// What backward needs besides the saved tensors: the block, the forward's compute dtype and its
+// CastOnce scope (backward may run on another thread).
 struct BlockHolder : torch::CustomClassHolder {
-  BlockHolder(BlockFn f, at::ScalarType d) : block(std::move(f)), dtype(d) {}
+  BlockHolder(BlockFn f, at::ScalarType d, std::weak_ptr<CastOnce::Cache> c)
+      : block(std::move(f)), dtype(d), casts(std::move(c)) {}
   BlockFn block;
   at::ScalarType dtype;
+  std::weak_ptr<CastOnce::Cache> casts;
 };
 
 // Autograd inputs: x, then each parameter. A variable number of tensors reaches a C++ Function
@@ -34,8 +37,8 @@ struct BlockHolder : torch::CustomClassHolder {
 struct Recompute : torch::autograd::Function<Recompute> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
                             const BlockFn& block) {
-    ctx->saved_data["block"] =
-        c10::IValue::make_capsule(c10::make_intrusive<BlockHolder>(block, compute_dtype()));
+    ctx->saved_data["block"] = c10::IValue::make_capsule(
+        c10::make_intrusive<BlockHolder>(block, compute_dtype(), CastOnce::current()));
     variable_list saved = {x};
     saved.insert(saved.end(), params.begin(), params.end());
     ctx->save_for_backward(saved);
@@ -47,6 +50,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
     auto holder = ctx->saved_data["block"].toCapsule();
     const auto& h = *static_cast<BlockHolder*>(holder.get());
     ComputeDtypeGuard dtype(h.dtype);
+    CastOnce::Resume casts(h.casts);
     torch::AutoGradMode grad_mode(true);
     // Detached aliases (no copies): gradients w.r.t. them stay inside this node.
     std::vector<at::Tensor> inputs;  // in saved order: x, params

@@ -134,6 +134,7 @@ struct Trainer::Impl {
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
     ro.zero1 = spec.train.zero_stage == 1;
+    ro.cast_once = spec.train.cast_once;
     device = dist::select_device(spec.train.device, opts.local_rank);
     ro.device = device;
     runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
