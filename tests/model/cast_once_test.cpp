@@ -1,8 +1,9 @@
 // model::CastOnce (layers.h): a parameter's cast to the compute dtype made once per scope and
 // shared by every use, with the gradients of casting at every use, bit for bit: across
 // microbatches run one after the other or interleaved as 1F1B runs them, through recomputed
-// blocks (whose detached parameter aliases find the casts), for frozen parameters, inputs and
-// views (never kept), without gradients, on another thread, and after the scope has ended.
+// blocks (whose detached parameter aliases find the casts); frozen parameters in grad mode
+// (kept), casts without grad mode (not kept), inputs and views (never looked up), another
+// thread, and the scope's end.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -103,7 +104,7 @@ TEST(CastOnce, MicrobatchesShareOneCastWithTheSameGradients) {
   for (Order order : {Order::kInTurn, Order::kInterleaved}) {
     SCOPED_TRACE(order == Order::kInTurn ? "in turn" : "interleaved");
     const Result ref = run(spec, order, std::nullopt);
-    const Result got = run(spec, order, CastOnce::Keep::kTrained);
+    const Result got = run(spec, order, CastOnce::Keep::kForBackward);
     expect_bitwise(got, ref);
     // Every trained parameter is cast once (norm weights are used in fp32: no cast), and the
     // second microbatch uses every cast again.
@@ -118,9 +119,10 @@ TEST(CastOnce, RecomputedBlocksFindTheirCasts) {
   spec.llm.recompute = true;
   for (EncoderSpec& e : spec.encoders) e.recompute = true;
   const Result ref = run(spec, Order::kInTurn, std::nullopt);
-  // kTrained keeps no cast made inside a recomputed block (without grad in forward, recomputing
-  // in backward): those stay transient, as without a scope. What lies outside the blocks is kept.
-  const Result trained = run(spec, Order::kInTurn, CastOnce::Keep::kTrained);
+  // kForBackward keeps no cast made inside a recomputed block (without grad mode in forward,
+  // recomputing in backward): those stay transient, as without a scope. What lies outside the
+  // blocks is kept.
+  const Result trained = run(spec, Order::kInTurn, CastOnce::Keep::kForBackward);
   expect_bitwise(trained, ref);
   EXPECT_GT(trained.casts, 0);
   // kEverything keeps the blocks' casts too: their recomputation in backward, on detached
@@ -138,9 +140,10 @@ TEST(CastOnce, RecomputedBlocksFindTheirCasts) {
 TEST(CastOnce, KeepsOnlyWhatItShould) {
   ComputeDtypeGuard dtype(at::kBFloat16);
   const at::Tensor w = torch::randn({4, 3}).set_requires_grad(true);
-  const at::Tensor frozen = torch::randn({4, 3});
-  const at::Tensor x = torch::randn({4, 3});  // an input: not a parameter
-  const NamedTensors params = {{"w", w}, {"frozen", frozen}};
+  const at::Tensor frozen = torch::randn({4, 3});  // used in grad mode: kept
+  const at::Tensor cold = torch::randn({4, 3});    // used without grad mode only: not kept
+  const at::Tensor x = torch::randn({4, 3});       // an input: not a parameter
+  const NamedTensors params = {{"w", w}, {"frozen", frozen}, {"cold", cold}};
   const at::Tensor a = torch::randn({4, 3}), b = torch::randn({4, 3});
   auto loss_of = [&] {
     return (to_compute(w).to(at::kFloat) * a).sum() + (to_compute(w).to(at::kFloat) * b).sum();
@@ -153,24 +156,30 @@ TEST(CastOnce, KeepsOnlyWhatItShould) {
   }
   at::Tensor kept;
   {
-    CastOnce casts(params, CastOnce::Keep::kTrained);
+    CastOnce casts(params, CastOnce::Keep::kForBackward);
     loss_of().backward();
     EXPECT_TRUE(w.grad().equal(ref_grad));
     EXPECT_EQ(casts.casts(), 1);
     EXPECT_EQ(casts.shared(), 1);
     kept = to_compute(w);
+    EXPECT_TRUE(kept.requires_grad());
     EXPECT_EQ(casts.shared(), 2);
-    {  // without gradients, a kept cast is still shared
+    {  // without grad mode, a kept cast is still shared, and nothing new is kept
       at::NoGradGuard no_grad;
       EXPECT_EQ(to_compute(w).data_ptr(), kept.data_ptr());
+      EXPECT_NE(to_compute(cold).data_ptr(), to_compute(cold).data_ptr());
+      EXPECT_TRUE(to_compute(cold).equal(cold.to(at::kBFloat16)));
     }
     EXPECT_EQ(casts.shared(), 3);
-    // Frozen parameters, inputs and views of a parameter are cast at each use.
-    EXPECT_NE(to_compute(frozen).data_ptr(), to_compute(frozen).data_ptr());
+    // A frozen parameter in grad mode is kept, without a gradient edge.
+    EXPECT_EQ(to_compute(frozen).data_ptr(), to_compute(frozen).data_ptr());
+    EXPECT_FALSE(to_compute(frozen).requires_grad());
     EXPECT_TRUE(to_compute(frozen).equal(frozen.to(at::kBFloat16)));
+    EXPECT_EQ(casts.casts(), 2);
+    // Inputs and views of a parameter are cast at each use.
     EXPECT_TRUE(to_compute(x).equal(x.to(at::kBFloat16)));
     EXPECT_NE(to_compute(w.view({12})).data_ptr(), kept.data_ptr());
-    EXPECT_EQ(casts.casts(), 1);
+    EXPECT_EQ(casts.casts(), 2);
     // Another thread finds the scope through Resume.
     const std::weak_ptr<CastOnce::Cache> current = CastOnce::current();
     const void* there = nullptr;
@@ -192,9 +201,9 @@ TEST(CastOnce, KeepsOnlyWhatItShould) {
     }();
     CastOnce::Resume resume(ended);
     EXPECT_EQ(CastOnce::current().lock(), casts.current().lock());  // the outer scope still
-    // kEverything keeps casts made without gradients, frozen parameters' too.
+    // kEverything keeps casts made without grad mode too.
     at::NoGradGuard no_grad;
-    EXPECT_EQ(to_compute(frozen).data_ptr(), to_compute(frozen).data_ptr());
+    EXPECT_EQ(to_compute(cold).data_ptr(), to_compute(cold).data_ptr());
     EXPECT_EQ(to_compute(w).data_ptr(), to_compute(w).data_ptr());
     EXPECT_EQ(casts.casts(), 2);
     EXPECT_EQ(casts.shared(), 2);

@@ -243,18 +243,24 @@ TEST(Trainer, AttentionInQueryBlocksTrainsLikeOneAttention) {
 }
 
 // Casting each parameter once per step (model::CastOnce) trains exactly as casting it at every
-// use: bf16, two microbatches, the vision encoder frozen (its casts are not kept), and again with
-// the LLM recomputed.
+// use: bf16, two microbatches, the vision encoder frozen (it runs without grad mode: its casts are
+// not kept); again with the LLM recomputed; and with the LLM frozen instead (its casts are kept:
+// the gradient passes through it to the projector).
 TEST(Trainer, CastOnceTrainsExactlyAsCastingAtEveryUse) {
-  for (const char* recompute : {"false", "true"}) {
-    SCOPED_TRACE(std::string("recompute ") + recompute);
+  const std::vector<std::vector<std::string>> variants = {
+      {"model.vision.frozen=true"},
+      {"model.vision.frozen=true", "model.llm.recompute=true"},
+      {"model.llm.frozen=true"}};
+  for (const std::vector<std::string>& variant : variants) {
+    SCOPED_TRACE(variant.back());
     std::vector<std::vector<double>> losses;
     std::vector<std::map<std::string, at::Tensor>> params;
     for (const char* once : {"true", "false"}) {
-      Spec spec = tiny_spec({"train.steps=3", "train.warmup=0", "train.microbatches=2",
-                             "train.precision=\"bf16\"", "model.vision.frozen=true",
-                             std::string("model.llm.recompute=") + recompute,
-                             std::string("train.cast_once=") + once});
+      std::vector<std::string> sets = {"train.steps=3", "train.warmup=0", "train.microbatches=2",
+                                       "train.precision=\"bf16\"",
+                                       std::string("train.cast_once=") + once};
+      sets.insert(sets.end(), variant.begin(), variant.end());
+      Spec spec = tiny_spec(sets);
       const fs::path out = temp_dir("cast_once");
       Trainer t(spec, plan::make_plan(spec), quiet_options(out));
       const int64_t shared = model::CastOnce::shared_total();

@@ -200,8 +200,8 @@ struct TrainSpec {
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
   double grad_bucket_mb = 4.0;      // DP: gradient bucket size (MiB of fp32)
-  // Each trained parameter cast to the compute dtype once per step, shared by every microbatch
-  // and pipeline op (model::CastOnce); false casts it at every use (for measuring).
+  // Each parameter used with gradients cast to the compute dtype once per step, shared by every
+  // microbatch and pipeline op (model::CastOnce); false casts it at every use (for measuring).
   bool cast_once = true;
 };
 

@@ -859,10 +859,10 @@ struct Runtime::Impl {
       for (const auto& replica : batch)
         for (const model::Inputs& in : replica) cp_layout(in);
     at::Tensor loss;  // this rank's share of the loss (double, on the device)
-    // One cast of each trained parameter for the whole step (every microbatch, pipeline op and
-    // backward), made at its first use with gradients.
+    // One cast of each parameter for the whole step (every microbatch, pipeline op and
+    // backward), made at its first use in grad mode.
     std::optional<model::CastOnce> casts;
-    if (opts.cast_once) casts.emplace(model->parameters(), model::CastOnce::Keep::kTrained);
+    if (opts.cast_once) casts.emplace(model->parameters(), model::CastOnce::Keep::kForBackward);
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)

@@ -113,7 +113,7 @@ struct CastOnce::Cache {
   };
   std::vector<Entry> entries;
   std::vector<std::pair<const void*, size_t>> by_address;  // sorted: data pointer, entry
-  Keep keep = Keep::kTrained;
+  Keep keep = Keep::kForBackward;
   int64_t casts = 0, shared = 0;
   std::mutex mu;              // a recomputed block's backward may run on an autograd device thread
   std::weak_ptr<Cache> self;  // for current()
@@ -133,7 +133,7 @@ struct CastOnce::Cache {
         continue;
       const bool grad = at::GradMode::is_enabled() && t.requires_grad();
       if (!e.cast.defined() || e.cast.scalar_type() != t_compute_dtype) {
-        if (keep == Keep::kTrained && (!grad || recomputing())) return {};
+        if (keep == Keep::kForBackward && (!at::GradMode::is_enabled() || recomputing())) return {};
         at::NoGradGuard no_grad;
         e.cast = t.detach().to(t_compute_dtype);
         ++casts;

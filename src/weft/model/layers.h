@@ -113,17 +113,19 @@ at::Tensor to_compute(const at::Tensor& t);
 // Only `params` are looked up (by storage address, shape, strides, dtype and device, so the
 // detached aliases a recomputed block sees match too): inputs and activations, whose memory the
 // allocator reuses, never are. `keep` says which casts are kept:
-//   kTrained     casts made with gradients (grad mode on, the parameter requires grad, not inside
-//                a recomputed block): autograd keeps those alive until their backward anyway,
-//                so peak memory does not grow. Casts made without gradients (a frozen module, a
-//                recomputed block's forward) are made at each use as before.
+//   kForBackward casts made in grad mode, outside a recomputed block, trained parameters' and
+//                frozen ones' alike (a frozen LLM that passes gradients back to a projector):
+//                autograd saves those for backward anyway (a linear layer keeps its weight to
+//                pass the gradient to its input), so peak memory does not grow. Casts made
+//                without grad mode (a module that needs no backward, a recomputed block's
+//                forward) or recomputing in backward are made at each use, as without a scope.
 //   kEverything  every parameter's cast, for the scope (evaluation and generation: the weights
 //                do not change, and every generated token would cast them all again).
 // The parameters must not change while the scope lives. One scope per thread at a time (the
 // innermost counts).
 class CastOnce {
  public:
-  enum class Keep { kTrained, kEverything };
+  enum class Keep { kForBackward, kEverything };
   CastOnce(const NamedTensors& params, Keep keep);
   ~CastOnce();
   CastOnce(const CastOnce&) = delete;
