@@ -2,8 +2,8 @@
 // shared by every use, with the gradients of casting at every use, bit for bit: across
 // microbatches run one after the other or interleaved as 1F1B runs them, through recomputed
 // blocks (whose detached parameter aliases find the casts); frozen parameters in grad mode
-// (kept), casts without grad mode (not kept), inputs and views (never looked up), another
-// thread, and the scope's end.
+// (kept), casts without grad mode (not kept), inputs and views (never looked up), parameters
+// written in place (cast again), another thread, and the scope's end.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -190,7 +190,7 @@ TEST(CastOnce, KeepsOnlyWhatItShould) {
     }).join();
     EXPECT_EQ(there, kept.data_ptr());
   }
-  // After the scope: a cast at every use again, and a Resume of the ended scope does nothing.
+  // After the scope: a cast at every use again.
   EXPECT_EQ(CastOnce::current().lock(), nullptr);
   EXPECT_NE(to_compute(w).data_ptr(), kept.data_ptr());
   {
@@ -199,14 +199,26 @@ TEST(CastOnce, KeepsOnlyWhatItShould) {
       CastOnce inner(params, CastOnce::Keep::kEverything);
       return CastOnce::current();
     }();
-    CastOnce::Resume resume(ended);
-    EXPECT_EQ(CastOnce::current().lock(), casts.current().lock());  // the outer scope still
+    EXPECT_NE(CastOnce::current().lock(), nullptr);  // the outer scope again
+    {  // work resumed for an ended scope runs without one
+      CastOnce::Resume resume(ended);
+      EXPECT_EQ(CastOnce::current().lock(), nullptr);
+    }
+    EXPECT_NE(CastOnce::current().lock(), nullptr);
     // kEverything keeps casts made without grad mode too.
     at::NoGradGuard no_grad;
     EXPECT_EQ(to_compute(cold).data_ptr(), to_compute(cold).data_ptr());
     EXPECT_EQ(to_compute(w).data_ptr(), to_compute(w).data_ptr());
     EXPECT_EQ(casts.casts(), 2);
     EXPECT_EQ(casts.shared(), 2);
+    // A parameter written in place is cast again, not served its old cast.
+    const at::Tensor before = to_compute(cold);
+    cold.add_(1);
+    const at::Tensor after = to_compute(cold);
+    EXPECT_NE(after.data_ptr(), before.data_ptr());
+    EXPECT_TRUE(after.equal(cold.to(at::kBFloat16)));
+    EXPECT_EQ(casts.casts(), 3);
+    EXPECT_EQ(to_compute(cold).data_ptr(), after.data_ptr());
   }
 }
 

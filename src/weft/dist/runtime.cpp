@@ -859,10 +859,13 @@ struct Runtime::Impl {
       for (const auto& replica : batch)
         for (const model::Inputs& in : replica) cp_layout(in);
     at::Tensor loss;  // this rank's share of the loss (double, on the device)
-    // One cast of each parameter for the whole step (every microbatch, pipeline op and
-    // backward), made at its first use in grad mode.
+    // One cast of each parameter for all microbatches and pipeline ops of the step, made at its
+    // first use in grad mode, and dropped when the last backward is done (before the gradient
+    // reductions). One microbatch has nothing to share: without a scope each cast goes as soon
+    // as its backward has passed, while the gradients are being allocated.
     std::optional<model::CastOnce> casts;
-    if (opts.cast_once) casts.emplace(model->parameters(), model::CastOnce::Keep::kForBackward);
+    if (opts.cast_once && M > 1)
+      casts.emplace(model->parameters(), model::CastOnce::Keep::kForBackward);
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)
@@ -948,6 +951,7 @@ struct Runtime::Impl {
         encoder_backward(e, m, batch, enc_saved[e][m]);
       }
     }
+    casts.reset();
     for (Pending& p : sends) p.wait();
     sends.clear();
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");

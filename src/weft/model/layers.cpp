@@ -93,7 +93,8 @@ struct SharedCastFn : torch::autograd::Function<SharedCastFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& param,
                             const at::Tensor* cast) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(param.scalar_type());
-    return cast->detach();  // a new tensor on the cast's storage, for this node to own
+    ctx->set_materialize_grads(false);  // an undefined gradient stays undefined, as ToCopy's
+    return cast->detach();              // a new tensor on the cast's storage, for this node to own
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad) {
@@ -108,8 +109,9 @@ std::atomic<int64_t> g_shared_total{0};
 
 struct CastOnce::Cache {
   struct Entry {
-    at::Tensor param;  // the registered parameter (its shape, strides, dtype and device)
-    at::Tensor cast;   // undefined until kept
+    at::Tensor param;     // the registered parameter (its shape, strides, dtype and device)
+    at::Tensor cast;      // undefined until kept
+    int64_t version = 0;  // the parameter's version counter when cast
   };
   std::vector<Entry> entries;
   std::vector<std::pair<const void*, size_t>> by_address;  // sorted: data pointer, entry
@@ -132,10 +134,14 @@ struct CastOnce::Cache {
           e.param.scalar_type() != t.scalar_type() || e.param.device() != t.device())
         continue;
       const bool grad = at::GradMode::is_enabled() && t.requires_grad();
-      if (!e.cast.defined() || e.cast.scalar_type() != t_compute_dtype) {
+      // Cast again if the parameter was written since (the scope's contract says it is not;
+      // the version counter, shared with its aliases, checks it).
+      if (!e.cast.defined() || e.cast.scalar_type() != t_compute_dtype ||
+          e.version != t._version()) {
         if (keep == Keep::kForBackward && (!at::GradMode::is_enabled() || recomputing())) return {};
         at::NoGradGuard no_grad;
         e.cast = t.detach().to(t_compute_dtype);
+        e.version = t._version();
         ++casts;
       } else {
         ++shared;
@@ -182,7 +188,7 @@ std::weak_ptr<CastOnce::Cache> CastOnce::current() {
 
 CastOnce::Resume::Resume(const std::weak_ptr<Cache>& cache)
     : held_(cache.lock()), saved_(t_cast_once) {
-  if (held_) t_cast_once = held_.get();
+  t_cast_once = held_.get();  // the scope's, or none when it has ended
 }
 CastOnce::Resume::~Resume() { t_cast_once = saved_; }
 

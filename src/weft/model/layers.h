@@ -102,27 +102,29 @@ class ComputeDtypeGuard {
 // scope, a parameter's cast is made once and shared.
 at::Tensor to_compute(const at::Tensor& t);
 
-// Parameters cast to the compute dtype once per scope (a training step, an evaluation) instead
-// of at every use. Without it, every microbatch, every pipeline op and every recomputed block
-// casts each fp32 master again, and 1F1B keeps one bf16 copy of a stage's weights alive per
-// microbatch in flight (each forward's cast is saved for its backward). With it, one cast per
-// parameter and scope, shared; every use still has its own gradient edge to the parameter (the
-// gradient cast back to its dtype, as the cast's own backward does), so gradients, hooks and
-// their order are unchanged.
+// Parameters cast to the compute dtype once per scope (the microbatches of a training step, an
+// evaluation) instead of at every use. Without it, every microbatch and every pipeline op casts
+// each fp32 master again, and 1F1B keeps one bf16 copy of a stage's weights alive per microbatch
+// in flight (each forward's cast is saved for its backward). With it, one cast per parameter and
+// scope, shared; every use still has its own gradient edge to the parameter (the gradient cast
+// back to its dtype, as the cast's own backward does), so gradients, hooks and their order are
+// unchanged.
 //
 // Only `params` are looked up (by storage address, shape, strides, dtype and device, so the
 // detached aliases a recomputed block sees match too): inputs and activations, whose memory the
 // allocator reuses, never are. `keep` says which casts are kept:
 //   kForBackward casts made in grad mode, outside a recomputed block, trained parameters' and
 //                frozen ones' alike (a frozen LLM that passes gradients back to a projector):
-//                autograd saves those for backward anyway (a linear layer keeps its weight to
-//                pass the gradient to its input), so peak memory does not grow. Casts made
-//                without grad mode (a module that needs no backward, a recomputed block's
-//                forward) or recomputing in backward are made at each use, as without a scope.
+//                autograd saves nearly all of those for backward anyway (a linear layer keeps its
+//                weight to pass the gradient to its input; not biases, nor the weights of a
+//                layer whose input needs no gradient), so with several microbatches they are
+//                held at the peak anyway. Casts made without grad mode (a module that needs no
+//                backward, a recomputed block's forward) or recomputing in backward are made at
+//                each use, as without a scope. End the scope when the last backward is done.
 //   kEverything  every parameter's cast, for the scope (evaluation and generation: the weights
 //                do not change, and every generated token would cast them all again).
-// The parameters must not change while the scope lives. One scope per thread at a time (the
-// innermost counts).
+// The parameters must not change while the scope lives (one that does, by an in-place op, is
+// cast again). One scope per thread at a time (the innermost counts).
 class CastOnce {
  public:
   enum class Keep { kForBackward, kEverything };
@@ -137,7 +139,7 @@ class CastOnce {
 
   // The scope's state, for work of the scope that runs on another thread (a recomputed block's
   // backward on an autograd device thread): current() on the scope's thread, then a Resume
-  // there. A Resume of a scope that has ended does nothing.
+  // there. A Resume of a scope that has ended means no scope until the Resume ends.
   struct Cache;
   static std::weak_ptr<Cache> current();
   class Resume {

@@ -59,8 +59,6 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
                              int64_t batch, at::ScalarType compute_dtype) {
   torch::NoGradGuard no_grad;
   model::ComputeDtypeGuard dtype(compute_dtype);
-  // Weights cast once for the whole evaluation, not again for every generated token.
-  model::CastOnce casts(model.parameters(), model::CastOnce::Keep::kEverything);
   EvalResult r;
   int64_t correct = 0;
   for (size_t begin = 0; begin < samples.size();) {

@@ -654,6 +654,12 @@ Summary Trainer::run() {
   auto run_eval = [&]() {
     const model::MultimodalModel* eval_model = m.model_for_eval();
     if (!writer) return;
+    // The weights cast once for the whole evaluation, not again for every generated token, when
+    // it runs on the training model itself (whose step had room for its casts), not on a
+    // gathered copy beside this rank's training state.
+    std::optional<model::CastOnce> casts;
+    if (m.whole_model())
+      casts.emplace(eval_model->parameters(), model::CastOnce::Keep::kEverything);
     EvalResult r = evaluate_captions(*eval_model, m.dataset->eval_set(), *m.dataset,
                                      std::max<int64_t>(ts.batch, 64), m.compute);
     accuracy = r.caption_accuracy;
