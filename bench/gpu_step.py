@@ -3,7 +3,7 @@
 
     python3 bench/gpu_step.py [--build build-cuda] [--config configs/gpu-1b-vlm.toml]
                               [--steps 10] [--warmup 3] [--device cuda] [--set K=V]...
-                              [--ablate K=V]... [--no-ablate] [--write]
+                              [--ablate K=V[,K=V]]... [--no-ablate] [--write]
 
 Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
 eager reference runs under the same interpreter (sys.executable). It runs, one after another:
@@ -14,10 +14,14 @@ eager reference runs under the same interpreter (sys.executable). It runs, one a
           steps in idiomatic PyTorch: autocast bf16, torch.optim.AdamW,
           scaled_dot_product_attention, Hugging Face-style loss over every position's logits;
           timed the same way: the next step queued before a CUDA event says this one is done)
-and then weft again with each ablation (--ablate K=V, repeatable; by default
-`model.llm.attention_chunk=0`, attention as one SDPA call with the mask instead of tiles), each
-row with its step time against weft's in the same run, MFU against the same denominator, and
-whether its losses are weft's (an override that changes the computation is reported there). It
+and then weft again with each ablation (--ablate K=V[,K=V...], repeatable: one run each, with
+all its overrides), each row with its step time against weft's in the same run, MFU against the
+same denominator, and whether its losses are weft's (an override that changes the computation
+is reported there). By default: `model.llm.attention_chunk=0` (attention as one SDPA call with
+the mask instead of tiles); `train.batch=32,train.microbatches=4` (4 microbatches of weft's
+batch per optimizer step, as training with gradient accumulation runs: the optimizer's and the
+casts' cost spread over 4x the tokens); and the same with `train.cast_once=false` (each
+parameter cast at every use instead of once per step). It
 checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
 table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
 own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and
@@ -43,6 +47,9 @@ TOLERANCE = 2e-2  # relative loss difference allowed in bf16 (bench/step.py's)
 # Dense bf16 datasheet peaks (FLOP/s), the MFU denominator the field uses (../REFERENCES: H100 and
 # H200 SXM 989 TFLOP/s); other devices: weft's measured matmul peak.
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}
+DEFAULT_ABLATIONS = ["model.llm.attention_chunk=0",
+                     "train.batch=32,train.microbatches=4",
+                     "train.batch=32,train.microbatches=4,train.cast_once=false"]
 
 
 def datasheet_peak():
@@ -96,9 +103,9 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for weft (and so for the dump both sides run), "
                     "e.g. model.llm.attention_chunk=0; repeatable")
-    ap.add_argument("--ablate", action="append", default=[], metavar="KEY=VALUE",
-                    help="also time weft with this override, in the same run (repeatable; "
-                    "default: model.llm.attention_chunk=0)")
+    ap.add_argument("--ablate", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also time weft with these overrides, one run, in the same run as the "
+                    "rest (repeatable; default: " + "; ".join(DEFAULT_ABLATIONS) + ")")
     ap.add_argument("--no-ablate", action="store_true", help="no ablation runs")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
@@ -111,7 +118,7 @@ def main():
                  else "the given peak" if peak_flops else
                  "weft's measured matmul peak on the " + ("device" if cuda else "CPU"))
 
-    ablations = [] if args.no_ablate else (args.ablate or ["model.llm.attention_chunk=0"])
+    ablations = [] if args.no_ablate else (args.ablate or DEFAULT_ABLATIONS)
 
     def weft(extra, dump=None, peak=peak_flops):
         return run_json([os.path.join(build, "weft"), "bench", "step", args.config,
@@ -133,8 +140,9 @@ def main():
     # (its losses differ from weft's) is reported in its row, not an error.
     ablated = []
     for kv in ablations:
-        a = weft([kv], peak=w["peak_flops"])
-        ablated.append((kv, a, loss_mismatch(a, w)))
+        a = weft(kv.split(","), peak=w["peak_flops"])
+        ablated.append((kv, a, loss_mismatch(a, w) if a["tokens_per_step"] == w["tokens_per_step"]
+                            else None))
 
     # Eager MFU with weft's FLOPs per step and weft's peak (the dump's bench.json).
     timed = bench["step"][bench["warmup"]:]
@@ -171,15 +179,18 @@ def main():
         "",
     ]
     if ablated:
-        table += ["| weft with | step s (median) | step / weft's | MFU | peak memory MiB | "
-                  "losses |",
-                  "|---|---|---|---|---|---|"]
+        table += ["| weft with | step s (median) | step / weft's | tokens/s | MFU | "
+                  "peak memory MiB | losses |",
+                  "|---|---|---|---|---|---|---|"]
         for kv, a, why in ablated:
             a_mem = (a.get("device_peak_bytes", a["step_peak_bytes"]) if cuda
                      else a["step_peak_bytes"])
-            losses = f"differ: {why}" if why else "same as weft's"
+            losses = (f"another batch ({a['batch']} rows, {a['tokens_per_step']:.0f} tokens/step)"
+                      if a["tokens_per_step"] != w["tokens_per_step"] else
+                      f"differ: {why}" if why else "same as weft's")
             table.append(f"| `{kv}` | {a['median_step_seconds']:.3f} | "
-                         f"{ratio(a['median_step_seconds'], ws)} | {100 * a['mfu']:.1f}% | "
+                         f"{ratio(a['median_step_seconds'], ws)} | "
+                         f"{a['tokens_per_second']:.0f} | {100 * a['mfu']:.1f}% | "
                          f"{mib(a_mem):.0f} | {losses} |")
         table.append("")
     table += [
