@@ -56,8 +56,8 @@ struct Llm {
                      const TokenInfo& tokens = {}) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
-  // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar),
-  // vocab-parallel under TP.
+  // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head
+  // and the loss fused a chunk of rows at a time (cross_entropy.h), vocab-parallel under TP.
   at::Tensor loss_sum(const at::Tensor& rows, const at::Tensor& targets) const;
 };
 

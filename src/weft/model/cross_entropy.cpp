@@ -1,0 +1,90 @@
+#include "weft/model/cross_entropy.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "weft/core/error.h"
+
+namespace weft::model {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kChunkLogits = int64_t{32} << 20;  // logits per chunk: 128 MiB in fp32
+
+struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunk) {
+    const bool need_rows = rows.requires_grad(), need_weight = weight.requires_grad();
+    const int64_t N = rows.size(0);
+    const at::Tensor wt = weight.t();
+    at::Tensor loss = at::zeros({}, rows.options().dtype(at::kFloat));
+    at::Tensor grad_rows = need_rows ? at::empty_like(rows) : at::Tensor();
+    at::Tensor grad_weight;  // fp32 sum over chunks, or the one chunk's in weight's dtype
+    const bool one_chunk = N <= chunk;
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t n = std::min(chunk, N - r0);
+      const at::Tensor x = rows.narrow(0, r0, n);
+      const at::Tensor t = targets.narrow(0, r0, n).unsqueeze(1);
+      at::Tensor logits = at::mm(x, wt).to(at::kFloat);  // [n, V]
+      const at::Tensor lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
+      loss.add_((lse - logits.gather(1, t)).sum());
+      if (!need_rows && !need_weight) continue;
+      // d(loss)/d(logits) = softmax − one-hot, over the logits in place, then rounded as the
+      // unfused backward rounds it into the matmuls.
+      at::Tensor d = logits.sub_(lse).exp_();
+      d.scatter_add_(1, t, at::full({n, 1}, -1.0, d.options()));
+      const at::Tensor dc = d.to(rows.scalar_type());
+      d.reset();  // the fp32 logits go before the matmuls' outputs come
+      logits.reset();
+      if (need_rows) {
+        at::Tensor out = grad_rows.narrow(0, r0, n);
+        at::mm_out(out, dc, weight);
+      }
+      if (need_weight) {
+        if (one_chunk) {
+          grad_weight = at::mm(dc.t(), x);
+        } else {
+          if (!grad_weight.defined())
+            grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+          if (dc.scalar_type() == at::kFloat)
+            grad_weight.addmm_(dc.t(), x);
+          else
+            grad_weight.add_(at::mm(dc.t(), x));
+        }
+      }
+    }
+    if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
+    ctx->save_for_backward({grad_rows, grad_weight});  // freed after backward, as saved inputs
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const at::Tensor g = grad[0];
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& grad_rows = saved[0];
+    const at::Tensor& grad_weight = saved[1];
+    return {grad_rows.defined() ? grad_rows * g : at::Tensor(),
+            grad_weight.defined() ? grad_weight * g : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& weight,
+                                    const at::Tensor& targets, int64_t chunk_rows) {
+  WEFT_ASSERT(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1) &&
+                  targets.dim() == 1 && targets.size(0) == rows.size(0) &&
+                  rows.scalar_type() == weight.scalar_type(),
+              "linear_cross_entropy_sum: rows ", rows.sizes(), " ", rows.scalar_type(), ", weight ",
+              weight.sizes(), " ", weight.scalar_type(), ", targets ", targets.sizes());
+  const int64_t chunk =
+      chunk_rows > 0 ? chunk_rows
+                     : std::max<int64_t>(1, kChunkLogits / std::max<int64_t>(1, weight.size(0)));
+  return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk);
+}
+
+}  // namespace weft::model

@@ -1,0 +1,26 @@
+// The LM head and its cross-entropy as one autograd op, a chunk of rows at a time (the fused
+// linear cross-entropy of Liger-Kernel and Apple's Cut Cross-Entropy): the [rows, vocab] logits
+// are never held whole, neither in forward nor for backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace weft::model {
+
+// Σ_i cross-entropy(rows_i · weightᵀ, targets_i) as an fp32 scalar: rows [N, H] and weight
+// [V, H] in the compute dtype, targets [N] in [0, V). Each chunk of `chunk_rows` rows (0: as many
+// as make about 32 Mi logits) gets its logits from one matmul, rounded to the compute dtype and
+// then taken to fp32 (as linear(...).to(float) would), its loss (log-sum-exp less the target's
+// logit), and, where rows or weight require grad, its gradients (softmax − one-hot, rounded to
+// the compute dtype, times the weight and times the rows) — in forward, since they need the
+// logits. Backward scales what forward kept by the incoming gradient: [N, H] for the rows and
+// [V, H] for the weight, in their dtypes, where the unfused loss keeps [N, V] fp32. The weight's
+// gradient sums its chunks in fp32. Results equal cross_entropy(linear(rows, weight).float(),
+// targets, sum) to rounding: the incoming gradient scales the rounded chunk gradients, not the
+// fp32 logit gradients.
+at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& weight,
+                                    const at::Tensor& targets, int64_t chunk_rows = 0);
+
+}  // namespace weft::model

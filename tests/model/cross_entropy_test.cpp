@@ -1,0 +1,87 @@
+// model::linear_cross_entropy_sum (cross_entropy.h): the head and its cross-entropy a chunk of
+// rows at a time give the loss and gradients of cross_entropy(linear(rows, w).float(), targets,
+// sum), in fp32 and bf16, in one chunk, in several with a partial last one, and one row at a
+// time; with only the rows, only the weight or neither requiring grad; and twice with
+// retain_graph.
+#include "weft/model/cross_entropy.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace weft::model {
+namespace {
+
+struct Result {
+  double loss = 0;
+  at::Tensor grad_rows, grad_weight;  // fp32, undefined where not required
+};
+
+// loss·g backpropagated (g ≠ 1: backward must scale what forward kept).
+Result run(bool fused, at::ScalarType dtype, int64_t chunk, bool rows_grad, bool weight_grad) {
+  torch::manual_seed(5);
+  const int64_t N = 10, H = 8, V = 37;
+  const at::Tensor rows = torch::randn({N, H}).to(dtype).set_requires_grad(rows_grad);
+  const at::Tensor weight = torch::randn({V, H}).to(dtype).set_requires_grad(weight_grad);
+  const at::Tensor targets = torch::randint(V, {N}, torch::kLong);
+  const at::Tensor loss = fused ? linear_cross_entropy_sum(rows, weight, targets, chunk)
+                                : at::cross_entropy_loss(at::linear(rows, weight).to(at::kFloat),
+                                                         targets, {}, at::Reduction::Sum);
+  Result r;
+  r.loss = loss.item<double>();
+  EXPECT_EQ(loss.scalar_type(), at::kFloat);
+  if (rows_grad || weight_grad) {
+    (loss * 0.37).backward();
+    if (rows_grad) r.grad_rows = rows.grad().to(at::kFloat);
+    if (weight_grad) r.grad_weight = weight.grad().to(at::kFloat);
+  }
+  return r;
+}
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).norm().item<double>() / b.norm().item<double>();
+}
+
+TEST(LinearCrossEntropy, MatchesTheUnfusedLossAndGradients) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    // fp32: the sums' order; bf16: the logit gradients rounded before the incoming gradient
+    // scales them, instead of after.
+    const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+    const Result ref = run(false, dtype, 0, true, true);
+    for (int64_t chunk : {0, 3, 1}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " chunk " + std::to_string(chunk));
+      const Result got = run(true, dtype, chunk, true, true);
+      EXPECT_NEAR(got.loss, ref.loss, (dtype == at::kFloat ? 1e-6 : 1e-3) * ref.loss);
+      EXPECT_LT(rel_diff(got.grad_rows, ref.grad_rows), tol);
+      EXPECT_LT(rel_diff(got.grad_weight, ref.grad_weight), tol);
+    }
+  }
+}
+
+TEST(LinearCrossEntropy, OnlyWhatRequiresGradGetsAGradient) {
+  const Result ref = run(false, at::kFloat, 0, true, true);
+  const Result rows_only = run(true, at::kFloat, 4, true, false);
+  EXPECT_LT(rel_diff(rows_only.grad_rows, ref.grad_rows), 1e-6);
+  EXPECT_FALSE(rows_only.grad_weight.defined());
+  const Result weight_only = run(true, at::kFloat, 4, false, true);
+  EXPECT_LT(rel_diff(weight_only.grad_weight, ref.grad_weight), 1e-6);
+  const Result neither = run(true, at::kFloat, 4, false, false);
+  EXPECT_NEAR(neither.loss, ref.loss, 1e-6 * ref.loss);
+}
+
+TEST(LinearCrossEntropy, ASecondBackwardGivesTheSameGradients) {
+  const at::Tensor rows = torch::randn({6, 4}).set_requires_grad(true);
+  const at::Tensor weight = torch::randn({9, 4}).set_requires_grad(true);
+  const at::Tensor targets = torch::randint(9, {6}, torch::kLong);
+  const at::Tensor loss = linear_cross_entropy_sum(rows, weight, targets, 4);
+  loss.backward({}, /*retain_graph=*/true);
+  const at::Tensor g1 = rows.grad().clone(), w1 = weight.grad().clone();
+  loss.backward();
+  EXPECT_TRUE(rows.grad().equal(2 * g1));
+  EXPECT_TRUE(weight.grad().equal(2 * w1));
+}
+
+}  // namespace
+}  // namespace weft::model
