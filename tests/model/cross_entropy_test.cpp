@@ -1,8 +1,8 @@
 // model::linear_cross_entropy_sum (cross_entropy.h): the head and its cross-entropy a chunk of
 // rows at a time give the loss and gradients of cross_entropy(linear(rows, w).float(), targets,
 // sum), in fp32 and bf16, in one chunk, in several with a partial last one, and one row at a
-// time; with only the rows, only the weight or neither requiring grad; and twice with
-// retain_graph.
+// time; with only the rows, only the weight or neither requiring grad; no rows, a transposed
+// weight, int32 targets, no grad mode; and twice with retain_graph.
 #include "weft/model/cross_entropy.h"
 
 #include <gtest/gtest.h>
@@ -69,6 +69,39 @@ TEST(LinearCrossEntropy, OnlyWhatRequiresGradGetsAGradient) {
   EXPECT_LT(rel_diff(weight_only.grad_weight, ref.grad_weight), 1e-6);
   const Result neither = run(true, at::kFloat, 4, false, false);
   EXPECT_NEAR(neither.loss, ref.loss, 1e-6 * ref.loss);
+}
+
+TEST(LinearCrossEntropy, EdgeCases) {
+  torch::manual_seed(9);
+  {  // no rows: a zero loss, and a zero (not a missing) gradient for the weight
+    const at::Tensor rows = torch::randn({0, 4}).set_requires_grad(true);
+    const at::Tensor weight = torch::randn({9, 4}).set_requires_grad(true);
+    const at::Tensor loss = linear_cross_entropy_sum(rows, weight, torch::zeros({0}, at::kLong));
+    EXPECT_EQ(loss.item<double>(), 0.0);
+    loss.backward();
+    ASSERT_TRUE(weight.grad().defined());
+    EXPECT_EQ(weight.grad().abs().sum().item<double>(), 0.0);
+  }
+  // A transposed view of a weight, int32 targets, several chunks: as the unfused loss.
+  const at::Tensor stored = torch::randn({4, 9});
+  const at::Tensor weight = stored.t();  // [9, 4], not contiguous
+  const at::Tensor rows = torch::randn({7, 4}).set_requires_grad(true);
+  const at::Tensor targets = torch::randint(9, {7}, at::kInt);
+  const at::Tensor ref = at::cross_entropy_loss(at::linear(rows, weight), targets.to(at::kLong), {},
+                                                at::Reduction::Sum);
+  ref.backward();
+  const at::Tensor ref_grad = rows.grad().clone();
+  rows.mutable_grad().reset();
+  const at::Tensor loss = linear_cross_entropy_sum(rows, weight, targets, 3);
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-6 * ref.item<double>());
+  loss.backward();
+  EXPECT_LT(rel_diff(rows.grad(), ref_grad), 1e-6);
+  {  // without grad mode: the loss alone, no graph
+    at::NoGradGuard no_grad;
+    const at::Tensor l = linear_cross_entropy_sum(rows, weight, targets, 3);
+    EXPECT_FALSE(l.requires_grad());
+    EXPECT_NEAR(l.item<double>(), ref.item<double>(), 1e-6 * ref.item<double>());
+  }
 }
 
 TEST(LinearCrossEntropy, ASecondBackwardGivesTheSameGradients) {

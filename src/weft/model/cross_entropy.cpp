@@ -15,15 +15,22 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kChunkLogits = int64_t{32} << 20;  // logits per chunk: 128 MiB in fp32
 
+// Which gradients forward makes: those autograd will ask for (grad mode on, and the input
+// requires grad; inside Function::forward grad mode is always off).
+struct Needs {
+  bool rows = false, weight = false;
+};
+
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weight,
-                            const at::Tensor& targets, int64_t chunk) {
-    const bool need_rows = rows.requires_grad(), need_weight = weight.requires_grad();
+                            const at::Tensor& targets, int64_t chunk, Needs need) {
     const int64_t N = rows.size(0);
     const at::Tensor wt = weight.t();
     at::Tensor loss = at::zeros({}, rows.options().dtype(at::kFloat));
-    at::Tensor grad_rows = need_rows ? at::empty_like(rows) : at::Tensor();
-    at::Tensor grad_weight;  // fp32 sum over chunks, or the one chunk's in weight's dtype
+    at::Tensor grad_rows = need.rows ? at::empty_like(rows) : at::Tensor();
+    // The weight's gradient: the one chunk's product, or the chunks' sum in fp32 (each chunk's
+    // product in the compute dtype into one reused buffer).
+    at::Tensor grad_weight, product;
     const bool one_chunk = N <= chunk;
     for (int64_t r0 = 0; r0 < N; r0 += chunk) {
       const int64_t n = std::min(chunk, N - r0);
@@ -32,7 +39,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       at::Tensor logits = at::mm(x, wt).to(at::kFloat);  // [n, V]
       const at::Tensor lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
       loss.add_((lse - logits.gather(1, t)).sum());
-      if (!need_rows && !need_weight) continue;
+      if (!need.rows && !need.weight) continue;
       // d(loss)/d(logits) = softmax − one-hot, over the logits in place, then rounded as the
       // unfused backward rounds it into the matmuls.
       at::Tensor d = logits.sub_(lse).exp_();
@@ -40,23 +47,29 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       const at::Tensor dc = d.to(rows.scalar_type());
       d.reset();  // the fp32 logits go before the matmuls' outputs come
       logits.reset();
-      if (need_rows) {
+      if (need.rows) {
         at::Tensor out = grad_rows.narrow(0, r0, n);
         at::mm_out(out, dc, weight);
       }
-      if (need_weight) {
+      if (need.weight) {
         if (one_chunk) {
           grad_weight = at::mm(dc.t(), x);
         } else {
           if (!grad_weight.defined())
             grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
-          if (dc.scalar_type() == at::kFloat)
+          if (dc.scalar_type() == at::kFloat) {
             grad_weight.addmm_(dc.t(), x);
-          else
-            grad_weight.add_(at::mm(dc.t(), x));
+          } else {
+            if (!product.defined()) product = at::empty(weight.sizes(), weight.options());
+            at::mm_out(product, dc.t(), x);
+            grad_weight.add_(product);
+          }
         }
       }
     }
+    product.reset();
+    if (need.weight && !grad_weight.defined())  // no rows: no loss, a zero gradient
+      grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
     if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
     ctx->save_for_backward({grad_rows, grad_weight});  // freed after backward, as saved inputs
     return loss;
@@ -68,7 +81,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     const at::Tensor& grad_rows = saved[0];
     const at::Tensor& grad_weight = saved[1];
     return {grad_rows.defined() ? grad_rows * g : at::Tensor(),
-            grad_weight.defined() ? grad_weight * g : at::Tensor(), at::Tensor(), at::Tensor()};
+            grad_weight.defined() ? grad_weight * g : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -81,10 +95,16 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& we
                   rows.scalar_type() == weight.scalar_type(),
               "linear_cross_entropy_sum: rows ", rows.sizes(), " ", rows.scalar_type(), ", weight ",
               weight.sizes(), " ", weight.scalar_type(), ", targets ", targets.sizes());
-  const int64_t chunk =
-      chunk_rows > 0 ? chunk_rows
-                     : std::max<int64_t>(1, kChunkLogits / std::max<int64_t>(1, weight.size(0)));
-  return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk);
+  // By default about kChunkLogits logits per chunk, but at least `hidden` rows: the weight's
+  // gradient is summed over the chunks through an fp32 [V, H] buffer, which more chunks than that
+  // would make cost more than the logits they save.
+  const int64_t chunk = chunk_rows > 0
+                            ? chunk_rows
+                            : std::max(std::max<int64_t>(1, weight.size(1)),
+                                       kChunkLogits / std::max<int64_t>(1, weight.size(0)));
+  const bool grad = at::GradMode::is_enabled();
+  const Needs need{grad && rows.requires_grad(), grad && weight.requires_grad()};
+  return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk, need);
 }
 
 }  // namespace weft::model

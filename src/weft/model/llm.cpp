@@ -111,9 +111,12 @@ at::Tensor Llm::logits(const at::Tensor& rows) const {
   return at::linear(rows, to_compute(w)).to(at::kFloat);
 }
 
-at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets) const {
+at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool fused) const {
   const at::Tensor& w = head.defined() ? head : embedding;
-  if (tp.size() == 1) return linear_cross_entropy_sum(rows, to_compute(w), targets);
+  if (tp.size() == 1 && fused) return linear_cross_entropy_sum(rows, to_compute(w), targets);
+  if (tp.size() == 1)
+    return at::cross_entropy_loss(at::linear(rows, to_compute(w)).to(at::kFloat), targets, {},
+                                  at::Reduction::Sum);
   // Vocab-parallel cross-entropy: log Σ_v exp(l_v) − l_target with the max, the sum of
   // exponentials and the target logit each combined over TP; no rank sees the whole vocabulary.
   at::Tensor logits = at::linear(dist::copy_to(rows, tp), to_compute(w)).to(at::kFloat);

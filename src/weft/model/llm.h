@@ -57,8 +57,9 @@ struct Llm {
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head
-  // and the loss fused a chunk of rows at a time (cross_entropy.h), vocab-parallel under TP.
-  at::Tensor loss_sum(const at::Tensor& rows, const at::Tensor& targets) const;
+  // and the loss fused a chunk of rows at a time (cross_entropy.h), or with `fused` false as
+  // linear then cross-entropy (the profiler's pricing); vocab-parallel under TP.
+  at::Tensor loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool fused = true) const;
 };
 
 }  // namespace weft::model

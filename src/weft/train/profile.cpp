@@ -553,7 +553,10 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
     const double count = std::max<double>(1, static_cast<double>(rows.numel()));
     p.forward = [&llm, h, rows, targets, count, H] {
       const at::Tensor y = llm.final_norm(h).reshape({-1, H}).index_select(0, rows);
-      return llm.loss_sum(y, targets) / count;
+      // Unfused: the fused loss makes its gradients in forward, which would book the backward's
+      // matmuls as forward, and hold no logits, which the vocab-parallel loss that plans with
+      // tp > 1 scale this to does.
+      return llm.loss_sum(y, targets, /*fused=*/false) / count;
     };
     return p;
   };
