@@ -41,11 +41,11 @@ TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
   testing::run_ranks(2, [](const Comm& comm) {
     const int r = comm.rank();
     model::ParamSet ps;
-    at::Tensor a = ps.add("a", torch::full({300}, 1.0));
-    at::Tensor b = ps.add("b", torch::full({300}, 2.0));
     at::Tensor unused = ps.add("unused", torch::ones({10}));
+    at::Tensor b = ps.add("b", torch::full({300}, 2.0));
+    at::Tensor a = ps.add("a", torch::full({300}, 1.0));
     GradSync sync(comm, ps.all(), /*bucket_bytes=*/1000);
-    ASSERT_EQ(sync.bucket_count(), 2);  // [unused, b], [a]
+    ASSERT_EQ(sync.bucket_count(), 3);  // [a], [b], [unused]
     // Two microbatches: the first accumulates normally, the second is armed.
     ((a * b).sum() * (r + 1)).backward();
     sync.arm();
@@ -56,7 +56,32 @@ TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
     EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, 3.0)));  // 3 * a
     ASSERT_TRUE(unused.grad().defined());
     EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
-    EXPECT_EQ(sync.buckets_overlapped(), 1);  // [a] filled during backward; [unused, b] not
+    // [a] during backward; [b] (no gradient in the armed backward) and [unused] after.
+    EXPECT_EQ(sync.buckets_overlapped(), 1);
+  });
+}
+
+// Buckets start in index order on every rank, whichever parameters got a gradient there: rank 0's
+// armed backward reaches buckets 1 and 2 but never bucket 0's parameter; rank 1 runs no armed
+// backward at all (an encoder skipped for a microbatch without items). Started as they fill,
+// rank 0's buckets would pair with other buckets of rank 1 (same sizes: wrong sums).
+TEST(DataParallel, BucketsStartInTheSameOrderOnEveryRank) {
+  testing::run_ranks(2, [](const Comm& comm) {
+    const int r = comm.rank();
+    model::ParamSet ps;
+    at::Tensor p0 = ps.add("p0", torch::ones({100}));
+    at::Tensor p1 = ps.add("p1", torch::ones({100}));
+    at::Tensor p2 = ps.add("p2", torch::ones({100}));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/400);
+    ASSERT_EQ(sync.bucket_count(), 3);  // [p2], [p1], [p0]
+    ((p0 + 10 * p1 + 100 * p2).sum() * (r + 1)).backward();
+    sync.arm();
+    if (r == 0) (1000 * p0 + 10000 * p1).sum().backward();
+    sync.finish();
+    EXPECT_TRUE(torch::equal(p0.grad(), torch::full({100}, 1003.0))) << p0.grad()[0];
+    EXPECT_TRUE(torch::equal(p1.grad(), torch::full({100}, 10030.0))) << p1.grad()[0];
+    EXPECT_TRUE(torch::equal(p2.grad(), torch::full({100}, 300.0))) << p2.grad()[0];
+    EXPECT_EQ(sync.buckets_overlapped(), 0);  // bucket 0 never filled: nothing could start
   });
 }
 

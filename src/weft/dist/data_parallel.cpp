@@ -59,8 +59,14 @@ void GradSync::on_grad(size_t k, const at::Tensor& incoming) {
     dst.copy_(incoming.reshape(-1));
   if (!filled_[k]) {
     filled_[k] = 1;
-    if (++b.ready == static_cast<int64_t>(b.params.size())) {
-      launch(b);
+    ++b.ready;
+    // Buckets launch in index order only, as DDP's reducer does: a rank where some parameter
+    // got no gradient (an encoder skipped for a microbatch without items, a block built but
+    // unused) launches the rest in finish(), and every rank must issue the same sequence of
+    // collectives.
+    while (next_ < buckets_.size() &&
+           buckets_[next_].ready == static_cast<int64_t>(buckets_[next_].params.size())) {
+      launch(buckets_[next_++]);
       ++overlapped_;
     }
   }
@@ -74,9 +80,10 @@ void GradSync::launch(Bucket& b) {
 void GradSync::finish() {
   if (group_.size() == 1) return;
   torch::NoGradGuard no_grad;
-  if (!armed_) overlapped_ = 0;  // nothing could start during backward
-  for (Bucket& b : buckets_) {
-    if (b.launched) continue;
+  if (!armed_) overlapped_ = 0;               // nothing could start during backward
+  for (; next_ < buckets_.size(); ++next_) {  // the rest, in index order
+    Bucket& b = buckets_[next_];
+    WEFT_ASSERT(!b.launched);
     for (size_t slot = 0; slot < b.params.size(); ++slot) {
       const size_t k = b.params[slot];
       if (filled_[k]) continue;
@@ -103,6 +110,7 @@ void GradSync::finish() {
     b.launched = false;
   }
   std::fill(filled_.begin(), filled_.end(), 0);
+  next_ = 0;
   armed_ = false;
 }
 

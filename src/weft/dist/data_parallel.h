@@ -3,9 +3,11 @@
 // GradSync sums every gradient over the DP group in flat fp32 buckets of about `bucket_bytes`,
 // in reverse creation order (roughly the order backward produces them). Overlapped use: call
 // arm() before the last backward of a step (the one that completes the gradients); hooks then
-// copy each finished gradient into its bucket and start the bucket's all-reduce as soon as the
-// bucket is full, while backward goes on. finish() starts whatever is left (parameters that got
-// no gradient contribute zeros), waits, and writes the sums to .grad. Without arm(), finish()
+// copy each finished gradient into its bucket and start the bucket's all-reduce once it and
+// every bucket before it are full (buckets start in index order on every rank, whichever
+// parameters got gradients there), while backward goes on. finish() starts whatever is left
+// (parameters that got no gradient contribute .grad or zeros), waits, and writes the sums to
+// .grad. Without arm(), finish()
 // does all the work after backward. Every rank of the group calls arm()/finish() in the same
 // steps with the same parameter list. Not thread-safe; hooks run on the backward thread.
 #pragma once
@@ -50,6 +52,7 @@ class GradSync {
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_;  // per parameter
   std::vector<uint8_t> filled_;    // per parameter: its bucket slice holds this step's gradient
+  size_t next_ = 0;                // the next bucket to launch (they launch in index order)
   std::vector<unsigned> hooks_;
   bool armed_ = false;
   int64_t overlapped_ = 0;
