@@ -172,6 +172,30 @@ TEST(Multimodal, PlaceholderCountMismatchNamesTheEncoder) {
   EXPECT_THROW(model.loss_sum(one_encoder), Error);
 }
 
+// Encoder blocks past feature_layer are built but never run: they do not train (no gradient to
+// wait for in a bucket, no optimizer state, no weight decay), even when their module is made
+// trainable again; every other parameter gets its gradient.
+TEST(Multimodal, BlocksPastTheFeatureLayerDoNotTrain) {
+  torch::manual_seed(26);
+  ModelSpec spec = tiny_spec();
+  spec.encoders[0].layers = 3;
+  spec.encoders[0].feature_layer = -2;  // runs blocks 0 and 1
+  MultimodalModel model(spec);
+  model.set_trainable("vision", true);
+  model.loss_sum(collate(samples(), false)).backward();
+  int64_t unused = 0;
+  for (const auto& [name, p] : model.parameters()) {
+    const bool past = name.rfind("vision.layers.2.", 0) == 0;
+    EXPECT_EQ(model.unused(name), past) << name;
+    EXPECT_EQ(p.requires_grad(), !past) << name;
+    EXPECT_EQ(p.grad().defined(), !past) << name;
+    unused += past ? 1 : 0;
+  }
+  EXPECT_GT(unused, 0);
+  EXPECT_FALSE(model.unused("vision.layers.1.attn.qkv.weight"));
+  EXPECT_FALSE(model.unused("llm.layers.2.attn.qkv.weight"));
+}
+
 TEST(Multimodal, FrozenModuleGetsNoGradientsOthersDo) {
   torch::manual_seed(25);
   MultimodalModel model(tiny_spec());

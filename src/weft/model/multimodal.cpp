@@ -70,10 +70,21 @@ void MultimodalModel::set_trainable(const std::string& module, bool trainable) {
   bool found = false;
   for (const auto& [name, p] : params_.all()) {
     if (module_of(name) != module) continue;
-    p.set_requires_grad(trainable);
+    p.set_requires_grad(trainable && !unused(name));
     found = true;
   }
   WEFT_CHECK(found, "no parameters belong to module '", module, "'");
+}
+
+bool MultimodalModel::unused(const std::string& param_name) const {
+  for (const EncoderSpec& e : spec_.encoders) {
+    const std::string blocks = e.name + ".layers.";
+    if (param_name.compare(0, blocks.size(), blocks) != 0) continue;
+    const size_t end = param_name.find('.', blocks.size());
+    if (end == std::string::npos) return false;
+    return std::stoll(param_name.substr(blocks.size(), end - blocks.size())) >= e.layers_used();
+  }
+  return false;
 }
 
 at::Tensor MultimodalModel::embed_with(const at::Tensor& tokens,

@@ -68,8 +68,12 @@ class MultimodalModel {
   const ParamSet& param_set() const { return params_; }
   // Module a parameter belongs to: "llm", "<encoder>" or "<encoder>.projector".
   static std::string module_of(const std::string& param_name);
-  // Sets requires_grad on every parameter of `module` (frozen = false).
+  // Sets requires_grad on every parameter of `module` (frozen = false); unused parameters never
+  // train.
   void set_trainable(const std::string& module, bool trainable);
+  // An encoder block past its feature_layer: built (checkpoints hold it, exports write it back)
+  // but never run, so it gets no gradient, no optimizer state and no weight decay.
+  bool unused(const std::string& param_name) const;
 
   // Modules this rank built (null when not hosted / not on this stage).
   const Encoder* encoder(size_t e) const { return encoders_[e].get(); }

@@ -233,6 +233,10 @@ struct Trainer::Impl {
         mine.emplace_back(key, runtime->shard_of(runtime->param_index(t), it->second));
         moments.erase(it);
       }
+    // Checkpoints from before unused encoder blocks stopped training hold their moments.
+    for (auto it = moments.begin(); it != moments.end();)
+      it = model().unused(it->first.substr(it->first.find('.') + 1)) ? moments.erase(it)
+                                                                     : std::next(it);
     if (opts.comm.size() == 1)
       WEFT_CHECK(moments.empty(), dir, "/optimizer.safetensors: unexpected tensor '",
                  moments.empty() ? "" : moments.begin()->first,
