@@ -121,56 +121,46 @@ def comparison_table(name, rows):
     return lines, ratio_e
 
 
-def recompute_table(args):
-    config = "configs/small-vlm.toml"
-    off = weft(args, config)
-    on = weft(args, config, sets=["model.llm.recompute=true", "model.vision.recompute=true"])
-    return [
-        "**Activation recomputation** (small-vlm, every LLM and ViT block recomputed in backward)",
-        "",
-        "| recompute | step s (median) | step peak memory MiB |",
-        "|---|---|---|",
-        f"| off | {off['median_step_seconds']:.3f} | {mib(off['step_peak_bytes']):.0f} |",
-        f"| on | {on['median_step_seconds']:.3f} | {mib(on['step_peak_bytes']):.0f} |",
-        "",
-        f"memory on/off {on['step_peak_bytes'] / off['step_peak_bytes']:.2f}x, "
-        f"time on/off {on['median_step_seconds'] / off['median_step_seconds']:.2f}x",
-        "",
-    ]
-
-
-def cast_once_table(args, rounds):
-    """Casting each parameter once per step against casting it at every use, with the batch in
-    4 microbatches (the forward casts of 3 of them saved); rounds alternate, ratios per round."""
+def on_off_table(args, title, column, on, off, sets, rounds, identical):
+    """small-vlm with `sets` (labels and overrides per side), the two sides alternating for
+    `rounds`; step time and peak memory medians, and off/on ratios per round (their median).
+    identical: the two sides' losses must be equal, bit for bit."""
     config = "configs/small-vlm.toml"
     runs = {True: [], False: []}
     for _ in range(rounds):
-        for once in (True, False):
-            runs[once].append(weft(args, config, sets=["train.microbatches=4",
-                                                        f"train.cast_once={str(once).lower()}"]))
-    for a, b in zip(runs[True], runs[False]):
-        if a["losses"] != b["losses"]:
-            sys.exit(f"step.py: cast once: losses {a['losses']} vs {b['losses']}: not identical")
+        for side in (True, False):
+            runs[side].append(weft(args, config, sets=sets[side]))
+    if identical:
+        for a, b in zip(runs[True], runs[False]):
+            if a["losses"] != b["losses"]:
+                sys.exit(f"step.py: {column}: losses {a['losses']} vs {b['losses']}: not identical")
     med = lambda rs, k: statistics.median(r[k] for r in rs)
-    speed = statistics.median(b["median_step_seconds"] / a["median_step_seconds"]
-                              for a, b in zip(runs[True], runs[False]))
-    memory = statistics.median(b["step_peak_bytes"] / a["step_peak_bytes"]
-                               for a, b in zip(runs[True], runs[False]))
-    rows = [(once, med(runs[once], "median_step_seconds"), med(runs[once], "step_peak_bytes"))
-            for once in (True, False)]
-    return [
-        "**Parameters cast to bf16 once per step** (small-vlm, batch 8 in 4 microbatches; "
-        "`train.cast_once`, model::CastOnce; identical losses checked)",
+    ratio = lambda k: statistics.median(b[k] / a[k] for a, b in zip(runs[True], runs[False]))
+    return [title, "", f"| {column} | step s (median) | step peak memory MiB |", "|---|---|---|"] + [
+        f"| {label} | {med(runs[side], 'median_step_seconds'):.3f} | "
+        f"{mib(med(runs[side], 'step_peak_bytes')):.0f} |"
+        for side, label in ((True, on), (False, off))] + [
         "",
-        "| casts | step s (median) | step peak memory MiB |",
-        "|---|---|---|",
-    ] + [f"| {'once per step' if once else 'at every use'} | {t:.3f} | {mib(m):.0f} |"
-         for once, t, m in rows] + [
-        "",
-        f"speed-up of casting once (every-use step time / once step time, same round): "
-        f"**{speed:.2f}x**; memory every-use/once: {memory:.2f}x",
+        f"{off}/{on}, same round: step time **{ratio('median_step_seconds'):.2f}x**, "
+        f"step peak memory {ratio('step_peak_bytes'):.2f}x",
         "",
     ]
+
+
+def recompute_table(args, rounds):
+    on = ["model.llm.recompute=true", "model.vision.recompute=true"]
+    return on_off_table(
+        args, "**Activation recomputation** (small-vlm, every LLM and ViT block recomputed in "
+        "backward)", "recompute", "on", "off", {True: on, False: []}, rounds, identical=False)
+
+
+def cast_once_table(args, rounds):
+    sets = {side: ["train.microbatches=4", f"train.cast_once={str(side).lower()}"]
+            for side in (True, False)}
+    return on_off_table(
+        args, "**Parameters cast to bf16 once per step** (small-vlm, batch 8 in 4 microbatches; "
+        "`train.cast_once`, model::CastOnce; identical losses checked)", "casts", "once per step",
+        "at every use", sets, rounds, identical=True)
 
 
 def sweep(args, label, points, sets_of):
@@ -273,7 +263,7 @@ def main():
         lines += table
         ratios[name] = ratio
         print("\n".join(table), flush=True)
-    rec = recompute_table(args)
+    rec = recompute_table(args, args.rounds)
     lines += rec
     print("\n".join(rec), flush=True)
     once = cast_once_table(args, args.rounds)

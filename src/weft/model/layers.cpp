@@ -87,6 +87,7 @@ ComputeDtypeGuard::ComputeDtypeGuard(at::ScalarType dtype) : saved_(t_compute_dt
 }
 ComputeDtypeGuard::~ComputeDtypeGuard() { t_compute_dtype = saved_; }
 
+namespace {
 // A kept cast handed to one use: its own autograd node, whose backward casts the gradient back
 // to the parameter's dtype (what the cast's ToCopyBackward would do).
 struct SharedCastFn : torch::autograd::Function<SharedCastFn> {
@@ -103,9 +104,8 @@ struct SharedCastFn : torch::autograd::Function<SharedCastFn> {
   }
 };
 
-namespace {
 std::atomic<int64_t> g_shared_total{0};
-}
+}  // namespace
 
 struct CastOnce::Cache {
   struct Entry {
