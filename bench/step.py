@@ -10,7 +10,8 @@ For tiny-vlm and small-vlm (configs/), each round runs, one after another on the
 and reports per-step medians and the ratios eager/weft measured in the same round (the median
 over rounds); the runs' losses must agree (bf16: 2e-2 relative) or the benchmark fails. Then:
 activation recomputation on vs off (peak memory and step time), parameters cast to bf16 once
-per step vs at every use (4 microbatches; identical losses checked), and how the step grows with
+per step vs at every use (4 microbatches; identical losses checked), frozen modules held in bf16
+vs fp32 (identical losses checked), and how the step grows with
 sequence length and with images per sample (data.kind = "synthetic"), written as a table and an
 SVG plot (bench/step_scaling.svg). --write replaces the "Training step" section of
 bench/RESULTS.md with the result.
@@ -163,6 +164,17 @@ def cast_once_table(args, rounds):
         "at every use", sets, rounds, identical=True)
 
 
+def frozen_table(args, rounds):
+    frozen = ["model.vision.frozen=true", "model.llm.frozen=true"]
+    sets = {side: frozen + [f"train.frozen_fp32={str(not side).lower()}"]
+            for side in (True, False)}
+    return on_off_table(
+        args, "**Frozen modules held in bf16** (small-vlm with the ViT and the LLM frozen, only "
+        "the projector training, as LLaVA's first stage; `train.frozen_fp32`; identical losses "
+        "checked)", "frozen weights", "bf16 (default)", "fp32 copies", sets, rounds,
+        identical=True)
+
+
 def sweep(args, label, points, sets_of):
     out = []
     for x in points:
@@ -269,6 +281,9 @@ def main():
     once = cast_once_table(args, args.rounds)
     lines += once
     print("\n".join(once), flush=True)
+    held = frozen_table(args, args.rounds)
+    lines += held
+    print("\n".join(held), flush=True)
     if not args.no_sweeps:
         sc = scaling_tables(args)
         lines += sc

@@ -274,6 +274,76 @@ TEST(Multimodal, FrozenFlagsInTheSpecApply) {
   }
 }
 
+// Frozen modules held in bf16 (Hosting::frozen_dtype) hold what every use would cast their fp32
+// masters to: under bf16 compute the loss and every trained gradient are bit-identical to fp32
+// masters'. Norms and MoE routers, read in fp32, stay fp32; such a module cannot train.
+TEST(Multimodal, FrozenModulesHeldInBf16ComputeExactlyAsFp32Masters) {
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "MoE LLM" : "dense LLM");
+    ModelSpec spec = tiny_spec();
+    spec.encoders[0].frozen = true;            // vision frozen, its projector trains
+    spec.encoders[1].projector.frozen = true;  // audio trains through its frozen projector
+    spec.llm.frozen = true;                    // and through the frozen LLM
+    if (moe) spec.llm.moe.experts = 4, spec.llm.moe.shared_ffn = 16;
+    const MultimodalModel fp32(spec, 31);
+    Hosting held;
+    held.frozen_dtype = at::kBFloat16;
+    const MultimodalModel bf16(spec, 31, held);
+    ASSERT_EQ(fp32.parameters().size(), bf16.parameters().size());
+    int64_t halved = 0, kept = 0;
+    for (size_t k = 0; k < fp32.parameters().size(); ++k) {
+      const auto& [name, a] = fp32.parameters()[k];
+      const at::Tensor& b = bf16.parameters()[k].second;
+      const std::string mod = MultimodalModel::module_of(name);
+      const bool frozen = mod == "vision" || mod == "audio.projector" || mod == "llm";
+      const bool read_in_fp32 = name.find("norm") != std::string::npos ||
+                                name.find("ln") != std::string::npos ||
+                                name.find("router") != std::string::npos;
+      EXPECT_EQ(b.requires_grad(), a.requires_grad()) << name;
+      if (frozen && !read_in_fp32) {
+        EXPECT_EQ(b.scalar_type(), at::kBFloat16) << name;
+        EXPECT_TRUE(b.equal(a.detach().to(at::kBFloat16))) << name;
+        ++halved;
+      } else {
+        EXPECT_EQ(b.scalar_type(), at::kFloat) << name;
+        EXPECT_TRUE(b.equal(a)) << name;
+        kept += frozen ? 1 : 0;
+      }
+    }
+    EXPECT_GT(halved, 10);
+    EXPECT_GT(kept, 3);  // norms (and routers)
+
+    const Inputs in = collate(samples(), false);
+    const ComputeDtypeGuard compute(at::kBFloat16);
+    const at::Tensor la = fp32.loss_sum(in), lb = bf16.loss_sum(in);
+    EXPECT_TRUE(la.equal(lb)) << la.item<double>() << " vs " << lb.item<double>();
+    la.backward();
+    lb.backward();
+    int64_t trained = 0;
+    for (size_t k = 0; k < fp32.parameters().size(); ++k) {
+      const auto& [name, a] = fp32.parameters()[k];
+      const at::Tensor& b = bf16.parameters()[k].second;
+      ASSERT_EQ(a.grad().defined(), b.grad().defined()) << name;
+      if (!a.grad().defined()) continue;
+      EXPECT_TRUE(a.grad().equal(b.grad())) << name;
+      ++trained;
+    }
+    EXPECT_GT(trained, 10);  // vision.projector and audio
+  }
+  ModelSpec spec = tiny_spec();
+  spec.llm.frozen = true;
+  Hosting held;
+  held.frozen_dtype = at::kBFloat16;
+  MultimodalModel model(spec, 0, held);
+  const std::string err = error_of([&] { model.set_trainable("llm", true); });
+  EXPECT_NE(err.find("module 'llm'"), std::string::npos) << err;
+  EXPECT_NE(err.find("cannot train"), std::string::npos) << err;
+  for (const auto& [name, p] : model.parameters())  // nothing of the llm was made trainable
+    if (MultimodalModel::module_of(name) == "llm") EXPECT_FALSE(p.requires_grad()) << name;
+  model.set_trainable("llm", false);
+  model.set_trainable("vision", true);  // held in fp32: trainable
+}
+
 TEST(Multimodal, ParameterNamesFollowModules) {
   torch::manual_seed(28);
   MultimodalModel model(tiny_spec());

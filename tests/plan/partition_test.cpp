@@ -41,17 +41,45 @@ TEST(Partition, FrozenRulesOnOneLayer) {
   // Trainable: all three, activations, params + state (whatever upstream does).
   EXPECT_EQ(layer_time(c, true, false), 10);
   EXPECT_EQ(layer_time(c, true, true), 10);
-  EXPECT_EQ(layer_memory(c, true, false, 3), 11 + 13 + 3 * 7);
-  // Frozen with trainable upstream: forward + input grad, activations, params only.
+  EXPECT_EQ(layer_memory(c, true, false, 3, 1), 11 + 13 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, true, false, 3, 0.5), 11 + 13 + 3 * 7);  // trained: fp32 masters
+  // Frozen with trainable upstream: forward + input grad, activations, params only (in bf16:
+  // half the bytes).
   EXPECT_EQ(layer_time(c, false, true), 5);
-  EXPECT_EQ(layer_memory(c, false, true, 3), 11 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, false, true, 3, 1), 11 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, false, true, 3, 0.5), 5.5 + 3 * 7);
   // Frozen, nothing upstream trains: forward only, no activations.
   EXPECT_EQ(layer_time(c, false, false), 2);
-  EXPECT_EQ(layer_memory(c, false, false, 3), 11);
-  const LayerCost f = apply_frozen_rules(c, false, false);
+  EXPECT_EQ(layer_memory(c, false, false, 3, 1), 11);
+  const LayerCost f = apply_frozen_rules(c, false, false, 1);
   EXPECT_EQ(f.input_grad + f.weight_grad + f.activation_bytes + f.train_state_bytes, 0);
   EXPECT_EQ(f.forward, 2);
   EXPECT_EQ(f.param_bytes, 11);
+  EXPECT_EQ(apply_frozen_rules(c, false, false, 0.5).param_bytes, 5.5);
+}
+
+TEST(Partition, FrozenModulesHeldInBf16HoldHalfTheirParameterBytes) {
+  Spec s = vlm_spec();
+  s.model.encoders[0].frozen = true;
+  const Plan plan = make_plan(s);
+  const ModulePlan& enc = plan.module("vision");
+  const ModulePlan& llm = plan.module("llm");
+  EXPECT_EQ(frozen_param_share(s), 0.5);  // bf16 compute, frozen_fp32 = false (the defaults)
+  const ModuleCosts bf16 = module_layer_costs(s, enc, single_sample_microbatch(s));
+  s.train.frozen_fp32 = true;
+  EXPECT_EQ(frozen_param_share(s), 1);
+  const ModuleCosts fp32 = module_layer_costs(s, enc, single_sample_microbatch(s));
+  EXPECT_DOUBLE_EQ(bf16.blocks[0].param_bytes, fp32.blocks[0].param_bytes / 2);
+  EXPECT_DOUBLE_EQ(bf16.front.param_bytes, fp32.front.param_bytes / 2);
+  EXPECT_DOUBLE_EQ(bf16.back.param_bytes, fp32.back.param_bytes);  // the projector trains
+  EXPECT_EQ(bf16.blocks[0].train_state_bytes, 0);
+  // A trained module holds fp32 masters either way; fp32 compute holds everything in fp32.
+  s.train.frozen_fp32 = false;
+  const ModuleCosts llm_costs = module_layer_costs(s, llm, single_sample_microbatch(s));
+  s.train.precision = Precision::kFp32;
+  EXPECT_EQ(frozen_param_share(s), 1);
+  EXPECT_DOUBLE_EQ(llm_costs.blocks[0].param_bytes,
+                   module_layer_costs(s, llm, single_sample_microbatch(s)).blocks[0].param_bytes);
 }
 
 TEST(Partition, CostsAddUpToTheFlopModel) {
@@ -345,10 +373,10 @@ TEST(Partition, FrozenRulesMoveLayersOntoFrozenStages) {
   ModuleCosts aware, unaware;
   aware.module = unaware.module = "vision";
   for (int b = 0; b < 6; ++b) {
-    aware.blocks.push_back(apply_frozen_rules(block, false, false));
+    aware.blocks.push_back(apply_frozen_rules(block, false, false, 1));
     unaware.blocks.push_back(block);
   }
-  aware.back = apply_frozen_rules(projector, true, false);
+  aware.back = apply_frozen_rules(projector, true, false, 1);
   aware.back.input_grad = 0;  // nothing before the projector trains
   unaware.back = projector;
   PartitionOptions o;

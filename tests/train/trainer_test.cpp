@@ -275,6 +275,127 @@ TEST(Trainer, CastOnceTrainsExactlyAsCastingAtEveryUse) {
   }
 }
 
+// Frozen modules held in bf16 (train.frozen_fp32 = false, the default) train exactly as with
+// fp32 masters: bf16, two microbatches, the same losses and trained parameters bit for bit, and
+// frozen weights that are the fp32 ones rounded. Checkpoints move between the two: each run's
+// last checkpoint resumes under the other setting, and both resumed steps agree.
+TEST(Trainer, FrozenModulesHeldInBf16TrainExactlyAsFp32Masters) {
+  const std::vector<std::vector<std::string>> variants = {
+      {"model.vision.frozen=true"},
+      {"model.llm.frozen=true", "model.vision.projector.frozen=true"}};
+  for (const std::vector<std::string>& variant : variants) {
+    SCOPED_TRACE(variant.back());
+    std::vector<std::vector<double>> losses;
+    std::vector<std::map<std::string, at::Tensor>> params;
+    std::vector<fs::path> runs;
+    for (const char* fp32 : {"true", "false"}) {
+      std::vector<std::string> sets = {"train.steps=3", "train.warmup=0", "train.microbatches=2",
+                                       "train.precision=\"bf16\"",
+                                       std::string("train.frozen_fp32=") + fp32};
+      sets.insert(sets.end(), variant.begin(), variant.end());
+      Spec spec = tiny_spec(sets);
+      runs.push_back(temp_dir(std::string("frozen_bf16_") + fp32));
+      Trainer t(spec, plan::make_plan(spec), quiet_options(runs.back()));
+      t.run();
+      losses.push_back(run_losses(runs.back()));
+      params.push_back(snapshot(t.model()));
+    }
+    ASSERT_EQ(losses[0].size(), 3u);
+    EXPECT_EQ(losses[0], losses[1]);
+    int64_t held = 0;
+    for (const auto& [name, p] : params[1]) {
+      const at::Tensor& master = params[0].at(name);
+      if (p.scalar_type() == at::kBFloat16) {
+        EXPECT_TRUE(master.to(at::kBFloat16).equal(p)) << name;
+        ++held;
+      } else {
+        EXPECT_TRUE(master.equal(p)) << name;
+      }
+    }
+    EXPECT_GT(held, 5);
+    // The bf16 run's checkpoint holds the frozen weights in bf16.
+    const auto [weights, moments] =
+        full_tensors(io::load_checkpoint(io::latest_checkpoint(runs[1].string())));
+    int64_t bf16_saved = 0;
+    for (const auto& [name, t] : weights) bf16_saved += t.scalar_type() == at::kBFloat16 ? 1 : 0;
+    EXPECT_EQ(bf16_saved, held);
+    // Crossed resumes: fp32 masters from the bf16 run's weights, bf16 from the fp32 run's.
+    std::vector<double> fourth;
+    for (size_t r = 0; r < 2; ++r) {
+      std::vector<std::string> sets = {"train.steps=4", "train.warmup=0", "train.microbatches=2",
+                                       "train.precision=\"bf16\"",
+                                       std::string("train.frozen_fp32=") + (r ? "true" : "false")};
+      sets.insert(sets.end(), variant.begin(), variant.end());
+      Spec spec = tiny_spec(sets);
+      TrainerOptions o = quiet_options(runs[r]);
+      o.resume_dir = runs[r].string();
+      Trainer(spec, plan::make_plan(spec), o).run();
+      const std::vector<double> l = run_losses(runs[r]);
+      ASSERT_EQ(l.size(), 4u);
+      fourth.push_back(l.back());
+    }
+    EXPECT_EQ(fourth[0], fourth[1]);
+  }
+}
+
+// A checkpoint written before encoder blocks past feature_layer stopped training holds AdamW
+// moments for them: a resume ignores those (and only those) and continues as from a checkpoint
+// without them.
+TEST(Trainer, ResumeIgnoresMomentsOfUnusedBlocks) {
+  const std::vector<std::string> sets = {"model.vision.feature_layer=-2", "train.warmup=0"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), sets.begin(), sets.end());
+    return tiny_spec(more);
+  };
+  const fs::path base = temp_dir("unused_base");
+  {
+    Spec spec = with({"train.steps=1"});
+    Trainer(spec, plan::make_plan(spec), quiet_options(base)).run();
+  }
+  const io::Checkpoint ckpt = io::load_checkpoint(io::latest_checkpoint(base.string()));
+  const auto [weights, moments] = full_tensors(ckpt);
+  // Rewrites the checkpoint as a one-file checkpoint in a run of its own, with `extra` moments.
+  auto copy_with = [&](const std::string& name, const model::NamedTensors& extra) {
+    const fs::path run = temp_dir(name);
+    io::Checkpoint c;
+    c.model = weights;
+    c.optimizer = moments;
+    c.optimizer.insert(c.optimizer.end(), extra.begin(), extra.end());
+    c.state_json = ckpt.state_json;
+    io::save_checkpoint(run.string(), 1, c, 1);
+    return run;
+  };
+  model::NamedTensors unused;
+  for (const auto& [name, t] : weights)
+    if (name.rfind("vision.layers.1.", 0) == 0)  // past feature_layer = -2 of 2 blocks
+      for (const char* kind : {"exp_avg.", "exp_avg_sq."})
+        unused.emplace_back(kind + name, torch::ones_like(t));
+  ASSERT_FALSE(unused.empty());
+  for (const auto& [name, t] : moments)
+    EXPECT_EQ(name.find("vision.layers.1."), std::string::npos) << name;  // not written now
+
+  Spec two = with({"train.steps=2"});
+  std::vector<double> second;
+  for (const auto& [name, extra] : std::vector<std::pair<std::string, model::NamedTensors>>{
+           {"unused_plain", {}}, {"unused_old", unused}}) {
+    const fs::path run = copy_with(name, extra);
+    TrainerOptions o = quiet_options(run);
+    o.resume_dir = run.string();
+    Trainer(two, plan::make_plan(two), o).run();
+    const std::vector<double> l = run_losses(run);
+    ASSERT_EQ(l.size(), 1u) << name;  // the resumed run's own metrics: step 2
+    second.push_back(l.back());
+  }
+  EXPECT_EQ(second[0], second[1]);
+  // A moment of a parameter the model does not have is still an error.
+  const fs::path bad =
+      copy_with("unused_bad", {{"exp_avg.vision.layers.0.bogus", torch::zeros({2})}});
+  TrainerOptions o = quiet_options(bad);
+  o.resume_dir = bad.string();
+  const std::string e = weft::testing::error_of([&] { Trainer t(two, plan::make_plan(two), o); });
+  EXPECT_NE(e.find("unexpected tensor 'exp_avg.vision.layers.0.bogus'"), std::string::npos) << e;
+}
+
 TEST(Trainer, WritesRunDirectory) {
   const fs::path out = temp_dir("rundir");
   Spec spec = tiny_spec({"train.steps=3", "train.checkpoint_every=1", "output.keep_checkpoints=2"});

@@ -102,7 +102,8 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "zero_stage",
                                            "overlap_grad_reduce",
                                            "grad_bucket_mb",
-                                           "cast_once"};
+                                           "cast_once",
+                                           "frozen_fp32"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
 constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "etp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
@@ -731,6 +732,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
   s.amount("grad_bucket_mb", &t->grad_bucket_mb);
   s.read("cast_once", &t->cast_once);
+  s.read("frozen_fp32", &t->frozen_fp32);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -1013,6 +1015,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("overlap_grad_reduce", t.overlap_grad_reduce);
   w.put("grad_bucket_mb", t.grad_bucket_mb);
   w.put("cast_once", t.cast_once);
+  w.put("frozen_fp32", t.frozen_fp32);
 
   w.header("output");
   w.put("dir", spec.output.dir);

@@ -203,6 +203,10 @@ struct TrainSpec {
   // Each parameter used with gradients cast to the compute dtype once per step, shared by every
   // microbatch and pipeline op (model::CastOnce); false casts it at every use (for measuring).
   bool cast_once = true;
+  // Frozen modules' weights held in fp32 like trained ones; false (default) holds those that
+  // forward passes cast (all but norms and routers) in the compute dtype, as they are used:
+  // half the memory, no casts, the same results (model::ParamSet::hold_cast_params_in).
+  bool frozen_fp32 = false;
 };
 
 struct OutputSpec {

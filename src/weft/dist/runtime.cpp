@@ -214,6 +214,7 @@ struct Runtime::Impl {
           }
     }
     hosting.device = opts.device;
+    hosting.frozen_dtype = opts.frozen_dtype;
     model = std::make_unique<model::MultimodalModel>(spec, seed, hosting);
 
     // Parameters: TP group, canonical copy, trainable list, sync groups.

@@ -47,6 +47,8 @@ struct RuntimeOptions {
   bool overlap_grad_reduce = true;
   bool zero1 = false;     // optimizer state sharded over each module's data-parallel ranks
   bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)
+  // What frozen modules' cast parameters are held in (model::Hosting::frozen_dtype).
+  at::ScalarType frozen_dtype = at::kFloat;
   // Where parameters and activations live (the batch stays on the CPU: each rank moves its own
   // slices). With several ranks on CUDA, a Comm connected with device collectives runs them over
   // NCCL; without (ranks sharing a GPU in tests), they go through host memory over Gloo.

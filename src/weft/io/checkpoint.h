@@ -1,5 +1,6 @@
 // Run checkpoints: a directory per step under <run>/checkpoints/, holding either one
-// model.safetensors (fp32 master weights) and optimizer.safetensors, or — as training writes
+// model.safetensors (the weights as held: fp32 masters, and bf16 for frozen modules held in bf16)
+// and optimizer.safetensors, or — as training writes
 // them — one rank-NNNNN.safetensors per rank with that rank's shards of the weights and
 // optimizer moments (each shard of each tensor written once, by the rank holding its canonical
 // copy); plus manifest.json (every data file's size and 64-bit checksum, verified on load) and

@@ -52,10 +52,12 @@ at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split
   return torch::cat(parts, dim);
 }
 
-at::Tensor ParamSet::add(const std::string& name, at::Tensor value, Split split) {
+at::Tensor ParamSet::add(const std::string& name, at::Tensor value, Split split, ParamUse use) {
   for (const auto& [n, _] : params_) WEFT_ASSERT(n != name, "duplicate parameter ", name);
+  // Rounded from fp32, as to_compute rounds an fp32 master.
   at::Tensor p = take_shard(value, split)
                      .to(at::kFloat)
+                     .to(use == ParamUse::kCast ? cast_dtype_ : at::kFloat)
                      .contiguous()
                      .detach()
                      .clone()
@@ -72,9 +74,9 @@ const Shard kNoShard;
 
 const Shard& Scope::groups() const { return shard ? *shard : kNoShard; }
 
-at::Tensor Scope::normal(const std::string& name, at::IntArrayRef shape, double std,
-                         Split split) const {
-  return add(name, init_normal(prefix + "." + name, shape, std), std::move(split));
+at::Tensor Scope::normal(const std::string& name, at::IntArrayRef shape, double std, Split split,
+                         ParamUse use) const {
+  return add(name, init_normal(prefix + "." + name, shape, std), std::move(split), use);
 }
 
 namespace {
@@ -254,13 +256,14 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
 }
 
 RmsNorm RmsNorm::make(const Scope& s, int64_t dim, double eps) {
-  return {s.add("weight", torch::ones({dim})), eps};
+  return {s.add("weight", torch::ones({dim}), {}, ParamUse::kFp32), eps};
 }
 
 at::Tensor RmsNorm::operator()(const at::Tensor& x) const { return rms_norm(x, weight, eps); }
 
 LayerNorm LayerNorm::make(const Scope& s, int64_t dim, double eps) {
-  return {s.add("weight", torch::ones({dim})), s.add("bias", torch::zeros({dim})), eps};
+  return {s.add("weight", torch::ones({dim}), {}, ParamUse::kFp32),
+          s.add("bias", torch::zeros({dim}), {}, ParamUse::kFp32), eps};
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {

@@ -1,6 +1,8 @@
 // Building blocks shared by the LLM and the encoders. Parameters are fp32 leaves held in a
 // ParamSet; forward passes cast them to the thread's compute dtype on use (bf16 compute with
-// fp32 master weights), so gradients land on the fp32 masters in fp32.
+// fp32 master weights), so gradients land on the fp32 masters in fp32. A frozen module's cast
+// parameters may instead be held in the compute dtype itself (ParamSet::hold_cast_params_in):
+// the values forward passes use, with no fp32 master to keep and nothing to cast.
 //
 // Tensor parallelism (Megatron): a Scope may carry a Shard (this rank's tensor- and context-
 // parallel groups). Column-parallel linears keep a slice of the output features, row-parallel
@@ -26,6 +28,11 @@ namespace weft::model {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// How forward passes read a parameter: kCast ones through to_compute (matmul and convolution
+// weights, biases, embeddings, positions, class tokens), kFp32 ones as they are (norms' weights
+// and biases, MoE routers).
+enum class ParamUse { kCast, kFp32 };
+
 // How a tensor-parallel rank holds a parameter: along `dim` the full tensor is the concatenation
 // of `segments` (sizes; empty = one segment, the whole dim), each split evenly over `size`
 // ranks, and this rank keeps chunk `rank` of every segment (a fused QKV keeps its share of Q,
@@ -46,15 +53,22 @@ class ParamSet {
  public:
   // Parameters live on `device`; their values are made on the CPU (the same on every device).
   explicit ParamSet(c10::Device device = c10::kCPU) : device_(device) {}
-  // Registers this rank's shard of the full `value` (made fp32, contiguous, requires_grad, on
-  // the set's device) under `name`; returns it.
-  at::Tensor add(const std::string& name, at::Tensor value, Split split = {});
+  // Registers this rank's shard of the full `value` (made fp32, or the held dtype for a kCast
+  // parameter; contiguous, requires_grad, on the set's device) under `name`; returns it.
+  at::Tensor add(const std::string& name, at::Tensor value, Split split = {},
+                 ParamUse use = ParamUse::kCast);
+  // kCast parameters added from now on are held in `dtype` (default fp32). A frozen module's,
+  // held in the compute dtype: rounded exactly as every use would cast them, so forward and
+  // backward compute the same values as with fp32 masters, in half the memory and without the
+  // casts. Such parameters cannot train (they have no fp32 master).
+  void hold_cast_params_in(at::ScalarType dtype) { cast_dtype_ = dtype; }
   const NamedTensors& all() const { return params_; }
   const Split& split(size_t k) const { return splits_[k]; }
   c10::Device device() const { return device_; }
 
  private:
   c10::Device device_;
+  at::ScalarType cast_dtype_ = at::kFloat;
   NamedTensors params_;
   std::vector<Split> splits_;
 };
@@ -77,12 +91,13 @@ struct Scope {
   const Shard* shard = nullptr;  // null = unsharded
   Scope sub(const std::string& name) const { return {params, prefix + "." + name, shard}; }
   c10::Device device() const { return params->device(); }
-  at::Tensor add(const std::string& name, at::Tensor v, Split split = {}) const {
-    return params->add(prefix + "." + name, std::move(v), std::move(split));
+  at::Tensor add(const std::string& name, at::Tensor v, Split split = {},
+                 ParamUse use = ParamUse::kCast) const {
+    return params->add(prefix + "." + name, std::move(v), std::move(split), use);
   }
   // A parameter ~ N(0, std) of full shape `shape` (see init_normal), this rank's shard of it.
-  at::Tensor normal(const std::string& name, at::IntArrayRef shape, double std,
-                    Split split = {}) const;
+  at::Tensor normal(const std::string& name, at::IntArrayRef shape, double std, Split split = {},
+                    ParamUse use = ParamUse::kCast) const;
   const Shard& groups() const;
 };
 

@@ -131,7 +131,7 @@ MoeMlp MoeMlp::make(const Scope& s, const LlmSpec& llm, int64_t layer, double ou
   m.etp = g.etp;
   const int64_t E = m.spec.experts, P = m.ep.size(), F = llm.expert_ffn(), H = llm.hidden;
   WEFT_ASSERT(E % P == 0, "experts ", E, " over ", P, " expert-parallel ranks");
-  m.router = s.normal("router.weight", {E, H}, 0.02);
+  m.router = s.normal("router.weight", {E, H}, 0.02, {}, ParamUse::kFp32);
   const int64_t local = E / P;
   m.first_expert = m.ep.rank() * local;
   // Expert weights are split over the expert-TP group (whole when it is a single rank).

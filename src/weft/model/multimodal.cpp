@@ -41,7 +41,9 @@ MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting h
     const ModuleHosting& h = hosting_.encoders[i];
     Scope s{&params_, e.name, &h.shard};
     const bool projector = h.hosted && h.range.last_stage;
+    params_.hold_cast_params_in(e.frozen ? hosting_.frozen_dtype : at::kFloat);
     encoders_.push_back(h.hosted ? make_encoder(s, e, h.range) : nullptr);
+    params_.hold_cast_params_in(e.projector.frozen ? hosting_.frozen_dtype : at::kFloat);
     projectors_.push_back(
         projector ? Projector::make(s.sub("projector"), e.projector, e.hidden, spec.llm.hidden)
                   : Projector{});
@@ -50,9 +52,11 @@ MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting h
     if (projector) set_trainable(e.name + ".projector", !e.projector.frozen);
   }
   if (hosting_.llm.hosted) {
+    params_.hold_cast_params_in(spec.llm.frozen ? hosting_.frozen_dtype : at::kFloat);
     llm_ = Llm::make(Scope{&params_, "llm", &hosting_.llm.shard}, spec.llm, hosting_.llm.range);
     set_trainable("llm", !spec.llm.frozen);
   }
+  params_.hold_cast_params_in(at::kFloat);
 }
 
 const Projector* MultimodalModel::projector(size_t e) const {
@@ -68,6 +72,10 @@ std::string MultimodalModel::module_of(const std::string& name) {
 
 void MultimodalModel::set_trainable(const std::string& module, bool trainable) {
   bool found = false;
+  for (const auto& [name, p] : params_.all())
+    WEFT_CHECK(!trainable || module_of(name) != module || p.scalar_type() == at::kFloat, "module '",
+               module, "' was built frozen, held in ", p.scalar_type(),
+               " without fp32 master weights (parameter ", name, "): it cannot train");
   for (const auto& [name, p] : params_.all()) {
     if (module_of(name) != module) continue;
     p.set_requires_grad(trainable && !unused(name));

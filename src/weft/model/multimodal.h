@@ -55,6 +55,9 @@ struct Hosting {
   std::vector<ModuleHosting> encoders;
   ModuleHosting llm;
   c10::Device device = c10::kCPU;  // where the parameters live
+  // What frozen modules' cast parameters (ParamUse::kCast) are held in: the compute dtype holds
+  // them as forward passes use them (no fp32 masters, no casts); fp32 (default) as trained ones.
+  at::ScalarType frozen_dtype = at::kFloat;
 };
 
 class MultimodalModel {
@@ -69,7 +72,7 @@ class MultimodalModel {
   // Module a parameter belongs to: "llm", "<encoder>" or "<encoder>.projector".
   static std::string module_of(const std::string& param_name);
   // Sets requires_grad on every parameter of `module` (frozen = false); unused parameters never
-  // train.
+  // train. A module held in Hosting::frozen_dtype other than fp32 cannot be made trainable.
   void set_trainable(const std::string& module, bool trainable);
   // An encoder block past its feature_layer: built (checkpoints hold it, exports write it back)
   // but never run, so it gets no gradient, no optimizer state and no weight decay.

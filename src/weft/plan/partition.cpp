@@ -8,19 +8,29 @@
 
 namespace weft::plan {
 
-LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads) {
-  if (!weight_grads) c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
+LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
+                             double frozen_share) {
+  if (!weight_grads) {
+    c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
+    c.param_bytes *= frozen_share;
+    c.expert_param_bytes *= frozen_share;
+  }
   if (!weight_grads && !input_grads) c.input_grad = c.activation_bytes = 0;
   return c;
 }
 
+double frozen_param_share(const Spec& spec) {
+  return spec.train.precision == Precision::kBf16 && !spec.train.frozen_fp32 ? 0.5 : 1;
+}
+
 double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads) {
-  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads);
+  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, 1);
   return c.forward + c.input_grad + c.weight_grad;
 }
 
-double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight) {
-  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads);
+double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight,
+                    double frozen_share) {
+  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, frozen_share);
   return c.param_bytes + c.train_state_bytes + static_cast<double>(in_flight) * c.activation_bytes;
 }
 
@@ -67,7 +77,8 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   const double V = static_cast<double>(l.vocab), T = static_cast<double>(t.tokens);
   const double rows = static_cast<double>(t.logit_rows);
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads);
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
+                              frozen_param_share(spec));
   };
   ModuleCosts out;
   out.module = m.name;
@@ -106,7 +117,8 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
   const double h = static_cast<double>(e.hidden), F = static_cast<double>(e.ffn);
   const double T = static_cast<double>(e.tokens_per_item());
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads);
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
+                              frozen_param_share(spec));
   };
   ModuleCosts out;
   out.module = m.name;
@@ -148,7 +160,8 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
       matmul_layer(e.name + ".projector", items * projector_forward_flops(e, spec.model.llm),
                    a * d + d + (mlp ? d * d + d : 0), act * items * T * (mlp ? a + 2 * d : a));
   if (!m.weight_grads) proj.input_grad = 0;  // nothing before it trains: no input gradient
-  out.back = apply_frozen_rules(proj, !e.projector.frozen, m.weight_grads);
+  out.back =
+      apply_frozen_rules(proj, !e.projector.frozen, m.weight_grads, frozen_param_share(spec));
   if (e.kind == EncoderKind::kWhisper) {  // the final LayerNorm runs on the last stage too
     out.back.param_bytes += kParamBytes * 2 * h;
     if (m.weight_grads) out.back.train_state_bytes += kTrainStateBytes * 2 * h;

@@ -44,11 +44,18 @@ struct LayerCost {
   double expert_param_bytes = 0, expert_train_state_bytes = 0;
 };
 
-// The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed.
-LayerCost apply_frozen_rules(LayerCost raw, bool weight_grads, bool input_grads);
+// The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed,
+// and a frozen layer (no weight grads) holds `frozen_share` of its fp32 parameter bytes.
+LayerCost apply_frozen_rules(LayerCost raw, bool weight_grads, bool input_grads,
+                             double frozen_share);
+// What a frozen layer holds of its fp32 parameter bytes under `spec`: 1/2 where frozen modules are
+// held in bf16 (bf16 compute, train.frozen_fp32 = false; their norms' few fp32 parameters are
+// neglected), else 1.
+double frozen_param_share(const Spec& spec);
 // Work per microbatch, and memory with `in_flight` microbatches alive, under the frozen rules.
 double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads);
-double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight);
+double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight,
+                    double frozen_share);
 
 // `c` costed with all its parameters divided over the module's tp ranks, as one rank of
 // `layout` holds it: an MoE block's experts divided over ep · etp ranks instead.

@@ -399,7 +399,8 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   const double seq = llm ? profile_seq(profile, spec) : 1;
   const double units = samples * mp.units_per_sample;
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads);
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
+                              frozen_param_share(spec));
   };
   ModuleCosts out;
   out.module = m.name;
@@ -429,7 +430,8 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
     out.back = rules(back);
   } else {  // the projector, with its own flags (as module_layer_costs)
     if (!m.weight_grads) back.input_grad = 0;
-    out.back = apply_frozen_rules(back, back_trains(spec, m), m.weight_grads);
+    out.back =
+        apply_frozen_rules(back, back_trains(spec, m), m.weight_grads, frozen_param_share(spec));
   }
   return out;
 }

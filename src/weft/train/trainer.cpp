@@ -135,6 +135,7 @@ struct Trainer::Impl {
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
     ro.zero1 = spec.train.zero_stage == 1;
     ro.cast_once = spec.train.cast_once;
+    ro.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
     device = dist::select_device(spec.train.device, opts.local_rank);
     ro.device = device;
     runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
@@ -284,6 +285,7 @@ struct Trainer::Impl {
     if (!eval_model) {
       model::Hosting whole;
       whole.device = device;
+      whole.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
       eval_model = std::make_unique<model::MultimodalModel>(spec.model, 0, whole);
     }
     std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
