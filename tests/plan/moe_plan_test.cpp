@@ -244,29 +244,29 @@ double expert_params(const Spec& s) {
 }
 
 TEST(MoeSim, ExpertStateIsDividedOverTheExpertParallelRanks) {
-  // Per expert parameter, a rank holds 4 B of weights, 4 B of gradient and 8 B of moments when
-  // it holds the expert: 16 B / ep. ZeRO-1 shards the moments over the expert-data-parallel
-  // group (dp4 / ep2 = 2 ranks), the dense weights' over all four.
+  // Per expert parameter, a rank holds 4 B of fp32 weights, 2 B of their bf16 cast, 4 B of
+  // gradient and 8 B of moments when it holds the expert: 18 B / ep. ZeRO-1 shards the moments
+  // over the expert-data-parallel group (dp4 / ep2 = 2 ranks), the dense weights' over all four.
   const double E = expert_params(spec_with({}));
   const auto bytes = [](const SimResult& r) { return r.ranks[0].static_bytes; };
   const double ep1 = bytes(simulate_on(4, {"parallel.llm.dp=4"}));
   const double ep2 = bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2"}));
   const double ep4 = bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=4"}));
-  EXPECT_NEAR(ep1 - ep2, 16 * E / 2, 1e-6 * ep1);
-  EXPECT_NEAR(ep1 - ep4, 16 * E * 3 / 4, 1e-6 * ep1);
+  EXPECT_NEAR(ep1 - ep2, 18 * E / 2, 1e-6 * ep1);
+  EXPECT_NEAR(ep1 - ep4, 18 * E * 3 / 4, 1e-6 * ep1);
   const double z1 =
       bytes(simulate_on(4, {"parallel.llm.dp=4", "train.zero_stage=1"}));  // moments / 4
   const double z2 =
       bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2", "train.zero_stage=1"}));
-  // Experts: ep1 holds 8E + 8E/4, ep2 holds 8E/2 + 8E/2/2.
-  EXPECT_NEAR(z1 - z2, (8 * E + 8 * E / 4) - (8 * E / 2 + 8 * E / 4), 1e-6 * z1);
+  // Experts: ep1 holds 10E + 8E/4, ep2 holds 10E/2 + 8E/2/2.
+  EXPECT_NEAR(z1 - z2, (10 * E + 8 * E / 4) - (10 * E / 2 + 8 * E / 4), 1e-6 * z1);
   // etp = 1 under tp2: whole experts on each TP rank (dense weights halved, experts not), then
   // ep = 2 across the TP ranks halves them.
   const double tp2 = bytes(simulate_on(2, {"parallel.llm.tp=2"}));
   const double tp2_etp1 = bytes(simulate_on(2, {"parallel.llm.tp=2", "parallel.llm.etp=1"}));
   const double tp2_etp1_ep2 =
       bytes(simulate_on(2, {"parallel.llm.tp=2", "parallel.llm.etp=1", "parallel.llm.ep=2"}));
-  EXPECT_NEAR(tp2_etp1 - tp2, 16 * E / 2, 1e-6 * tp2);
+  EXPECT_NEAR(tp2_etp1 - tp2, 18 * E / 2, 1e-6 * tp2);
   EXPECT_NEAR(tp2_etp1_ep2, tp2, 1e-6 * tp2);
 }
 

@@ -18,6 +18,8 @@
 #include "weft/core/spec.h"
 #include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/search.h"
+#include "weft/plan/simulate.h"
 
 namespace weft::plan {
 namespace {
@@ -38,48 +40,92 @@ double total(const LayerCost& c) { return c.forward + c.input_grad + c.weight_gr
 
 TEST(Partition, FrozenRulesOnOneLayer) {
   const LayerCost c = cost(2, 3, 5, 7, 11, 13);
-  // Trainable: all three, activations, params + state (whatever upstream does).
+  const ParamHolding fp32{1, 0}, bf16{0.5, 0.5}, bf16_masters{1, 0.5};
+  // Trainable: all three, activations, params + state (whatever upstream does); under bf16 the
+  // fp32 masters and their bf16 casts.
   EXPECT_EQ(layer_time(c, true, false), 10);
   EXPECT_EQ(layer_time(c, true, true), 10);
-  EXPECT_EQ(layer_memory(c, true, false, 3, 1), 11 + 13 + 3 * 7);
-  EXPECT_EQ(layer_memory(c, true, false, 3, 0.5), 11 + 13 + 3 * 7);  // trained: fp32 masters
-  // Frozen with trainable upstream: forward + input grad, activations, params only (in bf16:
-  // half the bytes).
+  EXPECT_EQ(layer_memory(c, true, false, 3, fp32), 11 + 13 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, true, false, 3, bf16), 11 + 5.5 + 13 + 3 * 7);
+  // Frozen with trainable upstream: forward + input grad, activations, params only: in bf16
+  // half the bytes and nothing cast, or fp32 copies and their casts.
   EXPECT_EQ(layer_time(c, false, true), 5);
-  EXPECT_EQ(layer_memory(c, false, true, 3, 1), 11 + 3 * 7);
-  EXPECT_EQ(layer_memory(c, false, true, 3, 0.5), 5.5 + 3 * 7);
-  // Frozen, nothing upstream trains: forward only, no activations.
+  EXPECT_EQ(layer_memory(c, false, true, 3, fp32), 11 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, false, true, 3, bf16), 5.5 + 3 * 7);
+  EXPECT_EQ(layer_memory(c, false, true, 3, bf16_masters), 11 + 5.5 + 3 * 7);
+  // Frozen, nothing upstream trains: forward only, no activations, no casts kept.
   EXPECT_EQ(layer_time(c, false, false), 2);
-  EXPECT_EQ(layer_memory(c, false, false, 3, 1), 11);
-  const LayerCost f = apply_frozen_rules(c, false, false, 1);
+  EXPECT_EQ(layer_memory(c, false, false, 3, fp32), 11);
+  EXPECT_EQ(layer_memory(c, false, false, 3, bf16_masters), 11);
+  const LayerCost f = apply_frozen_rules(c, false, false, fp32);
   EXPECT_EQ(f.input_grad + f.weight_grad + f.activation_bytes + f.train_state_bytes, 0);
   EXPECT_EQ(f.forward, 2);
   EXPECT_EQ(f.param_bytes, 11);
-  EXPECT_EQ(apply_frozen_rules(c, false, false, 0.5).param_bytes, 5.5);
+  EXPECT_EQ(apply_frozen_rules(c, false, false, bf16).param_bytes, 5.5);
+  EXPECT_EQ(apply_frozen_rules(c, false, false, bf16).cast_bytes, 0);
 }
 
-TEST(Partition, FrozenModulesHeldInBf16HoldHalfTheirParameterBytes) {
+// How parameters are held under each precision setting, per module, in the FLOP model.
+TEST(Partition, ParameterBytesFollowPrecisionAndFreezing) {
   Spec s = vlm_spec();
-  s.model.encoders[0].frozen = true;
+  s.model.encoders[0].frozen = true;  // vision frozen; its projector and the LLM train
   const Plan plan = make_plan(s);
   const ModulePlan& enc = plan.module("vision");
   const ModulePlan& llm = plan.module("llm");
-  EXPECT_EQ(frozen_param_share(s), 0.5);  // bf16 compute, frozen_fp32 = false (the defaults)
-  const ModuleCosts bf16 = module_layer_costs(s, enc, single_sample_microbatch(s));
+  const MicrobatchShape unit = single_sample_microbatch(s);
+  const ParamHolding d = param_holding(s);  // bf16 compute, frozen_fp32 = false (the defaults)
+  EXPECT_EQ(d.frozen, 0.5);
+  EXPECT_EQ(d.casts, 0.5);
+  const ModuleCosts bf16 = module_layer_costs(s, enc, unit);
+  const ModuleCosts bf16_llm = module_layer_costs(s, llm, unit);
   s.train.frozen_fp32 = true;
-  EXPECT_EQ(frozen_param_share(s), 1);
-  const ModuleCosts fp32 = module_layer_costs(s, enc, single_sample_microbatch(s));
+  EXPECT_EQ(param_holding(s).frozen, 1);
+  const ModuleCosts masters = module_layer_costs(s, enc, unit);
+  s.train.precision = Precision::kFp32;
+  EXPECT_EQ(param_holding(s).frozen, 1);
+  EXPECT_EQ(param_holding(s).casts, 0);
+  const ModuleCosts fp32 = module_layer_costs(s, enc, unit);
+  const ModuleCosts fp32_llm = module_layer_costs(s, llm, unit);
+  // The frozen encoder (nothing upstream trains: it runs no backward, keeps no casts): bf16
+  // copies of its weights, or fp32 ones.
+  for (const LayerCost* c : {&bf16.front, &bf16.blocks[0]}) EXPECT_EQ(c->cast_bytes, 0);
   EXPECT_DOUBLE_EQ(bf16.blocks[0].param_bytes, fp32.blocks[0].param_bytes / 2);
   EXPECT_DOUBLE_EQ(bf16.front.param_bytes, fp32.front.param_bytes / 2);
-  EXPECT_DOUBLE_EQ(bf16.back.param_bytes, fp32.back.param_bytes);  // the projector trains
+  EXPECT_DOUBLE_EQ(masters.blocks[0].param_bytes, fp32.blocks[0].param_bytes);
+  EXPECT_EQ(masters.blocks[0].cast_bytes, 0);
   EXPECT_EQ(bf16.blocks[0].train_state_bytes, 0);
-  // A trained module holds fp32 masters either way; fp32 compute holds everything in fp32.
-  s.train.frozen_fp32 = false;
-  const ModuleCosts llm_costs = module_layer_costs(s, llm, single_sample_microbatch(s));
-  s.train.precision = Precision::kFp32;
-  EXPECT_EQ(frozen_param_share(s), 1);
-  EXPECT_DOUBLE_EQ(llm_costs.blocks[0].param_bytes,
-                   module_layer_costs(s, llm, single_sample_microbatch(s)).blocks[0].param_bytes);
+  // Its trained projector: fp32 masters, and under bf16 their casts too.
+  EXPECT_DOUBLE_EQ(bf16.back.param_bytes, fp32.back.param_bytes);
+  EXPECT_DOUBLE_EQ(bf16.back.cast_bytes, bf16.back.param_bytes / 2);
+  EXPECT_EQ(fp32.back.cast_bytes, 0);
+  // The trained LLM: fp32 masters either way, casts under bf16; its embedding table is looked up
+  // in fp32 unless a tied head on its stage multiplies by it (vlm_spec ties: cast).
+  EXPECT_DOUBLE_EQ(bf16_llm.blocks[0].param_bytes, fp32_llm.blocks[0].param_bytes);
+  EXPECT_DOUBLE_EQ(bf16_llm.blocks[0].cast_bytes, bf16_llm.blocks[0].param_bytes / 2);
+  EXPECT_EQ(fp32_llm.blocks[0].cast_bytes, 0);
+  ASSERT_TRUE(s.model.llm.tie_embeddings);
+  EXPECT_DOUBLE_EQ(bf16_llm.front.cast_bytes, bf16_llm.front.param_bytes / 2);
+  Spec untied = vlm_spec();
+  untied.model.llm.tie_embeddings = false;
+  const ModuleCosts u = module_layer_costs(untied, make_plan(untied).module("llm"), unit);
+  EXPECT_EQ(u.front.cast_bytes, 0);
+  EXPECT_GT(u.back.cast_bytes, 0);
+}
+
+// Recomputed blocks keep no casts (made without grad mode, and again in backward, per block).
+TEST(Partition, RecomputedBlocksKeepNoCasts) {
+  Spec s = vlm_spec();
+  const Plan plan = make_plan(s);
+  const CostTable kept = planner_costs(s, plan);
+  s.model.llm.recompute = true;
+  const CostTable recomputed = planner_costs(s, plan);
+  const size_t llm = plan.modules.size() - 1;
+  const ModuleCosts c = module_layer_costs(s, plan.module("llm"), single_sample_microbatch(s));
+  double blocks = 0;
+  for (const LayerCost& b : c.blocks) blocks += b.cast_bytes;
+  EXPECT_GT(blocks, 0);
+  EXPECT_DOUBLE_EQ(kept[llm][0].cast_bytes - recomputed[llm][0].cast_bytes, blocks);
+  EXPECT_DOUBLE_EQ(recomputed[llm][0].cast_bytes, c.front.cast_bytes + c.back.cast_bytes);
 }
 
 TEST(Partition, CostsAddUpToTheFlopModel) {
@@ -373,10 +419,10 @@ TEST(Partition, FrozenRulesMoveLayersOntoFrozenStages) {
   ModuleCosts aware, unaware;
   aware.module = unaware.module = "vision";
   for (int b = 0; b < 6; ++b) {
-    aware.blocks.push_back(apply_frozen_rules(block, false, false, 1));
+    aware.blocks.push_back(apply_frozen_rules(block, false, false, {}));
     unaware.blocks.push_back(block);
   }
-  aware.back = apply_frozen_rules(projector, true, false, 1);
+  aware.back = apply_frozen_rules(projector, true, false, {});
   aware.back.input_grad = 0;  // nothing before the projector trains
   unaware.back = projector;
   PartitionOptions o;

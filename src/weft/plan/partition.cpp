@@ -9,29 +9,35 @@
 namespace weft::plan {
 
 LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
-                             double frozen_share) {
+                             const ParamHolding& holding) {
+  const bool held_as_used = !weight_grads && holding.frozen < 1;  // nothing to cast
+  const double casts = (weight_grads || input_grads) && !held_as_used ? holding.casts : 0;
+  c.cast_bytes = casts * c.param_bytes;
+  c.expert_cast_bytes = casts * c.expert_param_bytes;
   if (!weight_grads) {
     c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
-    c.param_bytes *= frozen_share;
-    c.expert_param_bytes *= frozen_share;
+    c.param_bytes *= holding.frozen;
+    c.expert_param_bytes *= holding.frozen;
   }
   if (!weight_grads && !input_grads) c.input_grad = c.activation_bytes = 0;
   return c;
 }
 
-double frozen_param_share(const Spec& spec) {
-  return spec.train.precision == Precision::kBf16 && !spec.train.frozen_fp32 ? 0.5 : 1;
+ParamHolding param_holding(const Spec& spec) {
+  if (spec.train.precision != Precision::kBf16) return {1, 0};
+  return {spec.train.frozen_fp32 ? 1.0 : 0.5, 0.5};
 }
 
 double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads) {
-  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, 1);
+  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, {});
   return c.forward + c.input_grad + c.weight_grad;
 }
 
 double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight,
-                    double frozen_share) {
-  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, frozen_share);
-  return c.param_bytes + c.train_state_bytes + static_cast<double>(in_flight) * c.activation_bytes;
+                    const ParamHolding& holding) {
+  const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, holding);
+  return c.param_bytes + c.cast_bytes + c.train_state_bytes +
+         static_cast<double>(in_flight) * c.activation_bytes;
 }
 
 void shard_experts(LayerCost* c, const Layout& layout) {
@@ -39,8 +45,10 @@ void shard_experts(LayerCost* c, const Layout& layout) {
                    static_cast<double>(layout.ep * layout.expert_tp());  // from 1/tp to 1/(ep·etp)
   c->param_bytes += (f - 1) * c->expert_param_bytes;
   c->train_state_bytes += (f - 1) * c->expert_train_state_bytes;
+  c->cast_bytes += (f - 1) * c->expert_cast_bytes;
   c->expert_param_bytes *= f;
   c->expert_train_state_bytes *= f;
+  c->expert_cast_bytes *= f;
 }
 
 MicrobatchShape single_sample_microbatch(const Spec& spec) {
@@ -77,8 +85,7 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   const double V = static_cast<double>(l.vocab), T = static_cast<double>(t.tokens);
   const double rows = static_cast<double>(t.logit_rows);
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
-                              frozen_param_share(spec));
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads, param_holding(spec));
   };
   ModuleCosts out;
   out.module = m.name;
@@ -108,6 +115,9 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   const bool own_weight = !l.tie_embeddings || m.layout.pp > 1;
   out.back = rules(matmul_layer("llm.head", llm_head_forward_flops(l, t),
                                 h + (own_weight ? V * h : 0), act * 2 * T * h + 4 * rows * V));
+  // The embedding is looked up in fp32 (the rows are cast): its table is cast only for a tied
+  // head on the same stage.
+  if (own_weight) out.front.cast_bytes = 0;
   return out;
 }
 
@@ -117,8 +127,7 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
   const double h = static_cast<double>(e.hidden), F = static_cast<double>(e.ffn);
   const double T = static_cast<double>(e.tokens_per_item());
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
-                              frozen_param_share(spec));
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads, param_holding(spec));
   };
   ModuleCosts out;
   out.module = m.name;
@@ -160,8 +169,7 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
       matmul_layer(e.name + ".projector", items * projector_forward_flops(e, spec.model.llm),
                    a * d + d + (mlp ? d * d + d : 0), act * items * T * (mlp ? a + 2 * d : a));
   if (!m.weight_grads) proj.input_grad = 0;  // nothing before it trains: no input gradient
-  out.back =
-      apply_frozen_rules(proj, !e.projector.frozen, m.weight_grads, frozen_param_share(spec));
+  out.back = apply_frozen_rules(proj, !e.projector.frozen, m.weight_grads, param_holding(spec));
   if (e.kind == EncoderKind::kWhisper) {  // the final LayerNorm runs on the last stage too
     out.back.param_bytes += kParamBytes * 2 * h;
     if (m.weight_grads) out.back.train_state_bytes += kTrainStateBytes * 2 * h;
@@ -175,7 +183,7 @@ struct StageSums {
   double time = 0, held_bytes = 0, activation_bytes = 0;
   void add(const LayerCost& c) {
     time += c.forward + c.input_grad + c.weight_grad;
-    held_bytes += c.param_bytes + c.train_state_bytes;
+    held_bytes += c.param_bytes + c.cast_bytes + c.train_state_bytes;
     activation_bytes += c.activation_bytes;
   }
   double memory(int64_t in_flight) const {

@@ -39,23 +39,37 @@ struct LayerCost {
   double activation_bytes = 0;   // kept from forward to backward
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
-  // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes held by
-  // the experts, which expert parallelism divides over ep · etp ranks instead of tp; 0 elsewhere.
-  double expert_param_bytes = 0, expert_train_state_bytes = 0;
+  // Compute-dtype copies of the parameters held at the step's peak (ParamHolding::casts): held
+  // once per stage, like the parameters.
+  double cast_bytes = 0;
+  // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes /
+  // cast_bytes held by the experts, which expert parallelism divides over ep · etp ranks instead
+  // of tp; 0 elsewhere.
+  double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_cast_bytes = 0;
 };
 
-// The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed,
-// and a frozen layer (no weight grads) holds `frozen_share` of its fp32 parameter bytes.
+// How the runtime holds parameters, in fractions of their fp32 bytes (param_holding(spec)):
+//   frozen  what a frozen layer holds: 1/2 under bf16 compute, where frozen modules' weights are
+//           held in bf16 (train.frozen_fp32 = false; their norms' few fp32 parameters are
+//           neglected); else 1.
+//   casts   the compute-dtype copies a layer that runs backward holds at the step's peak: 1/2
+//           under bf16 compute (autograd saves each use's cast for backward, and CastOnce keeps
+//           one per step), 0 in fp32 and for a frozen layer held in bf16 (nothing is cast). A
+//           recomputed block keeps none (search.h add_recompute_costs). Measured costs take 0:
+//           the profiler measures saved casts with the activations.
+struct ParamHolding {
+  double frozen = 1, casts = 0;
+};
+ParamHolding param_holding(const Spec& spec);
+
+// The layer under the frozen rules: the work it skips and the memory it does not keep are zeroed;
+// its parameters (raw: fp32 bytes) held as `holding` says.
 LayerCost apply_frozen_rules(LayerCost raw, bool weight_grads, bool input_grads,
-                             double frozen_share);
-// What a frozen layer holds of its fp32 parameter bytes under `spec`: 1/2 where frozen modules are
-// held in bf16 (bf16 compute, train.frozen_fp32 = false; their norms' few fp32 parameters are
-// neglected), else 1.
-double frozen_param_share(const Spec& spec);
+                             const ParamHolding& holding);
 // Work per microbatch, and memory with `in_flight` microbatches alive, under the frozen rules.
 double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads);
 double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight,
-                    double frozen_share);
+                    const ParamHolding& holding);
 
 // `c` costed with all its parameters divided over the module's tp ranks, as one rank of
 // `layout` holds it: an MoE block's experts divided over ep · etp ranks instead.

@@ -398,9 +398,10 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   const ModuleProfile& mp = profile.module(m.name);
   const double seq = llm ? profile_seq(profile, spec) : 1;
   const double units = samples * mp.units_per_sample;
+  // Saved casts are measured with the activations.
+  const ParamHolding holding{param_holding(spec).frozen, 0};
   const auto rules = [&](LayerCost c) {
-    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads,
-                              frozen_param_share(spec));
+    return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads, holding);
   };
   ModuleCosts out;
   out.module = m.name;
@@ -430,8 +431,7 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
     out.back = rules(back);
   } else {  // the projector, with its own flags (as module_layer_costs)
     if (!m.weight_grads) back.input_grad = 0;
-    out.back =
-        apply_frozen_rules(back, back_trains(spec, m), m.weight_grads, frozen_param_share(spec));
+    out.back = apply_frozen_rules(back, back_trains(spec, m), m.weight_grads, holding);
   }
   return out;
 }

@@ -170,6 +170,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even) {
       for (size_t b = 0; b < one.size(); ++b) {
         costs.blocks[b].input_grad += one[b].backward_flops;
         costs.blocks[b].activation_bytes += one[b].activation_bytes;  // <= 0: the saving
+        costs.blocks[b].cast_bytes += one[b].cast_bytes;              // <= 0: none kept
       }
     }
     PartitionOptions po;

@@ -89,13 +89,15 @@ struct StageCost {
   bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
   double activation_bytes = 0;
   double param_bytes = 0;
+  double cast_bytes = 0;         // compute-dtype copies of the parameters (partition.h LayerCost)
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
-  // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes,
-  // which ep · etp ranks share instead of tp.
+  // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes /
+  // cast_bytes, which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
   double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_grad_bytes = 0;
+  double expert_cast_bytes = 0;
   // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
   // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
   // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
@@ -116,8 +118,9 @@ struct StageCost {
 using CostTable = std::vector<std::vector<StageCost>>;
 CostTable stage_costs(const Spec& spec, const Plan& plan);
 
-// What one rank of a module with `layout` holds of a stage (bytes): parameters, fp32 gradients
-// and AdamW moments, the dense part divided over tp and an MoE block's experts over ep · etp.
+// What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
+// compute-dtype copies), fp32 gradients and AdamW moments, the dense part divided over tp and an
+// MoE block's experts over ep · etp.
 // ZeRO-1 (zero1) shards the moments over the ranks that hold the same parameters: the CP × DP
 // group, and for experts the expert-data-parallel group (plan.h ModulePlan::expert_groups).
 // `expert_grads` is the part of `grads` reduced over that group rather than the CP × DP group
