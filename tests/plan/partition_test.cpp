@@ -62,7 +62,7 @@ TEST(Partition, FrozenRulesOnOneLayer) {
   EXPECT_EQ(f.forward, 2);
   EXPECT_EQ(f.param_bytes, 11);
   EXPECT_EQ(apply_frozen_rules(c, false, false, bf16).param_bytes, 5.5);
-  EXPECT_EQ(apply_frozen_rules(c, false, false, bf16).cast_bytes, 0);
+  EXPECT_EQ(apply_frozen_rules(c, false, false, bf16).copy_bytes, 0);
 }
 
 // How parameters are held under each precision setting, per module, in the FLOP model.
@@ -88,28 +88,52 @@ TEST(Partition, ParameterBytesFollowPrecisionAndFreezing) {
   const ModuleCosts fp32_llm = module_layer_costs(s, llm, unit);
   // The frozen encoder (nothing upstream trains: it runs no backward, keeps no casts): bf16
   // copies of its weights, or fp32 ones.
-  for (const LayerCost* c : {&bf16.front, &bf16.blocks[0]}) EXPECT_EQ(c->cast_bytes, 0);
+  for (const LayerCost* c : {&bf16.front, &bf16.blocks[0]}) EXPECT_EQ(c->copy_bytes, 0);
   EXPECT_DOUBLE_EQ(bf16.blocks[0].param_bytes, fp32.blocks[0].param_bytes / 2);
   EXPECT_DOUBLE_EQ(bf16.front.param_bytes, fp32.front.param_bytes / 2);
   EXPECT_DOUBLE_EQ(masters.blocks[0].param_bytes, fp32.blocks[0].param_bytes);
-  EXPECT_EQ(masters.blocks[0].cast_bytes, 0);
+  EXPECT_EQ(masters.blocks[0].copy_bytes, 0);
   EXPECT_EQ(bf16.blocks[0].train_state_bytes, 0);
   // Its trained projector: fp32 masters, and under bf16 their casts too.
   EXPECT_DOUBLE_EQ(bf16.back.param_bytes, fp32.back.param_bytes);
-  EXPECT_DOUBLE_EQ(bf16.back.cast_bytes, bf16.back.param_bytes / 2);
-  EXPECT_EQ(fp32.back.cast_bytes, 0);
+  EXPECT_DOUBLE_EQ(bf16.back.copy_bytes, bf16.back.param_bytes / 2);
+  EXPECT_EQ(fp32.back.copy_bytes, 0);
   // The trained LLM: fp32 masters either way, casts under bf16; its embedding table is looked up
   // in fp32 unless a tied head on its stage multiplies by it (vlm_spec ties: cast).
   EXPECT_DOUBLE_EQ(bf16_llm.blocks[0].param_bytes, fp32_llm.blocks[0].param_bytes);
-  EXPECT_DOUBLE_EQ(bf16_llm.blocks[0].cast_bytes, bf16_llm.blocks[0].param_bytes / 2);
-  EXPECT_EQ(fp32_llm.blocks[0].cast_bytes, 0);
+  EXPECT_DOUBLE_EQ(bf16_llm.blocks[0].copy_bytes, bf16_llm.blocks[0].param_bytes / 2);
+  EXPECT_EQ(fp32_llm.blocks[0].copy_bytes, 0);
   ASSERT_TRUE(s.model.llm.tie_embeddings);
-  EXPECT_DOUBLE_EQ(bf16_llm.front.cast_bytes, bf16_llm.front.param_bytes / 2);
+  EXPECT_DOUBLE_EQ(bf16_llm.front.copy_bytes, bf16_llm.front.param_bytes / 2);
   Spec untied = vlm_spec();
   untied.model.llm.tie_embeddings = false;
   const ModuleCosts u = module_layer_costs(untied, make_plan(untied).module("llm"), unit);
-  EXPECT_EQ(u.front.cast_bytes, 0);
-  EXPECT_GT(u.back.cast_bytes, 0);
+  EXPECT_EQ(u.front.copy_bytes, 0);
+  EXPECT_GT(u.back.copy_bytes, 0);
+}
+
+// The head's loss: fused (tp = 1) it keeps the rows' gradient per sample and the weight's once,
+// in bf16, not fp32 logits; vocab-parallel (tp = 2) the fp32 logits.
+TEST(Partition, TheFusedLossKeepsItsGradientsNotTheLogits) {
+  Spec s = vlm_spec();
+  s.model.llm.tie_embeddings = false;
+  s.model.llm.vocab = 4096;
+  const MicrobatchShape unit = single_sample_microbatch(s);
+  const double h = static_cast<double>(s.model.llm.hidden), V = 4096;
+  const double T = static_cast<double>(unit.llm.tokens),
+               rows = static_cast<double>(unit.llm.logit_rows);
+  const ModuleCosts fused = module_layer_costs(s, make_plan(s).module("llm"), unit);
+  EXPECT_DOUBLE_EQ(fused.back.activation_bytes, 2 * 2 * T * h + 2 * rows * h);
+  EXPECT_DOUBLE_EQ(fused.back.copy_bytes, (h + V * h) * 4 / 2 + 2 * V * h);  // cast + dW
+  s.parallel.modules["llm"].tp = 2;
+  s.parallel.modules["vision"].tp = 2;
+  const ModuleCosts parallel = module_layer_costs(s, make_plan(s, 2).module("llm"), unit);
+  EXPECT_DOUBLE_EQ(parallel.back.activation_bytes, 2 * 2 * T * h + 4 * rows * V);
+  EXPECT_DOUBLE_EQ(parallel.back.copy_bytes, (h + V * h) * 4 / 2);
+  s = vlm_spec();  // a frozen LLM makes no weight gradient
+  s.model.llm.tie_embeddings = false;
+  s.model.llm.frozen = true;
+  EXPECT_EQ(module_layer_costs(s, make_plan(s).module("llm"), unit).back.copy_bytes, 0);
 }
 
 // Recomputed blocks keep no casts (made without grad mode, and again in backward, per block).
@@ -122,10 +146,10 @@ TEST(Partition, RecomputedBlocksKeepNoCasts) {
   const size_t llm = plan.modules.size() - 1;
   const ModuleCosts c = module_layer_costs(s, plan.module("llm"), single_sample_microbatch(s));
   double blocks = 0;
-  for (const LayerCost& b : c.blocks) blocks += b.cast_bytes;
+  for (const LayerCost& b : c.blocks) blocks += b.copy_bytes;
   EXPECT_GT(blocks, 0);
-  EXPECT_DOUBLE_EQ(kept[llm][0].cast_bytes - recomputed[llm][0].cast_bytes, blocks);
-  EXPECT_DOUBLE_EQ(recomputed[llm][0].cast_bytes, c.front.cast_bytes + c.back.cast_bytes);
+  EXPECT_DOUBLE_EQ(kept[llm][0].copy_bytes - recomputed[llm][0].copy_bytes, blocks);
+  EXPECT_DOUBLE_EQ(recomputed[llm][0].copy_bytes, c.front.copy_bytes + c.back.copy_bytes);
 }
 
 TEST(Partition, CostsAddUpToTheFlopModel) {

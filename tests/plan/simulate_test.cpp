@@ -262,8 +262,8 @@ TEST(Simulate, ActivationsInFlightFollow1F1B) {
         << st;
   EXPECT_DOUBLE_EQ(
       r.ranks[0].static_bytes,
-      costs.back()[0].param_bytes + costs.back()[0].cast_bytes + costs.back()[0].train_state_bytes);
-  EXPECT_GT(costs.back()[0].cast_bytes, 0);  // bf16: the fp32 masters' casts
+      costs.back()[0].param_bytes + costs.back()[0].copy_bytes + costs.back()[0].train_state_bytes);
+  EXPECT_GT(costs.back()[0].copy_bytes, 0);  // bf16: the fp32 masters' casts
 }
 
 TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {

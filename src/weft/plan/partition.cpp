@@ -12,8 +12,8 @@ LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
                              const ParamHolding& holding) {
   const bool held_as_used = !weight_grads && holding.frozen < 1;  // nothing to cast
   const double casts = (weight_grads || input_grads) && !held_as_used ? holding.casts : 0;
-  c.cast_bytes = casts * c.param_bytes;
-  c.expert_cast_bytes = casts * c.expert_param_bytes;
+  c.copy_bytes = casts * c.param_bytes;
+  c.expert_copy_bytes = casts * c.expert_param_bytes;
   if (!weight_grads) {
     c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
     c.param_bytes *= holding.frozen;
@@ -36,7 +36,7 @@ double layer_time(const LayerCost& raw, bool weight_grads, bool input_grads) {
 double layer_memory(const LayerCost& raw, bool weight_grads, bool input_grads, int64_t in_flight,
                     const ParamHolding& holding) {
   const LayerCost c = apply_frozen_rules(raw, weight_grads, input_grads, holding);
-  return c.param_bytes + c.cast_bytes + c.train_state_bytes +
+  return c.param_bytes + c.copy_bytes + c.train_state_bytes +
          static_cast<double>(in_flight) * c.activation_bytes;
 }
 
@@ -45,10 +45,10 @@ void shard_experts(LayerCost* c, const Layout& layout) {
                    static_cast<double>(layout.ep * layout.expert_tp());  // from 1/tp to 1/(ep·etp)
   c->param_bytes += (f - 1) * c->expert_param_bytes;
   c->train_state_bytes += (f - 1) * c->expert_train_state_bytes;
-  c->cast_bytes += (f - 1) * c->expert_cast_bytes;
+  c->copy_bytes += (f - 1) * c->expert_copy_bytes;
   c->expert_param_bytes *= f;
   c->expert_train_state_bytes *= f;
-  c->expert_cast_bytes *= f;
+  c->expert_copy_bytes *= f;
 }
 
 MicrobatchShape single_sample_microbatch(const Spec& spec) {
@@ -110,14 +110,20 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
     c.expert_train_state_bytes = kTrainStateBytes * p.experts;
     out.blocks.push_back(rules(std::move(c)));
   }
-  // Final norm + head; a tied head keeps its own copy of the embedding when pipelined. Logits
-  // are fp32.
+  // Final norm + head; a tied head keeps its own copy of the embedding when pipelined. The loss,
+  // with the vocabulary whole on a rank (tp = 1), is fused with the head (model/cross_entropy.h):
+  // it keeps the gradients it makes in forward, the rows' and, when the head trains, the
+  // weight's (held once: the head's stage has one microbatch in flight), in the compute dtype.
+  // Vocab-parallel (tp > 1), it keeps fp32 logits.
   const bool own_weight = !l.tie_embeddings || m.layout.pp > 1;
-  out.back = rules(matmul_layer("llm.head", llm_head_forward_flops(l, t),
-                                h + (own_weight ? V * h : 0), act * 2 * T * h + 4 * rows * V));
+  const bool fused = m.layout.tp == 1;
+  out.back =
+      rules(matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
+                         act * 2 * T * h + (fused ? act * rows * h : 4 * rows * V)));
+  if (fused && m.weight_grads) out.back.copy_bytes += act * V * h;
   // The embedding is looked up in fp32 (the rows are cast): its table is cast only for a tied
   // head on the same stage.
-  if (own_weight) out.front.cast_bytes = 0;
+  if (own_weight) out.front.copy_bytes = 0;
   return out;
 }
 
@@ -183,7 +189,7 @@ struct StageSums {
   double time = 0, held_bytes = 0, activation_bytes = 0;
   void add(const LayerCost& c) {
     time += c.forward + c.input_grad + c.weight_grad;
-    held_bytes += c.param_bytes + c.cast_bytes + c.train_state_bytes;
+    held_bytes += c.param_bytes + c.copy_bytes + c.train_state_bytes;
     activation_bytes += c.activation_bytes;
   }
   double memory(int64_t in_flight) const {

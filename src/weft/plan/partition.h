@@ -39,13 +39,14 @@ struct LayerCost {
   double activation_bytes = 0;   // kept from forward to backward
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
-  // Compute-dtype copies of the parameters held at the step's peak (ParamHolding::casts): held
-  // once per stage, like the parameters.
-  double cast_bytes = 0;
+  // Parameter-shaped tensors besides the parameters held at the step's peak, once per stage like
+  // the parameters: their compute-dtype casts (ParamHolding::casts), and the weight gradient a
+  // fused head and loss makes in forward (model/cross_entropy.h).
+  double copy_bytes = 0;
   // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes /
-  // cast_bytes held by the experts, which expert parallelism divides over ep · etp ranks instead
+  // copy_bytes held by the experts, which expert parallelism divides over ep · etp ranks instead
   // of tp; 0 elsewhere.
-  double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_cast_bytes = 0;
+  double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_copy_bytes = 0;
 };
 
 // How the runtime holds parameters, in fractions of their fp32 bytes (param_holding(spec)):

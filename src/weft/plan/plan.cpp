@@ -212,9 +212,9 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   const double params = 1.0 / static_cast<double>(m.layout.tp);
   const auto scale = [&](LayerCost& l) {
     l.forward *= work, l.input_grad *= work, l.weight_grad *= work, l.activation_bytes *= work;
-    l.param_bytes *= params, l.train_state_bytes *= params, l.cast_bytes *= params;
+    l.param_bytes *= params, l.train_state_bytes *= params, l.copy_bytes *= params;
     l.expert_param_bytes *= params, l.expert_train_state_bytes *= params;
-    l.expert_cast_bytes *= params;
+    l.expert_copy_bytes *= params;
     shard_experts(&l, m.layout);
   };
   scale(c.front);

@@ -58,8 +58,8 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       sc.recompute_flops += l.forward;
       sc.recompute = true;
       sc.activation_bytes -= l.activation_bytes - std::min(l.activation_bytes, input_bytes);
-      sc.cast_bytes -= l.cast_bytes;  // cast at each use, in forward and again in backward
-      sc.expert_cast_bytes -= l.expert_cast_bytes;
+      sc.copy_bytes -= l.copy_bytes;  // cast at each use, in forward and again in backward
+      sc.expert_copy_bytes -= l.expert_copy_bytes;
     }
   }
 }

@@ -142,21 +142,22 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
   }
   for (int64_t k = 0; k <= E_; ++k)
     info_[static_cast<size_t>(k)].min_unit_seconds =
-        staged(static_cast<int>(k), 1, false, false).unit_seconds;
+        staged(static_cast<int>(k), 1, false, false, false).unit_seconds;
   trains_ = false;
   for (const ModulePlan& m : base_.modules) trains_ = trains_ || m.weight_grads;
 }
 
 // ---- costs --------------------------------------------------------------------------------
 
-const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even) {
-  auto& slot = staged_[{k, pp, recompute, even}];
+const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel) {
+  auto& slot = staged_[{k, pp, recompute, even, vocab_parallel}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
   m.layout = Layout{};
   m.layout.pp = pp;
-  if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
+  m.layout.tp = vocab_parallel ? 2 : 1;  // costs are for the whole stage; tp picks the loss
+  if (pp > 1 && even) {                  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
@@ -170,7 +171,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even) {
       for (size_t b = 0; b < one.size(); ++b) {
         costs.blocks[b].input_grad += one[b].backward_flops;
         costs.blocks[b].activation_bytes += one[b].activation_bytes;  // <= 0: the saving
-        costs.blocks[b].cast_bytes += one[b].cast_bytes;              // <= 0: none kept
+        costs.blocks[b].copy_bytes += one[b].copy_bytes;              // <= 0: none kept
       }
     }
     PartitionOptions po;
@@ -685,9 +686,15 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
                     Node n;
                     n.placement = p;
                     n.D = D, n.M = M, n.zero = zero;
-                    n.llm = Choice{
-                        tp, cp, pp, D, 0, rc, &staged(static_cast<int>(E_), pp, rc, p == kMegatron),
-                        ep, etp};
+                    n.llm = Choice{tp,
+                                   cp,
+                                   pp,
+                                   D,
+                                   0,
+                                   rc,
+                                   &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1),
+                                   ep,
+                                   etp};
                     emit(std::move(n));
                   }
             }
@@ -701,7 +708,7 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   const auto push = [&](Choice c) {
     for (bool rc : recompute_options(k)) {
       c.recompute = rc;
-      c.staged = &staged(static_cast<int>(k), c.pp, rc, false);
+      c.staged = &staged(static_cast<int>(k), c.pp, rc, false, false);
       Node child = n;
       child.enc.push_back(c);
       emit(std::move(child));

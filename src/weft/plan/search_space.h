@@ -109,12 +109,14 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  std::map<std::tuple<int, int64_t, bool, bool>, std::unique_ptr<Staged>> staged_;
+  std::map<std::tuple<int, int64_t, bool, bool, bool>, std::unique_ptr<Staged>> staged_;
   mutable std::map<std::pair<int64_t, bool>, std::vector<int64_t>> groups_;
 
   const ModuleInfo& info(int64_t k) const { return info_[static_cast<size_t>(k)]; }
 
-  const Staged& staged(int k, int64_t pp, bool recompute, bool even);
+  // Module k's stages over pp; vocab_parallel: the LLM at tp > 1, whose loss keeps its logits
+  // instead of the fused head's gradients (partition.h module_layer_costs).
+  const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel);
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;

@@ -27,14 +27,14 @@ void add(StageCost* s, const LayerCost& c) {
   s->backward_flops += c.input_grad + c.weight_grad;
   s->activation_bytes += c.activation_bytes;
   s->param_bytes += c.param_bytes;
-  s->cast_bytes += c.cast_bytes;
+  s->copy_bytes += c.copy_bytes;
   s->train_state_bytes += c.train_state_bytes;
   // partition.h charges 12 train-state bytes per trainable parameter: the fp32 gradient (4) and
   // AdamW's two fp32 moments.
   s->grad_bytes += c.train_state_bytes / 3;
   s->expert_param_bytes += c.expert_param_bytes;
   s->expert_train_state_bytes += c.expert_train_state_bytes;
-  s->expert_cast_bytes += c.expert_cast_bytes;
+  s->expert_copy_bytes += c.expert_copy_bytes;
   s->expert_grad_bytes += c.expert_train_state_bytes / 3;
 }
 
@@ -789,8 +789,8 @@ Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {
   const double dense_moments = sc.train_state_bytes - sc.grad_bytes - expert_moments;
   const double dense_share = zero1 ? 1 / group : 1, expert_share = zero1 ? 1 / edp : 1;
   Holding h;
-  h.params = (sc.param_bytes + sc.cast_bytes - sc.expert_param_bytes - sc.expert_cast_bytes) / tp +
-             (sc.expert_param_bytes + sc.expert_cast_bytes) / experts;
+  h.params = (sc.param_bytes + sc.copy_bytes - sc.expert_param_bytes - sc.expert_copy_bytes) / tp +
+             (sc.expert_param_bytes + sc.expert_copy_bytes) / experts;
   h.grads = dense_grad + expert_grad;
   h.moments = dense_moments / tp * dense_share + expert_moments / experts * expert_share;
   h.expert_grads = l.ep > 1 || etp != l.tp ? expert_grad : 0;

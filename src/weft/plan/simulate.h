@@ -89,15 +89,15 @@ struct StageCost {
   bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
   double activation_bytes = 0;
   double param_bytes = 0;
-  double cast_bytes = 0;         // compute-dtype copies of the parameters (partition.h LayerCost)
+  double copy_bytes = 0;         // casts of the parameters and the like (partition.h LayerCost)
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
   // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes /
-  // cast_bytes, which ep · etp ranks share instead of tp.
+  // copy_bytes, which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
   double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_grad_bytes = 0;
-  double expert_cast_bytes = 0;
+  double expert_copy_bytes = 0;
   // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
   // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
   // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
