@@ -17,7 +17,9 @@ SVG plot (bench/step_scaling.svg). --write replaces the "Training step" section 
 bench/RESULTS.md with the result.
 
 Memory is the process's peak resident set during the timed steps minus its resident set before
-the model was built (the same definition on both sides; Linux /proc/self/status).
+the model was built (the same definition on both sides; Linux /proc/self/status). Beside weft's,
+the planner's prediction of the same step (`weft simulate --world-size 1`, the FLOP model's
+memory: parameters, their casts, gradients, moments, activations in flight).
 """
 import argparse
 import json
@@ -50,6 +52,16 @@ def weft(args, config, sets=(), dump=None, steps=None, warmup=1):
     if dump:
         cmd += ["--dump", dump]
     return run_json(cmd)
+
+
+def simulated_peak(args, config, sets=()):
+    """The simulator's peak memory for one process running `config` (FLOP model): what the
+    planner believes the step holds (bytes)."""
+    cmd = [os.path.join(args.build, "weft"), "simulate", config,
+           "--cluster", "configs/clusters/cpu-local.toml", "--world-size", "1"]
+    for s in sets:
+        cmd += ["--set", s]
+    return run_json(cmd)["ranks"][0]["peak_memory_bytes"]
 
 
 def eager(dump, head):
@@ -87,7 +99,7 @@ def compare(args, config, rounds):
     return rows
 
 
-def comparison_table(name, rows):
+def comparison_table(name, rows, simulated):
     med = lambda xs: statistics.median(xs)
     w = [r[0] for r in rows]
     e = [r[1] for r in rows]
@@ -116,7 +128,9 @@ def comparison_table(name, rows):
         "",
         f"speed-up of weft (eager step time / weft step time, same round): **{ratio_e:.2f}x** "
         f"vs idiomatic eager, {ratio_t:.2f}x vs eager with the target-only head; "
-        f"memory eager/weft: {mem_e:.2f}x, {mem_t:.2f}x",
+        f"memory eager/weft: {mem_e:.2f}x, {mem_t:.2f}x; weft's measured / simulated "
+        f"(`weft simulate`, the planner's memory model: {mib(simulated):.0f} MiB) peak memory: "
+        f"{med([x['step_peak_bytes'] for x in w]) / simulated:.2f}",
         "",
     ]
     return lines, ratio_e
@@ -137,13 +151,16 @@ def on_off_table(args, title, column, on, off, sets, rounds, identical):
                 sys.exit(f"step.py: {column}: losses {a['losses']} vs {b['losses']}: not identical")
     med = lambda rs, k: statistics.median(r[k] for r in rs)
     ratio = lambda k: statistics.median(b[k] / a[k] for a, b in zip(runs[True], runs[False]))
-    return [title, "", f"| {column} | step s (median) | step peak memory MiB |", "|---|---|---|"] + [
+    sim = {side: simulated_peak(args, config, sets[side]) for side in (True, False)}
+    return [title, "", f"| {column} | step s (median) | step peak memory MiB | simulated MiB |",
+            "|---|---|---|---|"] + [
         f"| {label} | {med(runs[side], 'median_step_seconds'):.3f} | "
-        f"{mib(med(runs[side], 'step_peak_bytes')):.0f} |"
+        f"{mib(med(runs[side], 'step_peak_bytes')):.0f} | {mib(sim[side]):.0f} |"
         for side, label in ((True, on), (False, off))] + [
         "",
         f"{off}/{on}, same round: step time **{ratio('median_step_seconds'):.2f}x**, "
-        f"step peak memory {ratio('step_peak_bytes'):.2f}x",
+        f"step peak memory {ratio('step_peak_bytes'):.2f}x (simulated: "
+        f"{sim[False] / sim[True]:.2f}x)",
         "",
     ]
 
@@ -271,7 +288,9 @@ def main():
              "and by default the Hugging Face-style loss over every position's logits.", ""]
     ratios = {}
     for name in ("tiny-vlm", "small-vlm"):
-        table, ratio = comparison_table(name, compare(args, f"configs/{name}.toml", args.rounds))
+        config = f"configs/{name}.toml"
+        table, ratio = comparison_table(name, compare(args, config, args.rounds),
+                                        simulated_peak(args, config))
         lines += table
         ratios[name] = ratio
         print("\n".join(table), flush=True)

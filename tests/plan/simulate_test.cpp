@@ -18,6 +18,7 @@
 #include "weft/plan/cluster.h"
 #include "weft/plan/partition.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/search.h"
 
 namespace weft::plan {
 namespace {
@@ -264,6 +265,30 @@ TEST(Simulate, ActivationsInFlightFollow1F1B) {
       r.ranks[0].static_bytes,
       costs.back()[0].param_bytes + costs.back()[0].copy_bytes + costs.back()[0].train_state_bytes);
   EXPECT_GT(costs.back()[0].copy_bytes, 0);  // bf16: the fp32 masters' casts
+}
+
+// Recomputation: a stage keeps only its blocks' inputs per microbatch in flight, and during a
+// backward one block's activations again on top (its forward run again).
+TEST(Simulate, RecomputedBlocksHoldOneBlockAgainDuringBackward) {
+  Spec s;
+  s.source = "pipe.toml";
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = 4;
+  s.model.llm.recompute = true;
+  s.train.batch = 8;
+  s.train.microbatches = 4;
+  s.parallel.modules["llm"].pp = 2;
+  const Plan plan = make_plan(s, 2);
+  const CostTable costs = planner_costs(s, plan);
+  const SimResult r = simulate(s, plan, ideal(2), costs, no_optimizer());
+  for (int64_t st = 0; st < 2; ++st) {  // stage s holds P - s microbatches of 2 samples
+    const StageCost& sc = costs.back()[static_cast<size_t>(st)];
+    EXPECT_GT(sc.recompute_peak_bytes, sc.activation_bytes / 100) << st;
+    EXPECT_DOUBLE_EQ(
+        r.ranks[st].peak_activation_bytes,
+        2 * (static_cast<double>(2 - st) * sc.activation_bytes + sc.recompute_peak_bytes))
+        << st;
+  }
 }
 
 TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {

@@ -57,7 +57,9 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
       sc.recompute_flops += l.forward;
       sc.recompute = true;
-      sc.activation_bytes -= l.activation_bytes - std::min(l.activation_bytes, input_bytes);
+      const double dropped = l.activation_bytes - std::min(l.activation_bytes, input_bytes);
+      sc.activation_bytes -= dropped;
+      sc.recompute_peak_bytes = std::max(sc.recompute_peak_bytes, dropped);
       sc.copy_bytes -= l.copy_bytes;  // cast at each use, in forward and again in backward
       sc.expert_copy_bytes -= l.expert_copy_bytes;
     }

@@ -245,6 +245,12 @@ class Engine {
   static double kept_bytes(const StageCost& sc, double n, double split) {
     return n * sc.activation_bytes / split + (sc.measured ? sc.activation_fixed_bytes : 0);
   }
+  // A backward op's activations: what its forward kept is freed, after a recomputed block's
+  // activations held on top of it during the op.
+  static void backward_bytes(Op* op, const StageCost& sc, double n, double split) {
+    op->keep_bytes = n * sc.recompute_peak_bytes / split;
+    op->free_bytes = kept_bytes(sc, n, split) + op->keep_bytes;
+  }
 
   void add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
                       double seconds, double last_bucket = 0, int64_t module = -1) {
@@ -343,7 +349,7 @@ class Engine {
       if (!first && m.weight_grads)
         op.sends.push_back(
             {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * h * act_});
-      op.free_bytes = act_bytes;
+      backward_bytes(&op, sc, n, static_cast<double>(tp * cp));
       if (mb == M_ - 1) op.arms = e;
       ops_[r].push_back(std::move(op));
     }
@@ -446,7 +452,7 @@ class Engine {
               }
         }
       }
-      op.free_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
+      backward_bytes(&op, sc, n, static_cast<double>(tp * cp));
       if (mb == M_ - 1) op.arms = llm_;
       ops_[r].push_back(std::move(op));
     };

@@ -88,6 +88,9 @@ struct StageCost {
   double recompute_flops = 0;
   bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
   double activation_bytes = 0;
+  // Recomputation: the most one block holds again in backward beyond what it kept (its forward
+  // run again), per unit of data like activation_bytes, during that backward only.
+  double recompute_peak_bytes = 0;
   double param_bytes = 0;
   double copy_bytes = 0;         // casts of the parameters and the like (partition.h LayerCost)
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
