@@ -26,6 +26,7 @@
 #include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
+#include "weft/train/live_bytes.h"
 #include "weft/train/peak.h"
 #include "weft/train/trainer.h"
 
@@ -141,6 +142,9 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   at::set_num_threads(threads);
 
   const int64_t baseline = rss_bytes();  // the process before the model exists
+  // Tensor bytes from before the model exists (parameters, optimizer state, the prepared batches
+  // and every step's tensors; not the profiled step's, whose profiler takes the hook over).
+  LiveBytes live(ts.device == Device::kCuda ? c10::kCUDA : c10::kCPU);
   TrainerOptions to;
   to.progress = false;
   to.eval = false;
@@ -169,6 +173,8 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   }
 
   reset_peak_rss();
+  const int64_t live_before = live.live();
+  live.reset_peak();
   dist::reset_device_peak(device);
   std::vector<double> losses, grad_norms, seconds;
   double flops = 0, llm_flops = 0, timed = 0;
@@ -250,6 +256,8 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   j["peak_rss_bytes"] = peak_rss;
   j["baseline_rss_bytes"] = baseline;
   j["step_peak_bytes"] = peak_rss - baseline;
+  j["live_before_steps_bytes"] = live_before;
+  j["step_peak_live_bytes"] = live.peak();
   j["device"] = device.str();
   if (device.is_cuda()) j["device_peak_bytes"] = dist::device_peak_bytes(device);
   if (!dump.empty()) {

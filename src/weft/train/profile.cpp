@@ -1,7 +1,5 @@
 #include "weft/train/profile.h"
 
-#include <c10/core/Allocator.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -33,6 +31,7 @@
 #include "weft/model/recompute.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/profile.h"
+#include "weft/train/live_bytes.h"
 #include "weft/train/optimizer.h"
 #include "weft/train/trainer.h"
 
@@ -81,35 +80,6 @@ int64_t last_level_cache_bytes() {
   }
   return best > 0 ? best : int64_t{32} << 20;
 }
-
-// The type of the hook's running totals: int64_t on LibTorch 1.13, size_t on 2.x (read off c10's
-// own reporting function, so no version number is guessed).
-template <class>
-struct TotalsArg;
-template <class R, class A0, class A1, class A2, class A3, class A4>
-struct TotalsArg<R (*)(A0, A1, A2, A3, A4)> {
-  using type = A2;
-};
-using TotalBytes = TotalsArg<decltype(&c10::reportMemoryUsageToProfiler)>::type;
-
-// Bytes the CPU allocator handed out on this thread and not taken back, while the guard is
-// alive (c10's memory-reporting hook, the one the profiler uses).
-class AllocationMeter final : public c10::MemoryReportingInfoBase {
- public:
-  void reportMemoryUsage(void*, int64_t alloc_size, TotalBytes, TotalBytes, c10::Device) override {
-    live_ += alloc_size;
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-  int64_t live() const { return live_; }
-
- private:
-  int64_t live_ = 0;
-};
-
-struct MeterScope {
-  std::shared_ptr<AllocationMeter> meter = std::make_shared<AllocationMeter>();
-  c10::DebugInfoGuard guard{c10::DebugInfoKind::PROFILER_STATE, meter};
-};
 
 // One microbatch shape: `units` rows of `seq` tokens (LLM), or `units` items (seq = 1).
 struct Shape {
@@ -223,7 +193,8 @@ class Profiler {
   }
 
   Sample measure(const Layer& layer, const Shape& shape) const {
-    MeterScope scope;
+    const LiveBytes meter(layer.params.empty() ? c10::Device(c10::kCPU)
+                                               : layer.params.front().second.device());
     const Prepared p = layer.prepare(shape);
     const auto set_params = [&](bool on) {
       for (const auto& [name, t] : layer.params) t.set_requires_grad(on);
@@ -239,13 +210,13 @@ class Profiler {
       // backward.
       set_params(layer.backward);
       for (const at::Tensor& t : p.leaves) t.set_requires_grad(layer.backward && layer.input_grad);
-      const int64_t before = scope.meter->live();
+      const int64_t before = meter.live();
       evict();
       const double t0 = now_seconds();
       at::Tensor y = p.forward();
       const double t1 = now_seconds();
       if (timed)
-        fwd.push_back(t1 - t0), act.push_back(static_cast<double>(scope.meter->live() - before));
+        fwd.push_back(t1 - t0), act.push_back(static_cast<double>(meter.live() - before));
       if (layer.backward) {
         const at::Tensor g = y.dim() == 0 ? at::Tensor() : torch::ones_like(y);
         evict();
