@@ -36,28 +36,66 @@ TEST(DataParallel, Dp2ZeroOneMatchesSingleProcess) {
 }
 
 // Overlap: gradients produced by the armed backward are reduced bucket by bucket during it; a
-// parameter without a gradient joins its bucket with zeros; every rank ends with the sum.
+// parameter without a gradient joins its bucket with zeros; every rank ends with the sum. The
+// same with the gradients attached to the buckets (accumulated in place there), and with a
+// gradient defined before attach() (carried into the bucket), over two steps.
 TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
+  for (const bool attach : {false, true}) {
+    SCOPED_TRACE(attach ? "attached" : "copied");
+    testing::run_ranks(2, [attach](const Comm& comm) {
+      const int r = comm.rank();
+      model::ParamSet ps;
+      at::Tensor unused = ps.add("unused", torch::ones({10}));
+      at::Tensor b = ps.add("b", torch::full({300}, 2.0));
+      at::Tensor a = ps.add("a", torch::full({300}, 1.0));
+      GradSync sync(comm, ps.all(), /*bucket_bytes=*/1000);
+      ASSERT_EQ(sync.bucket_count(), 3);  // [a], [b], [unused]
+      for (int step = 0; step < 2; ++step) {
+        for (const at::Tensor& p : {unused, b, a}) p.mutable_grad().reset();
+        if (attach && step == 1) b.mutable_grad() = torch::full({300}, 100.0);  // carried in
+        if (attach) sync.attach();
+        // Two microbatches: the first accumulates normally, the second is armed.
+        ((a * b).sum() * (r + 1)).backward();
+        sync.arm();
+        ((a * a).sum() * (r + 1)).backward();
+        sync.finish();
+        // d/da: rank-weighted (b + 2a) summed over ranks (1 + 2) = 3 * (2 + 2) = 12.
+        EXPECT_TRUE(torch::allclose(a.grad(), torch::full({300}, 12.0))) << a.grad()[0];
+        const double b_grad = 3 + (attach && step == 1 ? 200 : 0);  // 3 * a (+ 100 per rank)
+        EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, b_grad))) << b.grad()[0];
+        ASSERT_TRUE(unused.grad().defined());
+        EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
+        // [a] during backward; [b] (no gradient in the armed backward) and [unused] after.
+        EXPECT_EQ(sync.buckets_overlapped(), 1);
+      }
+    });
+  }
+}
+
+// Attached gradients are views of their bucket: every backward adds into the bucket in place
+// (the .grad tensors keep their storage), and the sums are left there.
+TEST(DataParallel, AttachedGradientsLiveInTheirBucket) {
   testing::run_ranks(2, [](const Comm& comm) {
-    const int r = comm.rank();
     model::ParamSet ps;
-    at::Tensor unused = ps.add("unused", torch::ones({10}));
-    at::Tensor b = ps.add("b", torch::full({300}, 2.0));
-    at::Tensor a = ps.add("a", torch::full({300}, 1.0));
-    GradSync sync(comm, ps.all(), /*bucket_bytes=*/1000);
-    ASSERT_EQ(sync.bucket_count(), 3);  // [a], [b], [unused]
-    // Two microbatches: the first accumulates normally, the second is armed.
-    ((a * b).sum() * (r + 1)).backward();
+    at::Tensor b = ps.add("b", torch::full({1000}, 2.0));
+    at::Tensor a = ps.add("a", torch::full({1000}, 1.0));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/1 << 20);
+    ASSERT_EQ(sync.bucket_count(), 1);
+    sync.attach();
+    ASSERT_TRUE(a.grad().defined() && b.grad().defined());
+    EXPECT_TRUE(a.grad().storage().is_alias_of(b.grad().storage()));
+    const void* where_a = a.grad().data_ptr();
+    const void* where_b = b.grad().data_ptr();
+    (a * b).sum().backward();
     sync.arm();
-    ((a * a).sum() * (r + 1)).backward();
+    (a * b * (comm.rank() + 1)).sum().backward();
     sync.finish();
-    // d/da: rank-weighted (b + 2a) summed over ranks (1 + 2) = 3 * (2 + 2) = 12.
-    EXPECT_TRUE(torch::allclose(a.grad(), torch::full({300}, 12.0))) << a.grad()[0];
-    EXPECT_TRUE(torch::allclose(b.grad(), torch::full({300}, 3.0)));  // 3 * a
-    ASSERT_TRUE(unused.grad().defined());
-    EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({10})));
-    // [a] during backward; [b] (no gradient in the armed backward) and [unused] after.
-    EXPECT_EQ(sync.buckets_overlapped(), 1);
+    EXPECT_EQ(a.grad().data_ptr(), where_a);  // still the bucket's
+    EXPECT_EQ(b.grad().data_ptr(), where_b);
+    // Summed over the ranks: b (1 + 1) + b (1 + 2), and a (1 + 1) + a (1 + 2).
+    EXPECT_TRUE(torch::allclose(a.grad(), torch::full({1000}, 2.0 * 2 + 2.0 * 3)));
+    EXPECT_TRUE(torch::allclose(b.grad(), torch::full({1000}, 1.0 * 2 + 1.0 * 3)));
+    EXPECT_EQ(sync.buckets_overlapped(), 1);  // filled by the armed backward
   });
 }
 

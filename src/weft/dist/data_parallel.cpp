@@ -1,12 +1,31 @@
 #include "weft/dist/data_parallel.h"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <functional>
 #include <numeric>
 
 #include "weft/core/error.h"
 
 namespace weft::dist {
+namespace {
+
+// Runs `f` after its AccumulateGrad node has added a backward's gradient into .grad.
+struct PostHook final : torch::autograd::FunctionPostHook {
+  explicit PostHook(std::function<void()> f) : f(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    f();
+    return outputs;
+  }
+  std::function<void()> f;
+};
+
+}  // namespace
 
 GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
     : group_(std::move(group)), params_(std::move(params)) {
@@ -30,15 +49,41 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
     for (size_t k : b.params) numel += params_[k].second.numel();
     b.buffer = torch::zeros({numel}, params_[b.params[0]].second.options().dtype(torch::kFloat));
   }
-  for (size_t k = 0; k < params_.size(); ++k)
-    hooks_.push_back(params_[k].second.register_hook([this, k](const at::Tensor& g) {
-      if (armed_) on_grad(k, g);
-      return at::Tensor();  // leave the gradient as it is
-    }));
+  for (size_t k = 0; k < params_.size(); ++k) {
+    accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[k].second));
+    hooks_.push_back(accumulators_.back()->add_post_hook(std::make_unique<PostHook>([this, k] {
+      if (armed_) on_accumulated(k);
+    })));
+  }
 }
 
 GradSync::~GradSync() {
-  for (size_t k = 0; k < hooks_.size(); ++k) params_[k].second.remove_hook(hooks_[k]);
+  for (size_t k = 0; k < hooks_.size(); ++k) accumulators_[k]->del_post_hook(hooks_[k]);
+}
+
+at::Tensor GradSync::slice(size_t k) const {
+  const Bucket& b = buckets_[bucket_of_[k]];
+  const size_t slot = std::find(b.params.begin(), b.params.end(), k) - b.params.begin();
+  const at::Tensor& p = params_[k].second;
+  return b.buffer.narrow(0, b.offsets[slot], p.numel()).view(p.sizes());
+}
+
+bool GradSync::attached(size_t k) const {
+  const at::Tensor& g = params_[k].second.grad();
+  return g.defined() && g.data_ptr() == slice(k).data_ptr() && g.is_contiguous();
+}
+
+void GradSync::attach() {
+  if (group_.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  for (Bucket& b : buckets_) b.buffer.zero_();
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (attached(k)) continue;
+    at::Tensor view = slice(k);
+    const at::Tensor& p = params_[k].second;
+    if (p.grad().defined()) view.copy_(p.grad());
+    p.mutable_grad() = view;
+  }
 }
 
 void GradSync::arm() {
@@ -46,17 +91,11 @@ void GradSync::arm() {
   overlapped_ = 0;
 }
 
-void GradSync::on_grad(size_t k, const at::Tensor& incoming) {
+void GradSync::on_accumulated(size_t k) {
   torch::NoGradGuard no_grad;
+  // .grad holds every microbatch's sum now: in the bucket already when attached.
+  if (!attached(k)) slice(k).copy_(params_[k].second.grad());
   Bucket& b = buckets_[bucket_of_[k]];
-  const at::Tensor& p = params_[k].second;
-  const size_t slot = std::find(b.params.begin(), b.params.end(), k) - b.params.begin();
-  at::Tensor dst = b.buffer.narrow(0, b.offsets[slot], p.numel());
-  // .grad still holds the earlier microbatches' sum; autograd adds `incoming` after this hook.
-  if (p.grad().defined())
-    torch::add_out(dst, p.grad().reshape(-1), incoming.reshape(-1));
-  else
-    dst.copy_(incoming.reshape(-1));
   if (!filled_[k]) {
     filled_[k] = 1;
     ++b.ready;
@@ -84,27 +123,25 @@ void GradSync::finish() {
   for (; next_ < buckets_.size(); ++next_) {  // the rest, in index order
     Bucket& b = buckets_[next_];
     WEFT_ASSERT(!b.launched);
-    for (size_t slot = 0; slot < b.params.size(); ++slot) {
-      const size_t k = b.params[slot];
-      if (filled_[k]) continue;
+    for (size_t k : b.params) {
+      if (filled_[k] || attached(k)) continue;
       const at::Tensor& p = params_[k].second;
-      at::Tensor dst = b.buffer.narrow(0, b.offsets[slot], p.numel());
       if (p.grad().defined())
-        dst.copy_(p.grad().reshape(-1));
+        slice(k).copy_(p.grad());
       else
-        dst.zero_();
+        slice(k).zero_();
     }
     launch(b);
   }
   for (Bucket& b : buckets_) {
     b.pending.wait();
-    for (size_t slot = 0; slot < b.params.size(); ++slot) {
-      const at::Tensor& p = params_[b.params[slot]].second;
-      at::Tensor summed = b.buffer.narrow(0, b.offsets[slot], p.numel()).view(p.sizes());
-      if (p.grad().defined())
-        p.mutable_grad().copy_(summed);
+    for (size_t k : b.params) {
+      if (attached(k)) continue;
+      at::Tensor& g = params_[k].second.mutable_grad();
+      if (g.defined())
+        g.copy_(slice(k));
       else
-        p.mutable_grad() = summed.clone();
+        g = slice(k).clone();
     }
     b.ready = 0;
     b.launched = false;

@@ -867,6 +867,11 @@ struct Runtime::Impl {
     std::optional<model::CastOnce> casts;
     if (opts.cast_once && M > 1)
       casts.emplace(model->parameters(), model::CastOnce::Keep::kForBackward);
+    // Data-parallel gradients accumulate straight into their all-reduce buckets.
+    for (size_t e = 0; e < enc_sync.size(); ++e)
+      if (enc_role[e].hosted) enc_sync[e].sync->attach();
+    if (llm_role.hosted) llm_sync.sync->attach();
+    if (llm_role.hosted && expert_parallel) expert_sync.sync->attach();
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)

@@ -143,8 +143,9 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
 
   const int64_t baseline = rss_bytes();  // the process before the model exists
   // Tensor bytes from before the model exists (parameters, optimizer state, the prepared batches
-  // and every step's tensors; not the profiled step's, whose profiler takes the hook over).
-  LiveBytes live(ts.device == Device::kCuda ? c10::kCUDA : c10::kCPU);
+  // and every step's tensors). Not with --profile: the profiler needs the hook.
+  std::optional<LiveBytes> live;
+  if (o.profile.empty()) live.emplace(ts.device == Device::kCuda ? c10::kCUDA : c10::kCPU);
   TrainerOptions to;
   to.progress = false;
   to.eval = false;
@@ -173,8 +174,8 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   }
 
   reset_peak_rss();
-  const int64_t live_before = live.live();
-  live.reset_peak();
+  const int64_t live_before = live ? live->live() : 0;
+  if (live) live->reset_peak();
   dist::reset_device_peak(device);
   std::vector<double> losses, grad_norms, seconds;
   double flops = 0, llm_flops = 0, timed = 0;
@@ -256,8 +257,10 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   j["peak_rss_bytes"] = peak_rss;
   j["baseline_rss_bytes"] = baseline;
   j["step_peak_bytes"] = peak_rss - baseline;
-  j["live_before_steps_bytes"] = live_before;
-  j["step_peak_live_bytes"] = live.peak();
+  if (live) {
+    j["live_before_steps_bytes"] = live_before;
+    j["step_peak_live_bytes"] = live->peak();
+  }
   j["device"] = device.str();
   if (device.is_cuda()) j["device_peak_bytes"] = dist::device_peak_bytes(device);
   if (!dump.empty()) {

@@ -215,8 +215,7 @@ class Profiler {
       const double t0 = now_seconds();
       at::Tensor y = p.forward();
       const double t1 = now_seconds();
-      if (timed)
-        fwd.push_back(t1 - t0), act.push_back(static_cast<double>(meter.live() - before));
+      if (timed) fwd.push_back(t1 - t0), act.push_back(static_cast<double>(meter.live() - before));
       if (layer.backward) {
         const at::Tensor g = y.dim() == 0 ? at::Tensor() : torch::ones_like(y);
         evict();
