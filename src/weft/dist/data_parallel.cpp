@@ -30,6 +30,7 @@ struct PostHook final : torch::autograd::FunctionPostHook {
 GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
     : group_(std::move(group)), params_(std::move(params)) {
   bucket_of_.resize(params_.size());
+  offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
   int64_t bytes = 0;
   for (size_t k = params_.size(); k-- > 0;) {
@@ -38,9 +39,9 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
       bytes = 0;
     }
     Bucket& b = buckets_.back();
-    b.offsets.push_back(bytes / static_cast<int64_t>(sizeof(float)));
     b.params.push_back(k);
     bucket_of_[k] = buckets_.size() - 1;
+    offset_of_[k] = bytes / static_cast<int64_t>(sizeof(float));
     bytes += params_[k].second.numel() * static_cast<int64_t>(sizeof(float));
   }
   if (group_.size() == 1) return;
@@ -62,10 +63,8 @@ GradSync::~GradSync() {
 }
 
 at::Tensor GradSync::slice(size_t k) const {
-  const Bucket& b = buckets_[bucket_of_[k]];
-  const size_t slot = std::find(b.params.begin(), b.params.end(), k) - b.params.begin();
   const at::Tensor& p = params_[k].second;
-  return b.buffer.narrow(0, b.offsets[slot], p.numel()).view(p.sizes());
+  return buckets_[bucket_of_[k]].buffer.narrow(0, offset_of_[k], p.numel()).view(p.sizes());
 }
 
 bool GradSync::attached(size_t k) const {

@@ -50,8 +50,7 @@ class GradSync {
  private:
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
-    std::vector<int64_t> offsets;
-    at::Tensor buffer;  // fp32, flat
+    at::Tensor buffer;           // fp32, flat
     int64_t ready = 0;
     bool launched = false;
     Pending pending;
@@ -64,9 +63,10 @@ class GradSync {
   Comm group_;
   model::NamedTensors params_;
   std::vector<Bucket> buckets_;
-  std::vector<size_t> bucket_of_;  // per parameter
-  std::vector<uint8_t> filled_;    // per parameter: its bucket slice holds this step's gradient
-  size_t next_ = 0;                // the next bucket to launch (they launch in index order)
+  std::vector<size_t> bucket_of_;   // per parameter
+  std::vector<int64_t> offset_of_;  // per parameter: where its slice starts in its bucket
+  std::vector<uint8_t> filled_;     // per parameter: its bucket slice holds this step's gradient
+  size_t next_ = 0;                 // the next bucket to launch (they launch in index order)
   // Per parameter: its AccumulateGrad node (held, so the hook lives as long as this object; the
   // parameter keeps only a weak reference) and the key of the hook on it.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
