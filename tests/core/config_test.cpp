@@ -380,7 +380,8 @@ TEST(Config, RoundTripFullConfig) {
   EXPECT_NE(dumped.find("[parallel]\nplacement = \"separate\"\ncp_split = \"contiguous\"\n"),
             std::string::npos)
       << dumped;
-  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nep = 1\netp = 0\nstages = [2]\n"), std::string::npos)
+  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nep = 1\netp = 0\nsp = false\nstages = [2]\n"),
+            std::string::npos)
       << dumped;
   EXPECT_NE(dumped.find("stages = []\n"), std::string::npos) << dumped;
   // Kind-specific keys are written only for their kind (the reparse would reject them anyway).
@@ -652,8 +653,10 @@ TEST(Config, UnknownKeysInEverySection) {
       set_fails_with("train.stepz=1", {"train.stepz = 1: unknown key", "allowed: steps, batch"}));
   EXPECT_TRUE(set_fails_with("output.foo=1", {"output.foo = 1: unknown key",
                                               "(allowed: dir, keep_checkpoints, trace_step)"}));
-  EXPECT_TRUE(set_fails_with("parallel.llm.sp=2", {"parallel.llm.sp = 2: unknown key",
-                                                   "(allowed: dp, tp, pp, cp, ep, etp, stages)"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.zp=2", {"parallel.llm.zp = 2: unknown key",
+                                                   "(allowed: dp, tp, pp, cp, ep, etp, sp, stages)"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.sp=2",
+                             {"parallel.llm.sp = 2: expected a boolean (true or false)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",
                          {"train.sched: unknown table", "allowed: steps"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[model.llm.sub]\n",

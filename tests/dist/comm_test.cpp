@@ -8,6 +8,7 @@
 
 #include "support/ranks.h"
 #include "weft/core/error.h"
+#include "weft/dist/collectives.h"
 
 namespace weft::dist {
 namespace {
@@ -155,6 +156,39 @@ TEST(Comm, WorldFromEnvironment) {
   EXPECT_EQ(w.world_size, 2);
   ::unsetenv("OMPI_COMM_WORLD_RANK");
   ::unsetenv("OMPI_COMM_WORLD_SIZE");
+}
+
+// Sequence parallelism's two collectives, against one process: a column-parallel linear of the
+// all-gathered sequence (which keeps only its shard for backward) and a row-parallel linear
+// whose output is reduce-scattered back over the sequence. The outputs, and the gradients of the
+// input, of both weights and of the bias, are this rank's parts of the single-process ones.
+TEST(Comm, SequenceParallelLinearsMatchOneProcess) {
+  const int64_t B = 2, S = 6, H = 4, F = 8;
+  torch::manual_seed(3);
+  const at::Tensor x0 = torch::randn({B, S, H}, torch::kDouble);
+  const at::Tensor w10 = torch::randn({F, H}, torch::kDouble);
+  const at::Tensor b10 = torch::randn({F}, torch::kDouble);
+  const at::Tensor w20 = torch::randn({H, F}, torch::kDouble);
+  const at::Tensor c = torch::randn({B, S, H}, torch::kDouble);
+  auto leaf = [](const at::Tensor& t) { return t.clone().set_requires_grad(true); };
+  at::Tensor x = leaf(x0), w1 = leaf(w10), b1 = leaf(b10), w2 = leaf(w20);
+  const at::Tensor y = at::linear(at::linear(x, w1, b1).tanh(), w2);
+  (y * c).sum().backward();
+  run_ranks(2, [&](const Comm& g) {
+    const int64_t r = g.rank(), s = S / 2, f = F / 2;
+    at::Tensor xr = leaf(x0.narrow(1, r * s, s)), w1r = leaf(w10.narrow(0, r * f, f));
+    at::Tensor b1r = leaf(b10.narrow(0, r * f, f)), w2r = leaf(w20.narrow(1, r * f, f));
+    const at::Tensor hidden = gathered_linear(xr, w1r, b1r, g, 1);  // every position, F/2
+    ASSERT_EQ(hidden.sizes(), (std::vector<int64_t>{B, S, f}));
+    const at::Tensor yr = scatter_along(at::linear(hidden.tanh(), w2r), g, 1);
+    ASSERT_EQ(yr.sizes(), (std::vector<int64_t>{B, s, H}));
+    EXPECT_TRUE(torch::allclose(yr, y.detach().narrow(1, r * s, s)));
+    (yr * c.narrow(1, r * s, s)).sum().backward();
+    EXPECT_TRUE(torch::allclose(xr.grad(), x.grad().narrow(1, r * s, s)));
+    EXPECT_TRUE(torch::allclose(w1r.grad(), w1.grad().narrow(0, r * f, f)));
+    EXPECT_TRUE(torch::allclose(b1r.grad(), b1.grad().narrow(0, r * f, f)));
+    EXPECT_TRUE(torch::allclose(w2r.grad(), w2.grad().narrow(1, r * f, f)));
+  });
 }
 
 }  // namespace

@@ -141,6 +141,28 @@ TEST(Layouts, EncoderTp2AndLlmTp2Pp2OnEightRanks) {
                     "vision_tp2_dp4_llm_tp2_pp2_dp2");
 }
 
+// Sequence parallelism (Megatron-LM's) under the LLM's TP: norms and residuals on half of the
+// sequence (padded to an even length), the norms' gradients summed over TP after backward.
+TEST(Layouts, LlmSequenceParallelTp2) {
+  expect_equivalent(2, {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.vision.tp=2"},
+                    "llm_tp2_sp");
+}
+
+// With a pipeline (stage messages hold half the sequence), an untied head, DP, and every
+// block recomputed in backward (its gathers and reduce-scatters run again).
+TEST(Layouts, LlmSequenceParallelTp2Pp2Dp2Recomputed) {
+  expect_equivalent(8,
+                    {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.llm.pp=2",
+                     "parallel.llm.dp=2", "parallel.vision.dp=8", "model.llm.tie_embeddings=false"},
+                    "llm_tp2_sp_pp2_dp2", testing::kTinyVlm, {"model.llm.recompute=true"});
+}
+
+// Under CP each rank's token share is padded to an even count, then split over TP.
+TEST(Layouts, LlmSequenceParallelUnderCp2Tp2) {
+  expect_equivalent(4, {"parallel.llm.cp=2", "parallel.llm.tp=2", "parallel.llm.sp=true"},
+                    "llm_cp2_tp2_sp");
+}
+
 // Activation recomputation, against a single process without it: each recomputed block runs
 // its TP / CP collectives again in backward, and its parameter gradients reach the
 // data-parallel gradient hooks once (vision DP2 here, LLM DP2 below).

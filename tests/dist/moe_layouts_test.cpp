@@ -79,6 +79,19 @@ TEST(MoeLayouts, WholeExpertsReplicatedOverTp2WithoutEp) {
   expect_equivalent(2, with(kMoe, {"parallel.llm.tp=2", "parallel.llm.etp=1"}), "moe_tp2_etp1");
 }
 
+// Sequence parallelism: an MoE block gathers its half of the sequence whole over TP (router,
+// shared expert, token slices of etp = 1) and keeps its half of the output.
+TEST(MoeLayouts, SequenceParallelTp2WithSharedExpertEtp2AndEtp1) {
+  expect_equivalent(2,
+                    with(kMoe, {"model.llm.moe.shared_ffn=16", "parallel.llm.tp=2",
+                                "parallel.llm.sp=true"}),
+                    "moe_tp2_sp");
+  expect_equivalent(2,
+                    with(kMoe, {"model.llm.moe.capacity_factor=1.0", "parallel.llm.tp=2",
+                                "parallel.llm.sp=true", "parallel.llm.etp=1", "parallel.llm.ep=2"}),
+                    "moe_tp2_sp_etp1_ep2");
+}
+
 TEST(MoeLayouts, WholeExpertsEp4AcrossTp2Dp2) {
   expect_equivalent(4,
                     with(kMoe, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.etp=1",

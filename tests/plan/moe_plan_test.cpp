@@ -187,6 +187,11 @@ TEST(MoePlan, WholeExpertsSpreadTheExpertGroupsOverTensorParallelRanks) {
                 .find("parallel.vision.etp = 1: expert parallelism applies to a mixture-of-experts "
                       "LLM only"),
             std::string::npos);
+  EXPECT_NE(error_of([] {
+              make_plan(spec_with({"parallel.vision.sp=true", "parallel.vision.tp=2"}), 2);
+            })
+                .find("parallel.vision.sp = true: sequence parallelism applies to the LLM only"),
+            std::string::npos);
 }
 
 TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {

@@ -47,13 +47,16 @@ TEST(PlanJson, RoundTrip) {
   LayoutSpec experts = layout(2, 2, 1);
   experts.ep = 2;
   experts.etp = 1;
+  LayoutSpec sequence = layout(1, 2, 2);  // sequence parallelism under tp 2
+  sequence.sp = true;
   const std::pair<Spec, int64_t> cases[] = {
       {testing::vlm_spec(), 1},
       {with(testing::vlm_spec(), "colocated", layout(4, 1, 1), layout(1, 2, 2)), 4},
       {with(testing::vlm_spec(), "separate", layout(2, 1, 1), layout(2, 2, 2)), 10},
       {with(frozen, "separate", layout(1, 1, 3), layout(1, 1, 4)), 7},
       {with(testing::vlm_spec(), "colocated", layout(2, 1, 1), layout(1, 1, 1, 2)), 2},
-      {with(moe, "colocated", layout(4, 1, 1), experts), 4}};
+      {with(moe, "colocated", layout(4, 1, 1), experts), 4},
+      {with(testing::vlm_spec(), "colocated", layout(4, 1, 1), sequence), 4}};
   for (const auto& [spec, world] : cases) {
     const Plan p = make_plan(spec, world);
     const std::string text = to_json(p);
@@ -64,6 +67,8 @@ TEST(PlanJson, RoundTrip) {
     Spec bare = spec;
     bare.parallel = ParallelSpec{};
     expect_same(plan_from_json(text, "p.json", bare), p);
+    EXPECT_EQ(plan_from_json(text, "p.json", bare).module("llm").layout.sp,
+              p.module("llm").layout.sp);
   }
 }
 

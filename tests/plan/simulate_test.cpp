@@ -291,6 +291,41 @@ TEST(Simulate, RecomputedBlocksHoldOneBlockAgainDuringBackward) {
   }
 }
 
+// Tensor parallelism keeps the residual stream (the norms' inputs and outputs) whole on every TP
+// rank; sequence parallelism splits it as well, for a second all-gather of each column-parallel
+// input in backward.
+TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
+  Spec s;
+  s.source = "sp.toml";
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = 4;
+  s.train.batch = 4;
+  s.train.microbatches = 2;
+  s.parallel.modules["llm"].tp = 2;
+  const Plan plain = make_plan(s, 2);
+  s.parallel.modules["llm"].sp = true;
+  const Plan seq = make_plan(s, 2);
+  EXPECT_TRUE(seq.module("llm").layout.sequence_parallel());
+  const CostTable c0 = planner_costs(s, plain), c1 = planner_costs(s, seq);
+  const StageCost &a = c0.back()[0], &b = c1.back()[0];
+  EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);  // the stage's, whole
+  const double S = 256, h = 128, act = 2;                     // bf16
+  // Per sample: each block's norms' inputs and outputs, the final norm's input and output.
+  const double whole = 4 * act * S * 4 * h + act * 2 * S * h;
+  EXPECT_DOUBLE_EQ(a.whole_activation_bytes, whole);
+  EXPECT_DOUBLE_EQ(b.whole_activation_bytes, 0);
+  EXPECT_DOUBLE_EQ(kept_activation_bytes(a, 2, plain.module("llm").layout),
+                   2 * ((a.activation_bytes - whole) / 2 + whole));
+  EXPECT_DOUBLE_EQ(kept_activation_bytes(b, 2, seq.module("llm").layout), a.activation_bytes);
+  const Cluster c = ideal(2, 5e-6, 10);
+  const SimResult r0 = simulate(s, plain, c, c0, no_optimizer());
+  const SimResult r1 = simulate(s, seq, c, c1, no_optimizer());
+  // One microbatch of 2 samples alive at a time (one stage).
+  EXPECT_DOUBLE_EQ(r0.ranks[0].peak_activation_bytes - r1.ranks[0].peak_activation_bytes,
+                   2 * whole / 2);
+  EXPECT_GT(r1.step_seconds, r0.step_seconds);  // the re-gathers in backward
+}
+
 TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {
   Spec s = vlm_spec();
   const Cluster c = ideal(2, 5e-6, 10);

@@ -105,7 +105,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "cast_once",
                                            "frozen_fp32"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
-constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "etp", "stages"};
+constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "etp", "sp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
 constexpr std::string_view kPlacements[] = {"colocated", "separate"};
 constexpr std::string_view kCpSplits[] = {"balanced", "zigzag", "contiguous", "lpt"};
@@ -780,6 +780,7 @@ void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
       if (*v < 1) ls.fail_value(k, std::to_string(*v), "must be >= 1");
     }
     ls.count("etp", &l.etp, /*positive=*/false);
+    ls.read("sp", &l.sp);
     ls.read("stages", &l.stages);  // ranges against the layer count: plan::make_plan
     for (int64_t first : l.stages)
       if (first < 1)
@@ -1033,6 +1034,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("cp", layout.cp);
     w.put("ep", layout.ep);
     w.put("etp", layout.etp);
+    w.put("sp", layout.sp);
     w.put("stages", layout.stages);
   }
   return w.str();

@@ -227,8 +227,14 @@ struct OutputSpec {
 // and tp > 1 every expert is whole, each tp rank routes 1/tp of the tokens, and the ep ranks
 // range over tp·cp·dp (ep divides it). Expert gradients are summed over the expert-data-parallel
 // ranks only (those holding the same experts). plan/plan.h ModulePlan::expert_groups.
+//
+// sp (sequence parallelism, Megatron-LM's, the LLM only; acts when tp > 1): between the
+// tensor-parallel regions (norms, residual adds, pipeline messages) each tp rank holds 1/tp of
+// the sequence instead of all of it; the all-reduce after each row-parallel linear becomes a
+// reduce-scatter and the input of each column-parallel linear an all-gather (the same bytes).
 struct LayoutSpec {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
+  bool sp = false;
   // First layer of each pipeline stage after the first (pp-1 entries); empty = chosen by the
   // frozen-aware partitioner (plan/partition.h).
   std::vector<int64_t> stages;

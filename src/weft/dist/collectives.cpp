@@ -98,6 +98,48 @@ struct SplitReplicated : torch::autograd::Function<SplitReplicated> {
   }
 };
 
+struct ScatterAlong : torch::autograd::Function<ScatterAlong> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
+                            int64_t dim) {
+    save_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    return scattered(x, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {gathered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// The bias is added outside (an undefined tensor is no autograd Function input on LibTorch 1.13).
+struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const Comm& group, int64_t dim) {
+    save_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    ctx->save_for_backward({x, w});
+    return at::linear(gathered(x, group, dim), w);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const Comm& group = saved_group(ctx);
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const at::Tensor gy = g[0].reshape({-1, g[0].size(-1)});  // [rows, out]
+    at::Tensor gx, gw;
+    if (ctx->needs_input_grad(0)) {
+      std::vector<int64_t> shape = g[0].sizes().vec();
+      shape.back() = w.size(1);
+      gx = scattered(gy.mm(w).view(shape), group, dim);
+    }
+    if (ctx->needs_input_grad(1)) {
+      const at::Tensor xf = gathered(x, group, dim);
+      gw = gy.t().mm(xf.reshape({-1, xf.size(-1)}));
+    }
+    return {gx, gw, at::Tensor(), at::Tensor()};
+  }
+};
+
 struct AllToAll : torch::autograd::Function<AllToAll> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
                             std::vector<int64_t> send, std::vector<int64_t> recv) {
@@ -151,6 +193,24 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
   dim = dim < 0 ? dim + x.dim() : dim;
   if (!x.requires_grad()) return gathered(x, group, dim);
   return GatherAlong::apply(x, group, dim);
+}
+
+at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  dim = dim < 0 ? dim + x.dim() : dim;
+  WEFT_CHECK(x.size(dim) % group.size() == 0, "scatter_along: dim ", dim, " of size ", x.size(dim),
+             " over ", group.size(), " ranks");
+  if (!x.requires_grad()) return scattered(x, group, dim);
+  return ScatterAlong::apply(x, group, dim);
+}
+
+at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                           const Comm& group, int64_t dim) {
+  if (group.size() == 1) return at::linear(x, w, b);
+  dim = dim < 0 ? dim + x.dim() : dim;
+  if (!x.requires_grad() && !w.requires_grad()) return at::linear(gathered(x, group, dim), w, b);
+  const at::Tensor y = GatheredLinear::apply(x, w, group, dim);
+  return b.defined() ? y + b : y;
 }
 
 at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {

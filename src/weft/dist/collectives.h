@@ -32,6 +32,17 @@ at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim
 // each rank gets the whole gradient).
 at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim);
 
+// Sequence parallelism (Megatron-LM's), between a module's tensor-parallel regions, where each
+// rank holds 1/tp of the sequence along `dim`:
+// Forward reduce-scatter along `dim` (sum of the partial outputs, this rank's chunk), backward
+// all-gather: a row-parallel linear's output returning to the sequence-split region.
+at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim);
+// A column-parallel linear of the all-gather of x along `dim`: at::linear(gather(x), w, b), whose
+// backward all-gathers x again (only x's chunk is kept for backward, not the gathered input) and
+// reduce-scatters the input gradient, each rank's being a partial sum over its output features.
+at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                           const Comm& group, int64_t dim);
+
 // Forward all-to-all of rows (Comm::all_to_all: send_counts[r] rows to rank r, recv_counts[r]
 // from it), backward the all-to-all of the gradient rows back to where they came from (counts
 // swapped): expert parallelism's token dispatch and combine.

@@ -99,6 +99,10 @@ struct Runtime::Impl {
   RoutingReport routing;
   Comm tied;  // first and last LLM stage with the same (tp, cp, dp): the tied embedding's copies
   int64_t tied_index = -1;  // index into trainable of this rank's embedding, when tied over PP
+  // Sequence parallelism: trainable parameters used on this rank's part of the sequence only
+  // (model::Split::partial_grad), whose gradients are summed over the LLM's TP group.
+  std::vector<size_t> sequence_partial;
+  int64_t seq_split = 1;  // the LLM's sequence positions per microbatch divide by this (tp or 1)
 
   model::NamedTensors trainable;
   std::vector<size_t> trainable_param;  // index into model->parameters()
@@ -182,6 +186,8 @@ struct Runtime::Impl {
     llm_role = role_of(*llm_plan, rank);
     hosting.llm.shard.tp = module_group(*llm_plan, {Axis::kTp});
     hosting.llm.shard.cp = module_group(*llm_plan, {Axis::kCp});
+    hosting.llm.shard.sp = llm_plan->layout.sp;
+    if (llm_plan->layout.sequence_parallel()) seq_split = llm_plan->layout.tp;
     llm_sync.group = module_group(*llm_plan, {Axis::kCp, Axis::kDp});
     expert_parallel =
         llm_plan->layout.ep > 1 || llm_plan->layout.expert_tp() != llm_plan->layout.tp;
@@ -246,6 +252,7 @@ struct Runtime::Impl {
       counted.push_back(canonical && (model->param_set().split(k).sharded() || tp.rank() == 0));
       (expert ? expert_sync : is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
       if (is_llm && tied_pp && name == "llm.embedding") tied_index = static_cast<int64_t>(t);
+      if (model->param_set().split(k).partial_grad) sequence_partial.push_back(t);
     }
     owned.assign(trainable.size(), true);
     auto make_sync = [&](SyncGroup& g) {
@@ -395,6 +402,7 @@ struct Runtime::Impl {
         for (int64_t j = k * block; j < std::min((k + 1) * block, S0); ++j) own[r].push_back(j);
       most = std::max(most, own[r].size());
     }
+    most = (most + seq_split - 1) / seq_split * seq_split;  // sequence parallelism splits it again
     int64_t next = S0;
     for (auto& o : own)
       while (o.size() < most) o.push_back(next++);
@@ -481,15 +489,27 @@ struct Runtime::Impl {
             mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
             tag_of(kEncGrad, static_cast<int64_t>(e), m, role.c.pp)};
   }
-  // Activations into the LLM's stage (not the first) for microbatch m: this CP rank's tokens.
+  // The LLM's sequence length for microbatch `in`, with the padding positions that make it divide
+  // over CP and sequence parallelism.
+  int64_t llm_tokens(const model::Inputs& in) {
+    if (llm_plan->layout.cp > 1) return cp_layout(in).S;
+    const int64_t S0 = in.tokens.size(1);
+    return (S0 + seq_split - 1) / seq_split * seq_split;
+  }
+  // This CP rank's share of them (under sequence parallelism split again over TP).
+  int64_t llm_local_tokens(const model::Inputs& in) {
+    return llm_plan->layout.cp > 1 ? cp_layout(in).own[llm_role.c.cp].numel() : llm_tokens(in);
+  }
+
+  // Activations into the LLM's stage (not the first) for microbatch m: this CP rank's tokens
+  // (under sequence parallelism, this TP rank's part of them).
   Msg llm_input_msg(int64_t m, const std::vector<std::vector<model::Inputs>>& batch) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
     if (!role.hosted || role.first) return {};
     const int64_t d = role.c.dp;
     const model::Inputs& in = batch[d][m];
-    const int64_t Sl = lp.layout.cp > 1 ? cp_layout(in).own[role.c.cp].numel() : in.tokens.size(1);
-    return {{in.tokens.size(0), Sl, spec.llm.hidden},
+    return {{in.tokens.size(0), llm_local_tokens(in) / seq_split, spec.llm.hidden},
             model::compute_dtype(),
             lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
             tag_of(kLlmAct, 0, m, role.c.pp)};
@@ -710,7 +730,7 @@ struct Runtime::Impl {
     Span span{this, op_name("llm", "fwd", m, role.c.pp), "forward"};
     const int64_t d = role.c.dp, cp = lp.layout.cp;
     const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
-    const int64_t S = layout ? layout->S : batch[d][m].tokens.size(1);
+    const int64_t S = llm_tokens(batch[d][m]);
     const model::Inputs host = padded(batch[d][m], S);
     const model::Inputs in = model::to_device(host, opts.device);
     const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
@@ -762,9 +782,10 @@ struct Runtime::Impl {
       }
       x = model->embed_with(in.tokens, saved.features, rows);
       if (own.defined()) x = x.index_select(1, own);
+      if (seq_split > 1) x = dist::split_replicated(x, model->llm().tp, 1);
     } else {
       x = recv(llm_input_msg(m, batch));
-      WEFT_ASSERT(x.size(0) == B && x.size(1) == Sl, "llm input of microbatch ", m);
+      WEFT_ASSERT(x.size(0) == B && x.size(1) == Sl / seq_split, "llm input of microbatch ", m);
       if (lp.needs_backward()) x.set_requires_grad(true);
       saved.input = x;
     }
@@ -775,7 +796,8 @@ struct Runtime::Impl {
       saved.output = h;
       return saved;
     }
-    // Loss on this rank's own target rows.
+    // Loss on this rank's own target rows (every TP rank's: the loss is vocab-parallel).
+    if (seq_split > 1) h = dist::gather_replicated(h, model->llm().tp, 1);
     at::Tensor rows = in.target_rows, tgt = in.targets;
     if (own.defined()) {
       at::Tensor local = torch::full({S}, -1, own.options());
@@ -983,6 +1005,23 @@ struct Runtime::Impl {
       at::Tensor& g = trainable[tied_index].second.mutable_grad();
       if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
       tied.all_reduce_sum(g);
+    }
+    if (!sequence_partial.empty()) {  // after the DP sums, which they commute with
+      Span span{this, "llm sequence-parallel grad all-reduce", "collective"};
+      std::vector<at::Tensor> grads;
+      for (size_t t : sequence_partial) {
+        at::Tensor& g = trainable[t].second.mutable_grad();
+        if (!g.defined()) g = torch::zeros_like(trainable[t].second);
+        grads.push_back(g.reshape({-1}));
+      }
+      at::Tensor flat = torch::cat(grads);
+      model->llm().tp.all_reduce_sum(flat);
+      int64_t offset = 0;
+      for (size_t t : sequence_partial) {
+        at::Tensor& g = trainable[t].second.mutable_grad();
+        g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+        offset += g.numel();
+      }
     }
     times.grad_sync_seconds = now() - t0;
     // The loss, and the routing statistics of an MoE LLM, summed over ranks in one reduction.

@@ -228,15 +228,16 @@ at::Tensor init_normal(const std::string& name, at::IntArrayRef shape, double st
 Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double std, Par par,
                     std::vector<int64_t> segments) {
   Linear l;
-  l.par = par;
-  l.tp = s.groups().tp;
   const Shard& g = s.groups();
+  l.par = par;
+  l.tp = g.tp;
+  l.sp = par != Par::kNone && g.sequence_parallel();
   if (par == Par::kColumn) {
     l.weight = s.normal("weight", {out, in}, std, g.split(0, segments));
     if (bias) l.bias = s.add("bias", torch::zeros({out}), g.split(0, segments));
   } else {
     l.weight = s.normal("weight", {out, in}, std, par == Par::kRow ? g.split(1) : Split{});
-    if (bias) l.bias = s.add("bias", torch::zeros({out}));
+    if (bias) l.bias = s.add("bias", torch::zeros({out}), par == Par::kRow ? g.whole() : Split{});
   }
   return l;
 }
@@ -244,9 +245,11 @@ Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double s
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   switch (par) {
     case Par::kColumn:
+      if (sp) return dist::gathered_linear(x, to_compute(weight), to_compute(bias), tp, 1);
       return at::linear(dist::copy_to(x, tp), to_compute(weight), to_compute(bias));
     case Par::kRow: {
-      at::Tensor y = dist::reduce_from(at::linear(x, to_compute(weight)), tp);
+      const at::Tensor partial = at::linear(x, to_compute(weight));
+      at::Tensor y = sp ? dist::scatter_along(partial, tp, 1) : dist::reduce_from(partial, tp);
       return bias.defined() ? y + to_compute(bias) : y;
     }
     case Par::kNone:
@@ -256,14 +259,14 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
 }
 
 RmsNorm RmsNorm::make(const Scope& s, int64_t dim, double eps) {
-  return {s.add("weight", torch::ones({dim}), {}, ParamUse::kFp32), eps};
+  return {s.add("weight", torch::ones({dim}), s.groups().whole(), ParamUse::kFp32), eps};
 }
 
 at::Tensor RmsNorm::operator()(const at::Tensor& x) const { return rms_norm(x, weight, eps); }
 
 LayerNorm LayerNorm::make(const Scope& s, int64_t dim, double eps) {
-  return {s.add("weight", torch::ones({dim}), {}, ParamUse::kFp32),
-          s.add("bias", torch::zeros({dim}), {}, ParamUse::kFp32), eps};
+  return {s.add("weight", torch::ones({dim}), s.groups().whole(), ParamUse::kFp32),
+          s.add("bias", torch::zeros({dim}), s.groups().whole(), ParamUse::kFp32), eps};
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
@@ -319,11 +322,11 @@ Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t
 
 at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
                                  const Rope* rope) const {
-  const int64_t B = x.size(0), S = x.size(1), D = head_dim;
+  const at::Tensor qkv = this->qkv(x);  // under sequence parallelism: every position of x
+  const int64_t B = qkv.size(0), S = qkv.size(1), D = head_dim;
   // split, not narrow: the backward is one concatenation, not a zero-filled tensor per part.
-  const std::vector<at::Tensor> parts = this->qkv(x)
-                                            .view({B, S, heads + 2 * kv_heads, D})
-                                            .split_with_sizes({heads, kv_heads, kv_heads}, 2);
+  const std::vector<at::Tensor> parts =
+      qkv.view({B, S, heads + 2 * kv_heads, D}).split_with_sizes({heads, kv_heads, kv_heads}, 2);
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
   if (rope) {
     q = apply_rope(q, *rope);

@@ -37,10 +37,15 @@ enum class ParamUse { kCast, kFp32 };
 // of `segments` (sizes; empty = one segment, the whole dim), each split evenly over `size`
 // ranks, and this rank keeps chunk `rank` of every segment (a fused QKV keeps its share of Q,
 // of K and of V). size == 1: the whole tensor.
+//
+// partial_grad: whole on every TP rank, but used on this rank's part of the sequence only
+// (sequence parallelism: norms, a row-parallel linear's bias), so each rank's gradient is a
+// partial sum that the runtime sums over TP after backward.
 struct Split {
   int64_t dim = 0;
   std::vector<int64_t> segments;
   int64_t rank = 0, size = 1;
+  bool partial_grad = false;
   bool sharded() const { return size > 1; }
 };
 at::Tensor take_shard(const at::Tensor& full, const Split& split);
@@ -79,8 +84,18 @@ struct Shard {
   dist::Comm cp;   // context parallel (LLM): the sequence is split over it
   dist::Comm ep;   // expert parallel (MoE LLM): the experts are split over it
   dist::Comm etp;  // expert tensor parallel: expert weights are split over it (a subgroup of tp)
+  // Sequence parallelism: outside the TP regions, activations [B, S, hidden] hold this rank's
+  // S/tp positions along dim 1 (in tp-rank order); acts where tp > 1.
+  bool sp = false;
+  bool sequence_parallel() const { return sp && tp.size() > 1; }
   Split split(int64_t dim, std::vector<int64_t> segments = {}) const {
     return {dim, std::move(segments), tp.rank(), tp.size()};
+  }
+  // A parameter used whole between the TP regions (norms, row-parallel biases).
+  Split whole() const {
+    Split s;
+    s.partial_grad = sequence_parallel();
+    return s;
   }
 };
 
@@ -192,13 +207,16 @@ class InitSeedGuard {
 };
 
 // Column-parallel: output features split over TP (input enters through copy_to); row-parallel:
-// input features split, partial outputs all-reduced, bias added once after.
+// input features split, partial outputs all-reduced, bias added once after. Under sequence
+// parallelism the input of a column-parallel linear is all-gathered along the sequence and a
+// row-parallel one's output reduce-scattered (dist::gathered_linear, dist::scatter_along).
 enum class Par { kNone, kColumn, kRow };
 
 struct Linear {
   at::Tensor weight, bias;  // [out, in], [out] or undefined (this rank's shards)
   Par par = Par::kNone;
   dist::Comm tp;
+  bool sp = false;  // Shard::sequence_parallel()
   // `segments`: the fused output blocks of a column-parallel weight (each split on its own).
   static Linear make(const Scope& s, int64_t in, int64_t out, bool bias, double std = 0.02,
                      Par par = Par::kNone, std::vector<int64_t> segments = {});

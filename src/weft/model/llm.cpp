@@ -27,6 +27,8 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
   for (int64_t i = range.first_layer; i < range.last_layer; ++i) {
     Scope b = s.sub("layers." + std::to_string(i));
     LlmBlock blk;
+    blk.tp = s.groups().tp;
+    blk.sp = s.groups().sequence_parallel();
     blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
     blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, spec.qkv_bias,
                                false, out_std);
@@ -96,7 +98,9 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
 at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mask, const Rope& rope,
                                 const TokenInfo& tokens) const {
   at::Tensor x = x_in + attn(norm1(x_in), mask, &rope);
-  return x + (moe.enabled() ? moe(norm2(x), tokens) : mlp(norm2(x)));
+  if (!moe.enabled()) return x + mlp(norm2(x));
+  if (!sp) return x + moe(norm2(x), tokens);
+  return x + dist::split_replicated(moe(dist::gather_replicated(norm2(x), tp, 1), tokens), tp, 1);
 }
 
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,

@@ -5,6 +5,10 @@
 // norm and the head (a tied head is a copy of the embedding on the last stage, whose gradient
 // the runtime sums with the first stage's). Under tensor parallelism the embedding and the
 // head are split over the vocabulary and the loss is a vocab-parallel cross-entropy.
+//
+// Under sequence parallelism (Shard::sp) the blocks' input and output, and the final norm's,
+// hold this rank's S/tp positions of the sequence; embed() and loss_sum() take every position
+// (the runtime splits after the embedding and gathers before the loss).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,12 +22,16 @@
 namespace weft::model {
 
 // Pre-RMSNorm block: x + attn(norm1(x)), then + mlp(norm2(·)), the MLP a SwiGLU or, in the
-// blocks spec.moe picks, a mixture of experts (moe.h).
+// blocks spec.moe picks, a mixture of experts (moe.h). Under sequence parallelism x holds this
+// rank's part of the sequence; an MoE block gathers it whole over TP (as its router and its
+// token slices under etp = 1 expect) and keeps its part of the output.
 struct LlmBlock {
   RmsNorm norm1, norm2;
   Attention attn;
   SwiGlu mlp;  // dense blocks
   MoeMlp moe;  // MoE blocks
+  dist::Comm tp;
+  bool sp = false;  // Shard::sequence_parallel()
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope,
                         const TokenInfo& tokens = {}) const;
 };

@@ -145,7 +145,10 @@ MoeMlp MoeMlp::make(const Scope& s, const LlmSpec& llm, int64_t layer, double ou
   }
   if (m.spec.shared_ffn > 0) {
     m.has_shared = true;
-    m.shared = SwiGlu::make(s.sub("shared"), H, m.spec.shared_ffn, out_std);
+    Shard dense = g;  // the block's tokens enter whole over TP, even under sequence parallelism
+    dense.sp = false;
+    const Scope shared{s.params, s.prefix, &dense};
+    m.shared = SwiGlu::make(shared.sub("shared"), H, m.spec.shared_ffn, out_std);
   }
   return m;
 }

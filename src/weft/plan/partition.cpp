@@ -19,7 +19,8 @@ LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
     c.param_bytes *= holding.frozen;
     c.expert_param_bytes *= holding.frozen;
   }
-  if (!weight_grads && !input_grads) c.input_grad = c.activation_bytes = 0;
+  if (!weight_grads && !input_grads)
+    c.input_grad = c.activation_bytes = c.tp_whole_bytes = c.sp_whole_bytes = 0;
   return c;
 }
 
@@ -106,6 +107,8 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
     const double block_act = act * T * (4 * h + 2 * q + 2 * kv + (is_moe ? moe_ffn_act : 4 * F));
     LayerCost c = matmul_layer("llm.layers." + std::to_string(b), llm_block_forward_flops(l, t, b),
                                p.total, block_act);
+    c.tp_whole_bytes = act * T * 4 * h;
+    if (is_moe) c.sp_whole_bytes = act * T * h;
     c.expert_param_bytes = kParamBytes * p.experts;
     c.expert_train_state_bytes = kTrainStateBytes * p.experts;
     out.blocks.push_back(rules(std::move(c)));
@@ -121,6 +124,7 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
       rules(matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
                          act * 2 * T * h + (fused ? act * rows * h : 4 * rows * V)));
   if (fused && m.weight_grads) out.back.copy_bytes += act * V * h;
+  if (out.back.activation_bytes > 0) out.back.tp_whole_bytes = act * 2 * T * h;  // final norm
   // The embedding is looked up in fp32 (the rows are cast): its table is cast only for a tied
   // head on the same stage.
   if (own_weight) out.front.copy_bytes = 0;
@@ -163,11 +167,15 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
   // Pre-LN block with a GELU MLP; kept per token: x, LN1 out, q/k/v, attention out, the residual,
   // LN2 out, fc1 out, GELU out.
   const double block_params = 4 * h * h + 2 * h * F + 9 * h + F;
+  // Of those, x, LN1 out, the residual and LN2 out are whole on every tensor-parallel rank.
   const double block_act = act * items * T * (8 * h + 2 * F);
   const double block = items * encoder_block_forward_flops(e);
-  for (int64_t b = 0; b < m.layers; ++b)
-    out.blocks.push_back(rules(
-        matmul_layer(e.name + ".layers." + std::to_string(b), block, block_params, block_act)));
+  for (int64_t b = 0; b < m.layers; ++b) {
+    LayerCost c =
+        matmul_layer(e.name + ".layers." + std::to_string(b), block, block_params, block_act);
+    c.tp_whole_bytes = act * items * T * 4 * h;
+    out.blocks.push_back(rules(std::move(c)));
+  }
   // The projector (a module of its own, on this encoder's last stage) with its own flags.
   const double a = h, d = static_cast<double>(spec.model.llm.hidden);
   const bool mlp = e.projector.kind == ProjectorKind::kMlp;

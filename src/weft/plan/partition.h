@@ -37,6 +37,10 @@ struct LayerCost {
   double input_grad = 0;         // backward work producing the input gradient
   double weight_grad = 0;        // backward work producing the weight gradients
   double activation_bytes = 0;   // kept from forward to backward
+  // Of activation_bytes, what each tensor-parallel rank keeps whole rather than 1/tp of, without
+  // sequence parallelism (the norms' inputs and outputs: the residual stream between the TP
+  // regions) and with it (an MoE block's tokens, gathered whole over TP).
+  double tp_whole_bytes = 0, sp_whole_bytes = 0;
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
   // Parameter-shaped tensors besides the parameters held at the step's peak, once per stage like

@@ -147,6 +147,8 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   } else {
     const EncoderSpec& e = spec.model.encoders[m->encoder];
     const std::string model = "model." + e.name;
+    WEFT_CHECK(!l.sp, at, "sp = true: sequence parallelism applies to the LLM only (", model,
+               " is an encoder)");
     WEFT_CHECK(l.ep == 1 && l.etp == 0, at,
                l.ep != 1 ? "ep = " : "etp = ", l.ep != 1 ? l.ep : l.etp,
                ": expert parallelism applies to a mixture-of-experts LLM only (", model,
@@ -200,7 +202,7 @@ const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
 
 Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
-  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp};
+  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp, l.sp};
 }
 
 // FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
@@ -210,8 +212,13 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
   const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
   const double params = 1.0 / static_cast<double>(m.layout.tp);
+  const double per_cp = samples / static_cast<double>(m.layout.cp);
   const auto scale = [&](LayerCost& l) {
-    l.forward *= work, l.input_grad *= work, l.weight_grad *= work, l.activation_bytes *= work;
+    // What each TP rank keeps whole is divided over cp only (simulate.h kept_activation_bytes).
+    const double whole = std::min(
+        l.activation_bytes, m.layout.sequence_parallel() ? l.sp_whole_bytes : l.tp_whole_bytes);
+    l.activation_bytes = (l.activation_bytes - whole) * work + whole * per_cp;
+    l.forward *= work, l.input_grad *= work, l.weight_grad *= work;
     l.param_bytes *= params, l.train_state_bytes *= params, l.copy_bytes *= params;
     l.expert_param_bytes *= params, l.expert_train_state_bytes *= params;
     l.expert_copy_bytes *= params;
@@ -381,7 +388,8 @@ std::string to_json(const Plan& plan) {
     mj["name"] = m.name;
     mj["role"] = role_name(m.role);
     mj["layout"] = {{"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp},
-                    {"cp", m.layout.cp}, {"ep", m.layout.ep}, {"etp", m.layout.expert_tp()}};
+                    {"cp", m.layout.cp}, {"ep", m.layout.ep}, {"etp", m.layout.expert_tp()},
+                    {"sp", m.layout.sp}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;

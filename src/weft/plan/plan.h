@@ -17,8 +17,11 @@ namespace weft::plan {
 // ep (expert parallelism, MoE LLM only) does not add ranks: it groups ranks of each pipeline
 // stage that hold different tokens, see ModulePlan::expert_groups. etp: the expert weights'
 // tensor parallelism, 1 or tp; 0 = tp (core/spec.h LayoutSpec).
+// sp: sequence parallelism (core/spec.h LayoutSpec), in effect where tp > 1 (sequence_parallel()).
 struct Layout {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
+  bool sp = false;
+  bool sequence_parallel() const { return sp && tp > 1; }
   int64_t size() const { return dp * tp * pp * cp; }
   int64_t expert_tp() const { return etp > 0 ? etp : tp; }
 };

@@ -133,7 +133,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
       m.encoder = plan.modules.back().encoder;
     }
     const Fields l(source, f.get("layout"), at + ".layout");
-    l.only({"dp", "tp", "pp", "cp", "ep", "etp"});
+    l.only({"dp", "tp", "pp", "cp", "ep", "etp", "sp"});
     m.layout.dp = l.integer("dp", 1);
     m.layout.tp = l.integer("tp", 1);
     m.layout.pp = l.integer("pp", 1);
@@ -143,6 +143,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
       const int64_t etp = l.integer("etp", 1);
       m.layout.etp = etp == m.layout.tp ? 0 : etp;
     }
+    if (l.has("sp")) m.layout.sp = l.boolean("sp");
     const std::vector<int64_t> ranks = f.integers("ranks");
     WEFT_CHECK(ranks.size() == 2 && ranks[0] >= 0 && ranks[1] - ranks[0] == m.layout.size() &&
                    ranks[1] <= plan.world_size,
@@ -199,6 +200,7 @@ Plan plan_from_json(const std::string& text, const std::string& source, const Sp
     l.dp = m.layout.dp, l.tp = m.layout.tp, l.pp = m.layout.pp, l.cp = m.layout.cp;
     l.ep = m.layout.ep;
     l.etp = m.layout.etp;
+    l.sp = m.layout.sp;
     l.stages = m.stage_boundaries;
   }
   Plan built;

@@ -478,6 +478,9 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.expert_train_state_bytes = sc.expert_train_state_bytes;
       fresh.expert_grad_bytes = sc.expert_grad_bytes;
       fresh.measured = true;
+      // What each TP rank keeps whole: the FLOP model's share of the activations (set below).
+      const double whole_share =
+          sc.activation_bytes > 0 ? sc.whole_activation_bytes / sc.activation_bytes : 0;
       sc = fresh;
       const std::vector<const LayerCost*> l0 = layers_of(c0, s), l1 = layers_of(c1, s);
       const std::vector<const LayerCost*> h0 = layers_of(s0, s), h1 = layers_of(s1, s);
@@ -526,6 +529,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
         sc.activation_fixed_bytes += mp.stage.activation_bytes.fixed;
         sc.activation_bytes += mp.stage.activation_bytes.per_unit(seq);
       }
+      sc.whole_activation_bytes = whole_share * sc.activation_bytes;
     }
   }
   return table;

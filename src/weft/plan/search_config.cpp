@@ -57,8 +57,12 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
       sc.recompute_flops += l.forward;
       sc.recompute = true;
-      const double dropped = l.activation_bytes - std::min(l.activation_bytes, input_bytes);
+      const double kept = std::min(l.activation_bytes, input_bytes);
+      const double dropped = l.activation_bytes - kept;
       sc.activation_bytes -= dropped;
+      // Of what it keeps, its input is whole on each TP rank, but under sequence parallelism.
+      const bool sp = m.layout.sequence_parallel();
+      sc.whole_activation_bytes -= (sp ? l.sp_whole_bytes : l.tp_whole_bytes) - (sp ? 0 : kept);
       sc.recompute_peak_bytes = std::max(sc.recompute_peak_bytes, dropped);
       sc.copy_bytes -= l.copy_bytes;  // cast at each use, in forward and again in backward
       sc.expert_copy_bytes -= l.expert_copy_bytes;
@@ -140,6 +144,7 @@ std::string describe(const Spec& spec, const Candidate& c) {
   for (size_t k = 0; k < names.size(); ++k) {
     const LayoutSpec& l = c.layouts[k];
     os << " | " << names[k] << " tp" << l.tp;
+    if (l.sp && l.tp > 1) os << " sp";
     if (l.cp > 1) os << " cp" << l.cp;
     if (l.ep > 1) os << " ep" << l.ep;
     if (l.etp > 0) os << " etp" << l.etp;
@@ -170,6 +175,7 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
     out.push_back(p + "cp=" + std::to_string(l.cp));
     if (l.ep > 1) out.push_back(p + "ep=" + std::to_string(l.ep));
     if (l.etp > 0) out.push_back(p + "etp=" + std::to_string(l.etp));
+    if (l.sp) out.push_back(p + "sp=true");
     out.push_back(p + "stages=" + list(l.stages));
   }
   out.push_back("train.microbatches=" + std::to_string(c.microbatches));
@@ -190,6 +196,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
        << "\ncp = " << l.cp << "\n";
     if (l.ep > 1) os << "ep = " << l.ep << "\n";
     if (l.etp > 0) os << "etp = " << l.etp << "\n";
+    if (l.sp) os << "sp = true\n";
     os << "stages = " << list(l.stages) << "\n";
   }
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";

@@ -51,10 +51,6 @@ std::vector<std::pair<int64_t, int64_t>> microbatch_runs(int64_t per, int64_t M)
   return runs;
 }
 
-double kept(const StageCost& sc, double n, double split) {
-  return n * sc.activation_bytes / split + (sc.measured ? sc.activation_fixed_bytes : 0);
-}
-
 }  // namespace
 
 Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options)
@@ -149,14 +145,16 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
 
 // ---- costs --------------------------------------------------------------------------------
 
-const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel) {
-  auto& slot = staged_[{k, pp, recompute, even, vocab_parallel}];
+const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
+                            bool sp) {
+  auto& slot = staged_[{k, pp, recompute, even, vocab_parallel, sp}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
   m.layout = Layout{};
   m.layout.pp = pp;
   m.layout.tp = vocab_parallel ? 2 : 1;  // costs are for the whole stage; tp picks the loss
+  m.layout.sp = sp;
   if (pp > 1 && even) {                  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
@@ -280,16 +278,23 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
         moe_comm = 2 * moe * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
                    sliced * (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
       }
+      // Sequence parallelism (the simulator's block_comm): a block's all-gather and reduce-
+      // scatter cost its all-reduce; backward gathers the column-parallel inputs again, an MoE
+      // block gathers its tokens each way, the last stage its hidden states for the loss.
+      const bool sp = layout.sequence_parallel();
+      const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) : 0;
       const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
-                       blocks * cp_ag + moe_comm;
+                       blocks * cp_ag + moe_comm + (moe + (last ? 1 : 0)) * tp_ag;
       w.fwd += count * f;
-      const double to_next = last ? 0 : hop(tokens * H_ * act_, c.size() / c.pp);
+      const double to_next =
+          last ? 0 : hop(tokens * H_ * act_ / (sp ? tp : 1), c.size() / c.pp);
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
       w.last_fwd = f, w.hop_last = to_next;
       if (!w.backward) continue;
-      const double again = sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm : 0;
-      const double b =
-          op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + again;
+      const double again =
+          sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + moe * tp_ag : 0;
+      const double b = op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag +
+                       moe_comm + (2 * blocks + moe) * tp_ag + again;
       w.bwd += count * b;
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
@@ -298,7 +303,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       int64_t alive = std::min(c.pp - s, n.M);
       for (const auto& [m, count] : runs) {
         const int64_t take = std::min(alive, count);
-        w.act += static_cast<double>(take) * kept(sc, static_cast<double>(m), split);
+        w.act += static_cast<double>(take) * kept_activation_bytes(sc, static_cast<double>(m), layout);
         alive -= take;
       }
     }
@@ -332,7 +337,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
-    w.act += count * kept(sc, items, split);
+    w.act += count * kept_activation_bytes(sc, items, layout);
   }
   return w;
 }
@@ -635,6 +640,10 @@ std::vector<int64_t> Space::zero_stages() const {
   if (o_.zero && trains_ && max_ranks_ > 1) return {0, 1};
   return {0};
 }
+std::vector<bool> Space::sequence_options(int64_t tp) const {
+  if (tp > 1 && o_.sequence_parallel) return {false, true};
+  return {false};
+}
 std::vector<bool> Space::recompute_options(int64_t k) const {
   if (o_.recompute && info(k).keeps_activations) return {false, true};
   return {false};
@@ -682,21 +691,17 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
               if (M > B_ / D || M > o_.max_microbatches) continue;
               for (const auto& [ep, etp] : expert_layouts(tp, cp * D))
                 for (int64_t zero : zero_stages())
-                  for (bool rc : recompute_options(E_)) {
-                    Node n;
-                    n.placement = p;
-                    n.D = D, n.M = M, n.zero = zero;
-                    n.llm = Choice{tp,
-                                   cp,
-                                   pp,
-                                   D,
-                                   0,
-                                   rc,
-                                   &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1),
-                                   ep,
-                                   etp};
-                    emit(std::move(n));
-                  }
+                  for (bool rc : recompute_options(E_))
+                    for (bool sp : sequence_options(tp)) {
+                      Node n;
+                      n.placement = p;
+                      n.D = D, n.M = M, n.zero = zero;
+                      n.llm = Choice{
+                          tp, cp, pp, D, 0, rc,
+                          &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1, sp), ep,
+                          etp, sp};
+                      emit(std::move(n));
+                    }
             }
           }
       }
@@ -748,7 +753,7 @@ Candidate Space::to_candidate(const Node& n) const {
   int64_t next = 0;
   const auto add = [&](const Choice& x) {
     LayoutSpec l;
-    l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp, l.ep = x.ep, l.etp = x.etp;
+    l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp, l.ep = x.ep, l.etp = x.etp, l.sp = x.sp;
     l.stages = x.staged->boundaries;
     c.layouts.push_back(l);
     c.recompute.push_back(x.recompute);

@@ -49,8 +49,9 @@ struct Choice {
   bool recompute = false;
   const Staged* staged = nullptr;
   int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
+  bool sp = false;          // the LLM's sequence parallelism
   int64_t size() const { return tp * cp * pp * dp; }
-  Layout layout() const { return {dp, tp, pp, cp, ep, etp}; }
+  Layout layout() const { return {dp, tp, pp, cp, ep, etp, sp}; }
 };
 
 // A node of the search tree: the LLM's choice and the encoders' chosen so far (spec order).
@@ -109,14 +110,16 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  std::map<std::tuple<int, int64_t, bool, bool, bool>, std::unique_ptr<Staged>> staged_;
+  std::map<std::tuple<int, int64_t, bool, bool, bool, bool>, std::unique_ptr<Staged>> staged_;
   mutable std::map<std::pair<int64_t, bool>, std::vector<int64_t>> groups_;
 
   const ModuleInfo& info(int64_t k) const { return info_[static_cast<size_t>(k)]; }
 
   // Module k's stages over pp; vocab_parallel: the LLM at tp > 1, whose loss keeps its logits
-  // instead of the fused head's gradients (partition.h module_layer_costs).
-  const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel);
+  // instead of the fused head's gradients (partition.h module_layer_costs); sp: with sequence
+  // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes).
+  const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
+                       bool sp = false);
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
@@ -129,6 +132,7 @@ class Space {
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
+  std::vector<bool> sequence_options(int64_t tp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
 };
 

@@ -22,10 +22,11 @@ std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
   return {begin, begin + base + (part < extra ? 1 : 0)};
 }
 
-void add(StageCost* s, const LayerCost& c) {
+void add(StageCost* s, const LayerCost& c, const Layout& layout) {
   s->forward_flops += c.forward;
   s->backward_flops += c.input_grad + c.weight_grad;
   s->activation_bytes += c.activation_bytes;
+  s->whole_activation_bytes += layout.sequence_parallel() ? c.sp_whole_bytes : c.tp_whole_bytes;
   s->param_bytes += c.param_bytes;
   s->copy_bytes += c.copy_bytes;
   s->train_state_bytes += c.train_state_bytes;
@@ -241,15 +242,11 @@ class Engine {
     }
     return op;
   }
-  // Activation bytes a forward of n units keeps on a rank holding 1/split of them.
-  static double kept_bytes(const StageCost& sc, double n, double split) {
-    return n * sc.activation_bytes / split + (sc.measured ? sc.activation_fixed_bytes : 0);
-  }
   // A backward op's activations: what its forward kept is freed, after a recomputed block's
   // activations held on top of it during the op.
-  static void backward_bytes(Op* op, const StageCost& sc, double n, double split) {
-    op->keep_bytes = n * sc.recompute_peak_bytes / split;
-    op->free_bytes = kept_bytes(sc, n, split) + op->keep_bytes;
+  static void backward_bytes(Op* op, const StageCost& sc, double n, const Layout& layout) {
+    op->keep_bytes = n * sc.recompute_peak_bytes / static_cast<double>(layout.tp * layout.cp);
+    op->free_bytes = kept_activation_bytes(sc, n, layout) + op->keep_bytes;
   }
 
   void add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
@@ -295,7 +292,7 @@ class Engine {
       if (a == b) continue;
       const double n = static_cast<double>(b - a);
       const double tokens = n * T / static_cast<double>(cp);  // this rank's
-      const double act_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
+      const double act_bytes = kept_activation_bytes(sc, n, m.layout);
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
       const std::string id = " mb" + std::to_string(mb) + where;
       if (forward_pass) {
@@ -349,7 +346,7 @@ class Engine {
       if (!first && m.weight_grads)
         op.sends.push_back(
             {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * h * act_});
-      backward_bytes(&op, sc, n, static_cast<double>(tp * cp));
+      backward_bytes(&op, sc, n, m.layout);
       if (mb == M_ - 1) op.arms = e;
       ops_[r].push_back(std::move(op));
     }
@@ -391,13 +388,29 @@ class Engine {
              sliced * (all_gather(tp_group, tokens * H * act_) -
                        all_reduce(tp_group, tokens * H * act_));
     };
+    // Sequence parallelism: between the TP regions a rank holds 1/tp of its tokens. Each of a
+    // block's two all-reduces becomes an all-gather of the column-parallel input and a
+    // reduce-scatter of the row-parallel output (the same bytes); backward gathers each
+    // column-parallel input again (its shard was kept) and gathers the row-parallel output's
+    // gradient; an MoE block gathers its tokens whole each way; the last stage gathers the final
+    // hidden states for the loss.
+    const bool sp = m.layout.sequence_parallel();
+    const double seq_split = sp ? static_cast<double>(tp) : 1;
+    const auto block_comm = [&](double tokens, bool fwd) {
+      const double bytes = tokens * H * act_;
+      if (!sp) return 2 * blocks * all_reduce(tp_group, bytes);
+      const double ag = all_gather(tp_group, bytes), rs = reduce_scatter(tp_group, bytes);
+      return blocks * (fwd ? 2 * (ag + rs) : 2 * (2 * ag + rs)) + moe * ag;
+    };
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
-      // TP: 2 all-reduces per block, the vocab-parallel embedding's, and the vocab-parallel
-      // loss's three fp32 reductions over its rows (max, sum of exponentials, target logit);
-      // CP: one all-gather of K and V together per block; EP: see moe_comm.
-      const double comm = (2 * blocks + (first ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+      // TP: 2 all-reduces per block (block_comm), the vocab-parallel embedding's, and the
+      // vocab-parallel loss's three fp32 reductions over its rows (max, sum of exponentials,
+      // target logit); CP: one all-gather of K and V together per block; EP: see moe_comm.
+      const double comm = block_comm(tokens, true) +
+                          (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
+                          (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
                           (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
                           blocks * all_gather(cp_group, kv) + moe_comm(tokens);
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
@@ -414,9 +427,10 @@ class Engine {
         op.waits.push_back({kLlmAct, llm_, mb, neighbour(s - 1), r});
       }
       if (!last)
-        op.sends.push_back(
-            {{kLlmAct, llm_, mb, r, neighbour(s + 1)}, neighbour(s + 1), tokens * H * act_});
-      if (m.needs_backward()) op.keep_bytes = kept_bytes(sc, n, static_cast<double>(tp * cp));
+        op.sends.push_back({{kLlmAct, llm_, mb, r, neighbour(s + 1)},
+                            neighbour(s + 1),
+                            tokens * H * act_ / seq_split});
+      if (m.needs_backward()) op.keep_bytes = kept_activation_bytes(sc, n, m.layout);
       ops_[r].push_back(std::move(op));
     };
     const auto backward = [&](int64_t mb) {
@@ -424,9 +438,10 @@ class Engine {
       sizes(mb, &n, &tokens, &kv);
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
       // K and V gradients' reduce-scatter (one per block).
-      const double comm = (2 * blocks + (last ? 1 : 0)) * all_reduce(tp_group, tokens * H * act_) +
+      const double comm = block_comm(tokens, false) +
+                          (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
                           blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
-                          (sc.recompute ? 2 * blocks * all_reduce(tp_group, tokens * H * act_) +
+                          (sc.recompute ? block_comm(tokens, true) +
                                               blocks * all_gather(cp_group, kv) + moe_comm(tokens)
                                         : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
@@ -434,8 +449,9 @@ class Engine {
       op.llm = true;
       if (!last) op.waits.push_back({kLlmGrad, llm_, mb, neighbour(s + 1), r});
       if (!first) {
-        op.sends.push_back(
-            {{kLlmGrad, llm_, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * H * act_});
+        op.sends.push_back({{kLlmGrad, llm_, mb, r, neighbour(s - 1)},
+                            neighbour(s - 1),
+                            tokens * H * act_ / seq_split});
       } else if (c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder || !mod(e + 1).needs_backward()) continue;
@@ -452,7 +468,7 @@ class Engine {
               }
         }
       }
-      backward_bytes(&op, sc, n, static_cast<double>(tp * cp));
+      backward_bytes(&op, sc, n, m.layout);
       if (mb == M_ - 1) op.arms = llm_;
       ops_[r].push_back(std::move(op));
     };
@@ -814,6 +830,13 @@ double CommCurve::at(double b) const {
   return std::max(0.0, seconds[k - 1] + t * (seconds[k] - seconds[k - 1]));
 }
 
+double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout) {
+  const double whole = std::min(sc.whole_activation_bytes, sc.activation_bytes);
+  const double tp = static_cast<double>(layout.tp), cp = static_cast<double>(layout.cp);
+  return n * ((sc.activation_bytes - whole) / tp + whole) / cp +
+         (sc.measured ? sc.activation_fixed_bytes : 0);
+}
+
 CostTable stage_costs(const Spec& spec, const Plan& plan) {
   CostTable table(plan.modules.size());
   MicrobatchShape unit = single_sample_microbatch(spec);
@@ -825,12 +848,12 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
     for (int64_t s = 0; s < m.layout.pp; ++s) {
       StageCost sc;
       const auto [begin, end] = m.stage_layers(s);
-      if (s == 0) add(&sc, costs.front);
+      if (s == 0) add(&sc, costs.front, m.layout);
       for (int64_t b = begin; b < end; ++b) {
-        add(&sc, costs.blocks[static_cast<size_t>(b)]);
+        add(&sc, costs.blocks[static_cast<size_t>(b)], m.layout);
         if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b)) ++sc.moe_blocks;
       }
-      if (s == m.layout.pp - 1) add(&sc, costs.back);
+      if (s == m.layout.pp - 1) add(&sc, costs.back, m.layout);
       sc.blocks = end - begin;
       table[i].push_back(sc);
     }

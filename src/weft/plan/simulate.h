@@ -88,6 +88,9 @@ struct StageCost {
   double recompute_flops = 0;
   bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
   double activation_bytes = 0;
+  // Of activation_bytes, what each TP rank keeps whole rather than 1/tp of under the module's
+  // layout (partition.h LayerCost::tp_whole_bytes / sp_whole_bytes): kept_activation_bytes.
+  double whole_activation_bytes = 0;
   // Recomputation: the most one block holds again in backward beyond what it kept (its forward
   // run again), per unit of data like activation_bytes, during that backward only.
   double recompute_peak_bytes = 0;
@@ -119,6 +122,11 @@ struct StageCost {
 
 // Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
 using CostTable = std::vector<std::vector<StageCost>>;
+
+// Activation bytes a forward of n units of data keeps on one rank of a stage under `layout`:
+// 1/(tp·cp) of the stage's, but 1/cp of its whole part (StageCost::whole_activation_bytes), plus a
+// measured stage's fixed bytes.
+double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout);
 CostTable stage_costs(const Spec& spec, const Plan& plan);
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
