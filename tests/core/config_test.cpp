@@ -653,8 +653,9 @@ TEST(Config, UnknownKeysInEverySection) {
       set_fails_with("train.stepz=1", {"train.stepz = 1: unknown key", "allowed: steps, batch"}));
   EXPECT_TRUE(set_fails_with("output.foo=1", {"output.foo = 1: unknown key",
                                               "(allowed: dir, keep_checkpoints, trace_step)"}));
-  EXPECT_TRUE(set_fails_with("parallel.llm.zp=2", {"parallel.llm.zp = 2: unknown key",
-                                                   "(allowed: dp, tp, pp, cp, ep, etp, sp, stages)"}));
+  EXPECT_TRUE(set_fails_with(
+      "parallel.llm.zp=2",
+      {"parallel.llm.zp = 2: unknown key", "(allowed: dp, tp, pp, cp, ep, etp, sp, stages)"}));
   EXPECT_TRUE(set_fails_with("parallel.llm.sp=2",
                              {"parallel.llm.sp = 2: expected a boolean (true or false)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",

@@ -163,6 +163,28 @@ TEST(Layouts, LlmSequenceParallelUnderCp2Tp2) {
                     "llm_cp2_tp2_sp");
 }
 
+// Sequence parallelism in the encoders: between the TP regions each TP rank holds its share of
+// every item's tokens (after the pre-LN and audio's positions, through the blocks' norms and
+// residuals), and the last stage gathers them for the projector. Vision under CP x TP (a
+// quarter of the tokens each), audio pipelined (stage messages hold half the tokens).
+TEST(Layouts, EncoderSequenceParallelVisionCp2Tp2AudioTp2Pp2) {
+  expect_equivalent(
+      4,
+      {"parallel.vision.cp=2", "parallel.vision.tp=2", "parallel.vision.sp=true",
+       "parallel.audio.tp=2", "parallel.audio.pp=2", "parallel.audio.sp=true", "parallel.llm.tp=2",
+       "parallel.llm.sp=true", "parallel.llm.dp=2", "model.llm.max_seq=48"},
+      "enc_sp_vision_cp2_tp2_audio_tp2_pp2", kTinyValm);
+}
+
+// A [CLS] token (3 x 3 patches + 1 = 10 tokens, 5 per TP rank), dropped once the last stage has
+// gathered the tokens; every block recomputed in backward.
+TEST(Layouts, EncoderSequenceParallelWithClassTokenRecomputed) {
+  expect_equivalent(2,
+                    {"model.vision.class_token=true", "model.vision.image_size=24",
+                     "parallel.vision.tp=2", "parallel.vision.sp=true"},
+                    "enc_sp_vision_cls", testing::kTinyVlm, {"model.vision.recompute=true"});
+}
+
 // Activation recomputation, against a single process without it: each recomputed block runs
 // its TP / CP collectives again in backward, and its parameter gradients reach the
 // data-parallel gradient hooks once (vision DP2 here, LLM DP2 below).

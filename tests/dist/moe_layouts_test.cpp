@@ -82,10 +82,9 @@ TEST(MoeLayouts, WholeExpertsReplicatedOverTp2WithoutEp) {
 // Sequence parallelism: an MoE block gathers its half of the sequence whole over TP (router,
 // shared expert, token slices of etp = 1) and keeps its half of the output.
 TEST(MoeLayouts, SequenceParallelTp2WithSharedExpertEtp2AndEtp1) {
-  expect_equivalent(2,
-                    with(kMoe, {"model.llm.moe.shared_ffn=16", "parallel.llm.tp=2",
-                                "parallel.llm.sp=true"}),
-                    "moe_tp2_sp");
+  expect_equivalent(
+      2, with(kMoe, {"model.llm.moe.shared_ffn=16", "parallel.llm.tp=2", "parallel.llm.sp=true"}),
+      "moe_tp2_sp");
   expect_equivalent(2,
                     with(kMoe, {"model.llm.moe.capacity_factor=1.0", "parallel.llm.tp=2",
                                 "parallel.llm.sp=true", "parallel.llm.etp=1", "parallel.llm.ep=2"}),

@@ -187,11 +187,16 @@ TEST(MoePlan, WholeExpertsSpreadTheExpertGroupsOverTensorParallelRanks) {
                 .find("parallel.vision.etp = 1: expert parallelism applies to a mixture-of-experts "
                       "LLM only"),
             std::string::npos);
+  // An encoder's sequence parallelism splits each item's 16 patches and [CLS] token evenly.
   EXPECT_NE(error_of([] {
-              make_plan(spec_with({"parallel.vision.sp=true", "parallel.vision.tp=2"}), 2);
+              make_plan(spec_with({"parallel.vision.sp=true", "parallel.vision.tp=2",
+                                   "model.vision.class_token=true"}),
+                        2);
             })
-                .find("parallel.vision.sp = true: sequence parallelism applies to the LLM only"),
+                .find("parallel.vision.sp = true: cp * tp = 2 must divide the 17 tokens each "
+                      "vision block runs on (its patches and the [CLS] token)"),
             std::string::npos);
+  EXPECT_NO_THROW(make_plan(spec_with({"parallel.vision.sp=true", "parallel.vision.tp=2"}), 2));
 }
 
 TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {

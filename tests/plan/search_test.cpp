@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,41 @@ TEST(Search, RecomputationTradesComputeForActivationMemory) {
   const Evaluation e_off = evaluate(spec, cluster, c), e_on = evaluate(spec, cluster, rc);
   EXPECT_GT(e_on.sim.step_seconds, e_off.sim.step_seconds);
   EXPECT_LT(peak_memory(e_on.sim), peak_memory(e_off.sim));
+}
+
+// Sequence parallelism is searched per module, the LLM's and each encoder's (not in the Megatron
+// baseline, whose vision model runs without it), wherever tp > 1; it never raises a candidate's
+// analytic memory (what TP ranks keep whole is split) and lowers it somewhere.
+TEST(Search, SequenceParallelismIsSearchedPerModuleAndSavesMemory) {
+  const Spec spec = small_vlm();
+  const std::vector<BoundedCandidate> all = enumerate_candidates(spec, h100(1), small_space());
+  std::map<std::string, double> without;  // memory of each candidate without sp
+  for (const BoundedCandidate& b : all) {
+    bool any = false;
+    for (const LayoutSpec& l : b.candidate.layouts) any = any || l.sp;
+    if (!any) without[describe(spec, b.candidate)] = b.memory_bytes;
+  }
+  int64_t llm = 0, encoder = 0, lower = 0;
+  for (const BoundedCandidate& b : all) {
+    Candidate plain = b.candidate;
+    for (LayoutSpec& l : plain.layouts) {
+      if (l.sp) {
+        EXPECT_GT(l.tp, 1) << describe(spec, b.candidate);
+      }
+      l.sp = false;
+    }
+    if (b.candidate.layouts.back().sp) ++llm;
+    if (!b.candidate.layouts[0].sp) continue;
+    ++encoder;
+    EXPECT_NE(b.candidate.placement, "megatron");
+    const auto it = without.find(describe(spec, plain));
+    ASSERT_NE(it, without.end()) << describe(spec, b.candidate);
+    EXPECT_LE(b.memory_bytes, it->second) << describe(spec, b.candidate);
+    if (b.memory_bytes < it->second) ++lower;
+  }
+  EXPECT_GT(llm, 0);
+  EXPECT_GT(encoder, 0);
+  EXPECT_GT(lower, 0);
 }
 
 // The LLM as a mixture of experts: 8 experts of the dense width, top-2, in every block.

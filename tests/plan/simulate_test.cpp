@@ -309,7 +309,7 @@ TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
   const CostTable c0 = planner_costs(s, plain), c1 = planner_costs(s, seq);
   const StageCost &a = c0.back()[0], &b = c1.back()[0];
   EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);  // the stage's, whole
-  const double S = 256, h = 128, act = 2;                     // bf16
+  const double S = 256, h = 128, act = 2;                    // bf16
   // Per sample: each block's norms' inputs and outputs, the final norm's input and output.
   const double whole = 4 * act * S * 4 * h + act * 2 * S * h;
   EXPECT_DOUBLE_EQ(a.whole_activation_bytes, whole);
@@ -324,6 +324,28 @@ TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
   EXPECT_DOUBLE_EQ(r0.ranks[0].peak_activation_bytes - r1.ranks[0].peak_activation_bytes,
                    2 * whole / 2);
   EXPECT_GT(r1.step_seconds, r0.step_seconds);  // the re-gathers in backward
+}
+
+// An encoder's sequence parallelism: its blocks' residual stream splits over TP too, at the
+// price of the re-gathers in backward and the last stage's gather of its output.
+TEST(Simulate, EncoderSequenceParallelSplitsItsResidualStreamOverTp) {
+  Spec s = vlm_spec();
+  s.parallel.modules["vision"].tp = 2;
+  const Plan plain = make_plan(s, 2);
+  s.parallel.modules["vision"].sp = true;
+  const Plan seq = make_plan(s, 2);
+  const CostTable c0 = planner_costs(s, plain), c1 = planner_costs(s, seq);
+  const StageCost &a = c0[0][0], &b = c1[0][0];
+  const double T = 16, h = 128, act = 2;                            // one item, bf16
+  EXPECT_DOUBLE_EQ(a.whole_activation_bytes, 3 * 4 * act * T * h);  // 3 blocks' norms
+  EXPECT_DOUBLE_EQ(b.whole_activation_bytes, 0);
+  EXPECT_DOUBLE_EQ(kept_activation_bytes(b, 4, seq.module("vision").layout),
+                   4 * a.activation_bytes / 2);
+  const Cluster c = ideal(2, 5e-6, 10);
+  const SimResult r0 = simulate(s, plain, c, c0, no_optimizer());
+  const SimResult r1 = simulate(s, seq, c, c1, no_optimizer());
+  EXPECT_LT(r1.ranks[0].peak_activation_bytes, r0.ranks[0].peak_activation_bytes);
+  EXPECT_GT(r1.step_seconds, r0.step_seconds);
 }
 
 TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {

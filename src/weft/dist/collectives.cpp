@@ -55,15 +55,20 @@ struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
-struct GatherAlong : torch::autograd::Function<GatherAlong> {
+// kGather: all-gather along dim in forward, reduce-scatter the gradient in backward (gather_along);
+// otherwise the reverse (scatter_along).
+template <bool kGather>
+struct GatherOrScatter : torch::autograd::Function<GatherOrScatter<kGather>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
                             int64_t dim) {
     save_group(ctx, group);
     ctx->saved_data["dim"] = dim;
-    return gathered(x, group, dim);
+    return kGather ? gathered(x, group, dim) : scattered(x, group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {scattered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+    const Comm& group = saved_group(ctx);
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    return {kGather ? scattered(g[0], group, dim) : gathered(g[0], group, dim), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -91,19 +96,6 @@ struct SplitReplicated : torch::autograd::Function<SplitReplicated> {
     ctx->saved_data["dim"] = dim;
     const int64_t chunk = x.size(dim) / group.size();
     return x.narrow(dim, group.rank() * chunk, chunk);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {gathered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-struct ScatterAlong : torch::autograd::Function<ScatterAlong> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Comm& group,
-                            int64_t dim) {
-    save_group(ctx, group);
-    ctx->saved_data["dim"] = dim;
-    return scattered(x, group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     return {gathered(g[0], saved_group(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
@@ -192,7 +184,7 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
   if (group.size() == 1) return x;
   dim = dim < 0 ? dim + x.dim() : dim;
   if (!x.requires_grad()) return gathered(x, group, dim);
-  return GatherAlong::apply(x, group, dim);
+  return GatherOrScatter<true>::apply(x, group, dim);
 }
 
 at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim) {
@@ -201,7 +193,7 @@ at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim) {
   WEFT_CHECK(x.size(dim) % group.size() == 0, "scatter_along: dim ", dim, " of size ", x.size(dim),
              " over ", group.size(), " ranks");
   if (!x.requires_grad()) return scattered(x, group, dim);
-  return ScatterAlong::apply(x, group, dim);
+  return GatherOrScatter<false>::apply(x, group, dim);
 }
 
 at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,

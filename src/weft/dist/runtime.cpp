@@ -99,9 +99,14 @@ struct Runtime::Impl {
   RoutingReport routing;
   Comm tied;  // first and last LLM stage with the same (tp, cp, dp): the tied embedding's copies
   int64_t tied_index = -1;  // index into trainable of this rank's embedding, when tied over PP
-  // Sequence parallelism: trainable parameters used on this rank's part of the sequence only
-  // (model::Split::partial_grad), whose gradients are summed over the LLM's TP group.
-  std::vector<size_t> sequence_partial;
+  // Sequence parallelism: per module (the encoders in spec order, then the LLM), its TP group and
+  // its trainable parameters used on this rank's part of the sequence only
+  // (model::Split::partial_grad), whose gradients are summed over that group.
+  struct PartialGrads {
+    Comm tp;
+    std::vector<size_t> params;
+  };
+  std::vector<PartialGrads> sequence_partial;
   int64_t seq_split = 1;  // the LLM's sequence positions per microbatch divide by this (tp or 1)
 
   model::NamedTensors trainable;
@@ -174,6 +179,7 @@ struct Runtime::Impl {
       model::ModuleHosting h;
       h.shard.tp = module_group(m, {Axis::kTp});
       h.shard.cp = module_group(m, {Axis::kCp});
+      h.shard.sp = m.layout.sp;
       enc_sync.push_back({module_group(m, {Axis::kCp, Axis::kDp}), {}, nullptr, {}});
       h.hosted = enc_role[e].hosted;
       if (h.hosted) {
@@ -224,6 +230,9 @@ struct Runtime::Impl {
     model = std::make_unique<model::MultimodalModel>(spec, seed, hosting);
 
     // Parameters: TP group, canonical copy, trainable list, sync groups.
+    for (const model::ModuleHosting& h : hosting.encoders)
+      sequence_partial.push_back({h.shard.tp, {}});
+    sequence_partial.push_back({hosting.llm.shard.tp, {}});
     const model::NamedTensors& params = model->parameters();
     for (size_t k = 0; k < params.size(); ++k) {
       const std::string& name = params[k].first;
@@ -252,7 +261,8 @@ struct Runtime::Impl {
       counted.push_back(canonical && (model->param_set().split(k).sharded() || tp.rank() == 0));
       (expert ? expert_sync : is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
       if (is_llm && tied_pp && name == "llm.embedding") tied_index = static_cast<int64_t>(t);
-      if (model->param_set().split(k).partial_grad) sequence_partial.push_back(t);
+      if (model->param_set().split(k).partial_grad)
+        sequence_partial[is_llm ? spec.encoders.size() : e].params.push_back(t);
     }
     owned.assign(trainable.size(), true);
     auto make_sync = [&](SyncGroup& g) {
@@ -475,7 +485,8 @@ struct Runtime::Impl {
     const Role& role = enc_role[e];
     if (!role.hosted || role.first) return {};
     const auto [a, b] = encoder_range(items_of(batch, e, m), e, role.c.dp);
-    return {{b - a, spec.encoders[e].block_tokens() / mp.layout.cp, spec.encoders[e].hidden},
+    const int64_t split = mp.layout.cp * (mp.layout.sequence_parallel() ? mp.layout.tp : 1);
+    return {{b - a, spec.encoders[e].block_tokens() / split, spec.encoders[e].hidden},
             model::compute_dtype(),
             mp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp - 1}),
             tag_of(kEncAct, static_cast<int64_t>(e), m, role.c.pp)};
@@ -1006,18 +1017,19 @@ struct Runtime::Impl {
       if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
       tied.all_reduce_sum(g);
     }
-    if (!sequence_partial.empty()) {  // after the DP sums, which they commute with
-      Span span{this, "llm sequence-parallel grad all-reduce", "collective"};
+    for (const PartialGrads& p : sequence_partial) {  // after the DP sums, which they commute with
+      if (p.params.empty()) continue;
+      Span span{this, "sequence-parallel grad all-reduce", "collective"};
       std::vector<at::Tensor> grads;
-      for (size_t t : sequence_partial) {
+      for (size_t t : p.params) {
         at::Tensor& g = trainable[t].second.mutable_grad();
         if (!g.defined()) g = torch::zeros_like(trainable[t].second);
         grads.push_back(g.reshape({-1}));
       }
       at::Tensor flat = torch::cat(grads);
-      model->llm().tp.all_reduce_sum(flat);
+      p.tp.all_reduce_sum(flat);
       int64_t offset = 0;
-      for (size_t t : sequence_partial) {
+      for (size_t t : p.params) {
         at::Tensor& g = trainable[t].second.mutable_grad();
         g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
         offset += g.numel();

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "weft/dist/collectives.h"
 #include "weft/model/fused.h"
 #include "weft/model/recompute.h"
 
@@ -43,16 +44,26 @@ at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange&
   return x;
 }
 
-// Context parallelism: this rank's contiguous share of every item's tokens [N, T, h].
-at::Tensor own_tokens(const at::Tensor& x, const dist::Comm& cp) {
-  if (cp.size() == 1) return x;
-  const int64_t chunk = x.size(1) / cp.size();
-  return x.narrow(1, cp.rank() * chunk, chunk);
+// Context parallelism: this rank's contiguous share of every item's tokens [N, T, h]; under
+// sequence parallelism split again over TP (whose backward gathers the gradient whole).
+at::Tensor own_tokens(const at::Tensor& x, const Shard& g) {
+  at::Tensor mine = x;
+  if (g.cp.size() > 1) {
+    const int64_t chunk = x.size(1) / g.cp.size();
+    mine = x.narrow(1, g.cp.rank() * chunk, chunk);
+  }
+  return g.sequence_parallel() ? dist::split_replicated(mine, g.tp, 1) : mine;
+}
+
+// The last stage's features: every token of this CP rank's share, gathered over TP under
+// sequence parallelism.
+at::Tensor whole_tokens(const at::Tensor& x, const Shard& g) {
+  return g.sequence_parallel() ? dist::gather_replicated(x, g.tp, 1) : x;
 }
 }  // namespace
 
 VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange range)
-    : spec_(spec), range_(resolve(range, spec)), cp_(s.groups().cp) {
+    : spec_(spec), range_(resolve(range, spec)), groups_(s.groups()) {
   if (range_.first_stage) {
     int64_t in_ch = spec.channels, kernel = spec.patch;
     for (int64_t i = 0; spec.stem_channels > 0 && i < spec.stem_layers; ++i) {
@@ -76,9 +87,15 @@ VisionEncoder::VisionEncoder(const Scope& s, const EncoderSpec& spec, StageRange
 }
 
 at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
-  at::Tensor x = range_.first_stage ? own_tokens(front(input), cp_) : input;
+  at::Tensor x = input;
+  if (range_.first_stage) {
+    x = own_tokens(front(input), groups_);
+    if (pre_ln_.weight.defined()) x = pre_ln_(x);  // on this rank's tokens (a whole() weight)
+  }
   x = run_blocks(blocks_, range_, x, spec_.recompute);
-  return range_.last_stage && spec_.class_token ? x.narrow(1, 1, x.size(1) - 1) : x;
+  if (!range_.last_stage) return x;
+  x = whole_tokens(x, groups_);
+  return spec_.class_token ? x.narrow(1, 1, x.size(1) - 1) : x;
 }
 
 at::Tensor VisionEncoder::front(const at::Tensor& images) const {
@@ -91,8 +108,7 @@ at::Tensor VisionEncoder::front(const at::Tensor& images) const {
   x = at::linear(patchify(x, k), to_compute(patch_w_).reshape({patch_w_.size(0), -1}),
                  patch_b_.defined() ? to_compute(patch_b_) : at::Tensor());
   if (cls_.defined()) x = at::cat({to_compute(cls_).expand({x.size(0), 1, x.size(2)}), x}, 1);
-  x = x + to_compute(pos_);
-  return pre_ln_.weight.defined() ? pre_ln_(x) : x;
+  return x + to_compute(pos_);
 }
 
 at::Tensor sinusoids(int64_t length, int64_t dim) {
@@ -104,7 +120,7 @@ at::Tensor sinusoids(int64_t length, int64_t dim) {
 }
 
 AudioEncoder::AudioEncoder(const Scope& s, const EncoderSpec& spec, StageRange range)
-    : spec_(spec), range_(resolve(range, spec)), cp_(s.groups().cp) {
+    : spec_(spec), range_(resolve(range, spec)), groups_(s.groups()) {
   if (range_.first_stage) {
     const double std1 = 1.0 / std::sqrt(static_cast<double>(spec.mels * 3));
     const double std2 = 1.0 / std::sqrt(static_cast<double>(spec.hidden * 3));
@@ -123,10 +139,10 @@ at::Tensor AudioEncoder::operator()(const at::Tensor& input) const {
   if (range_.first_stage) {
     x = gelu_erf(at::conv1d(x, to_compute(conv1_w_), to_compute(conv1_b_), 1, 1));
     x = gelu_erf(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
-    x = own_tokens(x.transpose(1, 2) + to_compute(pos_), cp_);  // [N, T/cp, h]
+    x = own_tokens(x.transpose(1, 2) + to_compute(pos_), groups_);  // [N, T/cp(/tp), h]
   }
   x = run_blocks(blocks_, range_, x, spec_.recompute);
-  return range_.last_stage ? final_ln_(x) : x;
+  return range_.last_stage ? whole_tokens(final_ln_(x), groups_) : x;
 }
 
 std::unique_ptr<Encoder> make_encoder(const Scope& s, const EncoderSpec& spec, StageRange range) {

@@ -25,6 +25,12 @@ class Encoder {
 // feature_layer, so the parameter set of all stages is the single-process one). A later
 // stage's input is the previous stage's output [N, T, hidden].
 //
+// Parallelism (the Shard of the scope): under CP a rank's blocks run its contiguous share of
+// every item's tokens, T/cp; under sequence parallelism (Shard::sp, tp > 1) that share is split
+// again over TP between the tensor-parallel regions, so a stage's input and output hold T/(cp·tp)
+// tokens, and the last stage gathers them over TP (before dropping a [CLS] token) for the
+// projector, which runs on every token of the CP share.
+//
 // ViT (CLIP/SigLIP): optional conv stem (stem_layers 3x3 stride-2 convs + GELU), conv patch
 // embedding (kernel = stride = patch / 2^stem_layers), an optional [CLS] token (CLIP), learned
 // positions, an optional LayerNorm (CLIP's pre_layrnorm), pre-LN blocks; features are the patch
@@ -35,11 +41,11 @@ class VisionEncoder final : public Encoder {
   at::Tensor operator()(const at::Tensor& images) const override;
 
  private:
-  at::Tensor front(const at::Tensor& images) const;  // stem, patches, positions, pre-LN
+  at::Tensor front(const at::Tensor& images) const;  // stem, patches, positions
 
   EncoderSpec spec_;
   StageRange range_;
-  dist::Comm cp_;
+  Shard groups_;
   std::vector<at::Tensor> stem_w_, stem_b_;
   at::Tensor patch_w_, patch_b_, cls_, pos_;
   LayerNorm pre_ln_;
@@ -56,7 +62,7 @@ class AudioEncoder final : public Encoder {
  private:
   EncoderSpec spec_;
   StageRange range_;
-  dist::Comm cp_;
+  Shard groups_;
   at::Tensor conv1_w_, conv1_b_, conv2_w_, conv2_b_, pos_;
   std::vector<EncoderBlock> blocks_;
   LayerNorm final_ln_;

@@ -32,11 +32,11 @@ namespace weft::plan {
 // Cost of one layer for one microbatch. Work is in any consistent unit (FLOPs from flops.h, or
 // seconds from a measured profile); memory in bytes.
 struct LayerCost {
-  std::string name;              // "llm.embed", "llm.layers.3", "llm.head", "vision.front", ...
-  double forward = 0;            // forward work
-  double input_grad = 0;         // backward work producing the input gradient
-  double weight_grad = 0;        // backward work producing the weight gradients
-  double activation_bytes = 0;   // kept from forward to backward
+  std::string name;             // "llm.embed", "llm.layers.3", "llm.head", "vision.front", ...
+  double forward = 0;           // forward work
+  double input_grad = 0;        // backward work producing the input gradient
+  double weight_grad = 0;       // backward work producing the weight gradients
+  double activation_bytes = 0;  // kept from forward to backward
   // Of activation_bytes, what each tensor-parallel rank keeps whole rather than 1/tp of, without
   // sequence parallelism (the norms' inputs and outputs: the residual stream between the TP
   // regions) and with it (an MoE block's tokens, gathered whole over TP).

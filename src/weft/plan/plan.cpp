@@ -147,8 +147,6 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   } else {
     const EncoderSpec& e = spec.model.encoders[m->encoder];
     const std::string model = "model." + e.name;
-    WEFT_CHECK(!l.sp, at, "sp = true: sequence parallelism applies to the LLM only (", model,
-               " is an encoder)");
     WEFT_CHECK(l.ep == 1 && l.etp == 0, at,
                l.ep != 1 ? "ep = " : "etp = ", l.ep != 1 ? l.ep : l.etp,
                ": expert parallelism applies to a mixture-of-experts LLM only (", model,
@@ -163,6 +161,11 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     WEFT_CHECK(e.tokens_per_item() % l.cp == 0, at, "cp = ", l.cp, ": must divide the ",
                e.tokens_per_item(), " tokens of each ", e.name,
                " item (context parallelism splits every item's tokens evenly)");
+    WEFT_CHECK(!l.sequence_parallel() || e.block_tokens() % (l.cp * l.tp) == 0, at,
+               "sp = true: cp * tp = ", l.cp * l.tp, " must divide the ", e.block_tokens(),
+               " tokens each ", e.name, " block runs on",
+               e.class_token ? " (its patches and the [CLS] token)" : "",
+               " (sequence parallelism splits every item's tokens evenly over tp)");
     blocks = model + ".layers = " + std::to_string(e.layers) +
              " with feature_layer = " + std::to_string(e.feature_layer) + " runs " +
              std::to_string(m->layers) + " blocks";

@@ -87,9 +87,10 @@ struct SearchOptions {
   int64_t max_tp = 0;  // 0 = the cluster's gpus_per_node
   int64_t max_pp = 32, max_encoder_pp = 8;
   int64_t max_cp = 16;
-  int64_t max_ep = 0;           // MoE LLM: largest ep to try; 0 = the number of experts
-  bool expert_tp_one = true;    // MoE LLM with tp > 1: also try expert TP 1 (parallel.llm.etp)
-  bool sequence_parallel = true;  // LLM with tp > 1: also try sequence parallelism (parallel.llm.sp)
+  int64_t max_ep = 0;         // MoE LLM: largest ep to try; 0 = the number of experts
+  bool expert_tp_one = true;  // MoE LLM with tp > 1: also try expert TP 1 (parallel.llm.etp)
+  bool sequence_parallel =
+      true;                     // LLM with tp > 1: also try sequence parallelism (parallel.llm.sp)
   int64_t min_cp_tokens = 512;  // LLM tokens per CP rank at least
   int64_t max_microbatches = 128;
   bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)

@@ -153,9 +153,10 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   ModulePlan m = base_.modules[info(k).plan_index];
   m.layout = Layout{};
   m.layout.pp = pp;
-  m.layout.tp = vocab_parallel ? 2 : 1;  // costs are for the whole stage; tp picks the loss
+  // Costs are for the whole stage; tp picks the loss, and lets sp take effect.
+  m.layout.tp = vocab_parallel || sp ? 2 : 1;
   m.layout.sp = sp;
-  if (pp > 1 && even) {                  // Megatron: layers split evenly over the stages
+  if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
@@ -286,8 +287,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
                        blocks * cp_ag + moe_comm + (moe + (last ? 1 : 0)) * tp_ag;
       w.fwd += count * f;
-      const double to_next =
-          last ? 0 : hop(tokens * H_ * act_ / (sp ? tp : 1), c.size() / c.pp);
+      const double to_next = last ? 0 : hop(tokens * H_ * act_ / (sp ? tp : 1), c.size() / c.pp);
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
       w.last_fwd = f, w.hop_last = to_next;
       if (!w.backward) continue;
@@ -303,7 +303,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       int64_t alive = std::min(c.pp - s, n.M);
       for (const auto& [m, count] : runs) {
         const int64_t take = std::min(alive, count);
-        w.act += static_cast<double>(take) * kept_activation_bytes(sc, static_cast<double>(m), layout);
+        w.act +=
+            static_cast<double>(take) * kept_activation_bytes(sc, static_cast<double>(m), layout);
         alive -= take;
       }
     }
@@ -319,21 +320,25 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     const double tokens = items * T / cp, kv = items * T * 2 * h / tp * act_;
     const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, true);
     const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
+    // Sequence parallelism as for the LLM; the last stage gathers its output over TP.
+    const bool sp = layout.sequence_parallel();
+    const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * h * act_, true) : 0;
     const double f =
         op_seconds(sc, true, items, split) + blocks * (2 * tp_ar + cp_ag) +
-        (last ? collective(kAllGather, c.cp, span_cp, items * T * H_ * act_, true) : 0);
+        (last ? collective(kAllGather, c.cp, span_cp, items * T * H_ * act_, true) + tp_ag : 0);
     w.fwd += count * f;
     // The last stage sends replica 0's items (data-parallel rank 0 holds the first) over the
     // bridge, one message per LLM replica.
     const double replica0 = std::min(items, static_cast<double>(runs[r].first));
     const double to_next = last ? hop(replica0 * T * H_ * act_ / static_cast<double>(n.llm.cp), 0)
-                                : hop(tokens * h * act_, c.size() / c.pp);
+                                : hop(tokens * h * act_ / (sp ? tp : 1), c.size() / c.pp);
     if (r == 0) w.first_fwd = f, w.hop_first = to_next;
     w.last_fwd = f, w.hop_last = to_next;
     if (!w.backward) continue;
     const double b =
         op_seconds(sc, false, items, split) +
-        ((mi.weight_grads ? blocks : 0) + (sc.recompute ? blocks : 0)) * (2 * tp_ar + cp_ag);
+        ((mi.weight_grads ? blocks : 0) + (sc.recompute ? blocks : 0)) * (2 * tp_ar + cp_ag) +
+        (mi.weight_grads ? 2 * blocks : 0) * tp_ag;
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
@@ -640,9 +645,11 @@ std::vector<int64_t> Space::zero_stages() const {
   if (o_.zero && trains_ && max_ranks_ > 1) return {0, 1};
   return {0};
 }
-std::vector<bool> Space::sequence_options(int64_t tp) const {
-  if (tp > 1 && o_.sequence_parallel) return {false, true};
-  return {false};
+std::vector<bool> Space::sequence_options(int64_t tp, int64_t k, int64_t cp) const {
+  if (tp == 1 || !o_.sequence_parallel) return {false};
+  // An encoder's blocks split every item's tokens evenly (plan.cpp's check).
+  if (k < E_ && info(k).enc->block_tokens() % (tp * cp) != 0) return {false};
+  return {false, true};
 }
 std::vector<bool> Space::recompute_options(int64_t k) const {
   if (o_.recompute && info(k).keeps_activations) return {false, true};
@@ -692,14 +699,21 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
               for (const auto& [ep, etp] : expert_layouts(tp, cp * D))
                 for (int64_t zero : zero_stages())
                   for (bool rc : recompute_options(E_))
-                    for (bool sp : sequence_options(tp)) {
+                    for (bool sp : sequence_options(tp, E_, cp)) {
                       Node n;
                       n.placement = p;
                       n.D = D, n.M = M, n.zero = zero;
-                      n.llm = Choice{
-                          tp, cp, pp, D, 0, rc,
-                          &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1, sp), ep,
-                          etp, sp};
+                      n.llm =
+                          Choice{tp,
+                                 cp,
+                                 pp,
+                                 D,
+                                 0,
+                                 rc,
+                                 &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1, sp),
+                                 ep,
+                                 etp,
+                                 sp};
                       emit(std::move(n));
                     }
             }
@@ -710,21 +724,25 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
 void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   const int64_t k = static_cast<int64_t>(n.enc.size());
   const ModuleInfo& mi = info(k);
-  const auto push = [&](Choice c) {
-    for (bool rc : recompute_options(k)) {
-      c.recompute = rc;
-      c.staged = &staged(static_cast<int>(k), c.pp, rc, false, false);
-      Node child = n;
-      child.enc.push_back(c);
-      emit(std::move(child));
-    }
+  const auto push = [&](Choice c, bool megatron = false) {
+    for (bool rc : recompute_options(k))
+      for (bool sp : megatron ? std::vector<bool>{false} : sequence_options(c.tp, k, c.cp)) {
+        c.recompute = rc;
+        c.sp = sp;
+        c.staged = &staged(static_cast<int>(k), c.pp, rc, false, false, sp);
+        Node child = n;
+        child.enc.push_back(c);
+        emit(std::move(child));
+      }
   };
-  if (n.placement == kMegatron) {  // the LLM's tp (or its largest divisor the encoder allows)
+  // Megatron: the LLM's tp (or its largest divisor the encoder allows); its vision model runs
+  // without sequence or context parallelism (examples/multimodal: "do not use SP/CP yet").
+  if (n.placement == kMegatron) {
     Choice c;
     for (int64_t t : mi.tps)
       if (n.llm.tp % t == 0) c.tp = t;
     c.dp = n.llm.size() / n.llm.pp / c.tp;
-    push(c);
+    push(c, true);
     return;
   }
   int64_t used = n.llm.size();

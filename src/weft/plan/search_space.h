@@ -49,7 +49,7 @@ struct Choice {
   bool recompute = false;
   const Staged* staged = nullptr;
   int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
-  bool sp = false;          // the LLM's sequence parallelism
+  bool sp = false;          // sequence parallelism
   int64_t size() const { return tp * cp * pp * dp; }
   Layout layout() const { return {dp, tp, pp, cp, ep, etp, sp}; }
 };
@@ -132,7 +132,8 @@ class Space {
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
-  std::vector<bool> sequence_options(int64_t tp) const;
+  // Sequence parallelism for module k (E_: the LLM) at tp × cp.
+  std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
 };
 

@@ -167,6 +167,18 @@ class Engine {
   double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
     return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
+  // The TP collectives of `blocks` transformer blocks over `bytes` of activations (a rank's
+  // tokens, whole): two all-reduces per block each way. Under sequence parallelism (a rank holds
+  // 1/tp of its tokens between the TP regions) each all-reduce becomes an all-gather of the
+  // column-parallel input and a reduce-scatter of the row-parallel output (the same bytes), and
+  // backward gathers each column-parallel input again (its shard was kept) besides gathering the
+  // row-parallel output's gradient.
+  double tp_blocks_comm(const std::vector<int64_t>& tp, double blocks, double bytes, bool sp,
+                        bool forward) const {
+    if (!sp) return 2 * blocks * all_reduce(tp, bytes);
+    const double ag = all_gather(tp, bytes), rs = reduce_scatter(tp, bytes);
+    return blocks * (forward ? 2 * (ag + rs) : 2 * (2 * ag + rs));
+  }
   // Every rank sends `bytes` in all, evenly over the group: the pairwise exchange costs what a
   // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
   double all_to_all(const std::vector<int64_t>& g, double bytes) const {
@@ -284,6 +296,8 @@ class Engine {
     const double H = static_cast<double>(spec_.model.llm.hidden);
     const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, c.dp, stage}); };
+    const bool sp = m.layout.sequence_parallel();
+    const double seq_split = sp ? static_cast<double>(tp) : 1;
     const std::string where = " s" + std::to_string(s);
     if (forward_pass) result_.ranks[r].stages.push_back(m.name + where);
     if (!forward_pass && !stage_backward(e, s)) return;
@@ -294,17 +308,21 @@ class Engine {
       const double tokens = n * T / static_cast<double>(cp);  // this rank's
       const double act_bytes = kept_activation_bytes(sc, n, m.layout);
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
+      const double blocks = static_cast<double>(sc.blocks), bytes = tokens * h * act_;
       const std::string id = " mb" + std::to_string(mb) + where;
       if (forward_pass) {
+        // TP (tp_blocks_comm), CP's K/V all-gather per block, the last stage's all-gather of
+        // the projected features over CP (under sequence parallelism, of the encoder's output
+        // over TP first).
         const double comm =
-            static_cast<double>(sc.blocks) *
-                (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv)) +
-            (last ? all_gather(cp_group, n * T * H * act_) : 0);
+            tp_blocks_comm(tp_group, blocks, bytes, sp, true) + blocks * all_gather(cp_group, kv) +
+            (last ? all_gather(cp_group, n * T * H * act_) + (sp ? all_gather(tp_group, bytes) : 0)
+                  : 0);
         Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
         if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
         if (!last) {
           op.sends.push_back(
-              {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), tokens * h * act_});
+              {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), bytes / seq_split});
         } else if (c.tp == 0 && c.cp == 0) {  // bridge: items to the replicas' first LLM stage
           const int64_t per = mb_samples_[mb];
           for (int64_t d = 0; d < D_; ++d) {
@@ -324,14 +342,12 @@ class Engine {
         continue;
       }
       // (A recomputed block runs its forward's collectives again.)
-      const double blocks_back = m.weight_grads ? static_cast<double>(sc.blocks) : 0;
-      const double comm =
-          blocks_back *
-              (2 * all_reduce(tp_group, tokens * h * act_) + reduce_scatter(cp_group, kv)) +
-          (sc.recompute
-               ? static_cast<double>(sc.blocks) *
-                     (2 * all_reduce(tp_group, tokens * h * act_) + all_gather(cp_group, kv))
-               : 0);
+      const double blocks_back = m.weight_grads ? blocks : 0;
+      const double comm = tp_blocks_comm(tp_group, blocks_back, bytes, sp, false) +
+                          blocks_back * reduce_scatter(cp_group, kv) +
+                          (sc.recompute ? tp_blocks_comm(tp_group, blocks, bytes, sp, true) +
+                                              blocks * all_gather(cp_group, kv)
+                                        : 0);
       Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
         const int64_t per = mb_samples_[mb];
@@ -345,7 +361,7 @@ class Engine {
       }
       if (!first && m.weight_grads)
         op.sends.push_back(
-            {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), tokens * h * act_});
+            {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), bytes / seq_split});
       backward_bytes(&op, sc, n, m.layout);
       if (mb == M_ - 1) op.arms = e;
       ops_[r].push_back(std::move(op));
@@ -388,19 +404,14 @@ class Engine {
              sliced * (all_gather(tp_group, tokens * H * act_) -
                        all_reduce(tp_group, tokens * H * act_));
     };
-    // Sequence parallelism: between the TP regions a rank holds 1/tp of its tokens. Each of a
-    // block's two all-reduces becomes an all-gather of the column-parallel input and a
-    // reduce-scatter of the row-parallel output (the same bytes); backward gathers each
-    // column-parallel input again (its shard was kept) and gathers the row-parallel output's
-    // gradient; an MoE block gathers its tokens whole each way; the last stage gathers the final
-    // hidden states for the loss.
+    // Sequence parallelism (tp_blocks_comm): besides, an MoE block gathers its tokens whole each
+    // way, and the last stage gathers the final hidden states for the loss.
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
     const auto block_comm = [&](double tokens, bool fwd) {
       const double bytes = tokens * H * act_;
-      if (!sp) return 2 * blocks * all_reduce(tp_group, bytes);
-      const double ag = all_gather(tp_group, bytes), rs = reduce_scatter(tp_group, bytes);
-      return blocks * (fwd ? 2 * (ag + rs) : 2 * (2 * ag + rs)) + moe * ag;
+      return tp_blocks_comm(tp_group, blocks, bytes, sp, fwd) +
+             (sp ? moe * all_gather(tp_group, bytes) : 0);
     };
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
@@ -438,12 +449,12 @@ class Engine {
       sizes(mb, &n, &tokens, &kv);
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
       // K and V gradients' reduce-scatter (one per block).
-      const double comm = block_comm(tokens, false) +
-                          (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
-                          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
-                          (sc.recompute ? block_comm(tokens, true) +
-                                              blocks * all_gather(cp_group, kv) + moe_comm(tokens)
-                                        : 0);
+      const double comm =
+          block_comm(tokens, false) + (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
+          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
+          (sc.recompute
+               ? block_comm(tokens, true) + blocks * all_gather(cp_group, kv) + moe_comm(tokens)
+               : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
