@@ -310,20 +310,31 @@ TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
   const StageCost &a = c0.back()[0], &b = c1.back()[0];
   EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);  // the stage's, whole
   const double S = 256, h = 128, act = 2;                    // bf16
-  // Per sample: each block's norms' inputs and outputs, the final norm's input and output.
-  const double whole = 4 * act * S * 4 * h + act * 2 * S * h;
+  // Per sample: each block's norms' inputs and outputs, the final norm's input and output;
+  // under sequence parallelism the rows the head multiplies, gathered (in the planner's unit
+  // sample every position is a target row).
+  const double whole = 4 * act * S * 4 * h + act * 2 * S * h, gathered = act * S * h;
   EXPECT_DOUBLE_EQ(a.whole_activation_bytes, whole);
-  EXPECT_DOUBLE_EQ(b.whole_activation_bytes, 0);
+  EXPECT_DOUBLE_EQ(b.whole_activation_bytes, gathered);
   EXPECT_DOUBLE_EQ(kept_activation_bytes(a, 2, plain.module("llm").layout),
                    2 * ((a.activation_bytes - whole) / 2 + whole));
-  EXPECT_DOUBLE_EQ(kept_activation_bytes(b, 2, seq.module("llm").layout), a.activation_bytes);
+  EXPECT_DOUBLE_EQ(kept_activation_bytes(b, 2, seq.module("llm").layout),
+                   2 * ((a.activation_bytes - gathered) / 2 + gathered));
   const Cluster c = ideal(2, 5e-6, 10);
   const SimResult r0 = simulate(s, plain, c, c0, no_optimizer());
   const SimResult r1 = simulate(s, seq, c, c1, no_optimizer());
   // One microbatch of 2 samples alive at a time (one stage).
   EXPECT_DOUBLE_EQ(r0.ranks[0].peak_activation_bytes - r1.ranks[0].peak_activation_bytes,
-                   2 * whole / 2);
+                   2 * (whole - gathered) / 2);
   EXPECT_GT(r1.step_seconds, r0.step_seconds);  // the re-gathers in backward
+  // Recomputed blocks keep only their input (whole without sequence parallelism); the block
+  // run again in backward holds its norms' other three tensors whole, or nothing whole with SP.
+  s.model.llm.recompute = true;
+  const CostTable r0c = planner_costs(s, plain), r1c = planner_costs(s, seq);
+  EXPECT_DOUBLE_EQ(r0c.back()[0].whole_activation_bytes, 4 * act * S * h + act * 2 * S * h);
+  EXPECT_DOUBLE_EQ(r1c.back()[0].whole_activation_bytes, gathered);
+  EXPECT_DOUBLE_EQ(r0c.back()[0].recompute_peak_whole_bytes, 3 * act * S * h);
+  EXPECT_DOUBLE_EQ(r1c.back()[0].recompute_peak_whole_bytes, 0);
 }
 
 // An encoder's sequence parallelism: its blocks' residual stream splits over TP too, at the

@@ -124,7 +124,12 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
       rules(matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
                          act * 2 * T * h + (fused ? act * rows * h : 4 * rows * V)));
   if (fused && m.weight_grads) out.back.copy_bytes += act * V * h;
-  if (out.back.activation_bytes > 0) out.back.tp_whole_bytes = act * 2 * T * h;  // final norm
+  // Whole on each TP rank: the final norm's input and output; under sequence parallelism, the
+  // target rows the head multiplies (gathered over TP).
+  if (out.back.activation_bytes > 0) {
+    out.back.tp_whole_bytes = act * 2 * T * h;
+    out.back.sp_whole_bytes = act * rows * h;
+  }
   // The embedding is looked up in fp32 (the rows are cast): its table is cast only for a tied
   // head on the same stage.
   if (own_weight) out.front.copy_bytes = 0;

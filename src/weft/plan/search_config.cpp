@@ -62,8 +62,13 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       sc.activation_bytes -= dropped;
       // Of what it keeps, its input is whole on each TP rank, but under sequence parallelism.
       const bool sp = m.layout.sequence_parallel();
-      sc.whole_activation_bytes -= (sp ? l.sp_whole_bytes : l.tp_whole_bytes) - (sp ? 0 : kept);
-      sc.recompute_peak_bytes = std::max(sc.recompute_peak_bytes, dropped);
+      const double dropped_whole =
+          std::clamp((sp ? l.sp_whole_bytes : l.tp_whole_bytes - kept), 0.0, dropped);
+      sc.whole_activation_bytes -= dropped_whole;
+      if (dropped > sc.recompute_peak_bytes) {
+        sc.recompute_peak_bytes = dropped;
+        sc.recompute_peak_whole_bytes = dropped_whole;
+      }
       sc.copy_bytes -= l.copy_bytes;  // cast at each use, in forward and again in backward
       sc.expert_copy_bytes -= l.expert_copy_bytes;
     }

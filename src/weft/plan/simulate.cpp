@@ -257,7 +257,10 @@ class Engine {
   // A backward op's activations: what its forward kept is freed, after a recomputed block's
   // activations held on top of it during the op.
   static void backward_bytes(Op* op, const StageCost& sc, double n, const Layout& layout) {
-    op->keep_bytes = n * sc.recompute_peak_bytes / static_cast<double>(layout.tp * layout.cp);
+    const double whole = sc.recompute_peak_whole_bytes;
+    op->keep_bytes = n *
+                     ((sc.recompute_peak_bytes - whole) / static_cast<double>(layout.tp) + whole) /
+                     static_cast<double>(layout.cp);
     op->free_bytes = kept_activation_bytes(sc, n, layout) + op->keep_bytes;
   }
 

@@ -94,6 +94,7 @@ struct StageCost {
   // Recomputation: the most one block holds again in backward beyond what it kept (its forward
   // run again), per unit of data like activation_bytes, during that backward only.
   double recompute_peak_bytes = 0;
+  double recompute_peak_whole_bytes = 0;  // of which whole on each TP rank (as above)
   double param_bytes = 0;
   double copy_bytes = 0;         // casts of the parameters and the like (partition.h LayerCost)
   double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
