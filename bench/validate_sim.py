@@ -11,8 +11,9 @@
 2. A cluster file for this machine is written from the profile's transport measurement (2
    devices of one core each; the device numbers are unused once costs are measured).
 3. Each plan runs for real on 2 local ranks, one intra-op thread each
-   (`weft launch --nproc 2 -- weft train ... --set train.threads=1`): DP2, LLM TP2, LLM PP2
-   (4 microbatches, 1F1B), LLM CP2, and encoder | LLM on separate ranks; the measured step is
+   (`weft launch --nproc 2 -- weft train ... --set train.threads=1`): DP2, LLM TP2, LLM TP2 with
+   sequence parallelism (and the encoder's too), LLM PP2 (4 microbatches, 1F1B), LLM CP2, and
+   encoder | LLM on separate ranks; the measured step is
    the median `step_seconds` of metrics.jsonl after the first fifth of the steps (rank 0's
    wall time of the whole step: batch preparation, forward, backward, gradient sync,
    optimizer). Rounds repeat every run; the table takes the median over rounds.
@@ -44,6 +45,9 @@ BEGIN, END = "<!-- bench/validate_sim begin -->", "<!-- bench/validate_sim end -
 PLANS = [
     ("DP2", []),
     ("TP2 (LLM)", ["parallel.llm.tp=2"]),
+    ("TP2 + SP (LLM)", ["parallel.llm.tp=2", "parallel.llm.sp=true"]),
+    ("TP2 + SP (vision and LLM)", ["parallel.llm.tp=2", "parallel.llm.sp=true",
+                                   "parallel.vision.tp=2", "parallel.vision.sp=true"]),
     ("PP2 (LLM, 4 microbatches)", ["parallel.llm.pp=2", "train.microbatches=4"]),
     ("CP2 (LLM)", ["parallel.llm.cp=2"]),
     ("encoder, LLM on separate ranks", ["parallel.placement=separate"]),
