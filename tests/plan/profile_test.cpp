@@ -418,6 +418,28 @@ latency_us = 100
                   "b.json: comm.points[1].bytes = 4: sizes must increase"));
 }
 
+// An encoder's front end runs whole on each TP rank: only its blocks and back end split.
+TEST(Profile, EncoderFrontEndRunsWholeOnEveryTensorParallelRank) {
+  Spec s = profiled_spec();
+  s.parallel.modules["vision"].tp = 2;
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  const Plan plan = make_plan(s, 2, &p);
+  const CostTable measured = profile_stage_costs(p, s, plan);
+  const StageCost& sc = measured[0][0];
+  // The front's 1e-4 s per item each way, per unit of 2 items (units_per_sample).
+  EXPECT_DOUBLE_EQ(sc.replicated_forward_seconds, 2e-4);
+  EXPECT_DOUBLE_EQ(sc.replicated_backward_seconds, 2e-4);
+  // Per unit: blocks 3 · 5e-4 and projector 1e-4 forward (twice backward), 2 items each.
+  const double n = 8;
+  EXPECT_NEAR(compute_seconds(sc, true, n, 2, 1), 3 * 5e-5 + n * (2e-4 + (3e-3 + 2e-4) / 2), 1e-15);
+  EXPECT_NEAR(compute_seconds(sc, false, n, 2, 1), n * (2e-4 + (6e-3 + 4e-4) / 2), 1e-15);
+  // The FLOP model likewise.
+  const CostTable model = stage_costs(s, plan);
+  const StageCost& flops = model[0][0];
+  EXPECT_GT(flops.replicated_forward_flops, 0);
+  EXPECT_LT(flops.replicated_forward_flops, flops.forward_flops);
+}
+
 // Layers measured 1.5x slower while the other cores train: DP2's ranks compute side by side all
 // step, so every op is charged its shared cost; encoder and LLM on separate ranks take turns, so
 // none is.

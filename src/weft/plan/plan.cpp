@@ -209,8 +209,8 @@ Layout layout_of(const Spec& spec, const std::string& name) {
 }
 
 // FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
-// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp
-// (an MoE block's experts over ep · etp).
+// (one item each for an encoder), work and activations divided over tp × cp (but an encoder's
+// front end's work), parameters over tp (an MoE block's experts over ep · etp).
 ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
   const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
@@ -228,6 +228,10 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
     shard_experts(&l, m.layout);
   };
   scale(c.front);
+  if (m.role == ModuleRole::kEncoder) {  // its front end runs whole on every TP and CP rank
+    const double whole = static_cast<double>(m.layout.tp * m.layout.cp);
+    c.front.forward *= whole, c.front.input_grad *= whole, c.front.weight_grad *= whole;
+  }
   for (LayerCost& l : c.blocks) scale(l);
   scale(c.back);
   return c;

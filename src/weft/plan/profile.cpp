@@ -478,6 +478,8 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.expert_train_state_bytes = sc.expert_train_state_bytes;
       fresh.expert_grad_bytes = sc.expert_grad_bytes;
       fresh.measured = true;
+      fresh.replicated_forward_flops = sc.replicated_forward_flops;
+      fresh.replicated_backward_flops = sc.replicated_backward_flops;
       // What each TP rank keeps whole: the FLOP model's share of the activations (set below).
       const double whole_share =
           sc.activation_bytes > 0 ? sc.whole_activation_bytes / sc.activation_bytes : 0;
@@ -485,19 +487,29 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       const std::vector<const LayerCost*> l0 = layers_of(c0, s), l1 = layers_of(c1, s);
       const std::vector<const LayerCost*> h0 = layers_of(s0, s), h1 = layers_of(s1, s);
       sc.shared_measured = shared;
+      // An encoder's front end runs whole on every TP and CP rank (StageCost::replicated_*).
+      const bool replicated_front = !llm && s == 0;
       for (size_t k = 0; shared && k < h0.size(); ++k) {
         const LayerCost &a = *h0[k], &b = *h1[k];
+        const double f = b.forward - a.forward;
+        const double g = b.input_grad + b.weight_grad - a.input_grad - a.weight_grad;
         sc.forward_fixed_seconds_shared += a.forward;
-        sc.forward_seconds_shared += b.forward - a.forward;
+        sc.forward_seconds_shared += f;
         sc.backward_fixed_seconds_shared += a.input_grad + a.weight_grad;
-        sc.backward_seconds_shared += b.input_grad + b.weight_grad - a.input_grad - a.weight_grad;
+        sc.backward_seconds_shared += g;
+        if (replicated_front && k == 0)
+          sc.replicated_forward_seconds_shared = f, sc.replicated_backward_seconds_shared = g;
       }
       for (size_t k = 0; k < l0.size(); ++k) {
         const LayerCost &a = *l0[k], &b = *l1[k];
+        const double f = b.forward - a.forward;
+        const double g = b.input_grad + b.weight_grad - a.input_grad - a.weight_grad;
         sc.forward_fixed_seconds += a.forward;
-        sc.forward_seconds += b.forward - a.forward;
+        sc.forward_seconds += f;
         sc.backward_fixed_seconds += a.input_grad + a.weight_grad;
-        sc.backward_seconds += b.input_grad + b.weight_grad - a.input_grad - a.weight_grad;
+        sc.backward_seconds += g;
+        if (replicated_front && k == 0)
+          sc.replicated_forward_seconds = f, sc.replicated_backward_seconds = g;
         sc.activation_fixed_bytes += a.activation_bytes;
         sc.activation_bytes += b.activation_bytes - a.activation_bytes;
         sc.param_bytes += a.param_bytes;

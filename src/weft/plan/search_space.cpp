@@ -209,10 +209,7 @@ double Space::hop(double bytes, int64_t stride) const {
 }
 
 double Space::op_seconds(const StageCost& sc, bool forward, double n, double split) const {
-  if (sc.measured)
-    return (forward ? sc.forward_fixed_seconds : sc.backward_fixed_seconds) +
-           n * (forward ? sc.forward_seconds : sc.backward_seconds) / split;
-  return n * (forward ? sc.forward_flops : sc.backward_flops) / split / flops_;
+  return compute_seconds(sc, forward, n, split, flops_);
 }
 
 // Module k's stage s on the rank with data-parallel index i, mirroring the simulator's ops.

@@ -239,19 +239,11 @@ class Engine {
     Op op;
     op.name = std::move(name);
     op.category = forward ? "forward" : "backward";
-    const double seconds =
-        sc.measured
-            ? (forward ? sc.forward_fixed_seconds : sc.backward_fixed_seconds) +
-                  n * (forward ? sc.forward_seconds : sc.backward_seconds) / split
-            : n * (forward ? sc.forward_flops : sc.backward_flops) / split / flops_per_second_;
+    const double seconds = compute_seconds(sc, forward, n, split, flops_per_second_);
     op.seconds = op.base = seconds + comm;
     op.comm_seconds = comm;
-    if (sc.measured && sc.shared_measured) {
-      const double shared =
-          (forward ? sc.forward_fixed_seconds_shared : sc.backward_fixed_seconds_shared) +
-          n * (forward ? sc.forward_seconds_shared : sc.backward_seconds_shared) / split;
-      op.shared_extra = shared - seconds;
-    }
+    if (sc.measured && sc.shared_measured)
+      op.shared_extra = compute_seconds(sc, forward, n, split, flops_per_second_, true) - seconds;
     return op;
   }
   // A backward op's activations: what its forward kept is freed, after a recomputed block's
@@ -844,6 +836,25 @@ double CommCurve::at(double b) const {
   return std::max(0.0, seconds[k - 1] + t * (seconds[k] - seconds[k - 1]));
 }
 
+double compute_seconds(const StageCost& sc, bool forward, double n, double split,
+                       double flops_per_second, bool shared) {
+  const auto part = [&](double total, double replicated) {
+    return n * ((total - replicated) / split + replicated);
+  };
+  if (!sc.measured)
+    return forward ? part(sc.forward_flops, sc.replicated_forward_flops) / flops_per_second
+                   : part(sc.backward_flops, sc.replicated_backward_flops) / flops_per_second;
+  if (shared)
+    return forward ? sc.forward_fixed_seconds_shared +
+                         part(sc.forward_seconds_shared, sc.replicated_forward_seconds_shared)
+                   : sc.backward_fixed_seconds_shared +
+                         part(sc.backward_seconds_shared, sc.replicated_backward_seconds_shared);
+  return forward
+             ? sc.forward_fixed_seconds + part(sc.forward_seconds, sc.replicated_forward_seconds)
+             : sc.backward_fixed_seconds +
+                   part(sc.backward_seconds, sc.replicated_backward_seconds);
+}
+
 double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout) {
   const double whole = std::min(sc.whole_activation_bytes, sc.activation_bytes);
   const double tp = static_cast<double>(layout.tp), cp = static_cast<double>(layout.cp);
@@ -863,6 +874,10 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
       StageCost sc;
       const auto [begin, end] = m.stage_layers(s);
       if (s == 0) add(&sc, costs.front, m.layout);
+      if (s == 0 && m.role == ModuleRole::kEncoder) {  // before the tokens split over tp·cp
+        sc.replicated_forward_flops = costs.front.forward;
+        sc.replicated_backward_flops = costs.front.input_grad + costs.front.weight_grad;
+      }
       for (int64_t b = begin; b < end; ++b) {
         add(&sc, costs.blocks[static_cast<size_t>(b)], m.layout);
         if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b)) ++sc.moe_blocks;

@@ -119,6 +119,13 @@ struct StageCost {
   double forward_seconds_shared = 0, backward_seconds_shared = 0;
   double forward_fixed_seconds_shared = 0, backward_fixed_seconds_shared = 0;
   double optimizer_seconds = 0;  // per step: AdamW + gradient norm of the trainable parameters
+  // Of the per-unit work above, what every TP and CP rank of the stage runs whole instead of
+  // 1/(tp·cp) of: an encoder's front end (conv stem, patch embedding, positions), which runs on
+  // all of an item's tokens before they are split. FLOPs, and a measured stage's seconds (alone
+  // and shared).
+  double replicated_forward_flops = 0, replicated_backward_flops = 0;
+  double replicated_forward_seconds = 0, replicated_backward_seconds = 0;
+  double replicated_forward_seconds_shared = 0, replicated_backward_seconds_shared = 0;
 };
 
 // Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
@@ -128,6 +135,12 @@ using CostTable = std::vector<std::vector<StageCost>>;
 // 1/(tp·cp) of the stage's, but 1/cp of its whole part (StageCost::whole_activation_bytes), plus a
 // measured stage's fixed bytes.
 double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout);
+
+// Seconds a forward or backward of n units of data takes on one rank of a stage whose work splits
+// over `split` (= tp·cp) ranks, its replicated part whole: measured (fixed + per unit; `shared`:
+// the seconds under load) or from the FLOPs at flops_per_second.
+double compute_seconds(const StageCost& sc, bool forward, double n, double split,
+                       double flops_per_second, bool shared = false);
 CostTable stage_costs(const Spec& spec, const Plan& plan);
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
