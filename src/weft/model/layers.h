@@ -97,6 +97,13 @@ struct Shard {
     s.partial_grad = sequence_parallel();
     return s;
   }
+  // These groups for layers whose tokens enter whole over TP (sp off): an MoE block's shared
+  // expert, an encoder's projector.
+  Shard without_sp() const {
+    Shard g = *this;
+    g.sp = false;
+    return g;
+  }
 };
 
 // Builder context: parameters go into `params`, named under `prefix`, sharded per `shard`.

@@ -27,8 +27,6 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
   for (int64_t i = range.first_layer; i < range.last_layer; ++i) {
     Scope b = s.sub("layers." + std::to_string(i));
     LlmBlock blk;
-    blk.tp = s.groups().tp;
-    blk.sp = s.groups().sequence_parallel();
     blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
     blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, spec.qkv_bias,
                                false, out_std);
@@ -99,7 +97,9 @@ at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mas
                                 const TokenInfo& tokens) const {
   at::Tensor x = x_in + attn(norm1(x_in), mask, &rope);
   if (!moe.enabled()) return x + mlp(norm2(x));
-  if (!sp) return x + moe(norm2(x), tokens);
+  const Linear& column = attn.qkv;  // its TP group, and whether the sequence is split over it
+  if (!column.sp) return x + moe(norm2(x), tokens);
+  const dist::Comm& tp = column.tp;
   return x + dist::split_replicated(moe(dist::gather_replicated(norm2(x), tp, 1), tokens), tp, 1);
 }
 

@@ -30,8 +30,6 @@ struct LlmBlock {
   Attention attn;
   SwiGlu mlp;  // dense blocks
   MoeMlp moe;  // MoE blocks
-  dist::Comm tp;
-  bool sp = false;  // Shard::sequence_parallel()
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope,
                         const TokenInfo& tokens = {}) const;
 };

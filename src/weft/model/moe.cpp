@@ -145,8 +145,7 @@ MoeMlp MoeMlp::make(const Scope& s, const LlmSpec& llm, int64_t layer, double ou
   }
   if (m.spec.shared_ffn > 0) {
     m.has_shared = true;
-    Shard dense = g;  // the block's tokens enter whole over TP, even under sequence parallelism
-    dense.sp = false;
+    const Shard dense = g.without_sp();  // the block's tokens are gathered whole over TP
     const Scope shared{s.params, s.prefix, &dense};
     m.shared = SwiGlu::make(shared.sub("shared"), H, m.spec.shared_ffn, out_std);
   }

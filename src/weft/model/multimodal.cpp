@@ -44,8 +44,7 @@ MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting h
     params_.hold_cast_params_in(e.frozen ? hosting_.frozen_dtype : at::kFloat);
     encoders_.push_back(h.hosted ? make_encoder(s, e, h.range) : nullptr);
     params_.hold_cast_params_in(e.projector.frozen ? hosting_.frozen_dtype : at::kFloat);
-    Shard whole = h.shard;  // the projector takes every token of the encoder's features
-    whole.sp = false;
+    const Shard whole = h.shard.without_sp();  // the encoder's last stage gathers its tokens
     const Scope ps{&params_, e.name, &whole};
     projectors_.push_back(
         projector ? Projector::make(ps.sub("projector"), e.projector, e.hidden, spec.llm.hidden)
