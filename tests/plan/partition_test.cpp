@@ -113,7 +113,7 @@ TEST(Partition, ParameterBytesFollowPrecisionAndFreezing) {
 }
 
 // The head's loss: fused (tp = 1) it keeps the rows' gradient per sample and the weight's once,
-// in bf16, not fp32 logits; vocab-parallel (tp = 2) the fp32 logits.
+// in bf16, not fp32 logits; vocab-parallel (tp = 2) the rows it multiplies and the fp32 logits.
 TEST(Partition, TheFusedLossKeepsItsGradientsNotTheLogits) {
   Spec s = vlm_spec();
   s.model.llm.tie_embeddings = false;
@@ -128,7 +128,10 @@ TEST(Partition, TheFusedLossKeepsItsGradientsNotTheLogits) {
   s.parallel.modules["llm"].tp = 2;
   s.parallel.modules["vision"].tp = 2;
   const ModuleCosts parallel = module_layer_costs(s, make_plan(s, 2).module("llm"), unit);
-  EXPECT_DOUBLE_EQ(parallel.back.activation_bytes, 2 * 2 * T * h + 4 * rows * V);
+  EXPECT_DOUBLE_EQ(parallel.back.activation_bytes, 2 * 2 * T * h + 2 * rows * h + 4 * rows * V);
+  // Whole on each TP rank: the rows, and without sequence parallelism the final norm's tensors.
+  EXPECT_DOUBLE_EQ(parallel.back.sp_whole_bytes, 2 * rows * h);
+  EXPECT_DOUBLE_EQ(parallel.back.tp_whole_bytes, 2 * 2 * T * h + 2 * rows * h);
   EXPECT_DOUBLE_EQ(parallel.back.copy_bytes, (h + V * h) * 4 / 2);
   s = vlm_spec();  // a frozen LLM makes no weight gradient
   s.model.llm.tie_embeddings = false;

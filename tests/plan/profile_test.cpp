@@ -288,6 +288,14 @@ TEST(Profile, RescalesToMicrobatchesShardsAndFrozenRules) {
   EXPECT_NEAR(v.blocks[0].forward, 5e-5 + 6 * 5e-4, 1e-15);
   EXPECT_EQ(v.front.input_grad, 0);
   EXPECT_NEAR(v.front.weight_grad, 6 * 1e-4, 1e-15);
+  // On a rank of tp = 2, cp = 2 its blocks take a quarter of the per-unit work, but its front
+  // end runs whole there, on its whole parameters.
+  const ModuleCosts vs = profile_module_costs(p, s, plan.module("vision"), 3, 2, 2);
+  EXPECT_NEAR(vs.blocks[0].forward, 5e-5 + 6 * 5e-4 / 4, 1e-15);
+  EXPECT_DOUBLE_EQ(vs.front.forward, v.front.forward);
+  EXPECT_DOUBLE_EQ(vs.front.weight_grad, v.front.weight_grad);
+  EXPECT_DOUBLE_EQ(vs.front.activation_bytes, v.front.activation_bytes);
+  EXPECT_DOUBLE_EQ(vs.front.param_bytes, v.front.param_bytes);
   // Frozen LLM with a trainable encoder: input gradients only, and the embedding routes the
   // feature gradients; frozen encoder with nothing upstream: forward only.
   Spec frozen = s;

@@ -310,10 +310,10 @@ TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
   const StageCost &a = c0.back()[0], &b = c1.back()[0];
   EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);  // the stage's, whole
   const double S = 256, h = 128, act = 2;                    // bf16
-  // Per sample: each block's norms' inputs and outputs, the final norm's input and output;
-  // under sequence parallelism the rows the head multiplies, gathered (in the planner's unit
-  // sample every position is a target row).
-  const double whole = 4 * act * S * 4 * h + act * 2 * S * h, gathered = act * S * h;
+  // Per sample: each block's norms' inputs and outputs, the final norm's input and output, and
+  // the rows the head multiplies, gathered (in the planner's unit sample every position is a
+  // target row), which are all that stays whole under sequence parallelism.
+  const double gathered = act * S * h, whole = 4 * act * S * 4 * h + act * 2 * S * h + gathered;
   EXPECT_DOUBLE_EQ(a.whole_activation_bytes, whole);
   EXPECT_DOUBLE_EQ(b.whole_activation_bytes, gathered);
   EXPECT_DOUBLE_EQ(kept_activation_bytes(a, 2, plain.module("llm").layout),
@@ -331,7 +331,8 @@ TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
   // run again in backward holds its norms' other three tensors whole, or nothing whole with SP.
   s.model.llm.recompute = true;
   const CostTable r0c = planner_costs(s, plain), r1c = planner_costs(s, seq);
-  EXPECT_DOUBLE_EQ(r0c.back()[0].whole_activation_bytes, 4 * act * S * h + act * 2 * S * h);
+  EXPECT_DOUBLE_EQ(r0c.back()[0].whole_activation_bytes,
+                   4 * act * S * h + act * 2 * S * h + gathered);
   EXPECT_DOUBLE_EQ(r1c.back()[0].whole_activation_bytes, gathered);
   EXPECT_DOUBLE_EQ(r0c.back()[0].recompute_peak_whole_bytes, 3 * act * S * h);
   EXPECT_DOUBLE_EQ(r1c.back()[0].recompute_peak_whole_bytes, 0);
@@ -350,8 +351,14 @@ TEST(Simulate, EncoderSequenceParallelSplitsItsResidualStreamOverTp) {
   const double T = 16, h = 128, act = 2;                            // one item, bf16
   EXPECT_DOUBLE_EQ(a.whole_activation_bytes, 3 * 4 * act * T * h);  // 3 blocks' norms
   EXPECT_DOUBLE_EQ(b.whole_activation_bytes, 0);
+  // The front end (patch embedding, positions) runs whole on every TP rank, and keeps so.
+  MicrobatchShape unit = single_sample_microbatch(s);
+  unit.items = 1;
+  const double front = module_layer_costs(s, seq.module("vision"), unit).front.activation_bytes;
+  EXPECT_GT(front, 0);
+  EXPECT_DOUBLE_EQ(b.replicated_activation_bytes, front);
   EXPECT_DOUBLE_EQ(kept_activation_bytes(b, 4, seq.module("vision").layout),
-                   4 * a.activation_bytes / 2);
+                   4 * ((a.activation_bytes - front) / 2 + front));
   const Cluster c = ideal(2, 5e-6, 10);
   const SimResult r0 = simulate(s, plain, c, c0, no_optimizer());
   const SimResult r1 = simulate(s, seq, c, c1, no_optimizer());
@@ -526,6 +533,38 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   const double per_microbatch = (9 + 9) * ar + 3 * loss;
   EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * per_microbatch, 1e-12);
   EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * per_microbatch, 1e-12);
+}
+
+// Sequence parallelism's collectives, one by one as the runtime issues them (dist/collectives.h).
+// Per block going forward: an all-gather before each column-parallel linear, a reduce-scatter
+// after each row-parallel one. Backward: the reverse of each, and where the weights train the
+// column-parallel inputs gathered again for their gradients. Besides: the embedding's all-reduce,
+// the last stage's gather of its hidden states and the loss's reductions going forward; the
+// loss rows' all-reduce and the first stage's gather of its tokens' gradient in backward.
+TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
+  Spec s = vlm_spec();
+  s.parallel.modules["llm"].tp = 2;
+  s.parallel.modules["llm"].sp = true;
+  s.parallel.modules["vision"].dp = 2;
+  const Cluster c = ideal(2, 1e-5, 10);
+  SimOptions free = no_optimizer();
+  free.tp_cp_comm = false;
+  // Per LLM microbatch of 4 samples: [4·64 tokens × 128] bf16, 4 blocks.
+  const double bytes = 4.0 * 64 * 128 * 2, blocks = 4;
+  const double ar = all_reduce_seconds(c, {0, 1}, bytes), ag = all_gather_seconds(c, {0, 1}, bytes),
+               rs = reduce_scatter_seconds(c, {0, 1}, bytes);
+  const double loss = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4);
+  const double forward = blocks * 2 * (ag + rs) + ar + ag + 3 * loss;
+  for (bool frozen : {false, true}) {
+    SCOPED_TRACE(frozen ? "frozen LLM" : "trained LLM");
+    s.model.llm.frozen = frozen;
+    const Plan plan = make_plan(s, 2);
+    const SimResult r = simulate(s, plan, c, no_optimizer());
+    const SimResult r0 = simulate(s, plan, c, free);
+    const double backward = blocks * (2 * (ag + rs) + (frozen ? 0 : 2 * ag)) + ar + ag;
+    EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (forward + backward), 1e-12);
+    EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (forward + backward), 1e-12);
+  }
 }
 
 TEST(Simulate, TinyVlmOnThisMachine) {

@@ -127,6 +127,9 @@ struct EncoderSpec {
   }
   // Tokens the blocks see per item: the features plus a [CLS] token (dropped after the last).
   int64_t block_tokens() const { return tokens_per_item() + (class_token ? 1 : 0); }
+  // Whether sequence parallelism over `ranks` (cp * tp) can run: it splits every item's block
+  // tokens evenly (plan.cpp's check, the search's filter).
+  bool splits_evenly(int64_t ranks) const { return block_tokens() % ranks == 0; }
   // Number of blocks actually run (feature_layer resolved against layers).
   int64_t layers_used() const {
     return feature_layer < 0 ? layers + 1 + feature_layer : feature_layer;

@@ -117,18 +117,18 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   // with the vocabulary whole on a rank (tp = 1), is fused with the head (model/cross_entropy.h):
   // it keeps the gradients it makes in forward, the rows' and, when the head trains, the
   // weight's (held once: the head's stage has one microbatch in flight), in the compute dtype.
-  // Vocab-parallel (tp > 1), it keeps fp32 logits.
+  // Vocab-parallel (tp > 1), it keeps the target rows it multiplies and fp32 logits.
   const bool own_weight = !l.tie_embeddings || m.layout.pp > 1;
   const bool fused = m.layout.tp == 1;
   out.back =
       rules(matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
-                         act * 2 * T * h + (fused ? act * rows * h : 4 * rows * V)));
+                         act * 2 * T * h + act * rows * h + (fused ? 0 : 4 * rows * V)));
   if (fused && m.weight_grads) out.back.copy_bytes += act * V * h;
-  // Whole on each TP rank: the final norm's input and output; under sequence parallelism, the
-  // target rows the head multiplies (gathered over TP).
+  // Whole on each TP rank: the target rows, and without sequence parallelism the final norm's
+  // input and output too.
   if (out.back.activation_bytes > 0) {
-    out.back.tp_whole_bytes = act * 2 * T * h;
     out.back.sp_whole_bytes = act * rows * h;
+    out.back.tp_whole_bytes = act * 2 * T * h + out.back.sp_whole_bytes;
   }
   // The embedding is looked up in fp32 (the rows are cast): its table is cast only for a tied
   // head on the same stage.

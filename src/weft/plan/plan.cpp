@@ -161,7 +161,7 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     WEFT_CHECK(e.tokens_per_item() % l.cp == 0, at, "cp = ", l.cp, ": must divide the ",
                e.tokens_per_item(), " tokens of each ", e.name,
                " item (context parallelism splits every item's tokens evenly)");
-    WEFT_CHECK(!l.sequence_parallel() || e.block_tokens() % (l.cp * l.tp) == 0, at,
+    WEFT_CHECK(!l.sequence_parallel() || e.splits_evenly(l.cp * l.tp), at,
                "sp = true: cp * tp = ", l.cp * l.tp, " must divide the ", e.block_tokens(),
                " tokens each ", e.name, " block runs on",
                e.class_token ? " (its patches and the [CLS] token)" : "",
@@ -208,32 +208,40 @@ Layout layout_of(const Spec& spec, const std::string& name) {
   return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp, l.sp};
 }
 
+// A layer's activations on one rank of `layout`, `c` holding 1/(tp·cp) of them: each TP rank
+// keeps the whole of the part the FLOP model's `flop` says it does (LayerCost::tp_whole_bytes /
+// sp_whole_bytes), which is then divided over cp only (simulate.h kept_activation_bytes).
+void keep_whole(LayerCost* c, const LayerCost& flop, const Layout& layout) {
+  if (flop.activation_bytes <= 0) return;
+  const double whole = layout.sequence_parallel() ? flop.sp_whole_bytes : flop.tp_whole_bytes;
+  const double share = std::min(whole / flop.activation_bytes, 1.0);
+  c->activation_bytes *= 1 + share * static_cast<double>(layout.tp - 1);
+}
+
 // FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
-// (one item each for an encoder), work and activations divided over tp × cp (but an encoder's
-// front end's work), parameters over tp (an MoE block's experts over ep · etp).
+// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp
+// (an MoE block's experts over ep · etp), but an encoder's front end, which every TP and CP rank
+// runs whole on its whole parameters.
 ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
   const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
   const double params = 1.0 / static_cast<double>(m.layout.tp);
-  const double per_cp = samples / static_cast<double>(m.layout.cp);
-  const auto scale = [&](LayerCost& l) {
-    // What each TP rank keeps whole is divided over cp only (simulate.h kept_activation_bytes).
-    const double whole = std::min(
-        l.activation_bytes, m.layout.sequence_parallel() ? l.sp_whole_bytes : l.tp_whole_bytes);
-    l.activation_bytes = (l.activation_bytes - whole) * work + whole * per_cp;
+  const auto scale = [&](LayerCost& l, double work, double params) {
+    const LayerCost flop = l;
+    l.activation_bytes *= work;
+    keep_whole(&l, flop, m.layout);
     l.forward *= work, l.input_grad *= work, l.weight_grad *= work;
     l.param_bytes *= params, l.train_state_bytes *= params, l.copy_bytes *= params;
     l.expert_param_bytes *= params, l.expert_train_state_bytes *= params;
     l.expert_copy_bytes *= params;
     shard_experts(&l, m.layout);
   };
-  scale(c.front);
-  if (m.role == ModuleRole::kEncoder) {  // its front end runs whole on every TP and CP rank
-    const double whole = static_cast<double>(m.layout.tp * m.layout.cp);
-    c.front.forward *= whole, c.front.input_grad *= whole, c.front.weight_grad *= whole;
-  }
-  for (LayerCost& l : c.blocks) scale(l);
-  scale(c.back);
+  if (m.role == ModuleRole::kEncoder)
+    scale(c.front, samples, 1);
+  else
+    scale(c.front, work, params);
+  for (LayerCost& l : c.blocks) scale(l, work, params);
+  scale(c.back, work, params);
   return c;
 }
 
@@ -258,7 +266,13 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     if (profile) {
       j.costs = profile_module_costs(*profile, spec, m, samples, m.layout.tp, m.layout.cp,
                                      plan->world_size > 1);
-      for (LayerCost& l : j.costs.blocks) shard_experts(&l, m.layout);
+      const ModuleCosts flop = module_layer_costs(spec, m, single_sample_microbatch(spec));
+      for (size_t b = 0; b < j.costs.blocks.size(); ++b) {
+        shard_experts(&j.costs.blocks[b], m.layout);
+        keep_whole(&j.costs.blocks[b], flop.blocks[b], m.layout);
+      }
+      keep_whole(&j.costs.back, flop.back, m.layout);
+      if (m.role == ModuleRole::kLlm) keep_whole(&j.costs.front, flop.front, m.layout);
     } else {
       j.costs = flop_costs(spec, m, samples);
     }

@@ -405,7 +405,9 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   };
   ModuleCosts out;
   out.module = m.name;
-  LayerCost front = layer_cost(mp.front, units, seq, tp, cp, shared);
+  // An encoder's front end runs whole, on its whole parameters, on every TP and CP rank.
+  LayerCost front = llm ? layer_cost(mp.front, units, seq, tp, cp, shared)
+                        : layer_cost(mp.front, units, seq, 1, 1, shared);
   // Encoder front ends take data; the LLM embedding routes feature gradients only when
   // something before it trains.
   if (!llm || !m.input_grads) front.input_grad = 0;
@@ -508,8 +510,10 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
         sc.forward_seconds += f;
         sc.backward_fixed_seconds += a.input_grad + a.weight_grad;
         sc.backward_seconds += g;
-        if (replicated_front && k == 0)
+        if (replicated_front && k == 0) {
           sc.replicated_forward_seconds = f, sc.replicated_backward_seconds = g;
+          sc.replicated_activation_bytes = b.activation_bytes - a.activation_bytes;
+        }
         sc.activation_fixed_bytes += a.activation_bytes;
         sc.activation_bytes += b.activation_bytes - a.activation_bytes;
         sc.param_bytes += a.param_bytes;

@@ -169,7 +169,9 @@ void check_profile(const Profile& profile, const Spec& spec);
 double profile_seq(const Profile& profile, const Spec& spec);
 
 // The module's per-layer costs (seconds, bytes) for one microbatch of `samples` samples on a rank
-// of a tp × cp group (work per unit and activations divided over tp · cp, parameters over tp),
+// of a tp × cp group (work per unit and activations divided over tp · cp, parameters over tp, but
+// an encoder's front end's, which every rank runs whole; what each TP rank keeps whole is the
+// caller's: plan.cpp keep_whole),
 // under the frozen rules, like module_layer_costs; `shared`: the seconds measured under load
 // where measured (ranks computing side by side). The LLM's per-stage work is left out: every
 // stage does it once per microbatch, so it does not move the partitioner's optimum.

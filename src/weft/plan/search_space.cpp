@@ -277,8 +277,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
                    sliced * (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
       }
       // Sequence parallelism (the simulator's block_comm): a block's all-gather and reduce-
-      // scatter cost its all-reduce; backward gathers the column-parallel inputs again, an MoE
-      // block gathers its tokens each way, the last stage its hidden states for the loss.
+      // scatter cost its all-reduce; backward gathers the column-parallel inputs again where the
+      // weights train (an MoE block its tokens instead), an MoE block gathers its tokens going
+      // forward, the last stage its hidden states for the loss, the first stage's backward its
+      // tokens' gradient.
       const bool sp = layout.sequence_parallel();
       const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) : 0;
       const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
@@ -291,7 +293,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double again =
           sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + moe * tp_ag : 0;
       const double b = op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag +
-                       moe_comm + (2 * blocks + moe) * tp_ag + again;
+                       moe_comm + ((mi.weight_grads ? 2 * blocks : moe) + (first ? 1 : 0)) * tp_ag +
+                       again;
       w.bwd += count * b;
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
@@ -335,7 +338,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     const double b =
         op_seconds(sc, false, items, split) +
         ((mi.weight_grads ? blocks : 0) + (sc.recompute ? blocks : 0)) * (2 * tp_ar + cp_ag) +
-        (mi.weight_grads ? 2 * blocks : 0) * tp_ag;
+        (mi.weight_grads ? 2 * blocks + (first ? 1 : 0) : 0) * tp_ag;
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
@@ -644,8 +647,7 @@ std::vector<int64_t> Space::zero_stages() const {
 }
 std::vector<bool> Space::sequence_options(int64_t tp, int64_t k, int64_t cp) const {
   if (tp == 1 || !o_.sequence_parallel) return {false};
-  // An encoder's blocks split every item's tokens evenly (plan.cpp's check).
-  if (k < E_ && info(k).enc->block_tokens() % (tp * cp) != 0) return {false};
+  if (k < E_ && !info(k).enc->splits_evenly(tp * cp)) return {false};
   return {false, true};
 }
 std::vector<bool> Space::recompute_options(int64_t k) const {

@@ -170,14 +170,15 @@ class Engine {
   // The TP collectives of `blocks` transformer blocks over `bytes` of activations (a rank's
   // tokens, whole): two all-reduces per block each way. Under sequence parallelism (a rank holds
   // 1/tp of its tokens between the TP regions) each all-reduce becomes an all-gather of the
-  // column-parallel input and a reduce-scatter of the row-parallel output (the same bytes), and
-  // backward gathers each column-parallel input again (its shard was kept) besides gathering the
-  // row-parallel output's gradient.
+  // column-parallel input and a reduce-scatter of the row-parallel output (the same bytes);
+  // backward reduce-scatters the column-parallel inputs' gradients, gathers the row-parallel
+  // outputs' and, where the weights train (`regather`), gathers each column-parallel input again
+  // (its shard was kept) for the weight gradient (dist::gathered_linear).
   double tp_blocks_comm(const std::vector<int64_t>& tp, double blocks, double bytes, bool sp,
-                        bool forward) const {
+                        bool forward, bool regather) const {
     if (!sp) return 2 * blocks * all_reduce(tp, bytes);
     const double ag = all_gather(tp, bytes), rs = reduce_scatter(tp, bytes);
-    return blocks * (forward ? 2 * (ag + rs) : 2 * (2 * ag + rs));
+    return blocks * (forward ? 2 * (ag + rs) : 2 * (ag + rs) + (regather ? 2 * ag : 0));
   }
   // Every rank sends `bytes` in all, evenly over the group: the pairwise exchange costs what a
   // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
@@ -310,7 +311,8 @@ class Engine {
         // the projected features over CP (under sequence parallelism, of the encoder's output
         // over TP first).
         const double comm =
-            tp_blocks_comm(tp_group, blocks, bytes, sp, true) + blocks * all_gather(cp_group, kv) +
+            tp_blocks_comm(tp_group, blocks, bytes, sp, true, true) +
+            blocks * all_gather(cp_group, kv) +
             (last ? all_gather(cp_group, n * T * H * act_) + (sp ? all_gather(tp_group, bytes) : 0)
                   : 0);
         Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
@@ -336,13 +338,15 @@ class Engine {
         ops_[r].push_back(std::move(op));
         continue;
       }
-      // (A recomputed block runs its forward's collectives again.)
+      // (A recomputed block runs its forward's collectives again. Under sequence parallelism
+      // the first stage gathers its tokens' gradient over TP for the front end, run whole.)
       const double blocks_back = m.weight_grads ? blocks : 0;
-      const double comm = tp_blocks_comm(tp_group, blocks_back, bytes, sp, false) +
+      const double comm = tp_blocks_comm(tp_group, blocks_back, bytes, sp, false, true) +
                           blocks_back * reduce_scatter(cp_group, kv) +
-                          (sc.recompute ? tp_blocks_comm(tp_group, blocks, bytes, sp, true) +
+                          (sc.recompute ? tp_blocks_comm(tp_group, blocks, bytes, sp, true, true) +
                                               blocks * all_gather(cp_group, kv)
-                                        : 0);
+                                        : 0) +
+                          (first && sp && m.weight_grads ? all_gather(tp_group, bytes) : 0);
       Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
         const int64_t per = mb_samples_[mb];
@@ -400,13 +404,15 @@ class Engine {
                        all_reduce(tp_group, tokens * H * act_));
     };
     // Sequence parallelism (tp_blocks_comm): besides, an MoE block gathers its tokens whole each
-    // way, and the last stage gathers the final hidden states for the loss.
+    // way (in backward in place of re-gathering its MLP's input, which its experts kept whole),
+    // the last stage gathers the final hidden states for the loss, and the first stage's
+    // backward gathers its tokens' gradient for the embedding and the features.
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
     const auto block_comm = [&](double tokens, bool fwd) {
       const double bytes = tokens * H * act_;
-      return tp_blocks_comm(tp_group, blocks, bytes, sp, fwd) +
-             (sp ? moe * all_gather(tp_group, bytes) : 0);
+      return tp_blocks_comm(tp_group, blocks, bytes, sp, fwd, m.weight_grads) +
+             (sp && (fwd || !m.weight_grads) ? moe * all_gather(tp_group, bytes) : 0);
     };
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
@@ -446,6 +452,7 @@ class Engine {
       // K and V gradients' reduce-scatter (one per block).
       const double comm =
           block_comm(tokens, false) + (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
+          (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
           blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
           (sc.recompute
                ? block_comm(tokens, true) + blocks * all_gather(cp_group, kv) + moe_comm(tokens)
@@ -856,9 +863,11 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
 }
 
 double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout) {
-  const double whole = std::min(sc.whole_activation_bytes, sc.activation_bytes);
+  const double replicated = std::min(sc.replicated_activation_bytes, sc.activation_bytes);
+  const double split = sc.activation_bytes - replicated;
+  const double whole = std::min(sc.whole_activation_bytes, split);
   const double tp = static_cast<double>(layout.tp), cp = static_cast<double>(layout.cp);
-  return n * ((sc.activation_bytes - whole) / tp + whole) / cp +
+  return n * (((split - whole) / tp + whole) / cp + replicated) +
          (sc.measured ? sc.activation_fixed_bytes : 0);
 }
 
@@ -877,6 +886,7 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
       if (s == 0 && m.role == ModuleRole::kEncoder) {  // before the tokens split over tp·cp
         sc.replicated_forward_flops = costs.front.forward;
         sc.replicated_backward_flops = costs.front.input_grad + costs.front.weight_grad;
+        sc.replicated_activation_bytes = costs.front.activation_bytes;
       }
       for (int64_t b = begin; b < end; ++b) {
         add(&sc, costs.blocks[static_cast<size_t>(b)], m.layout);

@@ -126,14 +126,17 @@ struct StageCost {
   double replicated_forward_flops = 0, replicated_backward_flops = 0;
   double replicated_forward_seconds = 0, replicated_backward_seconds = 0;
   double replicated_forward_seconds_shared = 0, replicated_backward_seconds_shared = 0;
+  // Of activation_bytes, what that front end keeps: whole on every TP and CP rank.
+  double replicated_activation_bytes = 0;
 };
 
 // Per plan module (aligned with Plan::modules), per stage; projectors have no entry of their own.
 using CostTable = std::vector<std::vector<StageCost>>;
 
 // Activation bytes a forward of n units of data keeps on one rank of a stage under `layout`:
-// 1/(tp·cp) of the stage's, but 1/cp of its whole part (StageCost::whole_activation_bytes), plus a
-// measured stage's fixed bytes.
+// 1/(tp·cp) of the stage's, but 1/cp of its whole part (StageCost::whole_activation_bytes) and all
+// of its replicated part (StageCost::replicated_activation_bytes), plus a measured stage's fixed
+// bytes.
 double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout);
 
 // Seconds a forward or backward of n units of data takes on one rank of a stage whose work splits
