@@ -163,6 +163,18 @@ TEST(Layouts, LlmSequenceParallelUnderCp2Tp2) {
                     "llm_cp2_tp2_sp");
 }
 
+// A frozen LLM under TP 4 with sequence parallelism, feeding a trainable encoder's gradients
+// back: its column-parallel linears skip the re-gather of their inputs (no weight gradients),
+// the sequence is padded to a multiple of 4, and the first stage gathers its tokens' gradient
+// for the features. The vision encoder runs TP 2 with SP over two DP replicas, under ZeRO-1.
+TEST(Layouts, FrozenLlmSequenceParallelTp4ZeroOne) {
+  expect_equivalent(4,
+                    {"model.llm.frozen=true", "model.llm.kv_heads=4", "parallel.llm.tp=4",
+                     "parallel.llm.sp=true", "parallel.vision.tp=2", "parallel.vision.sp=true",
+                     "parallel.vision.dp=2"},
+                    "frozen_llm_tp4_sp", testing::kTinyVlm, {"train.zero_stage=1"});
+}
+
 // Sequence parallelism in the encoders: between the TP regions each TP rank holds its share of
 // every item's tokens (after the pre-LN and audio's positions, through the blocks' norms and
 // residuals), and the last stage gathers them for the projector. Vision under CP x TP (a
