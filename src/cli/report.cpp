@@ -300,11 +300,16 @@ Simulation read_simulation(const fs::path& path) {
   for (const char* key : {"step_seconds", "mfu", "bubble_fraction", "ranks"})
     WEFT_CHECK(s.j.is_object() && s.j.contains(key), path.string(), ": ", key,
                ": missing (expected the JSON `weft simulate` prints)");
-  for (const json& r : s.j["ranks"]) {
-    std::string st;
-    for (const json& x : r.value("stages", json::array()))
-      st += (st.empty() ? "" : " | ") + x.get<std::string>();
-    s.stages[r.value("rank", int64_t{0})] = st;
+  try {
+    for (const json& r : s.j["ranks"]) {
+      std::string st;
+      for (const json& x : r.value("stages", json::array()))
+        st += (st.empty() ? "" : " | ") + x.get<std::string>();
+      s.stages[r.value("rank", int64_t{0})] = st;
+    }
+  } catch (const json::exception& e) {
+    WEFT_FAIL(path.string(), ": ranks: expected a list of {\"rank\": integer, \"stages\": [names]} "
+              "as `weft simulate` prints (", e.what(), ")");
   }
   s.timeline.title = "Predicted (simulator)";
   if (s.j.contains("trace") && s.j["trace"].is_string()) {
@@ -321,9 +326,12 @@ Simulation read_simulation(const fs::path& path) {
 struct Run {
   fs::path dir;
   std::vector<json> metrics;
-  json summary, plan;
+  json summary;
+  std::string plan_html;  // plan.json's table; empty without one
   Timeline timeline;
 };
+
+std::string plan_table(const json& plan);
 
 Run read_run(const fs::path& dir) {
   Run run;
@@ -344,8 +352,21 @@ Run read_run(const fs::path& dir) {
                ": expected a metrics line with \"step\" and \"loss\"");
     run.metrics.push_back(std::move(j));
   }
-  if (fs::exists(dir / "summary.json")) run.summary = read_json(dir / "summary.json", "summary");
-  if (fs::exists(dir / "plan.json")) run.plan = read_json(dir / "plan.json", "plan");
+  WEFT_CHECK(!run.metrics.empty(), metrics.string(),
+             ": no steps recorded (the run stopped before its first step finished)");
+  if (fs::exists(dir / "summary.json")) {
+    run.summary = read_json(dir / "summary.json", "summary");
+    WEFT_CHECK(!run.summary.contains("world_size") || run.summary["world_size"].is_number_integer(),
+               (dir / "summary.json").string(), ": world_size: expected an integer");
+  }
+  if (fs::exists(dir / "plan.json")) {
+    const fs::path path = dir / "plan.json";
+    try {
+      run.plan_html = plan_table(read_json(path, "plan"));
+    } catch (const json::exception& e) {
+      WEFT_FAIL(path.string(), ": not the plan `weft train` writes (", e.what(), ")");
+    }
+  }
   run.timeline.title = "Measured (trace.json)";
   if (fs::exists(dir / "trace.json")) run.timeline.events = read_trace(dir / "trace.json");
   choose_rows(&run.timeline, {});
@@ -525,7 +546,7 @@ int run_report(const ReportArgs& a) {
     std::vector<const Timeline*> list = {&run.timeline};
     if (sim) list.push_back(&sim->timeline);
     body << timelines(list);
-    if (!run.plan.is_null()) body << "<h2>Plan</h2>\n" << plan_table(run.plan);
+    if (!run.plan_html.empty()) body << "<h2>Plan</h2>\n" << run.plan_html;
     if (sim) body << "<h2>Prediction</h2>\n" << simulation_section(*sim);
   } else {
     const Simulation own = read_simulation(input);

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "support/equivalence.h"
+#include "support/errors.h"
 #include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
@@ -39,6 +40,26 @@ TEST(DataParallel, Dp2ZeroOneMatchesSingleProcess) {
 // parameter without a gradient joins its bucket with zeros; every rank ends with the sum. The
 // same with the gradients attached to the buckets (accumulated in place there), and with a
 // gradient defined before attach() (carried into the bucket), over two steps.
+// Ranks given different configs (here one --set on one rank) stop before their first
+// collective, every one naming the difference, instead of aborting in Gloo on mismatched sizes
+// or, where the sizes agree, training diverged replicas.
+TEST(DataParallel, RanksWithDifferentConfigsStopNamingTheDifference) {
+  const fs::path out = testing::temp_dir("different_configs");
+  for (const std::string set : {"train.lr=0.5", "model.llm.hidden=256"}) {
+    SCOPED_TRACE(set);
+    testing::run_ranks(2, [&](const Comm& comm) {
+      std::vector<std::string> sets = {"train.steps=1", "train.warmup=1"};
+      if (comm.rank() == 1) sets.push_back(set);
+      const Spec spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+      const std::string error = testing::error_of([&] { testing::train(spec, comm, out); });
+      EXPECT_NE(error.find("rank 1 runs another config than rank 0"), std::string::npos) << error;
+      const size_t eq = set.find('='), dot = set.rfind('.', eq);
+      const std::string key = set.substr(dot + 1, eq - dot - 1);
+      EXPECT_NE(error.find("rank 1 has `" + key + " = "), std::string::npos) << error;
+    });
+  }
+}
+
 TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
   for (const bool attach : {false, true}) {
     SCOPED_TRACE(attach ? "attached" : "copied");

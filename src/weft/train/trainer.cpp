@@ -80,6 +80,31 @@ void truncate_metrics(const fs::path& path, int64_t last_step) {
   out << kept;
 }
 
+// Every rank must run the same resolved config: otherwise their collectives disagree on sizes
+// (Gloo aborts) or, where sizes agree (a seed, a learning rate), the replicas silently diverge.
+// All ranks gather all configs, so every rank fails alike, naming the first difference.
+void check_same_config(const dist::Comm& comm, const Spec& spec) {
+  if (comm.size() == 1) return;
+  const std::string mine = spec_to_toml(spec);
+  const std::vector<std::string> all = comm.all_gather_strings(mine);
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    std::istringstream a(all[0]), b(all[r]);
+    std::string la, lb, table;
+    for (;;) {
+      const bool more_a = static_cast<bool>(std::getline(a, la));
+      const bool more_b = static_cast<bool>(std::getline(b, lb));
+      if (!more_a) la.clear();
+      if (!more_b) lb.clear();
+      if (la != lb || (!more_a && !more_b)) break;
+      if (!la.empty() && la[0] == '[') table = la;
+    }
+    WEFT_FAIL(spec.source, ": rank ", r, " runs another config than rank 0", 
+              table.empty() ? "" : " (in " + table + ")", ": rank 0 has `", la, "`, rank ", r,
+              " has `", lb, "`; every rank must be given the same config and --set overrides");
+  }
+}
+
 }  // namespace
 
 struct Trainer::Impl {
@@ -138,6 +163,7 @@ struct Trainer::Impl {
     ro.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
     device = dist::select_device(spec.train.device, opts.local_rank);
     ro.device = device;
+    check_same_config(opts.comm, spec);  // before the first collective that sizes by it
     runtime = std::make_unique<dist::Runtime>(spec.model, spec.train.seed, plan, opts.comm, ro);
     // Deferred reads need the loss and the norm on this rank alone, and no host decision
     // between backward and the update (train.nonfinite = "skip" reads the norm first).
