@@ -64,6 +64,20 @@ mkdir "$tmp/empty"
 "$weft" report "$tmp/empty" > "$tmp/err" 2>&1 && die "an empty directory was accepted"
 grep -q "empty: not a weft run directory (no metrics.jsonl)" "$tmp/err" \
   || { cat "$tmp/err"; die "unclear error for a directory without metrics"; }
+# A run killed before its first step finished: metrics.jsonl exists but is empty.
+mkdir "$tmp/killed" && : > "$tmp/killed/metrics.jsonl"
+"$weft" report "$tmp/killed" > "$tmp/err" 2>&1 && die "a run without steps was accepted"
+grep -q "killed/metrics.jsonl: no steps recorded" "$tmp/err" \
+  || { cat "$tmp/err"; die "unclear error for a run without steps"; }
+# A plan.json or a simulation of the wrong shape names its file.
+cp -r "$tmp/run" "$tmp/badplan" && echo '{"modules": 5}' > "$tmp/badplan/plan.json"
+"$weft" report "$tmp/badplan" > "$tmp/err" 2>&1 && die "a bad plan.json was accepted"
+grep -q "badplan/plan.json: not the plan" "$tmp/err" || { cat "$tmp/err"; die "unclear plan error"; }
+echo '{"step_seconds": 1, "mfu": 0.5, "bubble_fraction": 0, "ranks": [{"rank": "x"}]}' \
+  > "$tmp/badranks.json"
+"$weft" report "$tmp/run" --sim "$tmp/badranks.json" > "$tmp/err" 2>&1 \
+  && die "a simulation with bad ranks was accepted"
+grep -q "badranks.json: ranks: expected" "$tmp/err" || { cat "$tmp/err"; die "unclear ranks error"; }
 echo '{"steps": 3}' > "$tmp/other.json"
 "$weft" report "$tmp/other.json" > "$tmp/err" 2>&1 && die "a non-simulation JSON was accepted"
 grep -q "other.json: step_seconds: missing" "$tmp/err" || { cat "$tmp/err"; die "unclear error"; }
