@@ -26,6 +26,7 @@
 #include "weft/dist/launch.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/hf.h"
+#include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 #include "weft/train/bench.h"
 #include "weft/train/peak.h"
@@ -132,6 +133,23 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   WEFT_CHECK(!ckpt.empty(), run_dir, ": no complete checkpoint to export");
   const auto [model, optimizer] = weft::train::full_tensors(weft::io::load_checkpoint(ckpt));
   std::map<std::string, at::Tensor> full(model.begin(), model.end());
+  // The checkpoint must hold this config's model, every tensor at its shape and nothing else: a
+  // config.toml edited after the run would otherwise export a wrong model or fail inside LibTorch.
+  {
+    const weft::model::MultimodalModel expected(spec.model);
+    std::map<std::string, at::Tensor> left = full;
+    for (const auto& [name, p] : expected.parameters()) {
+      auto it = left.find(name);
+      WEFT_CHECK(it != left.end(), ckpt, ": no tensor '", name, "', which the model of ", config,
+                 " has (was config.toml changed after the run?)");
+      WEFT_CHECK(it->second.sizes() == p.sizes(), ckpt, ": tensor '", name, "' has shape ",
+                 it->second.sizes(), ", but the model of ", config, " has ", p.sizes(),
+                 " (was config.toml changed after the run?)");
+      left.erase(it);
+    }
+    WEFT_CHECK(left.empty(), ckpt, ": tensor '", left.empty() ? "" : left.begin()->first,
+               "' is not part of the model of ", config, " (was config.toml changed after the run?)");
+  }
   const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
                               : dtype == "fp16" ? at::kHalf
                                                 : at::kFloat;

@@ -23,6 +23,23 @@ for f in llm/config.json llm/model.safetensors vision/config.json vision/model.s
   [ -f "$tmp/hf/$f" ] || die "export wrote no $f"
 done
 
+# A config.toml edited after the run (one LLM block fewer) no longer describes the checkpoint:
+# export names the tensor it cannot place and writes nothing.
+cp -r "$tmp/run" "$tmp/edited"
+python3 - "$tmp/edited/config.toml" <<'PY' || die "could not edit the config"
+import re, sys
+text = open(sys.argv[1]).read()
+text = re.sub(r'(?m)^hf = .*\n', '', text)  # the shapes from config.toml itself
+llm = text.index("[model.llm]")
+m = re.compile(r'(?m)^layers = (\d+)').search(text, llm)
+text = text[:m.start()] + "layers = %d" % (int(m.group(1)) - 1) + text[m.end():]
+open(sys.argv[1], "w").write(text)
+PY
+"$weft" export "$tmp/edited" --hf "$tmp/hf-edited" > "$tmp/err" 2>&1 && die "a stale config exported"
+grep -q "is not part of the model of .*config.toml (was config.toml changed after the run?)" \
+  "$tmp/err" || { cat "$tmp/err"; die "unclear error for a stale config"; }
+[ ! -e "$tmp/hf-edited" ] || die "a failed export left files behind"
+
 # Start again from the exported (bf16) weights: the first loss is the trained model's.
 "$weft" train "$src/configs/llava-style.toml" "${paths[@]}" --set model.llm.hf="$tmp/hf/llm" \
   --set model.vision.hf="$tmp/hf/vision" --set train.steps=6 --out "$tmp/again" --quiet \

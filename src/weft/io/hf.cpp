@@ -462,7 +462,11 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
                                    int64_t shard_bytes) {
   WEFT_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
              "export: dtype must be fp32, bf16 or fp16");
-  const std::string llm_config = hf_llm_config_json(spec.llm);  // Error before writing anything
+  // Every config first: a model without a Hugging Face layout is an error before anything is
+  // written.
+  const std::string llm_config = hf_llm_config_json(spec.llm);
+  std::vector<std::string> encoder_configs;
+  for (const EncoderSpec& e : spec.encoders) encoder_configs.push_back(hf_encoder_config_json(e));
   std::vector<std::string> dirs;
   auto write = [&](const std::string& name, const std::string& config,
                    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
@@ -476,7 +480,8 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
     export_map(llm_map(spec.llm), full, "model.", "", dtype, &t);
     write("llm", llm_config, t);
   }
-  for (const EncoderSpec& e : spec.encoders) {
+  for (size_t k = 0; k < spec.encoders.size(); ++k) {
+    const EncoderSpec& e = spec.encoders[k];
     std::vector<std::pair<std::string, at::Tensor>> t;
     const bool vit = e.kind == EncoderKind::kVit;
     export_map(encoder_map(e), full, vit ? "vision_model." : "model.encoder.", "", dtype, &t);
@@ -484,7 +489,7 @@ std::vector<std::string> export_hf(const ModelSpec& spec,
       t.emplace_back("model.encoder.embed_positions.weight",
                      model::sinusoids(e.frames / 2, e.hidden).to(dtype));
     export_map(projector_map(e), full, "multi_modal_projector.", "", dtype, &t);
-    write(e.name, hf_encoder_config_json(e), t);
+    write(e.name, encoder_configs[k], t);
   }
   return dirs;
 }
