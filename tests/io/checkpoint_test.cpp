@@ -89,6 +89,24 @@ TEST(Checkpoint, TruncatedFileIsNamed) {
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
 }
 
+// A removed manifest does not switch verification off: the load stops, naming it.
+TEST(Checkpoint, MissingManifestIsNamed) {
+  const fs::path run = fresh("no_manifest");
+  const std::string dir = save_checkpoint(run.string(), 1, sample(2.0f), 2);
+  fs::remove(fs::path(dir) / "manifest.json");
+  const std::string e = error_of([&] { load_checkpoint(dir); });
+  EXPECT_NE(e.find("manifest.json: missing"), std::string::npos) << e;
+}
+
+// A newer step directory that lost its state.json is passed over for the older checkpoint.
+TEST(Checkpoint, DamagedNewerCheckpointFallsBackToTheOlder) {
+  const fs::path run = fresh("no_state");
+  const std::string older = save_checkpoint(run.string(), 1, sample(1.0f), 2);
+  const std::string newer = save_checkpoint(run.string(), 2, sample(2.0f), 2);
+  fs::remove(fs::path(newer) / "state.json");
+  EXPECT_EQ(latest_checkpoint(run.string()), older);
+}
+
 // What a kill -9 during a save leaves: a half-written temporary directory. It is never taken
 // for a checkpoint; the previous one is still the newest and verifies.
 TEST(Checkpoint, InterruptedSaveLeavesThePreviousCheckpoint) {

@@ -79,7 +79,9 @@ std::string manifest_of(const fs::path& dir) {
 
 void verify_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifestFile;
-  if (!fs::exists(path)) return;  // checkpoints from before manifests
+  // Every checkpoint is written with one: without it nothing proves the files whole.
+  WEFT_CHECK(fs::exists(path), path.string(),
+             ": missing (every checkpoint is written with its manifest; this one was damaged)");
   std::ifstream in(path);
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
   WEFT_CHECK(!j.is_discarded() && j.contains("files") && j["files"].is_object(), path.string(),
@@ -203,7 +205,21 @@ std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
 }
 
 std::string latest_checkpoint(const std::string& run_dir) {
-  std::vector<fs::path> all = complete_checkpoints(fs::path(run_dir) / "checkpoints");
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  std::vector<fs::path> all = complete_checkpoints(root);
+  // A checkpoint is written under a temporary name and renamed whole: a step_ directory without
+  // its state.json was damaged since. Say so when a newer one is passed over.
+  std::error_code ec;
+  if (fs::is_directory(root, ec))
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (entry.is_directory() && name.rfind("step_", 0) == 0 &&
+          !fs::exists(entry.path() / kStateFile) && (all.empty() || entry.path() > all.back()))
+        std::fprintf(stderr, "weft: warning: %s: no %s, so not a complete checkpoint; %s\n",
+                     entry.path().c_str(), kStateFile,
+                     all.empty() ? "none is left to use"
+                                 : ("using the older " + all.back().filename().string()).c_str());
+    }
   return all.empty() ? std::string() : all.back().string();
 }
 

@@ -231,23 +231,27 @@ struct Trainer::Impl {
     for (size_t k = 0; k < params.size(); ++k) {
       const auto& [name, p] = params[k];
       auto it = by_name.find(name);
-      WEFT_CHECK(it != by_name.end(), dir, "/model.safetensors: missing tensor '", name, "'");
+      WEFT_CHECK(it != by_name.end(), dir, ": missing tensor '", name, "'");
       const at::Tensor shard = runtime->shard_of(k, it->second);
-      WEFT_CHECK(shard.sizes() == p.sizes(), dir, "/model.safetensors: tensor '", name,
+      WEFT_CHECK(shard.sizes() == p.sizes(), dir, ": tensor '", name,
                  "' has shape ", it->second.sizes(), ", which does not fit the model (", p.sizes(),
                  " on this rank)");
       p.copy_(shard);
       by_name.erase(it);
     }
     if (opts.comm.size() == 1)
-      WEFT_CHECK(by_name.empty(), dir, "/model.safetensors: tensor '",
+      WEFT_CHECK(by_name.empty(), dir, ": tensor '",
                  by_name.empty() ? "" : by_name.begin()->first, "' does not belong to this model");
     json state = json::parse(ckpt.state_json, nullptr, false);
-    WEFT_CHECK(!state.is_discarded() && state.contains("step"), dir,
-               "/state.json: not valid trainer state");
+    WEFT_CHECK(!state.is_discarded() && state.contains("step") &&
+                   state["step"].is_number_integer() && state["step"].get<int64_t>() >= 0,
+               dir, "/state.json: not valid trainer state (expected {\"step\": a count >= 0, ...})");
     start_step = state["step"].get<int64_t>();
-    loss_first = state.value("loss_first", NAN);
-    prior_wall_seconds = state.value("wall_seconds", 0.0);
+    const auto number = [&](const char* key, double otherwise) {
+      return state.contains(key) && state[key].is_number() ? state[key].get<double>() : otherwise;
+    };
+    loss_first = number("loss_first", NAN);
+    prior_wall_seconds = number("wall_seconds", 0.0);
     // This rank's shards of its own parameters' moments.
     std::map<std::string, at::Tensor> moments(full_optimizer.begin(), full_optimizer.end());
     model::NamedTensors mine;
@@ -256,7 +260,7 @@ struct Trainer::Impl {
       for (const char* kind : {"exp_avg.", "exp_avg_sq."}) {
         const std::string key = kind + trainable[t].first;
         auto it = moments.find(key);
-        WEFT_CHECK(it != moments.end(), dir, "/optimizer.safetensors: missing tensor '", key, "'");
+        WEFT_CHECK(it != moments.end(), dir, ": missing optimizer tensor '", key, "'");
         mine.emplace_back(key, runtime->shard_of(runtime->param_index(t), it->second));
         moments.erase(it);
       }
@@ -265,7 +269,7 @@ struct Trainer::Impl {
       it = model().unused(it->first.substr(it->first.find('.') + 1)) ? moments.erase(it)
                                                                      : std::next(it);
     if (opts.comm.size() == 1)
-      WEFT_CHECK(moments.empty(), dir, "/optimizer.safetensors: unexpected tensor '",
+      WEFT_CHECK(moments.empty(), dir, ": unexpected optimizer tensor '",
                  moments.empty() ? "" : moments.begin()->first,
                  "' (a checkpoint of another model or freezing setup?)");
     optimizer->load_state(mine, state.value("optimizer_steps", start_step));
