@@ -42,12 +42,13 @@ def simulate(args, extra, profile, cluster):
 
 
 def measure(args, tmp, name, extra, quiet):
-    out = os.path.join(tmp, f"{name}-{time.time_ns()}")
     common = [f"train.steps={args.steps}", "train.warmup=5", "train.threads=1",
               "data.eval_samples=16", "output.trace_step=0"]
     weft = os.path.join(args.build, "weft")
 
     def once():
+        # A fresh run directory each time (a repeated run may not write over the last).
+        out = os.path.join(tmp, f"{name}-{time.time_ns()}")
         vs.run([weft, "launch", "--nproc", "2", "--", weft, "train", args.config,
                 *vs.sets(common + extra), "--out", out, "--quiet"], f"{name} run")
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

@@ -145,12 +145,13 @@ def sets(values):
 
 def measure(args, tmp, name, extra, quiet):
     """Median step seconds of a real 2-rank run."""
-    out = os.path.join(tmp, name.split()[0] + "-" + str(time.time_ns()))
     common = [f"train.steps={args.steps}", "train.warmup=5", "train.threads=1",
               "train.checkpoint_every=0", "data.eval_samples=16", "output.trace_step=0"]
     weft = os.path.join(args.build, "weft")
 
     def once():
+        # A fresh run directory each time (a repeated run may not write over the last).
+        out = os.path.join(tmp, name.split()[0] + "-" + str(time.time_ns()))
         run([weft, "launch", "--nproc", "2", "--", weft, "train", args.config,
              *sets(common + extra), "--out", out, "--quiet"], f"{name} run")
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

@@ -6,6 +6,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "cli/validators.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/data/shapes.h"
@@ -172,8 +173,8 @@ std::function<int()> add_inspect(CLI::App& app) {
   cp->add_option("--span", args->spans, "modality item span BEGIN:END (repeatable)");
   cp->add_option("--doc", args->docs, "start of a packed document (repeatable)");
   cp->add_option("--padding-from", args->padding_from, "first padding position");
-  cp->add_option("--cp", args->cp, "context-parallel size")->check(CLI::PositiveNumber);
-  cp->add_option("--block", args->block, "block size in tokens")->check(CLI::PositiveNumber);
+  cp->add_option("--cp", args->cp, "context-parallel size")->check(weft::cli::kPositive);
+  cp->add_option("--block", args->block, "block size in tokens")->check(weft::cli::kPositive);
   cp->add_option("--config", args->config, "take the cost model from this config's LLM");
   auto bargs = std::make_shared<BalanceArgs>();
   CLI::App* bal = inspect->add_subcommand(
@@ -186,13 +187,15 @@ std::function<int()> add_inspect(CLI::App& app) {
   bal->add_option("--mix", bargs->mix,
                   "workload: llava, video, interleaved (synthetic), or shapes (the config's "
                   "dataset)");
-  bal->add_option("--batch", bargs->batch, "samples in the global batch (default train.batch)");
+  bal->add_option("--batch", bargs->batch, "samples in the global batch (default train.batch)")
+      ->check(weft::cli::kPositive);
   bal->add_option("--replicas", bargs->replicas, "LLM data-parallel replicas")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   bal->add_option("--microbatches", bargs->microbatches,
-                  "microbatches per replica (default train.microbatches)");
+                  "microbatches per replica (default train.microbatches)")
+      ->check(weft::cli::kPositive);
   bal->add_option("--pp", bargs->stages, "pipeline stages (orders microbatches for 1F1B)")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   bal->add_option("--seed", bargs->seed, "workload seed (shapes: the training step)");
   return [cp, args, bal, bargs]() -> int {
     if (*cp) return run_cp_split(*args);

@@ -18,6 +18,7 @@
 #include "cli/plan.h"
 #include "cli/report.h"
 #include "cli/simulate.h"
+#include "cli/validators.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/core/memory.h"
@@ -49,6 +50,17 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   weft::Spec spec = weft::load_spec(path, sets);
   const weft::dist::WorldInfo world = weft::dist::world_from_env();
   weft::plan::Plan plan = weft::plan::make_plan(spec, world.world_size);
+  // A fresh run never writes over another (every rank checks before the rendezvous, so before
+  // rank 0 writes anything); a restart by `weft launch` continues its own.
+  const char* restart = std::getenv("WEFT_RESTART");
+  const std::string out_dir = !out.empty() ? out : spec.output.dir;
+  if (resume.empty() && !out_dir.empty() && !(restart && std::atoi(restart) > 0)) {
+    const std::filesystem::path d(out_dir);
+    for (const char* f : {"config.toml", "metrics.jsonl", "checkpoints"})
+      WEFT_CHECK(!std::filesystem::exists(d / f), out_dir, ": already holds a run (", f,
+                 "); continue it with `weft train --resume ", out_dir,
+                 "`, or give another --out");
+  }
   weft::train::TrainerOptions opts;
   // A GPU rank takes its device before any NCCL group exists.
   const bool cuda = weft::dist::select_device(spec.train.device, world.local_rank).is_cuda();
@@ -61,8 +73,8 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   opts.out_dir = out;
   opts.resume_dir = resume;
   // Restarted by `weft launch --max-restarts`: continue the run from its last checkpoint.
-  if (const char* r = std::getenv("WEFT_RESTART"); r && std::atoi(r) > 0) {
-    opts.restart = std::atoi(r);
+  if (restart && std::atoi(restart) > 0) {
+    opts.restart = std::atoi(restart);
     const std::string dir = !out.empty() ? out : spec.output.dir;
     if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir).empty())
       opts.resume_dir = dir;
@@ -148,7 +160,8 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
       left.erase(it);
     }
     WEFT_CHECK(left.empty(), ckpt, ": tensor '", left.empty() ? "" : left.begin()->first,
-               "' is not part of the model of ", config, " (was config.toml changed after the run?)");
+               "' is not part of the model of ", config,
+               " (was config.toml changed after the run?)");
   }
   const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
                               : dtype == "fp16" ? at::kHalf
@@ -194,7 +207,7 @@ int main(int argc, char** argv) {
   train
       ->add_option("--timeout", timeout_seconds,
                    "seconds to wait for the other ranks at rendezvous and in any collective")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
 
   std::function<int()> run_plan = weft::cli::add_plan(app);
 
@@ -203,14 +216,15 @@ int main(int argc, char** argv) {
       "launch", "run N local ranks of a command: weft launch --nproc N -- weft train CONFIG");
   launch->add_option("--nproc", launch_opts.nproc, "ranks to start")
       ->required()
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   launch->add_option("--master-addr", launch_opts.master_addr, "rendezvous address (loopback)");
-  launch->add_option("--master-port", launch_opts.master_port, "rendezvous port (0 = free port)");
+  launch->add_option("--master-port", launch_opts.master_port, "rendezvous port (0 = free port)")
+      ->check(CLI::Range(0, 65535).description("").name("PORT"));
   launch
       ->add_option("--max-restarts", launch_opts.max_restarts,
                    "after a failure, start the job again up to this many times (weft train "
                    "resumes from its --out directory's last checkpoint)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(weft::cli::kNonNegative);
   launch->add_option("command", launch_opts.command, "the command every rank runs (after --)")
       ->required();
 
@@ -220,10 +234,10 @@ int main(int argc, char** argv) {
       "peak", "bf16 and fp32 matmul FLOP/s (the MFU denominator), measured in one run (JSON)");
   double peak_seconds = 0.6;
   int64_t peak_size = 2048, peak_threads = 0;
-  peak->add_option("--seconds", peak_seconds, "time per precision")->check(CLI::PositiveNumber);
-  peak->add_option("--size", peak_size, "square matmul size")->check(CLI::PositiveNumber);
+  peak->add_option("--seconds", peak_seconds, "time per precision")->check(weft::cli::kPositive);
+  peak->add_option("--size", peak_size, "square matmul size")->check(weft::cli::kPositive);
   peak->add_option("--threads", peak_threads, "intra-op threads (0 = all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(weft::cli::kNonNegative);
 
   CLI::App* step = bench->add_subcommand(
       "step",
@@ -233,12 +247,12 @@ int main(int argc, char** argv) {
   std::string step_json;
   step->add_option("config", config, "config file (TOML)")->required();
   step->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
-  step->add_option("--steps", step_opts.steps, "timed steps")->check(CLI::PositiveNumber);
+  step->add_option("--steps", step_opts.steps, "timed steps")->check(weft::cli::kPositive);
   step->add_option("--warmup", step_opts.warmup, "untimed steps first")
-      ->check(CLI::NonNegativeNumber);
+      ->check(weft::cli::kNonNegative);
   step->add_option("--peak-flops", step_opts.peak_flops,
                    "MFU denominator in FLOP/s (default: measure the matmul peak)")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   step->add_option("--dump", step_opts.dump_dir,
                    "write config.toml, model.safetensors, step-*.safetensors and bench.json here");
   step->add_option("--json", step_json, "also write the result to this file");
@@ -258,9 +272,9 @@ int main(int argc, char** argv) {
   prof->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
   prof->add_option("--out", prof_out, "also write the profile to this file");
   prof->add_option("--reps", prof_opts.reps, "timed repetitions per measurement (median)")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   prof->add_option("--warmup", prof_opts.warmup, "untimed repetitions first")
-      ->check(CLI::NonNegativeNumber);
+      ->check(weft::cli::kNonNegative);
   prof->add_flag("--no-comm", prof_no_comm, "skip the transport measurement");
   bool prof_alone = false;
   prof->add_flag("--alone", prof_alone,
@@ -286,7 +300,7 @@ int main(int argc, char** argv) {
   exp->add_option("--dtype", export_dtype, "fp32, bf16 or fp16")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   exp->add_option("--shard-mb", export_shard_mb, "largest safetensors shard (MiB)")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
 
   CLI::App* example = app.add_subcommand("example", "generate example data and checkpoints");
   example->require_subcommand(1);
@@ -298,7 +312,7 @@ int main(int argc, char** argv) {
   int64_t example_samples = 2048;
   uint64_t example_seed = 1234;
   example_llava->add_option("out_dir", example_out, "directory to write")->required();
-  example_llava->add_option("--samples", example_samples, "records")->check(CLI::PositiveNumber);
+  example_llava->add_option("--samples", example_samples, "records")->check(weft::cli::kPositive);
   example_llava->add_option("--seed", example_seed, "data and init seed");
 
   std::function<int()> run_inspect = weft::cli::add_inspect(app);

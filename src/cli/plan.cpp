@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/validators.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
@@ -149,7 +150,7 @@ std::function<int()> add_plan(CLI::App& app) {
   cmd->add_option("--world-size", args->world,
                   "ranks to plan for (default 1); with --cluster: devices the plan may use "
                   "(default: every device of the cluster)")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   cmd->add_option("--cluster", args->cluster,
                   "cluster file (TOML; see configs/clusters/): search for the best plan on it");
   cmd->add_option("--out", args->out, "with --cluster: write the chosen Plan here (JSON)");
@@ -162,13 +163,13 @@ std::function<int()> add_plan(CLI::App& app) {
                   "repeatable; default colocated and separate)")
       ->check(CLI::IsMember({"colocated", "separate", "megatron"}));
   cmd->add_option("--top", args->top, "with --cluster: distinct layouts to show")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   cmd->add_option("--max-simulations", args->max_simulations,
                   "with --cluster: stop after this many simulations")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   cmd->add_option("--time-budget", args->time_budget,
                   "with --cluster: stop after this many seconds")
-      ->check(CLI::PositiveNumber);
+      ->check(weft::cli::kPositive);
   return [cmd, args]() -> int {
     if (!*cmd) return 1;
     if (!args->cluster.empty()) return run_search(*args);

@@ -308,8 +308,10 @@ Simulation read_simulation(const fs::path& path) {
       s.stages[r.value("rank", int64_t{0})] = st;
     }
   } catch (const json::exception& e) {
-    WEFT_FAIL(path.string(), ": ranks: expected a list of {\"rank\": integer, \"stages\": [names]} "
-              "as `weft simulate` prints (", e.what(), ")");
+    WEFT_FAIL(path.string(),
+              ": ranks: expected a list of {\"rank\": integer, \"stages\": [names]} "
+              "as `weft simulate` prints (",
+              e.what(), ")");
   }
   s.timeline.title = "Predicted (simulator)";
   if (s.j.contains("trace") && s.j["trace"].is_string()) {

@@ -46,5 +46,12 @@ for p in contiguous zigzag lpt balanced; do
 done
 expect_error cp-split-span "--span 5-9: expected BEGIN:END" "$weft" inspect cp-split --length 100 --span 5-9
 expect_error cp-split-overlap "overlap" "$weft" inspect cp-split --length 100 --span 5:20 --span 10:30
+expect_error threads "train.threads = 100000: must be at most 1024" "$weft" train "$src/configs/tiny-vlm.toml" --set train.threads=100000
+expect_error sp-without-tp "parallel.llm.sp = true: sequence parallelism splits the tokens over the tensor-parallel ranks, so it needs tp > 1" "$weft" plan "$src/configs/tiny-vlm.toml" --set parallel.llm.sp=true
+expect_error out-over-a-run "run: already holds a run (config.toml); continue it with \`weft train --resume" "$weft" train "$src/configs/tiny-vlm.toml" --out "$tmp/run"
+expect_error world-size-zero "--world-size: must be > 0, got 0" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 0
+expect_error world-size-text "--world-size: expected a number, got '2x'" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2x
+expect_error balance-batch "--batch: must be > 0, got 0" "$weft" inspect balance "$src/configs/tiny-vlm.toml" --batch 0
+expect_error master-port "--master-port: Value 99999 not in range 0 to 65535" "$weft" launch --nproc 1 --master-port 99999 -- true
 [ $fail -eq 0 ] && echo "all CLI error cases passed"
 exit $fail

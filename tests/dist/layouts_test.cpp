@@ -168,11 +168,11 @@ TEST(Layouts, LlmSequenceParallelUnderCp2Tp2) {
 // the sequence is padded to a multiple of 4, and the first stage gathers its tokens' gradient
 // for the features. The vision encoder runs TP 2 with SP over two DP replicas, under ZeRO-1.
 TEST(Layouts, FrozenLlmSequenceParallelTp4ZeroOne) {
-  expect_equivalent(4,
-                    {"model.llm.frozen=true", "model.llm.kv_heads=4", "parallel.llm.tp=4",
-                     "parallel.llm.sp=true", "parallel.vision.tp=2", "parallel.vision.sp=true",
-                     "parallel.vision.dp=2"},
-                    "frozen_llm_tp4_sp", testing::kTinyVlm, {"train.zero_stage=1"});
+  expect_equivalent(
+      4,
+      {"model.llm.frozen=true", "model.llm.kv_heads=4", "parallel.llm.tp=4", "parallel.llm.sp=true",
+       "parallel.vision.tp=2", "parallel.vision.sp=true", "parallel.vision.dp=2"},
+      "frozen_llm_tp4_sp", testing::kTinyVlm, {"train.zero_stage=1"});
 }
 
 // Sequence parallelism in the encoders: between the TP regions each TP rank holds its share of

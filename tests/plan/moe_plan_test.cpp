@@ -197,6 +197,11 @@ TEST(MoePlan, WholeExpertsSpreadTheExpertGroupsOverTensorParallelRanks) {
                       "vision block runs on (its patches and the [CLS] token)"),
             std::string::npos);
   EXPECT_NO_THROW(make_plan(spec_with({"parallel.vision.sp=true", "parallel.vision.tp=2"}), 2));
+  // Sequence parallelism without tensor parallelism would do nothing: said, not ignored.
+  EXPECT_NE(error_of([] { make_plan(spec_with({"parallel.llm.sp=true"}), 1); })
+                .find("parallel.llm.sp = true: sequence parallelism splits the tokens over the "
+                      "tensor-parallel ranks, so it needs tp > 1 (tp = 1)"),
+            std::string::npos);
 }
 
 TEST(MoeFlops, MoeBlocksCountRouterActiveExpertsAndSharedExpert) {

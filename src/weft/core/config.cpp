@@ -728,6 +728,9 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
   s.choice("device", {Device::kCpu, Device::kCuda}, &t->device);
   s.count("threads", &t->threads, /*positive=*/false);
+  if (t->threads > 1024)  // each one a real thread per rank, spawned at start
+    s.fail_value("threads", std::to_string(t->threads),
+                 "must be at most 1024 intra-op threads per rank (0 = one per core)");
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
   s.amount("grad_bucket_mb", &t->grad_bucket_mb);

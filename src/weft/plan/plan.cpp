@@ -110,6 +110,8 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   const std::pair<const char*, int64_t> sizes[] = {
       {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"cp", l.cp}, {"ep", l.ep}};
   for (const auto& [key, v] : sizes) WEFT_CHECK(v >= 1, at, key, " = ", v, ": must be >= 1");
+  WEFT_CHECK(!l.sp || l.tp > 1, at, "sp = true: sequence parallelism splits the tokens over the ",
+             "tensor-parallel ranks, so it needs tp > 1 (tp = ", l.tp, ")");
   const auto divides = [&](const std::string& field, int64_t n) {
     WEFT_CHECK(n % l.tp == 0, at, "tp = ", l.tp, ": must divide ", field, " = ", n);
   };

@@ -99,7 +99,7 @@ void check_same_config(const dist::Comm& comm, const Spec& spec) {
       if (la != lb || (!more_a && !more_b)) break;
       if (!la.empty() && la[0] == '[') table = la;
     }
-    WEFT_FAIL(spec.source, ": rank ", r, " runs another config than rank 0", 
+    WEFT_FAIL(spec.source, ": rank ", r, " runs another config than rank 0",
               table.empty() ? "" : " (in " + table + ")", ": rank 0 has `", la, "`, rank ", r,
               " has `", lb, "`; every rank must be given the same config and --set overrides");
   }
@@ -233,19 +233,20 @@ struct Trainer::Impl {
       auto it = by_name.find(name);
       WEFT_CHECK(it != by_name.end(), dir, ": missing tensor '", name, "'");
       const at::Tensor shard = runtime->shard_of(k, it->second);
-      WEFT_CHECK(shard.sizes() == p.sizes(), dir, ": tensor '", name,
-                 "' has shape ", it->second.sizes(), ", which does not fit the model (", p.sizes(),
+      WEFT_CHECK(shard.sizes() == p.sizes(), dir, ": tensor '", name, "' has shape ",
+                 it->second.sizes(), ", which does not fit the model (", p.sizes(),
                  " on this rank)");
       p.copy_(shard);
       by_name.erase(it);
     }
     if (opts.comm.size() == 1)
-      WEFT_CHECK(by_name.empty(), dir, ": tensor '",
-                 by_name.empty() ? "" : by_name.begin()->first, "' does not belong to this model");
+      WEFT_CHECK(by_name.empty(), dir, ": tensor '", by_name.empty() ? "" : by_name.begin()->first,
+                 "' does not belong to this model");
     json state = json::parse(ckpt.state_json, nullptr, false);
     WEFT_CHECK(!state.is_discarded() && state.contains("step") &&
                    state["step"].is_number_integer() && state["step"].get<int64_t>() >= 0,
-               dir, "/state.json: not valid trainer state (expected {\"step\": a count >= 0, ...})");
+               dir,
+               "/state.json: not valid trainer state (expected {\"step\": a count >= 0, ...})");
     start_step = state["step"].get<int64_t>();
     const auto number = [&](const char* key, double otherwise) {
       return state.contains(key) && state[key].is_number() ? state[key].get<double>() : otherwise;
