@@ -91,6 +91,17 @@ TEST(MoeLayouts, SequenceParallelTp2WithSharedExpertEtp2AndEtp1) {
                     "moe_tp2_sp_etp1_ep2");
 }
 
+// Every axis at once under sequence parallelism: CP 2 x TP 2 with SP over a pipeline of two
+// stages whose first and last hold the tied embedding's two copies, an MoE block on each stage,
+// every block recomputed in backward (its gathers and all-to-alls run again).
+TEST(MoeLayouts, SequenceParallelUnderCp2Tp2Pp2TiedRecomputed) {
+  expect_equivalent(8,
+                    with(kMoe, {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.llm.cp=2",
+                                "parallel.llm.pp=2", "parallel.vision.dp=8",
+                                "model.llm.tie_embeddings=true"}),
+                    "moe_cp2_tp2_sp_pp2", kTinyVlm, {"model.llm.recompute=true"});
+}
+
 TEST(MoeLayouts, WholeExpertsEp4AcrossTp2Dp2) {
   expect_equivalent(4,
                     with(kMoe, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.llm.etp=1",
