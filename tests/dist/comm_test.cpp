@@ -191,5 +191,36 @@ TEST(Comm, SequenceParallelLinearsMatchOneProcess) {
   });
 }
 
+// The same in bf16 (Gloo moves bf16 as fp32: the reduce-scatter sums in fp32), with the first
+// linear's weight frozen (its backward then gathers nothing again): against one process in
+// double on the same bf16 values.
+TEST(Comm, SequenceParallelLinearsInBf16WithAFrozenWeight) {
+  const int64_t B = 2, S = 8, H = 16, F = 32;
+  torch::manual_seed(5);
+  auto bf16 = [](const at::Tensor& t) { return t.to(torch::kBFloat16); };
+  const at::Tensor x0 = bf16(torch::randn({B, S, H})), w10 = bf16(torch::randn({F, H}));
+  const at::Tensor w20 = bf16(torch::randn({H, F})), c = bf16(torch::randn({B, S, H}));
+  auto leaf = [](const at::Tensor& t) { return t.clone().set_requires_grad(true); };
+  at::Tensor x = leaf(x0.to(torch::kDouble)), w2 = leaf(w20.to(torch::kDouble));
+  const at::Tensor y = at::linear(at::linear(x, w10.to(torch::kDouble)).tanh(), w2);
+  (y * c.to(torch::kDouble)).sum().backward();
+  const auto close = [](const at::Tensor& got, const at::Tensor& want) {
+    const double err = (got.to(torch::kDouble) - want).abs().max().item<double>();
+    return err <= 3e-2 * want.abs().max().item<double>();
+  };
+  run_ranks(2, [&](const Comm& g) {
+    const int64_t r = g.rank(), s = S / 2, f = F / 2;
+    at::Tensor xr = leaf(x0.narrow(1, r * s, s)), w2r = leaf(w20.narrow(1, r * f, f));
+    const at::Tensor w1r = w10.narrow(0, r * f, f);  // frozen
+    const at::Tensor hidden = gathered_linear(xr, w1r, at::Tensor(), g, 1);
+    const at::Tensor yr = scatter_along(at::linear(hidden.tanh(), w2r), g, 1);
+    ASSERT_EQ(yr.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(close(yr, y.detach().narrow(1, r * s, s)));
+    (yr * c.narrow(1, r * s, s)).sum().backward();
+    EXPECT_TRUE(close(xr.grad(), x.grad().narrow(1, r * s, s)));
+    EXPECT_TRUE(close(w2r.grad(), w2.grad().narrow(1, r * f, f)));
+  });
+}
+
 }  // namespace
 }  // namespace weft::dist

@@ -95,11 +95,11 @@ TEST(MoeLayouts, SequenceParallelTp2WithSharedExpertEtp2AndEtp1) {
 // stages whose first and last hold the tied embedding's two copies, an MoE block on each stage,
 // every block recomputed in backward (its gathers and all-to-alls run again).
 TEST(MoeLayouts, SequenceParallelUnderCp2Tp2Pp2TiedRecomputed) {
-  expect_equivalent(8,
-                    with(kMoe, {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.llm.cp=2",
-                                "parallel.llm.pp=2", "parallel.vision.dp=8",
-                                "model.llm.tie_embeddings=true"}),
-                    "moe_cp2_tp2_sp_pp2", kTinyVlm, {"model.llm.recompute=true"});
+  expect_equivalent(
+      8,
+      with(kMoe, {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.llm.cp=2",
+                  "parallel.llm.pp=2", "parallel.vision.dp=8", "model.llm.tie_embeddings=true"}),
+      "moe_cp2_tp2_sp_pp2", kTinyVlm, {"model.llm.recompute=true"});
 }
 
 TEST(MoeLayouts, WholeExpertsEp4AcrossTp2Dp2) {
