@@ -108,6 +108,9 @@ int run_balance(const BalanceArgs& a) {
              ": expected llava, video, interleaved or shapes (the config's dataset)");
   Spec spec = load_spec(a.config, a.sets);
   const int64_t batch = a.batch > 0 ? a.batch : spec.train.batch;
+  // The balancer's work grows a little faster than the batch (a million samples: about a minute).
+  WEFT_CHECK(batch <= 1000000, "weft inspect balance: a batch of ", batch,
+             " samples: at most 1000000 (--batch, or train.batch of ", a.config, ")");
   spec.train.batch = batch;
   if (a.microbatches > 0) spec.train.microbatches = a.microbatches;
   for (auto& [name, layout] : spec.parallel.modules) {

@@ -300,6 +300,10 @@ Simulation read_simulation(const fs::path& path) {
   for (const char* key : {"step_seconds", "mfu", "bubble_fraction", "ranks"})
     WEFT_CHECK(s.j.is_object() && s.j.contains(key), path.string(), ": ", key,
                ": missing (expected the JSON `weft simulate` prints)");
+  for (const char* key : {"step_seconds", "mfu", "bubble_fraction"})
+    WEFT_CHECK(s.j[key].is_number() && s.j[key].get<double>() >= 0, path.string(), ": ", key, " = ",
+               s.j[key].dump(), ": expected a number >= 0");
+  WEFT_CHECK(s.j["ranks"].is_array(), path.string(), ": ranks: expected a list");
   try {
     for (const json& r : s.j["ranks"]) {
       std::string st;
@@ -352,14 +356,18 @@ Run read_run(const fs::path& dir) {
     }
     WEFT_CHECK(j.is_object() && j.contains("step") && j.contains("loss"), metrics.string(), ":", n,
                ": expected a metrics line with \"step\" and \"loss\"");
+    WEFT_CHECK(j["step"].is_number_integer() && j["step"].get<int64_t>() >= 1, metrics.string(),
+               ":", n, ": step = ", j["step"].dump(), ": expected a step number >= 1");
     run.metrics.push_back(std::move(j));
   }
   WEFT_CHECK(!run.metrics.empty(), metrics.string(),
              ": no steps recorded (the run stopped before its first step finished)");
   if (fs::exists(dir / "summary.json")) {
     run.summary = read_json(dir / "summary.json", "summary");
-    WEFT_CHECK(!run.summary.contains("world_size") || run.summary["world_size"].is_number_integer(),
-               (dir / "summary.json").string(), ": world_size: expected an integer");
+    WEFT_CHECK(
+        !run.summary.contains("world_size") || (run.summary["world_size"].is_number_integer() &&
+                                                run.summary["world_size"].get<int64_t>() >= 1),
+        (dir / "summary.json").string(), ": world_size: expected a rank count >= 1");
   }
   if (fs::exists(dir / "plan.json")) {
     const fs::path path = dir / "plan.json";

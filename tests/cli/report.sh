@@ -78,6 +78,10 @@ echo '{"step_seconds": 1, "mfu": 0.5, "bubble_fraction": 0, "ranks": [{"rank": "
 "$weft" report "$tmp/run" --sim "$tmp/badranks.json" > "$tmp/err" 2>&1 \
   && die "a simulation with bad ranks was accepted"
 grep -q "badranks.json: ranks: expected" "$tmp/err" || { cat "$tmp/err"; die "unclear ranks error"; }
+echo '{"step_seconds": -1, "mfu": 0.5, "bubble_fraction": 0, "ranks": []}' > "$tmp/negative.json"
+"$weft" report "$tmp/negative.json" > "$tmp/err" 2>&1 && die "a negative step time was accepted"
+grep -q "negative.json: step_seconds = -1: expected a number >= 0" "$tmp/err" \
+  || { cat "$tmp/err"; die "unclear error for a negative step time"; }
 echo '{"steps": 3}' > "$tmp/other.json"
 "$weft" report "$tmp/other.json" > "$tmp/err" 2>&1 && die "a non-simulation JSON was accepted"
 grep -q "other.json: step_seconds: missing" "$tmp/err" || { cat "$tmp/err"; die "unclear error"; }

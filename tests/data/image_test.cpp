@@ -306,6 +306,9 @@ TEST(ImageDecode, ErrorsNameTheFile) {
   const std::string missing = error_of([] { load_image("/nonexistent/x.png"); });
   EXPECT_NE(missing.find("/nonexistent/x.png"), std::string::npos) << missing;
   EXPECT_NE(error_of([] { decode_image("", "empty.png"); }).find("empty.png"), std::string::npos);
+  const std::string dir = kMediaDir;  // a folder where an image file was expected
+  EXPECT_NE(error_of([&] { load_image(dir); }).find(": a directory, not an image file"),
+            std::string::npos);
 }
 
 TEST(ImageDecode, RefusesProgressiveScanBombs) {

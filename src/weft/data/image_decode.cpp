@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -295,6 +296,9 @@ DecodedImage decode_image(std::string_view bytes, const std::string& name) {
 }
 
 DecodedImage load_image(const std::string& path) {
+  std::error_code ec;
+  WEFT_CHECK(!std::filesystem::is_directory(path, ec), "image ", path,
+             ": a directory, not an image file");
   std::ifstream f(path, std::ios::binary);
   WEFT_CHECK(f, "image ", path, ": cannot open the file");
   std::ostringstream ss;
