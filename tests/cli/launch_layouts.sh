@@ -31,3 +31,12 @@ for n in ("vision fwd mb0 s0", "llm fwd mb1 s1", "llm bwd mb0 s0", "llm grad all
 assert all(e["ph"] == "X" and e["dur"] >= 0 for e in t)
 print(len(t), "trace events from 4 ranks")
 PY
+# Time blocked in the LLM's TP collectives is reported per step (none in the single process).
+python3 - "$tmp/mixed/metrics.jsonl" "$tmp/single/metrics.jsonl" <<'PY' || die "collective_wait_seconds"
+import json, sys
+mixed = [json.loads(l) for l in open(sys.argv[1])]
+single = [json.loads(l) for l in open(sys.argv[2])]
+assert all(0 < m["collective_wait_seconds"] < m["compute_seconds"] for m in mixed), mixed
+assert all("collective_wait_seconds" not in s for s in single), single[0]
+print("collective wait per step:", [round(m["collective_wait_seconds"], 4) for m in mixed])
+PY

@@ -27,6 +27,12 @@
 namespace weft::dist {
 
 namespace {
+thread_local double t_blocked_seconds = 0;  // blocked_seconds()
+}  // namespace
+
+double blocked_seconds() { return t_blocked_seconds; }
+
+namespace {
 
 // An error's message without c10's stack trace.
 std::string message_of(const std::exception& e) {
@@ -133,8 +139,12 @@ struct Comm::Impl {
   }
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       work->wait();
+      if (std::strcmp(op, "send") != 0 && std::strcmp(op, "recv") != 0)  // collectives only
+        t_blocked_seconds +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } catch (const std::exception& e) {
       WEFT_FAIL("rank ", rank, " of ", size, ": ", op,
                 " failed (a peer died, hung or timed out "

@@ -107,4 +107,10 @@ class Comm {
   std::shared_ptr<Impl> impl_;
 };
 
+// Seconds the calling thread has spent blocked in collectives (all-reduce, all-gather,
+// reduce-scatter, broadcast, all-to-all) since it started: a host clock. With Gloo that is the
+// collectives' time as the rank saw it (transfer and waiting for peers); a NCCL collective
+// blocks no host thread.
+double blocked_seconds();
+
 }  // namespace weft::dist

@@ -887,6 +887,7 @@ struct Runtime::Impl {
     times = {};
     trace.clear();
     step_t0 = now();
+    const double blocked0 = blocked_seconds();
     cp_layouts.clear();
     bridge_rows_cache.clear();
     if (llm_plan->layout.cp > 1)  // every microbatch's split, so every rank knows the balance
@@ -995,6 +996,7 @@ struct Runtime::Impl {
     sends.clear();
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
     WEFT_ASSERT(posted.empty(), posted.size(), " posted receives not read");
+    times.collective_wait_seconds = blocked_seconds() - blocked0;
     // 4. Gradients: data x context parallel sums per module, then tied embedding copies.
     const double t0 = now();
     for (size_t e = 0; e < enc_sync.size(); ++e) {

@@ -59,6 +59,9 @@ struct StepTimes {
   double grad_sync_seconds = 0;  // exposed (not overlapped) gradient reduction
   int64_t buckets_overlapped = 0;
   double p2p_wait_seconds = 0;  // time blocked in receives (pipeline bubbles + transfers)
+  // Time blocked in the TP / CP / EP / SP collectives of forward and backward (blocked_seconds():
+  // Gloo's, on the thread that ran them; the gradient reduction is grad_sync_seconds).
+  double collective_wait_seconds = 0;
   // LLM context parallelism: the largest over this step's microbatches (all replicas) of
   // (most-loaded CP rank's attention + linear work) / (mean rank work); 1 without CP.
   double cp_imbalance = 1;

@@ -787,6 +787,8 @@ Summary Trainer::run() {
       line["grad_sync_seconds"] = times.grad_sync_seconds;  // exposed reduction time
       line["grad_buckets_overlapped"] = times.buckets_overlapped;
       line["p2p_wait_seconds"] = times.p2p_wait_seconds;
+      line["collective_wait_seconds"] = times.collective_wait_seconds;
+      time_parts["collective_wait"] += times.collective_wait_seconds;
       time_parts["grad_sync"] += times.grad_sync_seconds;
       time_parts["p2p_wait"] += times.p2p_wait_seconds;
     }
