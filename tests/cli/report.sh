@@ -26,10 +26,10 @@ assert html.startswith("<!doctype html>"), html[:40]
 for needle in ('<svg class="chart" id="loss"', 'id="throughput"', 'id="balance"',
                '<svg class="timeline" id="timeline-0"', '<svg class="timeline" id="timeline-1"',
                "Measured (trace.json)", "Predicted (simulator)", "measured / predicted",
-               'id="time"', "waiting for pipeline messages"):
+               'id="time"', "waiting for pipeline messages", "in TP / CP / EP collectives"):
     assert needle in html, needle
 time = re.search(r'<svg class="chart" id="time".*?</svg>', html, re.S).group(0)
-assert time.count('<polyline class="series"') == 6, time.count('<polyline class="series"')
+assert time.count('<polyline class="series"') == 7, time.count('<polyline class="series"')
 loss = re.search(r'<svg class="chart" id="loss".*?</svg>', html, re.S).group(0)
 points = re.search(r'<polyline class="series"[^>]*points="([^"]*)"', loss).group(1).split()
 assert len(points) == 4, points  # one point per step
