@@ -47,19 +47,29 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
                ": not a weft run directory (no config.toml)");
   }
   WEFT_CHECK(!path.empty(), "weft train: give a CONFIG file (or --resume RUN_DIR)");
-  weft::Spec spec = weft::load_spec(path, sets);
-  const weft::dist::WorldInfo world = weft::dist::world_from_env();
-  weft::plan::Plan plan = weft::plan::make_plan(spec, world.world_size);
-  // A fresh run never writes over another (every rank checks before the rendezvous, so before
-  // rank 0 writes anything); a restart by `weft launch` continues its own.
   const char* restart = std::getenv("WEFT_RESTART");
-  const std::string out_dir = !out.empty() ? out : spec.output.dir;
-  if (resume.empty() && !out_dir.empty() && !(restart && std::atoi(restart) > 0)) {
-    const std::filesystem::path d(out_dir);
-    for (const char* f : {"config.toml", "metrics.jsonl", "checkpoints"})
-      WEFT_CHECK(!std::filesystem::exists(d / f), out_dir, ": already holds a run (", f,
-                 "); continue it with `weft train --resume ", out_dir,
-                 "`, or give another --out");
+  weft::Spec spec;
+  weft::plan::Plan plan;
+  weft::dist::WorldInfo world;
+  // Bad input, found before the rendezvous: an exit status `weft launch` does not restart on.
+  try {
+    spec = weft::load_spec(path, sets);
+    world = weft::dist::world_from_env();
+    plan = weft::plan::make_plan(spec, world.world_size);
+    // A fresh run never writes over another (every rank checks before the rendezvous, so before
+    // rank 0 writes anything); a restart by `weft launch` continues its own, the first attempt
+    // having checked.
+    const std::string out_dir = !out.empty() ? out : spec.output.dir;
+    if (resume.empty() && !out_dir.empty() && !(restart && std::atoi(restart) > 0)) {
+      const std::filesystem::path d(out_dir);
+      for (const char* f : {"config.toml", "metrics.jsonl", "checkpoints"})
+        WEFT_CHECK(!std::filesystem::exists(d / f), out_dir, ": already holds a run (", f,
+                   "); continue it with `weft train --resume ", out_dir,
+                   "`, or give another --out");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "weft: error: %s\n", e.what());
+    return weft::dist::kInputErrorExit;
   }
   weft::train::TrainerOptions opts;
   // A GPU rank takes its device before any NCCL group exists.
@@ -148,7 +158,9 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   // The checkpoint must hold this config's model, every tensor at its shape and nothing else: a
   // config.toml edited after the run would otherwise export a wrong model or fail inside LibTorch.
   {
-    const weft::model::MultimodalModel expected(spec.model);
+    weft::model::Hosting shapes;  // the parameters' shapes only: nothing allocated
+    shapes.device = c10::Device(c10::kMeta);
+    const weft::model::MultimodalModel expected(spec.model, 0, shapes);
     std::map<std::string, at::Tensor> left = full;
     for (const auto& [name, p] : expected.parameters()) {
       auto it = left.find(name);

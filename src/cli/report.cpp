@@ -535,7 +535,7 @@ int run_report(const ReportArgs& a) {
         {"compute_seconds", "forward + backward + reduction"},
         {"grad_sync_seconds", "of which: exposed gradient reduction"},
         {"p2p_wait_seconds", "of which: waiting for pipeline messages"},
-        {"collective_wait_seconds", "of which: in TP / CP / EP collectives"},
+        {"collective_wait_seconds", "of which: in TP / CP / EP / SP collectives"},
         {"data_seconds", "data"},
         {"optimizer_seconds", "optimizer"},
         {"norm_seconds", "gradient norm"}};

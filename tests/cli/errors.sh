@@ -49,6 +49,9 @@ expect_error cp-split-overlap "overlap" "$weft" inspect cp-split --length 100 --
 expect_error threads "train.threads = 100000: must be at most 1024" "$weft" train "$src/configs/tiny-vlm.toml" --set train.threads=100000
 expect_error sp-without-tp "parallel.llm.sp = true: sequence parallelism splits the tokens over the tensor-parallel ranks, so it needs tp > 1" "$weft" plan "$src/configs/tiny-vlm.toml" --set parallel.llm.sp=true
 expect_error out-over-a-run "run: already holds a run (config.toml); continue it with \`weft train --resume" "$weft" train "$src/configs/tiny-vlm.toml" --out "$tmp/run"
+# Under `weft launch --max-restarts` the refusal is not restarted (a restart would skip it).
+expect_error out-over-a-run-launch "weft launch: not restarted: the input is at fault" "$weft" launch --nproc 1 --max-restarts 2 -- "$weft" train "$src/configs/tiny-vlm.toml" --out "$tmp/run"
+cmp -s "$src/configs/tiny-vlm.toml" "$tmp/run/config.toml" || { echo "FAIL the refused run's directory changed"; fail=1; }
 expect_error world-size-zero "--world-size: must be > 0, got 0" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 0
 expect_error world-size-text "--world-size: expected a number, got '2x'" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2x
 expect_error balance-batch "--batch: must be > 0, got 0" "$weft" inspect balance "$src/configs/tiny-vlm.toml" --batch 0

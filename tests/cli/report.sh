@@ -26,7 +26,7 @@ assert html.startswith("<!doctype html>"), html[:40]
 for needle in ('<svg class="chart" id="loss"', 'id="throughput"', 'id="balance"',
                '<svg class="timeline" id="timeline-0"', '<svg class="timeline" id="timeline-1"',
                "Measured (trace.json)", "Predicted (simulator)", "measured / predicted",
-               'id="time"', "waiting for pipeline messages", "in TP / CP / EP collectives"):
+               'id="time"', "waiting for pipeline messages", "in TP / CP / EP / SP collectives"):
     assert needle in html, needle
 time = re.search(r'<svg class="chart" id="time".*?</svg>', html, re.S).group(0)
 assert time.count('<polyline class="series"') == 7, time.count('<polyline class="series"')

@@ -36,10 +36,6 @@ TEST(DataParallel, Dp2ZeroOneMatchesSingleProcess) {
   expect_equivalent({"train.zero_stage=1"}, "dp2_zero1");
 }
 
-// Overlap: gradients produced by the armed backward are reduced bucket by bucket during it; a
-// parameter without a gradient joins its bucket with zeros; every rank ends with the sum. The
-// same with the gradients attached to the buckets (accumulated in place there), and with a
-// gradient defined before attach() (carried into the bucket), over two steps.
 // Ranks given different configs (here one --set on one rank) stop before their first
 // collective, every one naming the difference, instead of aborting in Gloo on mismatched sizes
 // or, where the sizes agree, training diverged replicas.
@@ -58,8 +54,21 @@ TEST(DataParallel, RanksWithDifferentConfigsStopNamingTheDifference) {
       EXPECT_NE(error.find("rank 1 has `" + key + " = "), std::string::npos) << error;
     });
   }
+  // Where a host keeps its files, or how many threads it uses, may differ between ranks.
+  const fs::path run = testing::temp_dir("host_local_differences");
+  testing::run_ranks(2, [&](const Comm& comm) {
+    std::vector<std::string> sets = {"train.steps=1", "train.warmup=1", "data.eval_samples=8"};
+    if (comm.rank() == 1) sets.push_back("train.threads=1");
+    Spec spec = parse_spec(testing::kTinyVlm, "tiny", sets);
+    if (comm.rank() == 1) spec.output.dir = "elsewhere";
+    EXPECT_NO_THROW(testing::train(spec, comm, run));
+  });
 }
 
+// Overlap: gradients produced by the armed backward are reduced bucket by bucket during it; a
+// parameter without a gradient joins its bucket with zeros; every rank ends with the sum. The
+// same with the gradients attached to the buckets (accumulated in place there), and with a
+// gradient defined before attach() (carried into the bucket), over two steps.
 TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
   for (const bool attach : {false, true}) {
     SCOPED_TRACE(attach ? "attached" : "copied");

@@ -180,7 +180,8 @@ int run_once(const LaunchOptions& opts, int attempt) {
     std::fprintf(stderr, "weft launch: error: rank %d %s; stopped the other ranks%s%s\n", failed,
                  describe(r.status).c_str(),
                  r.last_error.empty() ? "" : ". Its last error: ", r.last_error.c_str());
-    return 1;
+    const bool input = WIFEXITED(r.status) && WEXITSTATUS(r.status) == kInputErrorExit;
+    return input ? kInputErrorExit : 1;
   }
   if (g_interrupted) {
     std::fprintf(stderr, "weft launch: interrupted; stopped every rank\n");
@@ -201,6 +202,11 @@ int launch(const LaunchOptions& opts) {
   for (int attempt = 0;; ++attempt) {
     const int rc = run_once(opts, attempt);
     if (rc == 0 || g_interrupted || attempt >= opts.max_restarts) return rc;
+    if (rc == kInputErrorExit) {
+      std::fprintf(stderr,
+                   "weft launch: not restarted: the input is at fault, and would be again\n");
+      return rc;
+    }
     std::fprintf(stderr,
                  "weft launch: restart %d of %d: starting every rank again (weft train "
                  "continues from the run's last complete checkpoint)\n",

@@ -13,6 +13,10 @@
 
 namespace weft::dist {
 
+// A rank's exit status for bad input found before training (config, layout, --out): the same
+// input would fail again, so `weft launch --max-restarts` does not restart it.
+constexpr int kInputErrorExit = 3;
+
 struct LaunchOptions {
   int nproc = 1;
   std::string master_addr = "127.0.0.1";

@@ -81,7 +81,8 @@ void verify_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifestFile;
   // Every checkpoint is written with one: without it nothing proves the files whole.
   WEFT_CHECK(fs::exists(path), path.string(),
-             ": missing (every checkpoint is written with its manifest; this one was damaged)");
+             ": missing (every checkpoint is written with its manifest: this one was damaged, or "
+             "written by a weft from before manifests)");
   std::ifstream in(path);
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
   WEFT_CHECK(!j.is_discarded() && j.contains("files") && j["files"].is_object(), path.string(),

@@ -82,10 +82,17 @@ void truncate_metrics(const fs::path& path, int64_t last_step) {
 
 // Every rank must run the same resolved config: otherwise their collectives disagree on sizes
 // (Gloo aborts) or, where sizes agree (a seed, a learning rate), the replicas silently diverge.
-// All ranks gather all configs, so every rank fails alike, naming the first difference.
+// All ranks gather all configs, so every rank fails alike, naming the first difference. What
+// only says where this host keeps things, or how it uses its own cores, may differ: paths (data,
+// media, tokenizer, Hugging Face checkpoints, run directory), data workers and prefetch, threads.
 void check_same_config(const dist::Comm& comm, const Spec& spec) {
   if (comm.size() == 1) return;
-  const std::string mine = spec_to_toml(spec);
+  Spec shared = spec;
+  shared.data.path = shared.data.root = shared.data.tokenizer = shared.output.dir = "";
+  shared.model.llm.hf = "";
+  for (EncoderSpec& e : shared.model.encoders) e.hf = "";
+  shared.data.workers = shared.data.prefetch = shared.train.threads = 0;
+  const std::string mine = spec_to_toml(shared);
   const std::vector<std::string> all = comm.all_gather_strings(mine);
   for (size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
