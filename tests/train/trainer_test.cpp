@@ -393,7 +393,9 @@ TEST(Trainer, ResumeIgnoresMomentsOfUnusedBlocks) {
   TrainerOptions o = quiet_options(bad);
   o.resume_dir = bad.string();
   const std::string e = weft::testing::error_of([&] { Trainer t(two, plan::make_plan(two), o); });
-  EXPECT_NE(e.find("unexpected optimizer tensor 'exp_avg.vision.layers.0.bogus'"), std::string::npos) << e;
+  EXPECT_NE(e.find("unexpected optimizer tensor 'exp_avg.vision.layers.0.bogus'"),
+            std::string::npos)
+      << e;
 }
 
 TEST(Trainer, WritesRunDirectory) {
