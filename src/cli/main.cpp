@@ -47,7 +47,9 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
                ": not a weft run directory (no config.toml)");
   }
   WEFT_CHECK(!path.empty(), "weft train: give a CONFIG file (or --resume RUN_DIR)");
-  const char* restart = std::getenv("WEFT_RESTART");
+  // Restarted by `weft launch --max-restarts` (attempt > 0): continue the run.
+  const char* restart_env = std::getenv("WEFT_RESTART");
+  const int restart = restart_env ? std::atoi(restart_env) : 0;
   weft::Spec spec;
   weft::plan::Plan plan;
   weft::dist::WorldInfo world;
@@ -60,7 +62,7 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
     // rank 0 writes anything); a restart by `weft launch` continues its own, the first attempt
     // having checked.
     const std::string out_dir = !out.empty() ? out : spec.output.dir;
-    if (resume.empty() && !out_dir.empty() && !(restart && std::atoi(restart) > 0)) {
+    if (resume.empty() && !out_dir.empty() && restart == 0) {
       const std::filesystem::path d(out_dir);
       for (const char* f : {"config.toml", "metrics.jsonl", "checkpoints"})
         WEFT_CHECK(!std::filesystem::exists(d / f), out_dir, ": already holds a run (", f,
@@ -82,9 +84,9 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
                  world.world_size, world.master_addr.c_str(), world.master_port);
   opts.out_dir = out;
   opts.resume_dir = resume;
-  // Restarted by `weft launch --max-restarts`: continue the run from its last checkpoint.
-  if (restart && std::atoi(restart) > 0) {
-    opts.restart = std::atoi(restart);
+  // A restart continues the run from its last checkpoint.
+  if (restart > 0) {
+    opts.restart = restart;
     const std::string dir = !out.empty() ? out : spec.output.dir;
     if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir).empty())
       opts.resume_dir = dir;

@@ -127,16 +127,20 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
-// Complete checkpoints of a run, oldest first.
-std::vector<fs::path> complete_checkpoints(const fs::path& root) {
+// Complete checkpoints of a run, oldest first; `damaged`, if given, gets the step directories
+// without their state.json (a checkpoint is renamed into place whole, so they were damaged since).
+std::vector<fs::path> complete_checkpoints(const fs::path& root,
+                                           std::vector<fs::path>* damaged = nullptr) {
   std::vector<fs::path> out;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
-    if (entry.is_directory() && name.rfind("step_", 0) == 0 &&
-        fs::exists(entry.path() / kStateFile))
+    if (!entry.is_directory() || name.rfind("step_", 0) != 0) continue;
+    if (fs::exists(entry.path() / kStateFile))
       out.push_back(entry.path());
+    else if (damaged)
+      damaged->push_back(entry.path());
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -206,21 +210,15 @@ std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
 }
 
 std::string latest_checkpoint(const std::string& run_dir) {
-  const fs::path root = fs::path(run_dir) / "checkpoints";
-  std::vector<fs::path> all = complete_checkpoints(root);
-  // A checkpoint is written under a temporary name and renamed whole: a step_ directory without
-  // its state.json was damaged since. Say so when a newer one is passed over.
-  std::error_code ec;
-  if (fs::is_directory(root, ec))
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (entry.is_directory() && name.rfind("step_", 0) == 0 &&
-          !fs::exists(entry.path() / kStateFile) && (all.empty() || entry.path() > all.back()))
-        std::fprintf(stderr, "weft: warning: %s: no %s, so not a complete checkpoint; %s\n",
-                     entry.path().c_str(), kStateFile,
-                     all.empty() ? "none is left to use"
-                                 : ("using the older " + all.back().filename().string()).c_str());
-    }
+  std::vector<fs::path> damaged;
+  const std::vector<fs::path> all =
+      complete_checkpoints(fs::path(run_dir) / "checkpoints", &damaged);
+  for (const fs::path& d : damaged)  // said when a newer one is passed over
+    if (all.empty() || d > all.back())
+      std::fprintf(stderr, "weft: warning: %s: no %s, so not a complete checkpoint; %s\n",
+                   d.c_str(), kStateFile,
+                   all.empty() ? "none is left to use"
+                               : ("using the older " + all.back().filename().string()).c_str());
   return all.empty() ? std::string() : all.back().string();
 }
 
