@@ -88,7 +88,7 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   if (restart > 0) {
     opts.restart = restart;
     const std::string dir = !out.empty() ? out : spec.output.dir;
-    if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir).empty())
+    if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir, false).empty())
       opts.resume_dir = dir;
     else if (resume.empty() && world.rank == 0)
       std::fprintf(stderr, "weft: restart %d: no checkpoint in %s; starting over\n", opts.restart,
@@ -157,26 +157,9 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   WEFT_CHECK(!ckpt.empty(), run_dir, ": no complete checkpoint to export");
   const auto [model, optimizer] = weft::train::full_tensors(weft::io::load_checkpoint(ckpt));
   std::map<std::string, at::Tensor> full(model.begin(), model.end());
-  // The checkpoint must hold this config's model, every tensor at its shape and nothing else: a
-  // config.toml edited after the run would otherwise export a wrong model or fail inside LibTorch.
-  {
-    weft::model::Hosting shapes;  // the parameters' shapes only: nothing allocated
-    shapes.device = c10::Device(c10::kMeta);
-    const weft::model::MultimodalModel expected(spec.model, 0, shapes);
-    std::map<std::string, at::Tensor> left = full;
-    for (const auto& [name, p] : expected.parameters()) {
-      auto it = left.find(name);
-      WEFT_CHECK(it != left.end(), ckpt, ": no tensor '", name, "', which the model of ", config,
-                 " has (was config.toml changed after the run?)");
-      WEFT_CHECK(it->second.sizes() == p.sizes(), ckpt, ": tensor '", name, "' has shape ",
-                 it->second.sizes(), ", but the model of ", config, " has ", p.sizes(),
-                 " (was config.toml changed after the run?)");
-      left.erase(it);
-    }
-    WEFT_CHECK(left.empty(), ckpt, ": tensor '", left.empty() ? "" : left.begin()->first,
-               "' is not part of the model of ", config,
-               " (was config.toml changed after the run?)");
-  }
+  // A config.toml edited after the run would otherwise export a wrong model or fail inside
+  // LibTorch.
+  weft::train::check_checkpoint_fits(model, optimizer, spec.model, ckpt, config);
   const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
                               : dtype == "fp16" ? at::kHalf
                                                 : at::kFloat;

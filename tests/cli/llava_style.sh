@@ -36,7 +36,7 @@ text = text[:m.start()] + "layers = %d" % (int(m.group(1)) - 1) + text[m.end():]
 open(sys.argv[1], "w").write(text)
 PY
 "$weft" export "$tmp/edited" --hf "$tmp/hf-edited" > "$tmp/err" 2>&1 && die "a stale config exported"
-grep -q "is not part of the model of .*config.toml (was config.toml changed after the run?)" \
+grep -q "is not part of the model of .*config.toml (a checkpoint of another model, or a config changed after it was written?)" \
   "$tmp/err" || { cat "$tmp/err"; die "unclear error for a stale config"; }
 [ ! -e "$tmp/hf-edited" ] || die "a failed export left files behind"
 

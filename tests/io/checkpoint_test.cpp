@@ -104,7 +104,17 @@ TEST(Checkpoint, DamagedNewerCheckpointFallsBackToTheOlder) {
   const std::string older = save_checkpoint(run.string(), 1, sample(1.0f), 2);
   const std::string newer = save_checkpoint(run.string(), 2, sample(2.0f), 2);
   fs::remove(fs::path(newer) / "state.json");
+  ::testing::internal::CaptureStderr();
   EXPECT_EQ(latest_checkpoint(run.string()), older);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("step_00000002: no state.json, so not a complete checkpoint; using the "
+                      "older step_00000001"),
+            std::string::npos)
+      << said;
+  // Quiet where asked (the ranks of a job other than the one that says it).
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(latest_checkpoint(run.string(), false), older);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 // What a kill -9 during a save leaves: a half-written temporary directory. It is never taken

@@ -393,9 +393,46 @@ TEST(Trainer, ResumeIgnoresMomentsOfUnusedBlocks) {
   TrainerOptions o = quiet_options(bad);
   o.resume_dir = bad.string();
   const std::string e = weft::testing::error_of([&] { Trainer t(two, plan::make_plan(two), o); });
-  EXPECT_NE(e.find("unexpected optimizer tensor 'exp_avg.vision.layers.0.bogus'"),
+  EXPECT_NE(e.find("optimizer tensor 'exp_avg.vision.layers.0.bogus' is not a moment of a "
+                   "parameter of the model of this run's config"),
             std::string::npos)
       << e;
+}
+
+// A checkpoint is checked against the whole model it should hold, before any rank takes its
+// shards: each error names the checkpoint, the tensor and what was expected.
+TEST(Trainer, CheckpointFitsItsModel) {
+  const Spec spec = tiny_spec({});
+  const model::MultimodalModel m(spec.model);
+  const model::NamedTensors weights = m.parameters();
+  model::NamedTensors moments;
+  for (const auto& [name, p] : weights)
+    if (name.rfind("llm.", 0) == 0) moments.emplace_back("exp_avg." + name, torch::zeros_like(p));
+  EXPECT_NO_THROW(check_checkpoint_fits(weights, moments, spec.model, "ck", "cfg"));
+  auto error = [&](const model::NamedTensors& w, const model::NamedTensors& o) {
+    return weft::testing::error_of([&] { check_checkpoint_fits(w, o, spec.model, "ck", "cfg"); });
+  };
+  const std::string first = weights[0].first;
+  model::NamedTensors fewer(weights.begin() + 1, weights.end());
+  EXPECT_NE(error(fewer, moments).find("ck: no tensor '" + first + "', which the model of cfg has"),
+            std::string::npos);
+  model::NamedTensors more = weights;
+  more.emplace_back("llm.layers.9.attn.q.weight", torch::zeros({2, 2}));
+  EXPECT_NE(error(more, moments)
+                .find("ck: tensor 'llm.layers.9.attn.q.weight' is not part of the model of cfg"),
+            std::string::npos);
+  model::NamedTensors reshaped = weights;
+  reshaped[0].second = torch::zeros({3, 5});
+  EXPECT_NE(error(reshaped, moments).find("ck: tensor '" + first + "' has shape [3, 5], but"),
+            std::string::npos);
+  model::NamedTensors bad_moment = moments;
+  bad_moment[0].second = torch::zeros({7});
+  EXPECT_NE(error(weights, bad_moment)
+                .find("ck: optimizer tensor '" + moments[0].first + "' has shape [7], but"),
+            std::string::npos);
+  EXPECT_NE(error(weights, {{"momentum." + first, torch::zeros({1})}})
+                .find("optimizer tensor 'momentum." + first + "' is not a moment"),
+            std::string::npos);
 }
 
 TEST(Trainer, WritesRunDirectory) {

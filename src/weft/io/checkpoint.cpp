@@ -209,10 +209,10 @@ std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
   return commit(root, root / (".tmp-" + step_name(step)), step, state_json, keep_last);
 }
 
-std::string latest_checkpoint(const std::string& run_dir) {
+std::string latest_checkpoint(const std::string& run_dir, bool warn) {
   std::vector<fs::path> damaged;
   const std::vector<fs::path> all =
-      complete_checkpoints(fs::path(run_dir) / "checkpoints", &damaged);
+      complete_checkpoints(fs::path(run_dir) / "checkpoints", warn ? &damaged : nullptr);
   for (const fs::path& d : damaged)  // said when a newer one is passed over
     if (all.empty() || d > all.back())
       std::fprintf(stderr, "weft: warning: %s: no %s, so not a complete checkpoint; %s\n",

@@ -53,8 +53,9 @@ void write_checkpoint_shards(const std::string& tmp_dir, int rank,
 std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
                                       const std::string& state_json, int64_t keep_last);
 
-// Newest complete checkpoint directory of a run, or "" when there is none.
-std::string latest_checkpoint(const std::string& run_dir);
+// Newest complete checkpoint directory of a run, or "" when there is none. With `warn`, says on
+// stderr which newer step directories it passed over as damaged (one rank of a job says it).
+std::string latest_checkpoint(const std::string& run_dir, bool warn = true);
 // Loads a checkpoint directory; errors name the file and what is wrong.
 Checkpoint load_checkpoint(const std::string& dir);
 

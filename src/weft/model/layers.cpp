@@ -76,6 +76,8 @@ const Shard& Scope::groups() const { return shard ? *shard : kNoShard; }
 
 at::Tensor Scope::normal(const std::string& name, at::IntArrayRef shape, double std, Split split,
                          ParamUse use) const {
+  // A meta-device model has shapes only: no values to draw.
+  if (device().is_meta()) return add(name, torch::empty(shape, at::kMeta), std::move(split), use);
   return add(name, init_normal(prefix + "." + name, shape, std), std::move(split), use);
 }
 

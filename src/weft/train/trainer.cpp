@@ -228,27 +228,22 @@ struct Trainer::Impl {
   // Loads the newest checkpoint: each rank takes its shards of the full tensors, so a run saved
   // under one layout resumes under another.
   void resume() {
-    const std::string dir = io::latest_checkpoint(run_dir.string());
+    const std::string dir = io::latest_checkpoint(run_dir.string(), opts.comm.rank() == 0);
     WEFT_CHECK(!dir.empty(), run_dir.string(), ": no complete checkpoint to resume from");
     const io::Checkpoint ckpt = io::load_checkpoint(dir);
     const auto [full_model, full_optimizer] = full_tensors(ckpt);
+    // Every rank reads every rank file, so each checks the whole model before taking shards.
+    check_checkpoint_fits(full_model, full_optimizer, spec.model, dir, "this run's config");
     std::map<std::string, at::Tensor> by_name(full_model.begin(), full_model.end());
     torch::NoGradGuard no_grad;
     const model::NamedTensors& params = model().parameters();
     for (size_t k = 0; k < params.size(); ++k) {
       const auto& [name, p] = params[k];
-      auto it = by_name.find(name);
-      WEFT_CHECK(it != by_name.end(), dir, ": missing tensor '", name, "'");
-      const at::Tensor shard = runtime->shard_of(k, it->second);
-      WEFT_CHECK(shard.sizes() == p.sizes(), dir, ": tensor '", name, "' has shape ",
-                 it->second.sizes(), ", which does not fit the model (", p.sizes(),
-                 " on this rank)");
+      const at::Tensor shard = runtime->shard_of(k, by_name.at(name));
+      WEFT_ASSERT(shard.sizes() == p.sizes(), dir, ": shard of '", name, "' is ", shard.sizes(),
+                  ", this rank holds ", p.sizes());
       p.copy_(shard);
-      by_name.erase(it);
     }
-    if (opts.comm.size() == 1)
-      WEFT_CHECK(by_name.empty(), dir, ": tensor '", by_name.empty() ? "" : by_name.begin()->first,
-                 "' does not belong to this model");
     json state = json::parse(ckpt.state_json, nullptr, false);
     WEFT_CHECK(!state.is_discarded() && state.contains("step") &&
                    state["step"].is_number_integer() && state["step"].get<int64_t>() >= 0,
@@ -392,6 +387,39 @@ std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Check
       WEFT_FAIL("checkpoint: unexpected tensor '", name, "'");
   }
   return {full_model, full_optimizer};
+}
+
+void check_checkpoint_fits(const model::NamedTensors& full_model,
+                           const model::NamedTensors& full_optimizer, const ModelSpec& spec,
+                           const std::string& ckpt, const std::string& model_of) {
+  const char* hint = " (a checkpoint of another model, or a config changed after it was written?)";
+  model::Hosting shapes;
+  shapes.device = c10::Device(c10::kMeta);
+  const model::MultimodalModel expected(spec, 0, shapes);
+  std::map<std::string, at::IntArrayRef> want;
+  for (const auto& [name, p] : expected.parameters()) want.emplace(name, p.sizes());
+  std::map<std::string, at::IntArrayRef> have;
+  for (const auto& [name, t] : full_model) {
+    auto it = want.find(name);
+    WEFT_CHECK(it != want.end(), ckpt, ": tensor '", name, "' is not part of the model of ",
+               model_of, hint);
+    WEFT_CHECK(t.sizes() == it->second, ckpt, ": tensor '", name, "' has shape ", t.sizes(),
+               ", but the model of ", model_of, " has ", it->second, hint);
+    have.emplace(name, t.sizes());
+  }
+  for (const auto& [name, sizes] : want)
+    WEFT_CHECK(have.count(name), ckpt, ": no tensor '", name, "', which the model of ", model_of,
+               " has", hint);
+  for (const auto& [key, t] : full_optimizer) {
+    const size_t dot = key.find('.');
+    const std::string kind = key.substr(0, dot);
+    auto it = dot == std::string::npos ? want.end() : want.find(key.substr(dot + 1));
+    WEFT_CHECK((kind == "exp_avg" || kind == "exp_avg_sq") && it != want.end(), ckpt,
+               ": optimizer tensor '", key, "' is not a moment of a parameter of the model of ",
+               model_of, hint);
+    WEFT_CHECK(t.sizes() == it->second, ckpt, ": optimizer tensor '", key, "' has shape ",
+               t.sizes(), ", but its parameter has ", it->second, hint);
+  }
 }
 
 Trainer::Trainer(Spec spec, plan::Plan plan, TrainerOptions options)
