@@ -5,7 +5,11 @@
 #    overlap with backward hides;
 #  - PP2 (LLM in two pipeline stages, vision encoder data-parallel over both ranks, 4
 #    microbatches, 1F1B): the fraction of step time spent blocked in point-to-point receives
-#    (transfers plus pipeline bubbles) and in exposed gradient reduction.
+#    (transfers plus pipeline bubbles) and in exposed gradient reduction;
+#  - LLM TP2, without and with SP: the time per step blocked in TP collectives and the step
+#    time, with the column-parallel linears' backward overlapping its collectives with its matmuls
+#    (train.overlap_tp_comm, the default) and waiting for each where issued; the two run
+#    alternately, twice each, against drift.
 # All runs happen here, in one invocation, so the ratios compare like with like.
 #   usage: bench/comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
@@ -32,6 +36,19 @@ run dp2_overlap "$build/weft" launch --nproc 2 --
   --set train.microbatches=4 --set parallel.llm.pp=2 --out "$tmp/pp2" --quiet \
   > "$tmp/pp2.log" 2>&1 || { cat "$tmp/pp2.log"; exit 1; }
 
+for round in 1 2; do
+  for sp in false true; do
+    for overlap in true false; do
+      [ $round -eq 2 ] && overlap=$([ $overlap = true ] && echo false || echo true)
+      name=tp2_sp${sp}_overlap${overlap}_$round
+      "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
+        "${common[@]}" --set parallel.llm.tp=2 --set parallel.llm.sp=$sp \
+        --set train.overlap_tp_comm=$overlap --out "$tmp/$name" --quiet \
+        > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+    done
+  done
+done
+
 python3 - "$tmp" "$steps" <<'PY'
 import json, statistics, sys
 tmp, steps = sys.argv[1], int(sys.argv[2])
@@ -55,4 +72,13 @@ print(f"PP2 (4 microbatches, 1F1B) median step seconds {pp_step:.4f}: "
       f"exposed gradient reduction {pp_sync / pp_step:.3f}")
 print(f"PP2 throughput vs single process: {s_step / pp_step:.3f}x; "
       f"textbook 1F1B bubble for p=2, m=4: {1 / 5:.3f}")
+for sp in ("false", "true"):
+    def both(overlap, key):  # the mean of the two rounds' medians
+        return statistics.mean(med(load(f"tp2_sp{sp}_overlap{overlap}_{r}"), key) for r in (1, 2))
+    on_step, off_step = both("true", "step_seconds"), both("false", "step_seconds")
+    on_wait, off_wait = both("true", "collective_wait_seconds"), both("false", "collective_wait_seconds")
+    print(f"LLM TP2{' + SP' if sp == 'true' else ''}: blocked in TP collectives per step "
+          f"{on_wait:.4f} s overlapped, {off_wait:.4f} s waiting where issued "
+          f"({1 - on_wait / off_wait:.3f} of it hidden); step time waiting / overlapped: "
+          f"{off_step / on_step:.3f}x")
 PY

@@ -216,7 +216,7 @@ int main(int argc, char** argv) {
       ->check(weft::cli::kPositive);
   launch->add_option("--master-addr", launch_opts.master_addr, "rendezvous address (loopback)");
   launch->add_option("--master-port", launch_opts.master_port, "rendezvous port (0 = free port)")
-      ->check(CLI::Range(0, 65535).description("").name("PORT"));
+      ->check(weft::cli::integer_in(0, 65535));
   launch
       ->add_option("--max-restarts", launch_opts.max_restarts,
                    "after a failure, start the job again up to this many times (weft train "

@@ -26,4 +26,20 @@ inline CLI::Validator number_at_least_zero(bool positive) {
 inline const CLI::Validator kPositive = number_at_least_zero(true);
 inline const CLI::Validator kNonNegative = number_at_least_zero(false);
 
+// A validator for whole numbers in [lo, hi] (CLI11's Range words its message differently from
+// version to version).
+inline CLI::Validator integer_in(long lo, long hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        char* end = nullptr;
+        const long v = std::strtol(text.c_str(), &end, 10);
+        if (text.empty() || end == nullptr || *end != '\0')
+          return "expected a whole number, got '" + text + "'";
+        if (v < lo || v > hi)
+          return "must be in " + std::to_string(lo) + ".." + std::to_string(hi) + ", got " + text;
+        return "";
+      },
+      "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
 }  // namespace weft::cli

@@ -55,6 +55,6 @@ cmp -s "$src/configs/tiny-vlm.toml" "$tmp/run/config.toml" || { echo "FAIL the r
 expect_error world-size-zero "--world-size: must be > 0, got 0" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 0
 expect_error world-size-text "--world-size: expected a number, got '2x'" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2x
 expect_error balance-batch "--batch: must be > 0, got 0" "$weft" inspect balance "$src/configs/tiny-vlm.toml" --batch 0
-expect_error master-port "--master-port: Value 99999 not in range 0 to 65535" "$weft" launch --nproc 1 --master-port 99999 -- true
+expect_error master-port "--master-port: must be in 0..65535, got 99999" "$weft" launch --nproc 1 --master-port 99999 -- true
 [ $fail -eq 0 ] && echo "all CLI error cases passed"
 exit $fail

@@ -338,8 +338,11 @@ TEST(Multimodal, FrozenModulesHeldInBf16ComputeExactlyAsFp32Masters) {
   const std::string err = error_of([&] { model.set_trainable("llm", true); });
   EXPECT_NE(err.find("module 'llm'"), std::string::npos) << err;
   EXPECT_NE(err.find("cannot train"), std::string::npos) << err;
-  for (const auto& [name, p] : model.parameters())  // nothing of the llm was made trainable
-    if (MultimodalModel::module_of(name) == "llm") EXPECT_FALSE(p.requires_grad()) << name;
+  for (const auto& [name, p] : model.parameters()) {  // nothing of the llm was made trainable
+    if (MultimodalModel::module_of(name) == "llm") {
+      EXPECT_FALSE(p.requires_grad()) << name;
+    }
+  }
   model.set_trainable("llm", false);
   model.set_trainable("vision", true);  // held in fp32: trainable
 }

@@ -520,6 +520,7 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   Spec s = vlm_spec();
   s.parallel.modules["llm"].tp = 2;
   s.parallel.modules["vision"].dp = 2;
+  s.train.overlap_tp_comm = false;  // each collective charged whole (see the test after next)
   const Cluster c = ideal(2, 1e-5, 10);
   const SimResult r = simulate(s, make_plan(s, 2), c, no_optimizer());
   SimOptions free = no_optimizer();
@@ -546,6 +547,7 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
   s.parallel.modules["llm"].tp = 2;
   s.parallel.modules["llm"].sp = true;
   s.parallel.modules["vision"].dp = 2;
+  s.train.overlap_tp_comm = false;  // each collective charged whole (see the next test)
   const Cluster c = ideal(2, 1e-5, 10);
   SimOptions free = no_optimizer();
   free.tp_cp_comm = false;
@@ -564,6 +566,46 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
     const double backward = blocks * (2 * (ag + rs) + (frozen ? 0 : 2 * ag)) + ar + ag;
     EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (forward + backward), 1e-12);
     EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (forward + backward), 1e-12);
+  }
+}
+
+// With train.overlap_tp_comm (the default) a column-parallel linear's backward hides its input
+// gradient's reduction behind its weight gradient's matmul and, under SP, the re-gather of its
+// input behind its input gradient's matmul (dist::column_linear): each up to that matmul's
+// seconds. Only where the weights train; not on CPU ranks, where Gloo takes the matmuls' core.
+TEST(Simulate, ColumnParallelBackwardHidesItsCollectives) {
+  Spec s = vlm_spec();
+  s.parallel.modules["llm"].tp = 2;
+  s.parallel.modules["vision"].dp = 2;
+  // Per microbatch 4·64 tokens over tp 2, at 1e12 FLOP/s (2e12 peak x 0.5 efficiency); per
+  // block the QKV projection (128 -> 128 + 2·64) and SwiGLU's gate and up (128 -> 2·384).
+  const double per_flop = 4.0 * 64 / 2 / 1e12;
+  const double matmuls = 4 * (2 * 128 * (128 + 2 * 64) + 2 * 128 * 2 * 384) * per_flop;
+  const double ar = all_reduce_seconds(ideal(2, 0, 1e6), {0, 1}, 4.0 * 64 * 128 * 2);
+  const auto hidden = [&](const Cluster& c, const SimOptions& o) {
+    s.train.overlap_tp_comm = true;
+    const SimResult on = simulate(s, make_plan(s, 2), c, o);
+    s.train.overlap_tp_comm = false;
+    const SimResult off = simulate(s, make_plan(s, 2), c, o);
+    EXPECT_NEAR(off.step_seconds - on.step_seconds,
+                off.ranks[0].comm_seconds - on.ranks[0].comm_seconds, 1e-12);
+    return off.ranks[0].comm_seconds - on.ranks[0].comm_seconds;
+  };
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sp" : "tp");
+    s.parallel.modules["llm"].sp = sp;
+    s.model.llm.frozen = false;
+    // Slow links: every collective outlasts its matmul, which it hides whole (two per linear
+    // under SP), in each of the 2 microbatches.
+    EXPECT_NEAR(hidden(ideal(2, 1e-4, 10), no_optimizer()), 2 * (sp ? 2 : 1) * matmuls, 1e-15);
+    // Fast links: every hidable collective hides whole: 2 linears x 4 blocks of all-reduces (of
+    // reduce-scatters and all-gathers, each half an all-reduce, under SP).
+    if (!sp) EXPECT_NEAR(hidden(ideal(2, 0, 1e6), no_optimizer()), 2 * 8 * ar, 1e-15);
+    SimOptions cpu = no_optimizer();
+    cpu.comm_occupies_rank = true;
+    EXPECT_EQ(hidden(ideal(2, 1e-5, 10), cpu), 0);
+    s.model.llm.frozen = true;  // no weight gradients: nothing follows the reductions
+    EXPECT_EQ(hidden(ideal(2, 1e-5, 10), no_optimizer()), 0);
   }
 }
 

@@ -202,7 +202,10 @@ struct TrainSpec {
   int64_t threads = 0;              // 0 = all cores
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
-  double grad_bucket_mb = 4.0;      // DP: gradient bucket size (MiB of fp32)
+  // TP / SP: a column-parallel linear's backward runs its collectives during its matmuls
+  // (dist::column_linear); false waits for each where it is issued (for measuring).
+  bool overlap_tp_comm = true;
+  double grad_bucket_mb = 4.0;  // DP: gradient bucket size (MiB of fp32)
   // Each parameter used with gradients cast to the compute dtype once per step, shared by every
   // microbatch and pipeline op (model::CastOnce); false casts it at every use (for measuring).
   bool cast_once = true;

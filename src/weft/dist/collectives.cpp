@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <optional>
+
 #include "weft/core/error.h"
 
 namespace weft::dist {
@@ -103,32 +106,81 @@ struct SplitReplicated : torch::autograd::Function<SplitReplicated> {
   }
 };
 
-// The bias is added outside (an undefined tensor is no autograd Function input on LibTorch 1.13).
-struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
+// column_linear's autograd functions, with and without a bias (an undefined tensor is no
+// autograd Function input on LibTorch 1.13). `dim` < 0: no sequence parallelism.
+at::Tensor column_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                          const at::Tensor& b, const Comm& group, int64_t dim) {
+  save_group(ctx, group);
+  ctx->saved_data["dim"] = dim;
+  ctx->save_for_backward({x, w});
+  return at::linear(dim >= 0 ? gathered(x, group, dim) : x, w, b);
+}
+
+std::atomic<bool> g_overlap_tp_comm{true};
+
+variable_list column_backward(AutogradContext* ctx, const at::Tensor& g, bool bias) {
+  const variable_list saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &w = saved[1];
+  const Comm& group = saved_group(ctx);
+  const int64_t dim = ctx->saved_data["dim"].toInt();
+  const bool sp = dim >= 0;
+  const at::Tensor gy = g.reshape({-1, g.size(-1)});  // [rows, out]
+  // Each collective starts as soon as its operand exists and is waited only when its result is
+  // needed, so that the matmuls between run while it is in flight (every rank issues them in the
+  // same order): x's all-gather during the input gradient's matmul, the input gradient's
+  // reduction during the weight gradient's.
+  std::optional<PendingTensor> gathered_x;
+  const bool overlap = g_overlap_tp_comm.load(std::memory_order_relaxed);
+  if (sp && ctx->needs_input_grad(1)) {
+    gathered_x = group.all_gather_async(x.transpose(0, dim).contiguous());
+    if (!overlap) gathered_x->wait();
+  }
+  std::optional<PendingTensor> scattered_gx;
+  at::Tensor gx, gw, gb;
+  Pending reduced_gx;
+  if (ctx->needs_input_grad(0)) {
+    std::vector<int64_t> shape = g.sizes().vec();
+    shape.back() = w.size(1);
+    gx = gy.mm(w).view(shape);  // this rank's output features' share
+    if (sp)
+      scattered_gx = group.reduce_scatter_sum_async(gx.transpose(0, dim).contiguous());
+    else
+      reduced_gx = group.all_reduce_sum_async(gx);
+    if (!overlap) {
+      if (scattered_gx) scattered_gx->wait();
+      reduced_gx.wait();
+    }
+  }
+  if (ctx->needs_input_grad(1)) {
+    const at::Tensor xf = sp ? gathered_x->wait().transpose(0, dim) : x;
+    gw = gy.t().mm(xf.reshape({-1, xf.size(-1)}));
+  }
+  if (bias && ctx->needs_input_grad(2)) gb = gy.sum(0);
+  if (scattered_gx) gx = scattered_gx->wait().transpose(0, dim);
+  reduced_gx.wait();
+  variable_list out{gx, gw};
+  if (bias) out.push_back(gb);
+  out.insert(out.end(), {at::Tensor(), at::Tensor()});
+  return out;
+}
+
+struct ColumnLinear : torch::autograd::Function<ColumnLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const Comm& group, int64_t dim) {
-    save_group(ctx, group);
-    ctx->saved_data["dim"] = dim;
-    ctx->save_for_backward({x, w});
-    return at::linear(gathered(x, group, dim), w);
+    return column_forward(ctx, x, w, at::Tensor(), group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
-    const Comm& group = saved_group(ctx);
-    const int64_t dim = ctx->saved_data["dim"].toInt();
-    const at::Tensor gy = g[0].reshape({-1, g[0].size(-1)});  // [rows, out]
-    at::Tensor gx, gw;
-    if (ctx->needs_input_grad(0)) {
-      std::vector<int64_t> shape = g[0].sizes().vec();
-      shape.back() = w.size(1);
-      gx = scattered(gy.mm(w).view(shape), group, dim);
-    }
-    if (ctx->needs_input_grad(1)) {
-      const at::Tensor xf = gathered(x, group, dim);
-      gw = gy.t().mm(xf.reshape({-1, xf.size(-1)}));
-    }
-    return {gx, gw, at::Tensor(), at::Tensor()};
+    return column_backward(ctx, g[0], false);
+  }
+};
+
+struct ColumnLinearBias : torch::autograd::Function<ColumnLinearBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& b, const Comm& group, int64_t dim) {
+    return column_forward(ctx, x, w, b, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return column_backward(ctx, g[0], true);
   }
 };
 
@@ -196,13 +248,17 @@ at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim) {
   return GatherOrScatter<false>::apply(x, group, dim);
 }
 
-at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                           const Comm& group, int64_t dim) {
+void set_overlap_tp_comm(bool overlap) { g_overlap_tp_comm = overlap; }
+
+at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const Comm& group, int64_t sequence_dim) {
   if (group.size() == 1) return at::linear(x, w, b);
-  dim = dim < 0 ? dim + x.dim() : dim;
-  if (!x.requires_grad() && !w.requires_grad()) return at::linear(gathered(x, group, dim), w, b);
-  const at::Tensor y = GatheredLinear::apply(x, w, group, dim);
-  return b.defined() ? y + b : y;
+  const bool sp = sequence_dim >= 0;
+  // No collective in backward: x's gradient is not wanted, nor (under SP) the weight's.
+  if (!x.requires_grad() && (!sp || !w.requires_grad()))
+    return at::linear(sp ? gathered(x, group, sequence_dim) : x, w, b);
+  return b.defined() ? ColumnLinearBias::apply(x, w, b, group, sequence_dim)
+                     : ColumnLinear::apply(x, w, group, sequence_dim);
 }
 
 at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {

@@ -37,11 +37,20 @@ at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim)
 // Forward reduce-scatter along `dim` (sum of the partial outputs, this rank's chunk), backward
 // all-gather: a row-parallel linear's output returning to the sequence-split region.
 at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim);
-// A column-parallel linear of the all-gather of x along `dim`: at::linear(gather(x), w, b), whose
-// backward all-gathers x again (only x's chunk is kept for backward, not the gathered input) and
-// reduce-scatters the input gradient, each rank's being a partial sum over its output features.
-at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                           const Comm& group, int64_t dim);
+// A column-parallel linear: at::linear(x, w, b) on this rank's output features (b may be
+// undefined). Without sequence parallelism (sequence_dim < 0) x is replicated over the group and
+// its gradient, each rank's a partial sum over its output features, is all-reduced. With it, x is
+// this rank's chunk of the sequence along `sequence_dim` (>= 0), all-gathered first; backward
+// all-gathers it again for the weight gradient (only the chunk is kept) and reduce-scatters the
+// input gradient. Backward overlaps each collective with a matmul, as Megatron-LM's
+// LinearWithGradAccumulationAndAsyncCommunication: x's all-gather with the input gradient's
+// matmul, the input gradient's reduction with the weight gradient's.
+at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const Comm& group, int64_t sequence_dim = -1);
+// Whether column_linear's backward overlaps (default true; train.overlap_tp_comm). Off, it waits
+// for each collective where it is issued: the same results, for measuring what overlap gains.
+// Process-wide: backward may run on another thread (an autograd device thread).
+void set_overlap_tp_comm(bool overlap);
 
 // Forward all-to-all of rows (Comm::all_to_all: send_counts[r] rows to rank r, recv_counts[r]
 // from it), backward the all-to-all of the gradient rows back to where they came from (counts

@@ -288,28 +288,12 @@ void through_host(at::Tensor& t, const Op& op) {
 }
 }  // namespace
 
-void Comm::all_reduce_sum(at::Tensor& t) const {
-  if (size() == 1) return;
-  WEFT_CHECK(t.is_contiguous(), "all_reduce_sum: tensor must be contiguous");
-  if (impl_->staged(t)) return through_host(t, [&](at::Tensor& h) { all_reduce_sum(h); });
-  if (needs_fp32(t)) {
-    at::Tensor f = t.to(at::kFloat);
-    all_reduce_sum(f);
-    t.copy_(f);
-    return;
-  }
-  std::vector<at::Tensor> v{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  impl_->wait(impl_->group_for(t).allreduce(v, opts), "all_reduce_sum");
-}
+void Comm::all_reduce_sum(at::Tensor& t) const { all_reduce_sum_async(t).wait(); }
 
 Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   if (size() == 1) return {};
-  WEFT_CHECK(t.is_contiguous() && !needs_fp32(t),
-             "all_reduce_sum_async: tensor must be a "
-             "contiguous fp32/int64 tensor");
-  if (impl_->staged(t)) {  // the copy back happens at wait; 2-byte floats reduced in fp32
+  WEFT_CHECK(t.is_contiguous(), "all_reduce_sum: tensor must be contiguous");
+  if (impl_->staged(t) || needs_fp32(t)) {  // reduced in a host / fp32 copy, copied back at wait
     at::Tensor h = t.to(at::kCPU);
     if (needs_fp32(h)) h = h.to(at::kFloat);
     Pending inner = all_reduce_sum_async(h);
@@ -324,7 +308,7 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   opts.reduceOp = c10d::ReduceOp::SUM;
   c10::intrusive_ptr<c10d::Work> work = impl_->group_for(t).allreduce(v, opts);
   std::shared_ptr<Impl> impl = impl_;
-  return Pending([impl, work] { impl->wait(work, "all_reduce_sum_async"); });
+  return Pending([impl, work] { impl->wait(work, "all_reduce_sum"); });
 }
 
 void Comm::all_reduce_max(at::Tensor& t) const {
@@ -345,15 +329,26 @@ void Comm::broadcast(at::Tensor& t, int root) const {
   impl_->wait(impl_->group_for(t).broadcast(v, opts), "broadcast");
 }
 
-at::Tensor Comm::all_gather(const at::Tensor& t) const {
-  if (size() == 1) return t.clone();
-  if (impl_->staged(t)) return all_gather(t.to(at::kCPU)).to(t.device());
-  if (needs_fp32(t)) return all_gather(t.to(at::kFloat)).to(t.scalar_type());
+at::Tensor Comm::all_gather(const at::Tensor& t) const { return all_gather_async(t).wait(); }
+
+PendingTensor Comm::all_gather_async(const at::Tensor& t) const {
+  if (size() == 1) return PendingTensor(t.clone());
+  if (impl_->staged(t) || needs_fp32(t)) {  // gathered in a host / fp32 copy
+    const at::Tensor h = impl_->staged(t) ? t.to(at::kCPU) : t;
+    auto inner =
+        std::make_shared<PendingTensor>(all_gather_async(needs_fp32(h) ? h.to(at::kFloat) : h));
+    const at::TensorOptions back = t.options();
+    return PendingTensor([inner, back] { return inner->wait().to(back); });
+  }
   std::vector<at::Tensor> in{t.contiguous()};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
-  impl_->wait(impl_->group_for(t).allgather(out, in), "all_gather");
-  return torch::cat(out[0], 0);
+  auto out = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
+  for (int r = 0; r < size(); ++r) (*out)[0].push_back(torch::empty_like(in[0]));
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(t).allgather(*out, in);
+  std::shared_ptr<Impl> impl = impl_;
+  return PendingTensor([impl, work, out] {
+    impl->wait(work, "all_gather");
+    return torch::cat((*out)[0], 0);
+  });
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& s) const {
@@ -371,10 +366,19 @@ std::vector<std::string> Comm::all_gather_strings(const std::string& s) const {
 }
 
 at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
+  return reduce_scatter_sum_async(t).wait();
+}
+
+PendingTensor Comm::reduce_scatter_sum_async(const at::Tensor& t) const {
   WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
              t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
-  if (size() == 1) return t.clone();
-  if (impl_->staged(t)) return reduce_scatter_sum(t.to(at::kCPU)).to(t.device());
+  if (size() == 1) return PendingTensor(t.clone());
+  std::shared_ptr<Impl> impl = impl_;
+  if (impl_->staged(t)) {
+    auto inner = std::make_shared<PendingTensor>(reduce_scatter_sum_async(t.to(at::kCPU)));
+    const c10::Device device = t.device();
+    return PendingTensor([inner, device] { return inner->wait().to(device); });
+  }
 #ifdef WEFT_CUDA
   if (t.is_cuda()) {  // NCCL's own reduce-scatter
     at::Tensor in = t.contiguous();
@@ -383,8 +387,11 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
     at::Tensor out = torch::empty(shape, in.options());
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    impl_->wait(impl_->group_for(t)._reduce_scatter_base(out, in, opts), "reduce_scatter_sum");
-    return out;
+    c10::intrusive_ptr<c10d::Work> work = impl_->group_for(t)._reduce_scatter_base(out, in, opts);
+    return PendingTensor([impl, work, in, out] {  // `in` lives until the collective is done
+      impl->wait(work, "reduce_scatter_sum");
+      return out;
+    });
   }
 #endif
   // Gloo on 1.13 has no reduce_scatter: an all-to-all brings chunk r of every rank to rank r,
@@ -392,11 +399,15 @@ at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   at::Tensor in = needs_fp32(t) ? t.to(at::kFloat).contiguous() : t.contiguous();
   at::Tensor out = torch::empty_like(in);
   std::vector<int64_t> splits;  // even splits
-  impl_->wait(impl_->group_for(in).alltoall_base(out, in, splits, splits), "reduce_scatter_sum");
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(in).alltoall_base(out, in, splits, splits);
   std::vector<int64_t> shape = out.sizes().vec();
   shape[0] /= size();
   shape.insert(shape.begin(), size());
-  return out.view(shape).sum(0).to(t.scalar_type());
+  const at::ScalarType type = t.scalar_type();
+  return PendingTensor([impl, work, in, out, shape, type] {
+    impl->wait(work, "reduce_scatter_sum");
+    return out.view(shape).sum(0).to(type);
+  });
 }
 
 at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& send_counts,

@@ -48,6 +48,22 @@ class Pending {
   std::function<void()> wait_;
 };
 
+// A collective's result in flight: wait() blocks until it is complete and returns it (the same
+// tensor if called again).
+class PendingTensor {
+ public:
+  explicit PendingTensor(at::Tensor ready) : value_(std::move(ready)) {}
+  explicit PendingTensor(std::function<at::Tensor()> finish) : finish_(std::move(finish)) {}
+  at::Tensor wait() {
+    if (finish_) value_ = std::exchange(finish_, nullptr)();
+    return value_;
+  }
+
+ private:
+  std::function<at::Tensor()> finish_;
+  at::Tensor value_;
+};
+
 class Comm {
  public:
   Comm();  // the single-rank group
@@ -71,16 +87,19 @@ class Comm {
   Comm subgroup(const std::vector<int>& ranks) const;
 
   void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous
-  // Non-blocking variant for fp32 / int64 tensors (overlapping communication with compute).
+  // Non-blocking variant (overlapping communication with compute): `t` holds the sum once the
+  // Pending is waited. 2-byte floats go through an fp32 copy on Gloo, copied back at wait.
   Pending all_reduce_sum_async(at::Tensor& t) const;
   void all_reduce_max(at::Tensor& t) const;
   void broadcast(at::Tensor& t, int root) const;  // in place
   // Concatenation of every rank's tensor along dim 0 (same shape on every rank).
   at::Tensor all_gather(const at::Tensor& t) const;
+  PendingTensor all_gather_async(const at::Tensor& t) const;
   // Every rank's string, in rank order (lengths may differ).
   std::vector<std::string> all_gather_strings(const std::string& s) const;
   // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()).
   at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
+  PendingTensor reduce_scatter_sum_async(const at::Tensor& t) const;
   // All-to-all with uneven splits along dim 0: the first send_counts[0] rows of `t` go to rank 0,
   // the next send_counts[1] to rank 1, ...; returns the rows received, in source-rank order
   // (recv_counts[r] of them from rank r). Every rank's recv_counts[r] must equal rank r's

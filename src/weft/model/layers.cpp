@@ -247,8 +247,7 @@ Linear Linear::make(const Scope& s, int64_t in, int64_t out, bool bias, double s
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   switch (par) {
     case Par::kColumn:
-      if (sp) return dist::gathered_linear(x, to_compute(weight), to_compute(bias), tp, 1);
-      return at::linear(dist::copy_to(x, tp), to_compute(weight), to_compute(bias));
+      return dist::column_linear(x, to_compute(weight), to_compute(bias), tp, sp ? 1 : -1);
     case Par::kRow: {
       const at::Tensor partial = at::linear(x, to_compute(weight));
       at::Tensor y = sp ? dist::scatter_along(partial, tp, 1) : dist::reduce_from(partial, tp);

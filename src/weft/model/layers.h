@@ -213,10 +213,11 @@ class InitSeedGuard {
   uint64_t saved_;
 };
 
-// Column-parallel: output features split over TP (input enters through copy_to); row-parallel:
-// input features split, partial outputs all-reduced, bias added once after. Under sequence
-// parallelism the input of a column-parallel linear is all-gathered along the sequence and a
-// row-parallel one's output reduce-scattered (dist::gathered_linear, dist::scatter_along).
+// Column-parallel: output features split over TP, the input's gradient all-reduced
+// (dist::column_linear); row-parallel: input features split, partial outputs all-reduced, bias
+// added once after. Under sequence parallelism the input of a column-parallel linear is
+// all-gathered along the sequence and a row-parallel one's output reduce-scattered
+// (dist::column_linear, dist::scatter_along).
 enum class Par { kNone, kColumn, kRow };
 
 struct Linear {

@@ -123,7 +123,7 @@ at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool
                                   at::Reduction::Sum);
   // Vocab-parallel cross-entropy: log Σ_v exp(l_v) − l_target with the max, the sum of
   // exponentials and the target logit each combined over TP; no rank sees the whole vocabulary.
-  at::Tensor logits = at::linear(dist::copy_to(rows, tp), to_compute(w)).to(at::kFloat);
+  at::Tensor logits = dist::column_linear(rows, to_compute(w), at::Tensor(), tp).to(at::kFloat);
   at::Tensor max = std::get<0>(logits.detach().max(-1));
   tp.all_reduce_max(max);
   at::Tensor sum_exp = dist::reduce_from((logits - max.unsqueeze(-1)).exp().sum(-1), tp);

@@ -102,6 +102,18 @@ double encoder_block_forward_flops(const EncoderSpec& e) {
                      static_cast<double>(e.ffn));
 }
 
+ColumnFlops llm_column_flops(const LlmSpec& llm) {
+  const double h = static_cast<double>(llm.hidden);
+  const double q = static_cast<double>(llm.head_dim() * llm.heads);
+  const double kv = static_cast<double>(llm.head_dim() * llm.kv_heads);
+  return {2 * h * (q + 2 * kv), 2 * h * 2 * static_cast<double>(llm.ffn)};
+}
+
+ColumnFlops encoder_column_flops(const EncoderSpec& e) {
+  const double h = static_cast<double>(e.hidden);
+  return {2 * h * 3 * h, 2 * h * static_cast<double>(e.ffn)};
+}
+
 double encoder_forward_flops(const EncoderSpec& e) {
   return encoder_front_forward_flops(e) +
          static_cast<double>(e.layers_used()) * encoder_block_forward_flops(e);

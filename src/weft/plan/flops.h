@@ -46,6 +46,14 @@ double moe_all_to_all_bytes(const LlmSpec& llm, const LlmTokens& t, int64_t laye
 // Patch embedding (and conv stem) of a ViT, the two convolutions of a Whisper front end.
 double encoder_front_forward_flops(const EncoderSpec& enc);
 double encoder_block_forward_flops(const EncoderSpec& enc);
+// Forward FLOPs per token of a block's column-parallel linears, whole: {QKV, the MLP's input
+// projection} (gate and up of the LLM's SwiGLU — not in an MoE block, whose experts are no
+// column-parallel linear —, fc1 of an encoder's MLP).
+struct ColumnFlops {
+  double qkv = 0, mlp_in = 0;
+};
+ColumnFlops llm_column_flops(const LlmSpec& llm);
+ColumnFlops encoder_column_flops(const EncoderSpec& enc);
 // Forward FLOPs of the projector on one item.
 double projector_forward_flops(const EncoderSpec& enc, const LlmSpec& llm);
 

@@ -255,7 +255,19 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
                gather(edp, expert_span, held.expert_grads);
   }
   const auto runs = microbatch_runs(B_ / n.D, n.M);
+  // The backward's TP collectives of `blocks` blocks (the simulator's tp_blocks_backward_comm),
+  // with its column-parallel linears' reductions and re-gathers hidden behind their matmuls.
+  const bool sp = layout.sequence_parallel();
+  const bool hides = spec_.train.overlap_tp_comm && !o_.sim.comm_occupies_rank && mi.weight_grads;
+  const auto tp_backward = [&](double blocks, const ColumnFlops& columns, double units,
+                               double tokens, double tp_ar, double tp_ag) {
+    const double rate = hides ? backward_seconds_per_flop(sc, units, split, flops_) : 0;
+    if (!sp) return column_backward_comm(blocks, tp_ar, 0, columns, tokens, tp, rate);
+    return 2 * blocks * tp_ag + column_backward_comm(blocks, tp_ag, mi.weight_grads ? tp_ag : 0,
+                                                     columns, tokens, tp, rate);
+  };
   if (mi.llm) {
+    const ColumnFlops columns = llm_column_flops(spec_.model.llm), moe_columns{columns.qkv, 0};
     w.backward = mi.backward;
     // MoE blocks (the simulator's moe_comm): two all-to-alls each way over the EP group (token
     // indices consecutive, ranks etp apart), and with etp = 1 < tp a TP all-gather in place of
@@ -281,7 +293,6 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       // weights train (an MoE block its tokens instead), an MoE block gathers its tokens going
       // forward, the last stage its hidden states for the loss, the first stage's backward its
       // tokens' gradient.
-      const bool sp = layout.sequence_parallel();
       const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) : 0;
       const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
                        blocks * cp_ag + moe_comm + (moe + (last ? 1 : 0)) * tp_ag;
@@ -292,9 +303,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       if (!w.backward) continue;
       const double again =
           sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + moe * tp_ag : 0;
-      const double b = op_seconds(sc, false, m, split) + 2 * blocks * tp_ar + blocks * cp_ag +
-                       moe_comm + ((mi.weight_grads ? 2 * blocks : moe) + (first ? 1 : 0)) * tp_ag +
-                       again;
+      const double b = op_seconds(sc, false, m, split) +
+                       tp_backward(blocks - moe, columns, m, tokens, tp_ar, tp_ag) +
+                       tp_backward(moe, moe_columns, m, tokens, tp_ar, tp_ag) + blocks * cp_ag +
+                       moe_comm + ((mi.weight_grads ? 0 : moe) + (first ? 1 : 0)) * tp_ag + again;
       w.bwd += count * b;
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
@@ -321,7 +333,6 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, true);
     const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
     // Sequence parallelism as for the LLM; the last stage gathers its output over TP.
-    const bool sp = layout.sequence_parallel();
     const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * h * act_, true) : 0;
     const double f =
         op_seconds(sc, true, items, split) + blocks * (2 * tp_ar + cp_ag) +
@@ -335,10 +346,12 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     if (r == 0) w.first_fwd = f, w.hop_first = to_next;
     w.last_fwd = f, w.hop_last = to_next;
     if (!w.backward) continue;
-    const double b =
-        op_seconds(sc, false, items, split) +
-        ((mi.weight_grads ? blocks : 0) + (sc.recompute ? blocks : 0)) * (2 * tp_ar + cp_ag) +
-        (mi.weight_grads ? 2 * blocks + (first ? 1 : 0) : 0) * tp_ag;
+    const double b = op_seconds(sc, false, items, split) +
+                     (mi.weight_grads ? tp_backward(blocks, encoder_column_flops(e), items, tokens,
+                                                    tp_ar, tp_ag) +
+                                            blocks * cp_ag + (first ? tp_ag : 0)
+                                      : 0) +
+                     (sc.recompute ? blocks : 0) * (2 * tp_ar + cp_ag);
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;

@@ -167,18 +167,17 @@ class Engine {
   double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
     return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
-  // The TP collectives of `blocks` transformer blocks over `bytes` of activations (a rank's
-  // tokens, whole): two all-reduces per block each way. Under sequence parallelism (a rank holds
+  // The forward's TP collectives of `blocks` transformer blocks over `bytes` of activations (a
+  // rank's tokens, whole): two all-reduces per block. Under sequence parallelism (a rank holds
   // 1/tp of its tokens between the TP regions) each all-reduce becomes an all-gather of the
-  // column-parallel input and a reduce-scatter of the row-parallel output (the same bytes);
-  // backward reduce-scatters the column-parallel inputs' gradients, gathers the row-parallel
-  // outputs' and, where the weights train (`regather`), gathers each column-parallel input again
-  // (its shard was kept) for the weight gradient (dist::gathered_linear).
-  double tp_blocks_comm(const std::vector<int64_t>& tp, double blocks, double bytes, bool sp,
-                        bool forward, bool regather) const {
+  // column-parallel input and a reduce-scatter of the row-parallel output (the same bytes).
+  // Backward (tp_blocks_backward_comm) reduces the column-parallel inputs' gradients, under SP
+  // gathers the row-parallel outputs' and, where the weights train, gathers each column-parallel
+  // input again (its shard was kept) for the weight gradient (dist::column_linear).
+  double tp_blocks_forward_comm(const std::vector<int64_t>& tp, double blocks, double bytes,
+                                bool sp) const {
     if (!sp) return 2 * blocks * all_reduce(tp, bytes);
-    const double ag = all_gather(tp, bytes), rs = reduce_scatter(tp, bytes);
-    return blocks * (forward ? 2 * (ag + rs) : 2 * (ag + rs) + (regather ? 2 * ag : 0));
+    return 2 * blocks * (all_gather(tp, bytes) + reduce_scatter(tp, bytes));
   }
   // Every rank sends `bytes` in all, evenly over the group: the pairwise exchange costs what a
   // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
@@ -232,6 +231,30 @@ class Engine {
     return out;
   }
 
+  // The backward's TP collectives of `blocks` blocks (column_backward_comm): under SP the two
+  // all-gathers of the row-parallel outputs' gradients, then per column-parallel linear its
+  // input gradient's reduction and, where the weights train (`regather`), its input's re-gather,
+  // each hidden behind a matmul at `seconds_per_flop` (0: nothing hidden).
+  double tp_blocks_backward_comm(const std::vector<int64_t>& tp, double blocks, double bytes,
+                                 bool sp, bool regather, const ColumnFlops& columns, double tokens,
+                                 double seconds_per_flop) const {
+    const double n = static_cast<double>(tp.size());
+    if (!sp)
+      return column_backward_comm(blocks, all_reduce(tp, bytes), 0, columns, tokens, n,
+                                  seconds_per_flop);
+    const double ag = all_gather(tp, bytes);
+    return 2 * blocks * ag + column_backward_comm(blocks, reduce_scatter(tp, bytes),
+                                                  regather ? ag : 0, columns, tokens, n,
+                                                  seconds_per_flop);
+  }
+  // The mean seconds per FLOP of a backward op whose matmuls hide its column-parallel linears'
+  // collectives (train.overlap_tp_comm); 0 where nothing hides: no weight gradients follow the
+  // reductions, or CPU ranks (comm_occupies_rank: Gloo works on the core the matmuls use).
+  double overlap_seconds_per_flop(const StageCost& sc, double n, double split,
+                                  bool weight_grads) const {
+    if (!spec_.train.overlap_tp_comm || o_.comm_occupies_rank || !weight_grads) return 0;
+    return backward_seconds_per_flop(sc, n, split, flops_per_second_);
+  }
   // A forward / backward op of a stage on n units of data, the per-unit work divided over
   // `split` (tp × cp) ranks: measured seconds when the stage has them, else FLOPs at the
   // device's effective rate; plus the op's TP / CP collectives.
@@ -307,11 +330,11 @@ class Engine {
       const double blocks = static_cast<double>(sc.blocks), bytes = tokens * h * act_;
       const std::string id = " mb" + std::to_string(mb) + where;
       if (forward_pass) {
-        // TP (tp_blocks_comm), CP's K/V all-gather per block, the last stage's all-gather of
-        // the projected features over CP (under sequence parallelism, of the encoder's output
+        // TP (tp_blocks_forward_comm), CP's K/V all-gather per block, the last stage's all-gather
+        // of the projected features over CP (under sequence parallelism, of the encoder's output
         // over TP first).
         const double comm =
-            tp_blocks_comm(tp_group, blocks, bytes, sp, true, true) +
+            tp_blocks_forward_comm(tp_group, blocks, bytes, sp) +
             blocks * all_gather(cp_group, kv) +
             (last ? all_gather(cp_group, n * T * H * act_) + (sp ? all_gather(tp_group, bytes) : 0)
                   : 0);
@@ -341,9 +364,12 @@ class Engine {
       // (A recomputed block runs its forward's collectives again. Under sequence parallelism
       // the first stage gathers its tokens' gradient over TP for the front end, run whole.)
       const double blocks_back = m.weight_grads ? blocks : 0;
-      const double comm = tp_blocks_comm(tp_group, blocks_back, bytes, sp, false, true) +
+      const double rate =
+          overlap_seconds_per_flop(sc, n, static_cast<double>(tp * cp), m.weight_grads);
+      const double comm = tp_blocks_backward_comm(tp_group, blocks_back, bytes, sp, true,
+                                                  encoder_column_flops(es), tokens, rate) +
                           blocks_back * reduce_scatter(cp_group, kv) +
-                          (sc.recompute ? tp_blocks_comm(tp_group, blocks, bytes, sp, true, true) +
+                          (sc.recompute ? tp_blocks_forward_comm(tp_group, blocks, bytes, sp) +
                                               blocks * all_gather(cp_group, kv)
                                         : 0) +
                           (first && sp && m.weight_grads ? all_gather(tp_group, bytes) : 0);
@@ -403,16 +429,25 @@ class Engine {
              sliced * (all_gather(tp_group, tokens * H * act_) -
                        all_reduce(tp_group, tokens * H * act_));
     };
-    // Sequence parallelism (tp_blocks_comm): besides, an MoE block gathers its tokens whole each
-    // way (in backward in place of re-gathering its MLP's input, which its experts kept whole),
-    // the last stage gathers the final hidden states for the loss, and the first stage's
+    // Sequence parallelism (tp_blocks_forward_comm): besides, an MoE block gathers its tokens whole
+    // each way (in backward in place of re-gathering its MLP's input, which its experts kept
+    // whole), the last stage gathers the final hidden states for the loss, and the first stage's
     // backward gathers its tokens' gradient for the embedding and the features.
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
-    const auto block_comm = [&](double tokens, bool fwd) {
+    const ColumnFlops columns = llm_column_flops(l), moe_columns{columns.qkv, 0};
+    const auto block_comm = [&](double tokens, bool fwd, double n) {
       const double bytes = tokens * H * act_;
-      return tp_blocks_comm(tp_group, blocks, bytes, sp, fwd, m.weight_grads) +
-             (sp && (fwd || !m.weight_grads) ? moe * all_gather(tp_group, bytes) : 0);
+      const double moe_gather =
+          sp && (fwd || !m.weight_grads) ? moe * all_gather(tp_group, bytes) : 0;
+      if (fwd) return tp_blocks_forward_comm(tp_group, blocks, bytes, sp) + moe_gather;
+      const double rate =
+          overlap_seconds_per_flop(sc, n, static_cast<double>(tp * cp), m.weight_grads);
+      return tp_blocks_backward_comm(tp_group, blocks - moe, bytes, sp, m.weight_grads, columns,
+                                     tokens, rate) +
+             tp_blocks_backward_comm(tp_group, moe, bytes, sp, m.weight_grads, moe_columns, tokens,
+                                     rate) +
+             moe_gather;
     };
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
@@ -420,7 +455,7 @@ class Engine {
       // TP: 2 all-reduces per block (block_comm), the vocab-parallel embedding's, and the
       // vocab-parallel loss's three fp32 reductions over its rows (max, sum of exponentials,
       // target logit); CP: one all-gather of K and V together per block; EP: see moe_comm.
-      const double comm = block_comm(tokens, true) +
+      const double comm = block_comm(tokens, true, n) +
                           (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
                           (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
                           (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
@@ -451,11 +486,11 @@ class Engine {
       // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
       // K and V gradients' reduce-scatter (one per block).
       const double comm =
-          block_comm(tokens, false) + (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
+          block_comm(tokens, false, n) + (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
           (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
           blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
           (sc.recompute
-               ? block_comm(tokens, true) + blocks * all_gather(cp_group, kv) + moe_comm(tokens)
+               ? block_comm(tokens, true, n) + blocks * all_gather(cp_group, kv) + moe_comm(tokens)
                : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
@@ -860,6 +895,24 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
              ? sc.forward_fixed_seconds + part(sc.forward_seconds, sc.replicated_forward_seconds)
              : sc.backward_fixed_seconds +
                    part(sc.backward_seconds, sc.replicated_backward_seconds);
+}
+
+double backward_seconds_per_flop(const StageCost& sc, double n, double split,
+                                 double flops_per_second) {
+  const double flops = n * ((sc.backward_flops - sc.replicated_backward_flops) / split +
+                            sc.replicated_backward_flops);
+  return flops > 0 ? compute_seconds(sc, false, n, split, flops_per_second) / flops : 0;
+}
+
+double column_backward_comm(double blocks, double reduce, double regather,
+                            const ColumnFlops& columns, double tokens, double tp,
+                            double seconds_per_flop) {
+  double exposed = 0;
+  for (double f : {columns.qkv, columns.mlp_in}) {
+    const double matmul = f > 0 ? seconds_per_flop * tokens * f / tp : 0;
+    exposed += std::max(0.0, reduce - matmul) + std::max(0.0, regather - matmul);
+  }
+  return blocks * exposed;
 }
 
 double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout) {

@@ -72,6 +72,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/plan/cluster.h"
+#include "weft/plan/flops.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/trace.h"
 
@@ -144,6 +145,21 @@ double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout
 // the seconds under load) or from the FLOPs at flops_per_second.
 double compute_seconds(const StageCost& sc, bool forward, double n, double split,
                        double flops_per_second, bool shared = false);
+// The seconds a backward op's TP collectives take when its column-parallel linears hide them
+// behind their own matmuls (dist::column_linear, train.overlap_tp_comm): each linear's input-
+// gradient reduction (`reduce`: all-reduce, or reduce-scatter under SP) behind its weight
+// gradient's matmul, and under SP the re-gather of its input (`regather`) behind its input
+// gradient's matmul, each exposed only past that matmul's seconds. `blocks` blocks, each with
+// the linears `columns` (forward FLOPs per token, whole; mlp_in 0 for an MoE block) on `tokens`
+// per rank split over `tp`, whose backward runs at the op's mean `seconds_per_flop`. Monotone in
+// the collectives' seconds, so a bound from cheaper collectives stays a bound.
+double column_backward_comm(double blocks, double reduce, double regather,
+                            const ColumnFlops& columns, double tokens, double tp,
+                            double seconds_per_flop);
+// The mean seconds per FLOP of a backward of n units (compute_seconds over its FLOPs; 0 without
+// FLOPs).
+double backward_seconds_per_flop(const StageCost& sc, double n, double split,
+                                 double flops_per_second);
 CostTable stage_costs(const Spec& spec, const Plan& plan);
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their

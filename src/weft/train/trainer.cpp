@@ -18,6 +18,7 @@
 #include "weft/core/progress.h"
 #include "weft/data/collate.h"
 #include "weft/data/dataset.h"
+#include "weft/dist/collectives.h"
 #include "weft/dist/device.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
@@ -165,6 +166,7 @@ struct Trainer::Impl {
     dist::RuntimeOptions ro;
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
+    dist::set_overlap_tp_comm(spec.train.overlap_tp_comm);
     ro.zero1 = spec.train.zero_stage == 1;
     ro.cast_once = spec.train.cast_once;
     ro.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
