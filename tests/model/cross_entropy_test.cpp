@@ -2,14 +2,18 @@
 // rows at a time give the loss and gradients of cross_entropy(linear(rows, w).float(), targets,
 // sum), in fp32 and bf16, in one chunk, in several with a partial last one, and one row at a
 // time; with only the rows, only the weight or neither requiring grad; no rows, a transposed
-// weight, int32 targets, no grad mode; and twice with retain_graph.
+// weight, int32 targets, no grad mode; and twice with retain_graph; vocab-parallel over 2 and 3
+// ranks against the whole vocabulary.
 #include "weft/model/cross_entropy.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
+
+#include "support/ranks.h"
 
 namespace weft::model {
 namespace {
@@ -114,6 +118,38 @@ TEST(LinearCrossEntropy, ASecondBackwardGivesTheSameGradients) {
   loss.backward();
   EXPECT_TRUE(rows.grad().equal(2 * g1));
   EXPECT_TRUE(weight.grad().equal(2 * w1));
+}
+
+// Vocab-parallel: each rank holds a block of the vocabulary's rows; the loss, the rows' gradient
+// and the weight's blocks are those of the whole vocabulary, in chunks of rows whose targets fall
+// on every rank (several chunks, a partial last one), also where a rank holds no chunk's target.
+TEST(LinearCrossEntropy, VocabParallelMatchesTheWholeVocabulary) {
+  torch::manual_seed(9);
+  const int64_t N = 10, H = 8, V = 36;
+  const at::Tensor rows0 = torch::randn({N, H}), weight0 = torch::randn({V, H});
+  at::Tensor targets = torch::randint(V, {N}, torch::kLong);
+  targets[0] = 0, targets[1] = V - 1;
+  for (int tp : {2, 3}) {
+    for (const at::Tensor& t : {targets, torch::full({N}, V - 1, torch::kLong)}) {
+      SCOPED_TRACE("tp " + std::to_string(tp));
+      at::Tensor rows = rows0.clone().set_requires_grad(true);
+      at::Tensor weight = weight0.clone().set_requires_grad(true);
+      const at::Tensor ref = linear_cross_entropy_sum(rows, weight, t);
+      (ref * 0.37).backward();
+      std::mutex mu;
+      testing::run_ranks(tp, [&](const dist::Comm& g) {
+        const int64_t v = V / tp;
+        at::Tensor r = rows0.clone().set_requires_grad(true);
+        at::Tensor w = weight0.narrow(0, g.rank() * v, v).clone().set_requires_grad(true);
+        const at::Tensor loss = linear_cross_entropy_sum(r, w, t, 3, g);
+        (loss * 0.37).backward();
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5 * ref.item<double>());
+        EXPECT_LT(rel_diff(r.grad(), rows.grad()), 1e-5);
+        EXPECT_LT(rel_diff(w.grad(), weight.grad().narrow(0, g.rank() * v, v)), 1e-5);
+      });
+    }
+  }
 }
 
 }  // namespace

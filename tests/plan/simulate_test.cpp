@@ -526,12 +526,14 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   SimOptions free = no_optimizer();
   free.tp_cp_comm = false;
   const SimResult r0 = simulate(s, make_plan(s, 2), c, free);
-  // Per LLM microbatch of 4 samples: 2 all-reduces per block (4) and the embedding's in
-  // forward, 2 per block and the loss rows' in backward, of [4·64 tokens × 128] bf16; the
-  // vocab-parallel loss's 3 fp32 reductions over its 4·64 rows in forward.
+  // Per LLM microbatch of 4 samples: 2 all-reduces per block (4), the embedding's and the loss
+  // rows' gradient's in forward, 2 per block in backward, of [4·64 tokens × 128] bf16; the fused
+  // vocab-parallel loss's 2 fp32 reductions over its 4·64 rows in forward (max; sum of
+  // exponentials and target logit).
   const double ar = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 128 * 2);
-  const double loss = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4);
-  const double per_microbatch = (9 + 9) * ar + 3 * loss;
+  const double loss =
+      all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4) + all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 8);
+  const double per_microbatch = (10 + 8) * ar + loss;
   EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * per_microbatch, 1e-12);
   EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * per_microbatch, 1e-12);
 }
@@ -540,8 +542,8 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
 // Per block going forward: an all-gather before each column-parallel linear, a reduce-scatter
 // after each row-parallel one. Backward: the reverse of each, and where the weights train the
 // column-parallel inputs gathered again for their gradients. Besides: the embedding's all-reduce,
-// the last stage's gather of its hidden states and the loss's reductions going forward; the
-// loss rows' all-reduce and the first stage's gather of its tokens' gradient in backward.
+// the last stage's gather of its hidden states, the loss's reductions and its rows' gradient's
+// all-reduce going forward; the first stage's gather of its tokens' gradient in backward.
 TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
   Spec s = vlm_spec();
   s.parallel.modules["llm"].tp = 2;
@@ -555,15 +557,17 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
   const double bytes = 4.0 * 64 * 128 * 2, blocks = 4;
   const double ar = all_reduce_seconds(c, {0, 1}, bytes), ag = all_gather_seconds(c, {0, 1}, bytes),
                rs = reduce_scatter_seconds(c, {0, 1}, bytes);
-  const double loss = all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4);
-  const double forward = blocks * 2 * (ag + rs) + ar + ag + 3 * loss;
+  const double loss =
+      all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 4) + all_reduce_seconds(c, {0, 1}, 4.0 * 64 * 8);
   for (bool frozen : {false, true}) {
     SCOPED_TRACE(frozen ? "frozen LLM" : "trained LLM");
     s.model.llm.frozen = frozen;
     const Plan plan = make_plan(s, 2);
     const SimResult r = simulate(s, plan, c, no_optimizer());
     const SimResult r0 = simulate(s, plan, c, free);
-    const double backward = blocks * (2 * (ag + rs) + (frozen ? 0 : 2 * ag)) + ar + ag;
+    // The loss rows' gradient's all-reduce in forward (model/cross_entropy.h).
+    const double forward = blocks * 2 * (ag + rs) + ar + ag + loss + ar;
+    const double backward = blocks * (2 * (ag + rs) + (frozen ? 0 : 2 * ag)) + ag;
     EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (forward + backward), 1e-12);
     EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (forward + backward), 1e-12);
   }

@@ -23,8 +23,11 @@ struct Needs {
 
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weight,
-                            const at::Tensor& targets, int64_t chunk, Needs need) {
+                            const at::Tensor& targets, int64_t chunk, Needs need,
+                            const dist::Comm* tp) {
     const int64_t N = rows.size(0);
+    const bool split = tp->size() > 1;  // vocab-parallel: weight holds rows [first, first + V)
+    const int64_t V = weight.size(0), first = tp->rank() * V;
     const at::Tensor wt = weight.t();
     at::Tensor loss = at::zeros({}, rows.options().dtype(at::kFloat));
     at::Tensor grad_rows = need.rows ? at::empty_like(rows) : at::Tensor();
@@ -37,13 +40,27 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       const at::Tensor x = rows.narrow(0, r0, n);
       const at::Tensor t = targets.narrow(0, r0, n).unsqueeze(1);
       at::Tensor logits = at::mm(x, wt).to(at::kFloat);  // [n, V]
-      const at::Tensor lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
-      loss.add_((lse - logits.gather(1, t)).sum());
+      at::Tensor lse, local = t, hit;  // hit: 1 where this rank holds the target (vocab-parallel)
+      if (!split) {
+        lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
+        loss.add_((lse - logits.gather(1, t)).sum());
+      } else {
+        at::Tensor max = std::get<0>(logits.max(1, /*keepdim=*/true));
+        tp->all_reduce_max(max);
+        hit = (t >= first).logical_and(t < first + V).to(at::kFloat);
+        local = (t - first).clamp(0, V - 1);
+        // Σ exp(l − max) and the target's logit (0 where another rank holds it), summed over tp.
+        at::Tensor sums = at::cat(
+            {(logits - max).exp().sum(1, /*keepdim=*/true), logits.gather(1, local).mul_(hit)}, 1);
+        tp->all_reduce_sum(sums);
+        lse = sums.narrow(1, 0, 1).log().add_(max);
+        loss.add_((lse - sums.narrow(1, 1, 1)).sum());
+      }
       if (!need.rows && !need.weight) continue;
       // d(loss)/d(logits) = softmax − one-hot, over the logits in place, then rounded as the
       // unfused backward rounds it into the matmuls.
       at::Tensor d = logits.sub_(lse).exp_();
-      d.scatter_add_(1, t, at::full({n, 1}, -1.0, d.options()));
+      d.scatter_add_(1, local, split ? hit.neg() : at::full({n, 1}, -1.0, d.options()));
       const at::Tensor dc = d.to(rows.scalar_type());
       d.reset();  // the fp32 logits go before the matmuls' outputs come
       logits.reset();
@@ -68,7 +85,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       }
     }
     product.reset();
-    if (need.weight && !grad_weight.defined())  // no rows: no loss, a zero gradient
+    if (split && need.rows) tp->all_reduce_sum(grad_rows);  // every rank's vocabulary's share
+    if (need.weight && !grad_weight.defined())              // no rows: no loss, a zero gradient
       grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
     if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
     ctx->save_for_backward({grad_rows, grad_weight});  // freed after backward, as saved inputs
@@ -81,7 +99,10 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     const at::Tensor& grad_rows = saved[0];
     const at::Tensor& grad_weight = saved[1];
     return {grad_rows.defined() ? grad_rows * g : at::Tensor(),
-            grad_weight.defined() ? grad_weight * g : at::Tensor(), at::Tensor(), at::Tensor(),
+            grad_weight.defined() ? grad_weight * g : at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
             at::Tensor()};
   }
 };
@@ -89,7 +110,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
 }  // namespace
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t chunk_rows) {
+                                    const at::Tensor& targets, int64_t chunk_rows,
+                                    const dist::Comm& tp) {
   WEFT_ASSERT(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1) &&
                   targets.dim() == 1 && targets.size(0) == rows.size(0) &&
                   rows.scalar_type() == weight.scalar_type(),
@@ -104,7 +126,7 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& we
                                        kChunkLogits / std::max<int64_t>(1, weight.size(0)));
   const bool grad = at::GradMode::is_enabled();
   const Needs need{grad && rows.requires_grad(), grad && weight.requires_grad()};
-  return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk, need);
+  return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk, need, &tp);
 }
 
 }  // namespace weft::model

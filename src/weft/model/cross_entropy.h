@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "weft/dist/comm.h"
+
 namespace weft::model {
 
 // Σ_i cross-entropy(rows_i · weightᵀ, targets_i) as an fp32 scalar: rows [N, H] and weight
@@ -22,9 +24,16 @@ namespace weft::model {
 // cross_entropy(linear(rows, weight).float(), targets, sum) to rounding: the incoming gradient
 // scales the rounded chunk gradients, not the fp32 logit gradients. No rows: a zero loss and
 // zero gradients. Not twice differentiable. The per-layer profiler prices the head unfused
-// (Llm::loss_sum's `fused`): the classic forward / backward split, and the logits the
-// vocab-parallel loss holds.
+// (Llm::loss_sum's `fused`): the classic forward / backward split.
+//
+// Vocab-parallel (`tp` of more than one rank): weight is this rank's rows of the vocabulary,
+// [V/tp, H], the tp.rank()-th block of them; targets stay global ids. Each chunk's max, sum of
+// exponentials and target logit are combined over `tp` (two fp32 all-reduces of [n] per chunk),
+// so every rank returns the whole loss; the rows' gradient, a partial sum over this rank's
+// vocabulary, is all-reduced over `tp` once; the weight's is this rank's block. Every rank of
+// `tp` must call it with the same rows and targets.
 at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t chunk_rows = 0);
+                                    const at::Tensor& targets, int64_t chunk_rows = 0,
+                                    const dist::Comm& tp = dist::Comm());
 
 }  // namespace weft::model

@@ -117,7 +117,7 @@ at::Tensor Llm::logits(const at::Tensor& rows) const {
 
 at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool fused) const {
   const at::Tensor& w = head.defined() ? head : embedding;
-  if (tp.size() == 1 && fused) return linear_cross_entropy_sum(rows, to_compute(w), targets);
+  if (fused) return linear_cross_entropy_sum(rows, to_compute(w), targets, 0, tp);
   if (tp.size() == 1)
     return at::cross_entropy_loss(at::linear(rows, to_compute(w)).to(at::kFloat), targets, {},
                                   at::Reduction::Sum);

@@ -64,7 +64,7 @@ struct Llm {
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head
   // and the loss fused a chunk of rows at a time (cross_entropy.h), or with `fused` false as
-  // linear then cross-entropy (the profiler's pricing); vocab-parallel under TP.
+  // linear then cross-entropy (the profiler's pricing); vocab-parallel under TP, fused or not.
   at::Tensor loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool fused = true) const;
 };
 

@@ -452,14 +452,18 @@ class Engine {
     const auto forward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
-      // TP: 2 all-reduces per block (block_comm), the vocab-parallel embedding's, and the
-      // vocab-parallel loss's three fp32 reductions over its rows (max, sum of exponentials,
-      // target logit); CP: one all-gather of K and V together per block; EP: see moe_comm.
-      const double comm = block_comm(tokens, true, n) +
-                          (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
-                          (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
-                          (last ? 3 * loss_all_reduce(tp_group, tokens * 4) : 0) +
-                          blocks * all_gather(cp_group, kv) + moe_comm(tokens);
+      // TP: 2 all-reduces per block (block_comm), the vocab-parallel embedding's, and the fused
+      // vocab-parallel loss's two fp32 reductions over its rows (the max; the sum of
+      // exponentials with the target logit) and, where backward follows, its rows' gradient's
+      // all-reduce (made in forward, model/cross_entropy.h); CP: one all-gather of K and V
+      // together per block; EP: see moe_comm.
+      const double comm =
+          block_comm(tokens, true, n) + (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
+          (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
+          (last ? loss_all_reduce(tp_group, tokens * 4) + loss_all_reduce(tp_group, tokens * 8) +
+                      (m.needs_backward() ? all_reduce(tp_group, tokens * H * act_) : 0)
+                : 0) +
+          blocks * all_gather(cp_group, kv) + moe_comm(tokens);
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
@@ -483,15 +487,14 @@ class Engine {
     const auto backward = [&](int64_t mb) {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
-      // TP: the column-parallel inputs' gradients (2 per block, and the loss's rows); CP: the
-      // K and V gradients' reduce-scatter (one per block).
-      const double comm =
-          block_comm(tokens, false, n) + (last ? all_reduce(tp_group, tokens * H * act_) : 0) +
-          (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
-          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
-          (sc.recompute
-               ? block_comm(tokens, true, n) + blocks * all_gather(cp_group, kv) + moe_comm(tokens)
-               : 0);
+      // TP: the column-parallel inputs' gradients (2 per block; the loss's rows' went in
+      // forward); CP: the K and V gradients' reduce-scatter (one per block).
+      const double comm = block_comm(tokens, false, n) +
+                          (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
+                          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
+                          (sc.recompute ? block_comm(tokens, true, n) +
+                                              blocks * all_gather(cp_group, kv) + moe_comm(tokens)
+                                        : 0);
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;

@@ -524,8 +524,9 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
     p.forward = [&llm, h, rows, targets, count, H] {
       const at::Tensor y = llm.final_norm(h).reshape({-1, H}).index_select(0, rows);
       // Unfused: the fused loss makes its gradients in forward, which would book the backward's
-      // matmuls as forward, and hold no logits, which the vocab-parallel loss that plans with
-      // tp > 1 scale this to does.
+      // matmuls as forward. The unfused loss holds its fp32 logits for backward, which the fused
+      // one (whole or vocab-parallel) does not: the head's measured activations are an upper
+      // bound.
       return llm.loss_sum(y, targets, /*fused=*/false) / count;
     };
     return p;
