@@ -90,9 +90,11 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
     const std::string dir = !out.empty() ? out : spec.output.dir;
     if (resume.empty() && !dir.empty() && !weft::io::latest_checkpoint(dir, false).empty())
       opts.resume_dir = dir;
-    else if (resume.empty() && world.rank == 0)
+    else if (resume.empty() && world.rank == 0) {
+      if (!dir.empty()) weft::io::latest_checkpoint(dir, true);  // says which were damaged
       std::fprintf(stderr, "weft: restart %d: no checkpoint in %s; starting over\n", opts.restart,
                    dir.empty() ? "(no --out)" : dir.c_str());
+    }
   }
   opts.progress = !quiet;
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);

@@ -241,7 +241,9 @@ struct Trainer::Impl {
     const model::NamedTensors& params = model().parameters();
     for (size_t k = 0; k < params.size(); ++k) {
       const auto& [name, p] = params[k];
-      const at::Tensor shard = runtime->shard_of(k, by_name.at(name));
+      auto it = by_name.find(name);
+      WEFT_CHECK(it != by_name.end(), dir, ": no tensor '", name, "'");
+      const at::Tensor shard = runtime->shard_of(k, it->second);
       WEFT_ASSERT(shard.sizes() == p.sizes(), dir, ": shard of '", name, "' is ", shard.sizes(),
                   ", this rank holds ", p.sizes());
       p.copy_(shard);
