@@ -604,7 +604,9 @@ TEST(Simulate, ColumnParallelBackwardHidesItsCollectives) {
     EXPECT_NEAR(hidden(ideal(2, 1e-4, 10), no_optimizer()), 2 * (sp ? 2 : 1) * matmuls, 1e-15);
     // Fast links: every hidable collective hides whole: 2 linears x 4 blocks of all-reduces (of
     // reduce-scatters and all-gathers, each half an all-reduce, under SP).
-    if (!sp) EXPECT_NEAR(hidden(ideal(2, 0, 1e6), no_optimizer()), 2 * 8 * ar, 1e-15);
+    if (!sp) {
+      EXPECT_NEAR(hidden(ideal(2, 0, 1e6), no_optimizer()), 2 * 8 * ar, 1e-15);
+    }
     SimOptions cpu = no_optimizer();
     cpu.comm_occupies_rank = true;
     EXPECT_EQ(hidden(ideal(2, 1e-5, 10), cpu), 0);
