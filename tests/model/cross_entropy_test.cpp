@@ -150,6 +150,16 @@ TEST(LinearCrossEntropy, VocabParallelMatchesTheWholeVocabulary) {
       });
     }
   }
+  // No rows (a CP rank without targets): no collective, a zero loss and zero gradients.
+  testing::run_ranks(2, [&](const dist::Comm& g) {
+    at::Tensor r = torch::zeros({0, H}).set_requires_grad(true);
+    at::Tensor w = weight0.narrow(0, g.rank() * V / 2, V / 2).clone().set_requires_grad(true);
+    const at::Tensor loss = linear_cross_entropy_sum(r, w, torch::zeros({0}, torch::kLong), 0, g);
+    loss.backward();
+    EXPECT_EQ(loss.item<double>(), 0);
+    EXPECT_EQ(r.grad().sizes(), r.sizes());
+    EXPECT_EQ(w.grad().abs().sum().item<double>(), 0);
+  });
 }
 
 }  // namespace

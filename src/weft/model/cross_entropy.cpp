@@ -85,8 +85,10 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       }
     }
     product.reset();
-    if (split && need.rows) tp->all_reduce_sum(grad_rows);  // every rank's vocabulary's share
-    if (need.weight && !grad_weight.defined())              // no rows: no loss, a zero gradient
+    // Every rank's vocabulary's share; TP ranks hold the same rows, so all of them skip an empty
+    // one (a CP rank without targets).
+    if (split && need.rows && N > 0) tp->all_reduce_sum(grad_rows);
+    if (need.weight && !grad_weight.defined())  // no rows: no loss, a zero gradient
       grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
     if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
     ctx->save_for_backward({grad_rows, grad_weight});  // freed after backward, as saved inputs
