@@ -258,10 +258,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   // The backward's TP collectives of `blocks` blocks (the simulator's tp_blocks_backward_comm),
   // with its column-parallel linears' reductions and re-gathers hidden behind their matmuls.
   const bool sp = layout.sequence_parallel();
-  const bool hides = spec_.train.overlap_tp_comm && !o_.sim.comm_occupies_rank && mi.weight_grads;
   const auto tp_backward = [&](double blocks, const ColumnFlops& columns, double units,
                                double tokens, double tp_ar, double tp_ag) {
-    const double rate = hides ? backward_seconds_per_flop(sc, units, split, flops_) : 0;
+    const double rate =
+        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, sc, units, split, flops_);
     if (!sp) return column_backward_comm(blocks, tp_ar, 0, columns, tokens, tp, rate);
     return 2 * blocks * tp_ag + column_backward_comm(blocks, tp_ag, mi.weight_grads ? tp_ag : 0,
                                                      columns, tokens, tp, rate);

@@ -247,14 +247,6 @@ class Engine {
                                                   regather ? ag : 0, columns, tokens, n,
                                                   seconds_per_flop);
   }
-  // The mean seconds per FLOP of a backward op whose matmuls hide its column-parallel linears'
-  // collectives (train.overlap_tp_comm); 0 where nothing hides: no weight gradients follow the
-  // reductions, or CPU ranks (comm_occupies_rank: Gloo works on the core the matmuls use).
-  double overlap_seconds_per_flop(const StageCost& sc, double n, double split,
-                                  bool weight_grads) const {
-    if (!spec_.train.overlap_tp_comm || o_.comm_occupies_rank || !weight_grads) return 0;
-    return backward_seconds_per_flop(sc, n, split, flops_per_second_);
-  }
   // A forward / backward op of a stage on n units of data, the per-unit work divided over
   // `split` (tp × cp) ranks: measured seconds when the stage has them, else FLOPs at the
   // device's effective rate; plus the op's TP / CP collectives.
@@ -364,8 +356,8 @@ class Engine {
       // (A recomputed block runs its forward's collectives again. Under sequence parallelism
       // the first stage gathers its tokens' gradient over TP for the front end, run whole.)
       const double blocks_back = m.weight_grads ? blocks : 0;
-      const double rate =
-          overlap_seconds_per_flop(sc, n, static_cast<double>(tp * cp), m.weight_grads);
+      const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
+                                                  static_cast<double>(tp * cp), flops_per_second_);
       const double comm = tp_blocks_backward_comm(tp_group, blocks_back, bytes, sp, true,
                                                   encoder_column_flops(es), tokens, rate) +
                           blocks_back * reduce_scatter(cp_group, kv) +
@@ -441,8 +433,8 @@ class Engine {
       const double moe_gather =
           sp && (fwd || !m.weight_grads) ? moe * all_gather(tp_group, bytes) : 0;
       if (fwd) return tp_blocks_forward_comm(tp_group, blocks, bytes, sp) + moe_gather;
-      const double rate =
-          overlap_seconds_per_flop(sc, n, static_cast<double>(tp * cp), m.weight_grads);
+      const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
+                                                  static_cast<double>(tp * cp), flops_per_second_);
       return tp_blocks_backward_comm(tp_group, blocks - moe, bytes, sp, m.weight_grads, columns,
                                      tokens, rate) +
              tp_blocks_backward_comm(tp_group, moe, bytes, sp, m.weight_grads, moe_columns, tokens,
@@ -900,8 +892,10 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
                    part(sc.backward_seconds, sc.replicated_backward_seconds);
 }
 
-double backward_seconds_per_flop(const StageCost& sc, double n, double split,
-                                 double flops_per_second) {
+double hiding_seconds_per_flop(const Spec& spec, const SimOptions& o, bool weight_grads,
+                               const StageCost& sc, double n, double split,
+                               double flops_per_second) {
+  if (!spec.train.overlap_tp_comm || o.comm_occupies_rank || !weight_grads) return 0;
   const double flops = n * ((sc.backward_flops - sc.replicated_backward_flops) / split +
                             sc.replicated_backward_flops);
   return flops > 0 ? compute_seconds(sc, false, n, split, flops_per_second) / flops : 0;

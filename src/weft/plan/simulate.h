@@ -156,10 +156,6 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
 double column_backward_comm(double blocks, double reduce, double regather,
                             const ColumnFlops& columns, double tokens, double tp,
                             double seconds_per_flop);
-// The mean seconds per FLOP of a backward of n units (compute_seconds over its FLOPs; 0 without
-// FLOPs).
-double backward_seconds_per_flop(const StageCost& sc, double n, double split,
-                                 double flops_per_second);
 CostTable stage_costs(const Spec& spec, const Plan& plan);
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
@@ -213,6 +209,14 @@ struct SimOptions {
   // it starts after the backward instead, as without train.overlap_grad_reduce.
   bool comm_occupies_rank = false;
 };
+
+// The seconds per FLOP at which a backward of n units hides its column-parallel linears'
+// collectives (column_backward_comm's seconds_per_flop): the op's mean, compute_seconds over its
+// FLOPs; 0 where nothing hides: train.overlap_tp_comm off, no weight gradients follow the
+// reductions, or CPU ranks (SimOptions::comm_occupies_rank: Gloo works on the matmuls' core).
+double hiding_seconds_per_flop(const Spec& spec, const SimOptions& o, bool weight_grads,
+                               const StageCost& sc, double n, double split,
+                               double flops_per_second);
 
 struct RankReport {
   int64_t rank = 0;
