@@ -380,7 +380,7 @@ TEST(Config, RoundTripFullConfig) {
   EXPECT_NE(dumped.find("[parallel]\nplacement = \"separate\"\ncp_split = \"contiguous\"\n"),
             std::string::npos)
       << dumped;
-  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nep = 1\netp = 0\nsp = false\nstages = [2]\n"),
+  EXPECT_NE(dumped.find("pp = 2\ncp = 1\nep = 1\netp = 0\nvp = 1\nsp = false\nstages = [2]\n"),
             std::string::npos)
       << dumped;
   EXPECT_NE(dumped.find("stages = []\n"), std::string::npos) << dumped;
@@ -655,7 +655,8 @@ TEST(Config, UnknownKeysInEverySection) {
                                               "(allowed: dir, keep_checkpoints, trace_step)"}));
   EXPECT_TRUE(set_fails_with(
       "parallel.llm.zp=2",
-      {"parallel.llm.zp = 2: unknown key", "(allowed: dp, tp, pp, cp, ep, etp, sp, stages)"}));
+      {"parallel.llm.zp = 2: unknown key", "(allowed: dp, tp, pp, cp, ep, etp, vp, sp, stages)"}));
+  EXPECT_TRUE(set_fails_with("parallel.llm.vp=0", {"parallel.llm.vp = 0: must be >= 1"}));
   EXPECT_TRUE(set_fails_with("parallel.llm.sp=2",
                              {"parallel.llm.sp = 2: expected a boolean (true or false)"}));
   EXPECT_TRUE(fails_with(std::string(kMinimal) + "[train.sched]\nkind = 1\n",

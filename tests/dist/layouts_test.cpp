@@ -49,6 +49,25 @@ TEST(Layouts, EncoderDp2ToLlmTp2Colocated) {
 
 TEST(Layouts, LlmPipelineParallel) { expect_equivalent(2, {"parallel.llm.pp=2"}, "llm_pp2"); }
 
+// Interleaved 1F1B: each pipeline rank holds vp chunks; microbatches pass every rank vp times
+// (the chunk boundary from the last rank wraps to the first). 4 microbatches over pp = 2: warm-
+// up, steady 1F1B and cool-down all run.
+TEST(Layouts, LlmInterleavedPipeline) {
+  expect_equivalent(
+      2, {"parallel.llm.pp=2", "parallel.llm.vp=2", "model.llm.layers=4", "train.microbatches=4"},
+      "llm_pp2_vp2");
+}
+
+// Three chunks per rank, an untied head, tensor parallelism beside, the trained encoder's
+// gradients coming back over the bridge; microbatches = pp (every forward first).
+TEST(Layouts, LlmInterleavedPipelineTp2UntiedThreeChunks) {
+  expect_equivalent(
+      4,
+      {"parallel.llm.pp=2", "parallel.llm.vp=3", "parallel.llm.tp=2", "model.llm.layers=6",
+       "model.llm.tie_embeddings=false", "train.microbatches=2"},
+      "llm_tp2_pp2_vp3");
+}
+
 // The default split: the planner's balanced assignment of blocks by exact mask work, ranks
 // padded to equal token counts.
 TEST(Layouts, LlmContextParallelMultimodalMask) {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/errors.h"
 #include "weft/core/error.h"
 #include "weft/core/spec.h"
 #include "weft/plan/flops.h"
@@ -370,6 +371,140 @@ TEST(Plan, StageLayers) {
   EXPECT_EQ(j.at("schedule"), "1f1b");
 }
 
+struct ErrorCase {
+  const char* what;
+  Spec spec;
+  int64_t world_size;
+  std::vector<std::string> needles;
+};
+
+// Interleaved 1F1B (parallel.llm.vp): pp·vp virtual stages of contiguous blocks, pipeline rank s
+// running stages s, s + pp, ...
+TEST(Plan, VirtualStages) {
+  Spec s = two_encoder_spec();
+  s.model.llm.layers = 8;
+  s.parallel.modules["llm"] = layout(1, 1, 2);
+  s.parallel.modules["llm"].vp = 2;
+  const Plan p = make_plan(s, 2);
+  EXPECT_EQ(p.schedule, "interleaved-1f1b");
+  const ModulePlan& llm = p.module("llm");
+  EXPECT_EQ(llm.layout.stages(), 4);
+  ASSERT_EQ(llm.stage_boundaries.size(), 3u);
+  int64_t next = 0;  // the chunks tile the blocks in order
+  for (int64_t st = 0; st < 4; ++st) {
+    const auto [b, e] = llm.stage_layers(st);
+    EXPECT_EQ(b, next) << st;
+    EXPECT_GT(e, b) << st;
+    next = e;
+  }
+  EXPECT_EQ(next, 8);
+  EXPECT_THROW(llm.stage_layers(4), Error);
+  // Given boundaries, and the JSON round trip.
+  s.parallel.modules["llm"].stages = {1, 4, 6};
+  const Plan given = make_plan(s, 2);
+  EXPECT_EQ(given.module("llm").stage_layers(2), (std::pair<int64_t, int64_t>{4, 6}));
+  const auto j = nlohmann::json::parse(to_json(given));
+  EXPECT_EQ(j.at("modules")[4].at("layout").at("vp"), 2);
+  EXPECT_EQ(j.at("schedule"), "interleaved-1f1b");
+  const Plan back = plan_from_json(to_json(given), "plan.json", s);
+  EXPECT_EQ(back.module("llm").layout.vp, 2);
+  EXPECT_EQ(back.module("llm").stage_boundaries, (std::vector<int64_t>{1, 4, 6}));
+  auto edited = nlohmann::json::parse(to_json(given));  // a hand-edited vp
+  edited["modules"][4]["layout"]["vp"] = 3;
+  const std::string e = testing::error_of([&] { plan_from_json(edited.dump(), "plan.json", s); });
+  EXPECT_TRUE(has(e,
+                  "plan.json: modules[4].stage_boundaries = [1, 4, 6]: expected pp * vp - 1 = "
+                  "5 entries"))
+      << e;
+
+  const auto with_vp = [](const std::string& module, int64_t pp, int64_t vp) {
+    Spec x = two_encoder_spec();
+    x.model.llm.layers = 8;
+    x.parallel.modules[module] = layout(1, 1, pp);
+    x.parallel.modules[module].vp = vp;
+    return x;
+  };
+  std::vector<ErrorCase> cases;
+  cases.push_back({"encoder",
+                   with_vp("vision", 1, 2),
+                   1,
+                   {"test.toml: parallel.vision.vp = 2: virtual pipeline stages (interleaved "
+                    "1F1B) apply to the LLM only"}});
+  cases.push_back(
+      {"no pipeline", with_vp("llm", 1, 2), 1, {"parallel.llm.vp = 2:", "need pp > 1 (pp = 1)"}});
+  cases.push_back({"too many",
+                   with_vp("llm", 2, 5),
+                   2,
+                   {"parallel.llm.vp = 5: pp * vp = 2 * 5 = 10 virtual stages, more than blocks "
+                    "(model.llm.layers = 8)"}});
+  Spec x = with_vp("llm", 2, 2);
+  x.train.microbatches = 3;
+  x.train.batch = 30;
+  cases.push_back({"microbatches",
+                   x,
+                   2,
+                   {"parallel.llm.vp = 2: interleaved 1F1B runs microbatches in groups of pp, so "
+                    "train.microbatches = 3 must be a multiple of pp = 2"}});
+  x = with_vp("llm", 2, 2);
+  x.parallel.modules["llm"].stages = {4};
+  cases.push_back({"stages", x, 2, {"parallel.llm.stages = [4]: needs pp * vp - 1 = 3 entries"}});
+  for (const ErrorCase& c : cases) {
+    const std::string msg = plan_error(c.spec, c.world_size);
+    for (const std::string& needle : c.needles)
+      EXPECT_TRUE(has(msg, needle)) << c.what << ": " << msg;
+  }
+}
+
+// Every (microbatch, chunk) runs forward once and backward once on each pipeline rank, in an
+// order that cannot deadlock when sends never block: replaying every rank's list, some rank can
+// always run its next op (its input from the previous stage, its gradient from the next).
+TEST(Plan, PipelineScheduleRunsEveryOpOnceWithoutDeadlock) {
+  for (int64_t P = 1; P <= 4; ++P)
+    for (int64_t vp = 1; vp <= 3; ++vp)
+      for (int64_t M = 1; M <= 9; ++M)
+        for (bool backward : {true, false}) {
+          if ((vp > 1 && (P == 1 || M % P != 0))) continue;
+          const std::string at = "P " + std::to_string(P) + " vp " + std::to_string(vp) + " M " +
+                                 std::to_string(M) + (backward ? "" : " forward only");
+          const int64_t stages = P * vp;
+          std::vector<std::vector<PipelineOp>> ops;
+          for (int64_t s = 0; s < P; ++s) {
+            ops.push_back(pipeline_schedule(P, vp, M, s, backward));
+            std::vector<int> seen(static_cast<size_t>(2 * M * vp), 0);
+            for (const PipelineOp& op : ops.back()) {
+              ASSERT_TRUE(op.microbatch >= 0 && op.microbatch < M && op.chunk >= 0 && op.chunk < vp)
+                  << at;
+              ++seen[static_cast<size_t>((op.forward ? 0 : M * vp) + op.chunk * M + op.microbatch)];
+            }
+            for (size_t k = 0; k < seen.size(); ++k)
+              EXPECT_EQ(seen[k], k < static_cast<size_t>(M * vp) || backward ? 1 : 0) << at;
+          }
+          // done[f/b][stage][microbatch]
+          std::vector<std::vector<std::vector<bool>>> done(
+              2, std::vector<std::vector<bool>>(static_cast<size_t>(stages),
+                                                std::vector<bool>(static_cast<size_t>(M))));
+          std::vector<size_t> next(static_cast<size_t>(P), 0);
+          for (bool progress = true; progress;) {
+            progress = false;
+            for (int64_t s = 0; s < P; ++s) {
+              while (next[s] < ops[s].size()) {
+                const PipelineOp& op = ops[s][next[s]];
+                const int64_t k = op.chunk * P + s;
+                const size_t mb = static_cast<size_t>(op.microbatch);
+                const bool ready = op.forward
+                                       ? k == 0 || done[0][k - 1][mb]
+                                       : done[0][k][mb] && (k == stages - 1 || done[1][k + 1][mb]);
+                if (!ready) break;
+                done[op.forward ? 0 : 1][k][mb] = true;
+                ++next[s];
+                progress = true;
+              }
+            }
+          }
+          for (int64_t s = 0; s < P; ++s) EXPECT_EQ(next[s], ops[s].size()) << at << " rank " << s;
+        }
+}
+
 TEST(Plan, ScheduleIsSequentialWithoutPipelines) {
   Spec s = two_encoder_spec();
   s.parallel.modules["llm"] = layout(1, 2, 1, 2);
@@ -377,13 +512,6 @@ TEST(Plan, ScheduleIsSequentialWithoutPipelines) {
   s.parallel.modules["audio"] = layout(2, 1, 2);  // any module's pipeline turns on 1f1b
   EXPECT_EQ(make_plan(s, 4).schedule, "1f1b");
 }
-
-struct ErrorCase {
-  const char* what;
-  Spec spec;
-  int64_t world_size;
-  std::vector<std::string> needles;
-};
 
 TEST(Plan, LayoutValidationNamesTheKey) {
   std::vector<ErrorCase> cases;

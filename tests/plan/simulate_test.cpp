@@ -212,18 +212,22 @@ TEST(Simulate, SingleRankIsTheSumOfLayerCosts) {
   }
 }
 
-// A pure-LLM plan with uniform stages: forward f, backward b seconds per microbatch.
-SimResult uniform_pipeline(int64_t p, int64_t m, double f, double b) {
+// A pure-LLM plan with uniform stages: forward f, backward b seconds per microbatch and pipeline
+// rank (under vp virtual stages, f / vp and b / vp per chunk).
+SimResult uniform_pipeline(int64_t p, int64_t m, double f, double b, int64_t vp = 1) {
   Spec s;
   s.source = "pipe.toml";
   s.model.llm.vocab = 64;
-  s.model.llm.layers = p;
+  s.model.llm.layers = p * vp;
   s.train.batch = m;
   s.train.microbatches = m;
   s.parallel.modules["llm"].pp = p;
+  s.parallel.modules["llm"].vp = vp;
   const Plan plan = make_plan(s, p);
   CostTable costs = stage_costs(s, plan);
-  for (StageCost& sc : costs.back()) sc.forward_flops = f * 1e12, sc.backward_flops = b * 1e12;
+  const double v = static_cast<double>(vp);
+  for (StageCost& sc : costs.back())
+    sc.forward_flops = f / v * 1e12, sc.backward_flops = b / v * 1e12;
   return simulate(s, plan, ideal(p), costs, no_optimizer());
 }
 
@@ -246,6 +250,24 @@ TEST(Simulate, OneFOneBBubbleIsTextbook) {
   EXPECT_EQ(stage1, (std::vector<std::string>{"fwd mb0", "fwd mb1", "fwd mb2", "bwd mb0", "fwd mb3",
                                               "bwd mb1", "fwd mb4", "bwd mb2", "fwd mb5", "bwd mb3",
                                               "bwd mb4", "bwd mb5"}));
+}
+
+// Interleaved 1F1B: the fill and drain shrink vp-fold, (P - 1) / vp of a microbatch's time
+// (Narayanan et al. 2021), on the same work.
+TEST(Simulate, InterleavedPipelineShrinksTheBubble) {
+  for (auto [p, m] : std::vector<std::pair<int64_t, int64_t>>{{2, 4}, {4, 8}, {4, 4}, {2, 2}}) {
+    for (int64_t vp : {2, 3}) {
+      const SimResult r = uniform_pipeline(p, m, 1.0, 2.0, vp);
+      const double pm = static_cast<double>(p), mm = static_cast<double>(m);
+      const double v = static_cast<double>(vp);
+      EXPECT_NEAR(r.step_seconds, (mm + (pm - 1) / v) * 3, 1e-6) << p << " " << m << " " << vp;
+      EXPECT_NEAR(r.bubble_fraction, (pm - 1) / v / (mm + (pm - 1) / v), 1e-9)
+          << p << " " << m << " " << vp;
+      for (const auto& rank : r.ranks) EXPECT_NEAR(rank.busy_seconds, mm * 3, 1e-9);
+      ASSERT_EQ(r.ranks[0].stages.size(), static_cast<size_t>(vp));
+      EXPECT_EQ(r.ranks[0].stages[1], "llm s" + std::to_string(p));  // rank 0's second chunk
+    }
+  }
 }
 
 TEST(Simulate, ActivationsInFlightFollow1F1B) {

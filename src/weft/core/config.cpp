@@ -106,7 +106,8 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "cast_once",
                                            "frozen_fp32"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
-constexpr std::string_view kLayoutKeys[] = {"dp", "tp", "pp", "cp", "ep", "etp", "sp", "stages"};
+constexpr std::string_view kLayoutKeys[] = {"dp",  "tp", "pp", "cp",    "ep",
+                                            "etp", "vp", "sp", "stages"};
 constexpr std::string_view kParallelKeys[] = {"placement", "cp_split"};  // besides module tables
 constexpr std::string_view kPlacements[] = {"colocated", "separate"};
 constexpr std::string_view kCpSplits[] = {"balanced", "zigzag", "contiguous", "lpt"};
@@ -778,8 +779,8 @@ void read_parallel(const Section* s, const ModelSpec& model, ParallelSpec* p) {
     const Section ls(s->source(), *s->table(name), s->path(name));
     ls.only(keys(kLayoutKeys));
     LayoutSpec& l = p->modules[name];
-    const std::pair<const char*, int64_t*> sizes[] = {
-        {"dp", &l.dp}, {"tp", &l.tp}, {"pp", &l.pp}, {"cp", &l.cp}, {"ep", &l.ep}};
+    const std::pair<const char*, int64_t*> sizes[] = {{"dp", &l.dp}, {"tp", &l.tp}, {"pp", &l.pp},
+                                                      {"cp", &l.cp}, {"ep", &l.ep}, {"vp", &l.vp}};
     for (const auto& [k, v] : sizes) {
       ls.read(k, v);
       if (*v < 1) ls.fail_value(k, std::to_string(*v), "must be >= 1");
@@ -1040,6 +1041,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("cp", layout.cp);
     w.put("ep", layout.ep);
     w.put("etp", layout.etp);
+    w.put("vp", layout.vp);
     w.put("sp", layout.sp);
     w.put("stages", layout.stages);
   }

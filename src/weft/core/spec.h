@@ -238,11 +238,17 @@ struct OutputSpec {
 // tensor-parallel regions (norms, residual adds, pipeline messages) each tp rank holds 1/tp of
 // the sequence instead of all of it; the all-reduce after each row-parallel linear becomes a
 // reduce-scatter and the input of each column-parallel linear an all-gather (the same bytes).
+//
+// vp (virtual pipeline stages, the LLM only; Megatron-LM's interleaved 1F1B): each of the pp
+// pipeline ranks holds vp chunks of blocks, virtual stages s, s + pp, ..., s + (vp - 1)·pp of
+// pp·vp; a microbatch passes every rank vp times, so the fill and drain bubble shrinks vp-fold
+// for vp times the pipeline messages. Needs pp > 1 and train.microbatches a multiple of pp.
 struct LayoutSpec {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
   bool sp = false;
-  // First layer of each pipeline stage after the first (pp-1 entries); empty = chosen by the
-  // frozen-aware partitioner (plan/partition.h).
+  int64_t vp = 1;
+  // First layer of each (virtual) pipeline stage after the first (pp·vp - 1 entries); empty =
+  // chosen by the frozen-aware partitioner (plan/partition.h).
   std::vector<int64_t> stages;
 };
 

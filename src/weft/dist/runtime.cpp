@@ -209,9 +209,14 @@ struct Runtime::Impl {
         }
     }
     hosting.llm.hosted = llm_role.hosted;
-    if (llm_role.hosted) {
-      const auto [b, end] = llm_plan->stage_layers(llm_role.c.pp);
-      hosting.llm.range = {b, end, llm_role.first, llm_role.last};
+    if (llm_role.hosted) {  // chunk k: virtual stage k·pp + this pipeline rank
+      const plan::Layout& l = llm_plan->layout;
+      for (int64_t k = 0; k < l.vp; ++k) {
+        const int64_t stage = k * l.pp + llm_role.c.pp;
+        const auto [b, end] = llm_plan->stage_layers(stage);
+        hosting.llm.chunks.push_back({b, end, stage == 0, stage == l.stages() - 1});
+      }
+      hosting.llm.range = hosting.llm.chunks[0];
     }
     const bool tied_pp = spec.llm.tie_embeddings && llm_plan->layout.pp > 1;
     if (tied_pp) {  // pairs (first stage, last stage) of equal (tp, cp, dp)
@@ -512,18 +517,25 @@ struct Runtime::Impl {
     return llm_plan->layout.cp > 1 ? cp_layout(in).own[llm_role.c.cp].numel() : llm_tokens(in);
   }
 
-  // Activations into the LLM's stage (not the first) for microbatch m: this CP rank's tokens
-  // (under sequence parallelism, this TP rank's part of them).
-  Msg llm_input_msg(int64_t m, const std::vector<std::vector<model::Inputs>>& batch) {
-    const ModulePlan& lp = *llm_plan;
-    const Role& role = llm_role;
-    if (!role.hosted || role.first) return {};
-    const int64_t d = role.c.dp;
-    const model::Inputs& in = batch[d][m];
+  // The LLM's (virtual) stage of this rank's chunk `chunk` (plan.h Layout::vp), and the rank of
+  // the same (tp, cp, dp) that runs (virtual) stage `stage`.
+  int64_t llm_stage(int64_t chunk) const { return chunk * llm_plan->layout.pp + llm_role.c.pp; }
+  bool llm_last_stage(int64_t stage) const { return stage == llm_plan->layout.stages() - 1; }
+  int64_t llm_rank_of_stage(int64_t stage) const {
+    const Coord& c = llm_role.c;
+    return llm_plan->rank_of({c.tp, c.cp, c.dp, stage % llm_plan->layout.pp});
+  }
+  // Activations into the LLM's chunk (not the first stage) for microbatch m: this CP rank's
+  // tokens (under sequence parallelism, this TP rank's part of them).
+  Msg llm_input_msg(int64_t m, int64_t chunk,
+                    const std::vector<std::vector<model::Inputs>>& batch) {
+    const int64_t stage = llm_stage(chunk);
+    if (!llm_role.hosted || stage == 0) return {};
+    const model::Inputs& in = batch[llm_role.c.dp][m];
     return {{in.tokens.size(0), llm_local_tokens(in) / seq_split, spec.llm.hidden},
             model::compute_dtype(),
-            lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
-            tag_of(kLlmAct, 0, m, role.c.pp)};
+            llm_rank_of_stage(stage - 1),
+            tag_of(kLlmAct, 0, m, stage)};
   }
 
   // One message of the bridge: feature rows [r0, r1) of an encoder's items of one replica's
@@ -702,14 +714,12 @@ struct Runtime::Impl {
     std::vector<at::Tensor> features;  // first stage: per encoder, received features (leaves)
     at::Tensor output;                 // activations sent on, or the loss on the last stage
   };
-  // Gradients into the LLM's stage (not the last) for microbatch m, after its forward.
-  Msg llm_grad_msg(int64_t m, const LlmSaved& saved) {
-    const ModulePlan& lp = *llm_plan;
-    const Role& role = llm_role;
-    if (!role.hosted || role.last || !saved.output.defined()) return {};
-    return {saved.output.sizes().vec(), saved.output.scalar_type(),
-            lp.rank_of({role.c.tp, role.c.cp, role.c.dp, role.c.pp + 1}),
-            tag_of(kLlmGrad, 0, m, role.c.pp)};
+  // Gradients into the LLM's chunk (not the last stage) for microbatch m, after its forward.
+  Msg llm_grad_msg(int64_t m, int64_t chunk, const LlmSaved& saved) {
+    const int64_t stage = llm_stage(chunk);
+    if (!llm_role.hosted || llm_last_stage(stage) || !saved.output.defined()) return {};
+    return {saved.output.sizes().vec(), saved.output.scalar_type(), llm_rank_of_stage(stage + 1),
+            tag_of(kLlmGrad, 0, m, stage)};
   }
 
   // Pads a microbatch's token dimension to `S` (padding tokens see only themselves).
@@ -734,11 +744,15 @@ struct Runtime::Impl {
     return out;
   }
 
-  LlmSaved llm_forward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
-                       int64_t targets, int64_t batch_rows, at::Tensor* loss_out) {
+  // Forward of microbatch m through this rank's LLM chunk `chunk`.
+  LlmSaved llm_forward(int64_t m, int64_t chunk,
+                       const std::vector<std::vector<model::Inputs>>& batch, int64_t targets,
+                       int64_t batch_rows, at::Tensor* loss_out) {
     const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
-    Span span{this, op_name("llm", "fwd", m, role.c.pp), "forward"};
+    const int64_t stage = llm_stage(chunk);
+    const bool first = stage == 0, last = llm_last_stage(stage);
+    Span span{this, op_name("llm", "fwd", m, stage), "forward"};
     const int64_t d = role.c.dp, cp = lp.layout.cp;
     const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
     const int64_t S = llm_tokens(batch[d][m]);
@@ -775,7 +789,7 @@ struct Runtime::Impl {
     torch::AutoGradMode grad(lp.needs_backward());
     LlmSaved saved;
     at::Tensor x;
-    if (role.first) {
+    if (first) {
       std::vector<at::Tensor> rows = in.encoder_rows;
       for (size_t e = 0; e < spec.encoders.size(); ++e) {
         saved.features.emplace_back();
@@ -795,15 +809,14 @@ struct Runtime::Impl {
       if (own.defined()) x = x.index_select(1, own);
       if (seq_split > 1) x = dist::split_replicated(x, model->llm().tp, 1);
     } else {
-      x = recv(llm_input_msg(m, batch));
+      x = recv(llm_input_msg(m, chunk, batch));
       WEFT_ASSERT(x.size(0) == B && x.size(1) == Sl / seq_split, "llm input of microbatch ", m);
       if (lp.needs_backward()) x.set_requires_grad(true);
       saved.input = x;
     }
-    at::Tensor h = model->llm().forward(x, positions, mask, tokens);
-    if (!role.last) {
-      send(h, lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp + 1}),
-           tag_of(kLlmAct, 0, m, role.c.pp + 1));
+    at::Tensor h = model->llm().forward(x, positions, mask, tokens, static_cast<size_t>(chunk));
+    if (!last) {
+      send(h, llm_rank_of_stage(stage + 1), tag_of(kLlmAct, 0, m, stage + 1));
       saved.output = h;
       return saved;
     }
@@ -829,23 +842,23 @@ struct Runtime::Impl {
     return saved;
   }
 
-  void llm_backward(int64_t m, const std::vector<std::vector<model::Inputs>>& batch,
+  // Backward of microbatch m through this rank's LLM chunk `chunk`.
+  void llm_backward(int64_t m, int64_t chunk, const std::vector<std::vector<model::Inputs>>& batch,
                     LlmSaved& saved) {
-    const ModulePlan& lp = *llm_plan;
     const Role& role = llm_role;
-    Span span{this, op_name("llm", "bwd", m, role.c.pp), "backward"};
+    const int64_t stage = llm_stage(chunk);
+    Span span{this, op_name("llm", "bwd", m, stage), "backward"};
     const int64_t d = role.c.dp;
-    if (role.last) {
+    if (llm_last_stage(stage)) {
       if (saved.output.requires_grad()) saved.output.backward();
     } else {
-      at::Tensor g = recv(llm_grad_msg(m, saved));
+      at::Tensor g = recv(llm_grad_msg(m, chunk, saved));
       if (saved.output.requires_grad()) saved.output.backward(g);
     }
-    if (!role.first) {
+    if (stage > 0) {
       at::Tensor g = saved.input.grad();
       if (!g.defined()) g = torch::zeros_like(saved.input);
-      send(g, lp.rank_of({role.c.tp, role.c.cp, d, role.c.pp - 1}),
-           tag_of(kLlmGrad, 0, m, role.c.pp - 1));
+      send(g, llm_rank_of_stage(stage - 1), tag_of(kLlmGrad, 0, m, stage - 1));
     } else if (role.c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
       for (size_t e = 0; e < spec.encoders.size(); ++e) {
         const at::Tensor& f = saved.features[e];
@@ -913,9 +926,10 @@ struct Runtime::Impl {
     moe_stats.clear();
     // Receives are posted up to kAhead ops before the op that reads them (see `posted`).
     constexpr int64_t kAhead = 2;
-    auto post_llm_input = [&](int64_t m) {  // activations, or features over the bridge
-      post(llm_input_msg(m, batch));
-      for (size_t e = 0; e < E; ++e) post(bridge_in(e, m, batch));
+    auto post_llm_input = [&](int64_t m, int64_t chunk) {  // activations, or features
+      post(llm_input_msg(m, chunk, batch));
+      if (chunk == 0)
+        for (size_t e = 0; e < E; ++e) post(bridge_in(e, m, batch));
     };
     std::vector<std::vector<EncoderSaved>> enc_saved(E);
     // Whether encoder e's stage here runs backward: the last stage gets gradients when the
@@ -931,7 +945,7 @@ struct Runtime::Impl {
     };
     // 1. Encoders forward (every microbatch), features over the bridge.
     for (int64_t m = 0; m < std::min(M, kAhead); ++m) {
-      post_llm_input(m);
+      post_llm_input(m, 0);
       for (size_t e = 0; e < E; ++e) post(encoder_input_msg(e, m, batch));
     }
     for (size_t e = 0; e < E; ++e) {
@@ -944,42 +958,36 @@ struct Runtime::Impl {
     // The first encoder gradients can arrive while this rank runs the LLM.
     for (size_t e = 0; e < E; ++e)
       for (int64_t m = 0; m < std::min(M, kAhead); ++m) post_encoder_grad(e, m);
-    // 2. LLM: 1F1B over its stages (warm-up forwards, then one forward / one backward, then the
-    // remaining backwards; forwards only when the LLM needs no backward).
+    // 2. LLM: 1F1B over its stages, interleaved over its chunks under virtual stages
+    // (plan::pipeline_schedule; forwards only when the LLM needs no backward).
     if (llm_role.hosted) {
-      const int64_t P = llm_plan->layout.pp, s = llm_role.c.pp;
-      std::vector<std::pair<bool, int64_t>> ops;  // (forward, microbatch)
-      if (!llm_plan->needs_backward()) {
-        for (int64_t m = 0; m < M; ++m) ops.push_back({true, m});
-      } else {
-        const int64_t warmup = std::min(P - 1 - s, M);
-        int64_t nf = 0, nb = 0;
-        while (nf < warmup) ops.push_back({true, nf++});
-        while (nf < M) {
-          ops.push_back({true, nf++});
-          ops.push_back({false, nb++});
-        }
-        while (nb < M) ops.push_back({false, nb++});
-      }
-      std::vector<LlmSaved> saved(static_cast<size_t>(M));
+      const plan::Layout& l = llm_plan->layout;
+      const std::vector<plan::PipelineOp> ops =
+          plan::pipeline_schedule(l.pp, l.vp, M, llm_role.c.pp, llm_plan->needs_backward());
+      std::vector<LlmSaved> saved(static_cast<size_t>(M * l.vp));  // [chunk · M + microbatch]
+      const auto saved_of = [&](const plan::PipelineOp& op) -> LlmSaved& {
+        return saved[static_cast<size_t>(op.chunk * M + op.microbatch)];
+      };
       for (size_t i = 0; i < ops.size(); ++i) {
         for (size_t j = i; j < std::min(ops.size(), i + kAhead + 1); ++j) {
-          const auto [forward, m] = ops[j];
-          if (forward)
-            post_llm_input(m);
+          if (ops[j].forward)
+            post_llm_input(ops[j].microbatch, ops[j].chunk);
           else
-            post(llm_grad_msg(m, saved[m]));
+            post(llm_grad_msg(ops[j].microbatch, ops[j].chunk, saved_of(ops[j])));
         }
-        const auto [forward, m] = ops[i];
-        if (forward) {
-          saved[m] = llm_forward(m, batch, targets, rows, &loss);
+        const plan::PipelineOp& op = ops[i];
+        if (op.forward) {
+          saved_of(op) = llm_forward(op.microbatch, op.chunk, batch, targets, rows, &loss);
           continue;
         }
-        if (m == M - 1 && opts.overlap_grad_reduce) {
+        // The rank's last backward (of its first chunk) starts the gradient reductions: each
+        // bucket as its gradients are final. Under virtual stages the other chunks' buckets,
+        // whose last backwards came before, go at finish().
+        if (op.microbatch == M - 1 && op.chunk == 0 && opts.overlap_grad_reduce) {
           llm_sync.sync->arm();
           if (expert_parallel) expert_sync.sync->arm();
         }
-        llm_backward(m, batch, saved[m]);
+        llm_backward(op.microbatch, op.chunk, batch, saved_of(op));
       }
     }
     // 3. Encoders backward, in microbatch order.

@@ -15,29 +15,43 @@
 namespace weft::model {
 
 Llm Llm::make(const Scope& s, const LlmSpec& spec, StageRange range) {
+  return make(s, spec, std::vector<StageRange>{range});
+}
+
+Llm Llm::make(const Scope& s, const LlmSpec& spec, std::vector<StageRange> chunks) {
+  WEFT_ASSERT(!chunks.empty(), "an LLM stage of no chunks");
   Llm m;
   m.spec = spec;
-  if (range.last_layer < 0) range.last_layer = spec.layers;
-  m.range = range;
+  bool first = false, last = false;
+  for (StageRange& c : chunks) {
+    if (c.last_layer < 0) c.last_layer = spec.layers;
+    first = first || c.first_stage;
+    last = last || c.last_stage;
+  }
+  m.chunks = chunks;
   m.tp = s.groups().tp;
   const Split vocab_split = s.groups().split(0);
-  if (range.first_stage || (range.last_stage && spec.tie_embeddings))
+  if (first || (last && spec.tie_embeddings))
     m.embedding = s.normal("embedding", {spec.vocab, spec.hidden}, 0.02, vocab_split);
   const double out_std = 0.02 / std::sqrt(2.0 * static_cast<double>(spec.layers));
-  for (int64_t i = range.first_layer; i < range.last_layer; ++i) {
-    Scope b = s.sub("layers." + std::to_string(i));
-    LlmBlock blk;
-    blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
-    blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads, spec.qkv_bias,
-                               false, out_std);
-    blk.norm2 = RmsNorm::make(b.sub("norm2"), spec.hidden, spec.norm_eps);
-    if (spec.moe.is_moe_layer(i))
-      blk.moe = MoeMlp::make(b.sub("moe"), spec, i, out_std);
-    else
-      blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
-    m.blocks.push_back(blk);
+  for (const StageRange& c : chunks) {
+    m.chunk_begin.push_back(m.blocks.size());
+    for (int64_t i = c.first_layer; i < c.last_layer; ++i) {
+      Scope b = s.sub("layers." + std::to_string(i));
+      LlmBlock blk;
+      blk.norm1 = RmsNorm::make(b.sub("norm1"), spec.hidden, spec.norm_eps);
+      blk.attn = Attention::make(b.sub("attn"), spec.hidden, spec.heads, spec.kv_heads,
+                                 spec.qkv_bias, false, out_std);
+      blk.norm2 = RmsNorm::make(b.sub("norm2"), spec.hidden, spec.norm_eps);
+      if (spec.moe.is_moe_layer(i))
+        blk.moe = MoeMlp::make(b.sub("moe"), spec, i, out_std);
+      else
+        blk.mlp = SwiGlu::make(b.sub("mlp"), spec.hidden, spec.ffn, out_std);
+      m.blocks.push_back(blk);
+    }
   }
-  if (range.last_stage) {
+  m.chunk_begin.push_back(m.blocks.size());
+  if (last) {
     m.final_norm = RmsNorm::make(s.sub("final_norm"), spec.hidden, spec.norm_eps);
     if (!spec.tie_embeddings)
       m.head = s.normal("head", {spec.vocab, spec.hidden}, 0.02, vocab_split);
@@ -66,7 +80,9 @@ at::Tensor Llm::embed(const at::Tensor& tokens) const {
 }
 
 at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
-                               const AttentionMask& mask_in, const TokenInfo& tokens) const {
+                               const AttentionMask& mask_in, const TokenInfo& tokens,
+                               size_t chunk) const {
+  WEFT_ASSERT(chunk + 1 < chunk_begin.size(), "chunk ", chunk, " of ", chunks.size());
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
   AttentionMask mask = mask_in;  // the mask converted once here, not in every block
   if (!mask.prepared.defined())
@@ -79,7 +95,8 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positio
   if (!mask.chunks.empty())
     mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks, x_in.scalar_type());
   at::Tensor x = x_in;
-  for (const LlmBlock& b : blocks) {
+  for (size_t i = chunk_begin[chunk]; i < chunk_begin[chunk + 1]; ++i) {
+    const LlmBlock& b = blocks[i];
     if (!spec.recompute) {
       x = b(x, mask, rope, tokens);
       continue;
@@ -104,9 +121,9 @@ at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mas
 }
 
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
-                        const TokenInfo& tokens) const {
-  at::Tensor h = blocks_forward(x, positions, mask, tokens);
-  return range.last_stage ? final_norm(h) : h;
+                        const TokenInfo& tokens, size_t chunk) const {
+  at::Tensor h = blocks_forward(x, positions, mask, tokens, chunk);
+  return chunks[chunk].last_stage ? final_norm(h) : h;
 }
 
 at::Tensor Llm::logits(const at::Tensor& rows) const {

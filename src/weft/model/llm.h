@@ -3,8 +3,10 @@
 //
 // A pipeline stage builds only its blocks: the first stage the embedding, the last the final
 // norm and the head (a tied head is a copy of the embedding on the last stage, whose gradient
-// the runtime sums with the first stage's). Under tensor parallelism the embedding and the
-// head are split over the vocabulary and the loss is a vocab-parallel cross-entropy.
+// the runtime sums with the first stage's). Under virtual pipeline stages a rank builds several
+// chunks of blocks (plan.h Layout::vp) and runs one chunk at a time. Under tensor parallelism the
+// embedding and the head are split over the vocabulary and the loss is a vocab-parallel
+// cross-entropy.
 //
 // Under sequence parallelism (Shard::sp) the blocks' input and output, and the final norm's,
 // hold this rank's S/tp positions of the sequence; embed() and loss_sum() take every position
@@ -42,7 +44,8 @@ struct StageRange {
 
 struct Llm {
   LlmSpec spec;
-  StageRange range;
+  std::vector<StageRange> chunks;   // what this rank runs, in block order (one stage: one chunk)
+  std::vector<size_t> chunk_begin;  // per chunk: its first block in `blocks`; then blocks.size()
   dist::Comm tp;
   at::Tensor embedding;  // [vocab/tp, hidden] (first stage; last stage too when tied)
   std::vector<LlmBlock> blocks;
@@ -50,16 +53,18 @@ struct Llm {
   at::Tensor head;  // [vocab/tp, hidden]; undefined when tied to the embedding
 
   static Llm make(const Scope& s, const LlmSpec& spec, StageRange range = {});
+  static Llm make(const Scope& s, const LlmSpec& spec, std::vector<StageRange> chunks);
   // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype (first stage).
   at::Tensor embed(const at::Tensor& tokens) const;
-  // x [B, S, hidden] through this rank's blocks; positions [B, S] drive RoPE; `tokens` tells
-  // MoE blocks which tokens are real and how to weigh their auxiliary losses. With
-  // spec.recompute each block is recomputed in backward (recompute.h).
+  // x [B, S, hidden] through the blocks of this rank's chunk `chunk`; positions [B, S] drive
+  // RoPE; `tokens` tells MoE blocks which tokens are real and how to weigh their auxiliary
+  // losses. With spec.recompute each block is recomputed in backward (recompute.h).
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
-                            const AttentionMask& mask, const TokenInfo& tokens = {}) const;
-  // Blocks, then the final norm when this is the last stage.
+                            const AttentionMask& mask, const TokenInfo& tokens = {},
+                            size_t chunk = 0) const;
+  // A chunk's blocks, then the final norm when it is the last stage.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
-                     const TokenInfo& tokens = {}) const;
+                     const TokenInfo& tokens = {}, size_t chunk = 0) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head

@@ -55,7 +55,9 @@ MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting h
   }
   if (hosting_.llm.hosted) {
     params_.hold_cast_params_in(spec.llm.frozen ? hosting_.frozen_dtype : at::kFloat);
-    llm_ = Llm::make(Scope{&params_, "llm", &hosting_.llm.shard}, spec.llm, hosting_.llm.range);
+    const ModuleHosting& h = hosting_.llm;
+    llm_ = Llm::make(Scope{&params_, "llm", &h.shard}, spec.llm,
+                     h.chunks.empty() ? std::vector<StageRange>{h.range} : h.chunks);
     set_trainable("llm", !spec.llm.frozen);
   }
   params_.hold_cast_params_in(at::kFloat);

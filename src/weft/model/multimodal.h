@@ -47,6 +47,9 @@ at::Tensor to_device(const at::Tensor& t, c10::Device device);
 struct ModuleHosting {
   bool hosted = true;
   StageRange range;
+  // The LLM under virtual pipeline stages: every chunk this rank builds, in block order (then
+  // `range` is unused); empty = `range` alone.
+  std::vector<StageRange> chunks;
   Shard shard;
 };
 // Per encoder (its projector lives on the encoder's last stage) and for the LLM. An empty

@@ -88,11 +88,50 @@ std::vector<std::vector<int64_t>> ModulePlan::expert_groups(bool data_parallel) 
 }
 
 std::pair<int64_t, int64_t> ModulePlan::stage_layers(int64_t stage) const {
-  WEFT_ASSERT(stage >= 0 && stage < layout.pp, "stage ", stage, " of module ", name);
+  const int64_t n = layout.stages();
+  WEFT_ASSERT(stage >= 0 && stage < n, "stage ", stage, " of module ", name);
   if (layers == 0) return {0, 0};
   const auto& b = stage_boundaries;
-  WEFT_ASSERT(static_cast<int64_t>(b.size()) == layout.pp - 1, "stage boundaries of ", name);
-  return {stage == 0 ? 0 : b[stage - 1], stage == layout.pp - 1 ? layers : b[stage]};
+  WEFT_ASSERT(static_cast<int64_t>(b.size()) == n - 1, "stage boundaries of ", name);
+  return {stage == 0 ? 0 : b[stage - 1], stage == n - 1 ? layers : b[stage]};
+}
+
+std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
+                                          bool backward) {
+  WEFT_ASSERT(pp >= 1 && vp >= 1 && M >= 1 && s >= 0 && s < pp, "pipeline_schedule(", pp, ", ", vp,
+              ", ", M, ", ", s, ")");
+  WEFT_ASSERT(vp == 1 || M % pp == 0, "interleaved 1F1B needs microbatches (", M,
+              ") a multiple of pp (", pp, ")");
+  std::vector<PipelineOp> ops;
+  if (vp == 1) {
+    const int64_t warmup = backward ? std::min(pp - 1 - s, M) : M;
+    int64_t nf = 0, nb = 0;
+    while (nf < warmup) ops.push_back({true, nf++, 0});
+    while (nf < M) {
+      ops.push_back({true, nf++, 0});
+      ops.push_back({false, nb++, 0});
+    }
+    while (nb < M && backward) ops.push_back({false, nb++, 0});
+    return ops;
+  }
+  // The k-th forward (backward) of the rank: microbatch group k / (pp·vp), its (k % pp)-th
+  // microbatch, through chunk (k / pp) % vp (backward: from the last chunk down).
+  const int64_t total = M * vp, group = pp * vp;
+  const auto op = [&](bool forward, int64_t k) {
+    const int64_t chunk = (k % group) / pp;
+    return PipelineOp{forward, k / group * pp + k % pp, forward ? chunk : vp - 1 - chunk};
+  };
+  const int64_t warmup =
+      !backward || M == pp ? total : std::min(total, 2 * (pp - 1 - s) + (vp - 1) * pp);
+  for (int64_t k = 0; k < warmup; ++k) ops.push_back(op(true, k));
+  for (int64_t k = 0; k + warmup < total; ++k) {
+    ops.push_back(op(true, k + warmup));
+    if (backward) ops.push_back(op(false, k));
+  }
+  if (backward)
+    for (int64_t k = std::max<int64_t>(0, total - warmup); k < total; ++k)
+      ops.push_back(op(false, k));
+  return ops;
 }
 
 namespace {
@@ -174,10 +213,25 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
   }
   WEFT_CHECK(l.pp <= m->layers, at, "pp = ", l.pp, ": more pipeline stages than blocks (", blocks,
              ")");
+  if (l.vp != 1) {
+    WEFT_CHECK(l.vp >= 1, at, "vp = ", l.vp, ": must be >= 1");
+    WEFT_CHECK(m->role == ModuleRole::kLlm, at, "vp = ", l.vp,
+               ": virtual pipeline stages (interleaved 1F1B) apply to the LLM only");
+    WEFT_CHECK(l.pp > 1, at, "vp = ", l.vp,
+               ": virtual pipeline stages interleave the chunks of pipeline ranks, so they need "
+               "pp > 1 (pp = ",
+               l.pp, ")");
+    WEFT_CHECK(l.stages() <= m->layers, at, "vp = ", l.vp, ": pp * vp = ", l.pp, " * ", l.vp, " = ",
+               l.stages(), " virtual stages, more than blocks (", blocks, ")");
+    WEFT_CHECK(spec.train.microbatches % l.pp == 0, at, "vp = ", l.vp,
+               ": interleaved 1F1B runs microbatches in groups of pp, so train.microbatches = ",
+               spec.train.microbatches, " must be a multiple of pp = ", l.pp);
+  }
   m->stage_boundaries.clear();
   if (stages.empty()) return;  // chosen by choose_boundaries once every layout is known
-  WEFT_CHECK(static_cast<int64_t>(stages.size()) == l.pp - 1, at, "stages = ", format_list(stages),
-             ": needs pp - 1 = ", l.pp - 1,
+  const int64_t want = l.stages() - 1;
+  WEFT_CHECK(static_cast<int64_t>(stages.size()) == want, at, "stages = ", format_list(stages),
+             ": needs ", l.vp > 1 ? "pp * vp - 1 = " : "pp - 1 = ", want,
              " entries (the first block of each stage after the first), got ", stages.size());
   for (size_t i = 0; i < stages.size(); ++i)
     WEFT_CHECK(
@@ -207,7 +261,7 @@ const LayoutSpec& layout_spec(const Spec& spec, const std::string& name) {
 
 Layout layout_of(const Spec& spec, const std::string& name) {
   const LayoutSpec& l = layout_spec(spec, name);
-  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp, l.sp};
+  return {l.dp, l.tp, l.pp, l.cp, l.ep, l.etp, l.sp, l.vp};
 }
 
 // A layer's activations on one rank of `layout`, `c` holding 1/(tp·cp) of them: each TP rank
@@ -260,7 +314,7 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     const ModulePlan& m = plan->modules[i];
     if (m.role == ModuleRole::kProjector) continue;
     JointModule j;
-    j.stages = m.layout.pp;
+    j.stages = m.layout.stages();
     j.boundaries = m.stage_boundaries;
     j.all_in_flight = m.role == ModuleRole::kEncoder;
     const double samples = per_microbatch / static_cast<double>(m.layout.dp);
@@ -278,11 +332,23 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     } else {
       j.costs = flop_costs(spec, m, samples);
     }
+    // An interleaved LLM's chunks are cut alone, each as cheap as it can be: its ranks hold one
+    // chunk of every group of pp, so their loads come out about even and the other modules'
+    // joint split beside it stays what it would be with an even load.
+    if (m.layout.vp > 1) {
+      if (m.stage_boundaries.empty()) {
+        PartitionOptions po;
+        po.stages = m.layout.stages();
+        po.microbatches = std::max<int64_t>(plan->microbatches, 1);
+        plan->modules[i].stage_boundaries = partition_stages(j.costs, po).boundaries;
+      }
+      continue;
+    }
     any = any || (m.layout.pp > 1 && m.stage_boundaries.empty());
     modules.push_back(std::move(j));
     index.push_back(i);
   }
-  if (!any) return;
+  if (!any || modules.empty()) return;
   JointOptions o;
   o.colocated = plan->placement == "colocated";
   o.microbatches = std::max<int64_t>(plan->microbatches, 1);
@@ -382,7 +448,7 @@ Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile) {
              world_size);
 
   for (const auto& m : plan.modules)
-    if (m.layout.pp > 1) plan.schedule = "1f1b";
+    if (m.layout.pp > 1) plan.schedule = m.layout.vp > 1 ? "interleaved-1f1b" : "1f1b";
   const TrainSpec& t = spec.train;
   const int64_t dp = plan.modules.back().layout.dp;  // the LLM's
   WEFT_CHECK(t.batch % dp == 0, spec.source, ": train.batch = ", t.batch,
@@ -412,7 +478,7 @@ std::string to_json(const Plan& plan) {
     mj["role"] = role_name(m.role);
     mj["layout"] = {{"dp", m.layout.dp}, {"tp", m.layout.tp}, {"pp", m.layout.pp},
                     {"cp", m.layout.cp}, {"ep", m.layout.ep}, {"etp", m.layout.expert_tp()},
-                    {"sp", m.layout.sp}};
+                    {"vp", m.layout.vp}, {"sp", m.layout.sp}};
     mj["ranks"] = {m.first_rank, m.first_rank + m.layout.size()};
     mj["layers"] = m.layers;
     mj["stage_boundaries"] = m.stage_boundaries;

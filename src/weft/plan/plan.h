@@ -18,11 +18,15 @@ namespace weft::plan {
 // stage that hold different tokens, see ModulePlan::expert_groups. etp: the expert weights'
 // tensor parallelism, 1 or tp; 0 = tp (core/spec.h LayoutSpec).
 // sp: sequence parallelism (core/spec.h LayoutSpec), in effect where tp > 1 (sequence_parallel()).
+// vp: virtual pipeline stages (the LLM only): pipeline rank s holds the vp chunks of blocks that
+// are virtual stages s, s + pp, ..., s + (vp - 1)·pp of stages() = pp·vp (core/spec.h LayoutSpec).
 struct Layout {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
   bool sp = false;
+  int64_t vp = 1;
   bool sequence_parallel() const { return sp && tp > 1; }
   int64_t size() const { return dp * tp * pp * cp; }
+  int64_t stages() const { return pp * vp; }  // (virtual) pipeline stages
   int64_t expert_tp() const { return etp > 0 ? etp : tp; }
 };
 
@@ -41,8 +45,9 @@ struct ModulePlan {
   ModuleRole role = ModuleRole::kLlm;
   int encoder = -1;  // index into ModelSpec::encoders for encoders and projectors
   Layout layout;
-  int64_t first_rank = 0;                 // ranks [first_rank, first_rank + layout.size())
-  std::vector<int64_t> stage_boundaries;  // first layer of each stage after the first (pp-1)
+  int64_t first_rank = 0;  // ranks [first_rank, first_rank + layout.size())
+  // First layer of each (virtual) stage after the first (layout.stages() - 1 entries).
+  std::vector<int64_t> stage_boundaries;
   int64_t layers = 0;  // blocks this module runs: LLM layers, encoder layers_used(), projector 0
   bool frozen = false;
   // Backward work this module must do: weight grads iff trainable; input grads iff something
@@ -76,10 +81,28 @@ struct ModulePlan {
   }
   int64_t ep_rank(const Coord& c) const { return token_index(c) % layout.ep; }
   int64_t edp_rank(const Coord& c) const { return token_index(c) / layout.ep; }
-  // Blocks [begin, end) that pipeline stage `stage` (0 <= stage < pp) runs; {0, 0} for a
-  // projector (no blocks; it runs on its encoder's last stage).
+  // Blocks [begin, end) that (virtual) pipeline stage `stage` (0 <= stage < layout.stages())
+  // runs; {0, 0} for a projector (no blocks; it runs on its encoder's last stage). Pipeline rank
+  // c.pp runs the stages c.pp + k·pp, k < vp (its chunks).
   std::pair<int64_t, int64_t> stage_layers(int64_t stage) const;
 };
+
+// One op of a pipeline rank's schedule: the forward or backward of one microbatch through one of
+// the rank's chunks (virtual stage chunk·pp + rank).
+struct PipelineOp {
+  bool forward = true;
+  int64_t microbatch = 0, chunk = 0;
+};
+
+// The order in which pipeline rank s of pp, holding vp chunks, runs M microbatches — the one order
+// the runtime runs and the simulator replays. Forward only: every microbatch through chunk 0, then
+// chunk 1, ... in groups of pp microbatches (microbatch order for vp = 1). With backward, vp = 1:
+// 1F1B (min(pp - 1 - s, M) warm-up forwards, then one forward / one backward, then the remaining
+// backwards); vp > 1: Megatron-LM's interleaved 1F1B (M a multiple of pp; warm-up
+// 2·(pp - 1 - s) + (vp - 1)·pp forwards, or all of them when M = pp), its forwards taking groups
+// of pp microbatches through chunks 0, 1, ..., vp - 1 and its backwards through vp - 1, ..., 0.
+std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
+                                          bool backward);
 
 struct Plan {
   int64_t world_size = 1;
@@ -87,9 +110,11 @@ struct Plan {
   std::vector<ModulePlan> modules;  // encoders and their projectors in spec order, then "llm"
   int64_t global_batch = 1;
   int64_t microbatches = 1;
-  std::string schedule = "sequential";  // microbatch schedule: "1f1b" when any module has pp > 1
-  std::string cp_split = "balanced";    // LLM sequence split over CP ranks (ParallelSpec)
-  std::string balance = "in_order";     // how samples are assigned to microbatches
+  // Microbatch schedule: "1f1b" when any module has pp > 1, "interleaved-1f1b" when the LLM also
+  // has vp > 1 (pipeline_schedule).
+  std::string schedule = "sequential";
+  std::string cp_split = "balanced";  // LLM sequence split over CP ranks (ParallelSpec)
+  std::string balance = "in_order";   // how samples are assigned to microbatches
 
   const ModulePlan& module(const std::string& name) const;
 };

@@ -104,8 +104,10 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
   plan.schedule = top.string("schedule");
   plan.cp_split = top.string("cp_split");
   plan.balance = top.string("balance");
-  WEFT_CHECK(plan.schedule == "sequential" || plan.schedule == "1f1b", source, ": schedule = \"",
-             plan.schedule, "\": expected \"sequential\" or \"1f1b\"");
+  WEFT_CHECK(plan.schedule == "sequential" || plan.schedule == "1f1b" ||
+                 plan.schedule == "interleaved-1f1b",
+             source, ": schedule = \"", plan.schedule,
+             "\": expected \"sequential\", \"1f1b\" or \"interleaved-1f1b\"");
   const json& modules = top.get("modules");
   WEFT_CHECK(modules.is_array() && !modules.empty(), source, ": modules = ", show(modules),
              ": expected a non-empty array of modules");
@@ -133,7 +135,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
       m.encoder = plan.modules.back().encoder;
     }
     const Fields l(source, f.get("layout"), at + ".layout");
-    l.only({"dp", "tp", "pp", "cp", "ep", "etp", "sp"});
+    l.only({"dp", "tp", "pp", "cp", "ep", "etp", "vp", "sp"});
     m.layout.dp = l.integer("dp", 1);
     m.layout.tp = l.integer("tp", 1);
     m.layout.pp = l.integer("pp", 1);
@@ -143,6 +145,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
       const int64_t etp = l.integer("etp", 1);
       m.layout.etp = etp == m.layout.tp ? 0 : etp;
     }
+    if (l.has("vp")) m.layout.vp = l.integer("vp", 1);
     if (l.has("sp")) m.layout.sp = l.boolean("sp");
     const std::vector<int64_t> ranks = f.integers("ranks");
     WEFT_CHECK(ranks.size() == 2 && ranks[0] >= 0 && ranks[1] - ranks[0] == m.layout.size() &&
@@ -153,10 +156,11 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
     m.layers = f.integer("layers", 0);
     m.stage_boundaries = f.integers("stage_boundaries");
     const bool staged = m.layers > 0 || m.role == ModuleRole::kProjector;
-    WEFT_CHECK(!staged || static_cast<int64_t>(m.stage_boundaries.size()) ==
-                              (m.layout.pp > 1 ? m.layout.pp - 1 : 0),
-               source, ": ", at, ".stage_boundaries = ", list(m.stage_boundaries),
-               ": expected pp - 1 = ", m.layout.pp - 1, " entries");
+    const int64_t stages = m.layout.stages();
+    WEFT_CHECK(
+        !staged || static_cast<int64_t>(m.stage_boundaries.size()) == (stages > 1 ? stages - 1 : 0),
+        source, ": ", at, ".stage_boundaries = ", list(m.stage_boundaries), ": expected ",
+        m.layout.vp > 1 ? "pp * vp - 1 = " : "pp - 1 = ", stages - 1, " entries");
     m.frozen = f.boolean("frozen");
     m.weight_grads = f.boolean("weight_grads");
     m.input_grads = f.boolean("input_grads");
@@ -200,6 +204,7 @@ Plan plan_from_json(const std::string& text, const std::string& source, const Sp
     l.dp = m.layout.dp, l.tp = m.layout.tp, l.pp = m.layout.pp, l.cp = m.layout.cp;
     l.ep = m.layout.ep;
     l.etp = m.layout.etp;
+    l.vp = m.layout.vp;
     l.sp = m.layout.sp;
     l.stages = m.stage_boundaries;
   }
@@ -224,14 +229,16 @@ Plan plan_from_json(const std::string& text, const std::string& source, const Sp
                std::string("\"") + role_name(b.role) + "\"");
     if (a.layout.size() != b.layout.size() || a.layout.dp != b.layout.dp ||
         a.layout.tp != b.layout.tp || a.layout.pp != b.layout.pp || a.layout.cp != b.layout.cp ||
-        a.layout.ep != b.layout.ep || a.layout.expert_tp() != b.layout.expert_tp())
-      mismatch(at + ".layout",
-               "{dp " + std::to_string(a.layout.dp) + ", tp " + std::to_string(a.layout.tp) +
-                   ", pp " + std::to_string(a.layout.pp) + ", cp " + std::to_string(a.layout.cp) +
-                   "}",
-               "{dp " + std::to_string(b.layout.dp) + ", tp " + std::to_string(b.layout.tp) +
-                   ", pp " + std::to_string(b.layout.pp) + ", cp " + std::to_string(b.layout.cp) +
-                   "} (a projector takes its encoder's)");
+        a.layout.ep != b.layout.ep || a.layout.expert_tp() != b.layout.expert_tp() ||
+        a.layout.vp != b.layout.vp) {
+      const auto show = [](const Layout& l) {
+        return "{dp " + std::to_string(l.dp) + ", tp " + std::to_string(l.tp) + ", pp " +
+               std::to_string(l.pp) + ", cp " + std::to_string(l.cp) +
+               (l.vp > 1 ? ", vp " + std::to_string(l.vp) : "") + "}";
+      };
+      mismatch(at + ".layout", show(a.layout),
+               show(b.layout) + " (a projector takes its encoder's)");
+    }
     if (a.first_rank != b.first_rank)
       mismatch(at + ".ranks", list({a.first_rank, a.first_rank + a.layout.size()}),
                list({b.first_rank, b.first_rank + b.layout.size()}) + " (placement \"" +

@@ -464,10 +464,10 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       std::vector<const LayerCost*> out;
       if (s == 0) out.push_back(&c.front);
       for (int64_t k = begin; k < end; ++k) out.push_back(&c.blocks[static_cast<size_t>(k)]);
-      if (s == m.layout.pp - 1) out.push_back(&c.back);
+      if (s == m.layout.stages() - 1) out.push_back(&c.back);
       return out;
     };
-    for (int64_t s = 0; s < m.layout.pp; ++s) {
+    for (int64_t s = 0; s < m.layout.stages(); ++s) {
       StageCost& sc = table[i][static_cast<size_t>(s)];
       const auto [begin, end] = m.stage_layers(s);
       StageCost fresh;
@@ -527,7 +527,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
           sc.optimizer_seconds +=
               (llm ? mp.block_at(spec.model.llm, b) : mp.block).optimizer_seconds;
       }
-      if (s == m.layout.pp - 1 && back_trains(spec, m)) {
+      if (s == m.layout.stages() - 1 && back_trains(spec, m)) {
         sc.optimizer_seconds += mp.back.optimizer_seconds;
         if (llm && spec.model.llm.tie_embeddings && m.layout.pp > 1)
           sc.optimizer_seconds += mp.front.optimizer_seconds;

@@ -44,7 +44,8 @@ Spec with_vocab(Spec spec, const SimOptions& o) {
   return spec;
 }
 
-// Message identity: kind, module index, microbatch, sender, receiver.
+// Message identity: kind, module index (the LLM's messages: the receiving (virtual) stage),
+// microbatch, sender, receiver.
 enum MsgKind { kEncAct, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
 using MsgKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;
 
@@ -387,17 +388,28 @@ class Engine {
 
   void build_llm(int64_t r) {
     const ModulePlan& m = mod(llm_);
+    const Coord c = m.coord(r);
+    const int64_t P = m.layout.pp, V = m.layout.vp;
+    for (int64_t k = 0; k < V; ++k)
+      result_.ranks[r].stages.push_back(m.name + " s" + std::to_string(k * P + c.pp));
+    for (const PipelineOp& op : pipeline_schedule(P, V, M_, c.pp, m.needs_backward()))
+      build_llm_op(r, op.chunk * P + c.pp, op.forward, op.microbatch);
+  }
+
+  // The forward or backward of microbatch `mb` through the LLM's (virtual) stage s on rank r.
+  void build_llm_op(int64_t r, int64_t s, bool fwd, int64_t mb) {
+    const ModulePlan& m = mod(llm_);
     const LlmSpec& l = spec_.model.llm;
     const Coord c = m.coord(r);
-    const int64_t s = c.pp, P = m.layout.pp, tp = m.layout.tp, cp = m.layout.cp, d = c.dp;
-    const bool first = s == 0, last = s == P - 1;
+    const int64_t P = m.layout.pp, tp = m.layout.tp, cp = m.layout.cp, d = c.dp;
+    const bool first = s == 0, last = s == m.layout.stages() - 1;
     const StageCost& sc = costs_[llm_][s];
     const double S = seq_, H = static_cast<double>(l.hidden);
     const double kv_width = static_cast<double>(l.head_dim() * l.kv_heads);
     const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
-    const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage}); };
+    // The rank of (virtual) stage `stage` beside this one: pipeline rank stage mod pp.
+    const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage % P}); };
     const std::string where = " s" + std::to_string(s);
-    result_.ranks[r].stages.push_back(m.name + where);
     const auto sizes = [&](int64_t mb, double* n, double* tokens, double* kv) {
       *n = static_cast<double>(mb_samples_[mb]);
       *tokens = *n * S / static_cast<double>(cp);
@@ -467,10 +479,10 @@ class Engine {
             op.waits.push_back({kBridge, e, mb, em.rank_of({0, 0, i, em.layout.pp - 1}), r});
         }
       } else {
-        op.waits.push_back({kLlmAct, llm_, mb, neighbour(s - 1), r});
+        op.waits.push_back({kLlmAct, s, mb, neighbour(s - 1), r});
       }
       if (!last)
-        op.sends.push_back({{kLlmAct, llm_, mb, r, neighbour(s + 1)},
+        op.sends.push_back({{kLlmAct, s + 1, mb, r, neighbour(s + 1)},
                             neighbour(s + 1),
                             tokens * H * act_ / seq_split});
       if (m.needs_backward()) op.keep_bytes = kept_activation_bytes(sc, n, m.layout);
@@ -490,9 +502,9 @@ class Engine {
       Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
-      if (!last) op.waits.push_back({kLlmGrad, llm_, mb, neighbour(s + 1), r});
+      if (!last) op.waits.push_back({kLlmGrad, s, mb, neighbour(s + 1), r});
       if (!first) {
-        op.sends.push_back({{kLlmGrad, llm_, mb, r, neighbour(s - 1)},
+        op.sends.push_back({{kLlmGrad, s - 1, mb, r, neighbour(s - 1)},
                             neighbour(s - 1),
                             tokens * H * act_ / seq_split});
       } else if (c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
@@ -512,28 +524,40 @@ class Engine {
         }
       }
       backward_bytes(&op, sc, n, m.layout);
-      if (mb == M_ - 1) op.arms = llm_;
+      if (mb == M_ - 1 && s < P) op.arms = llm_;  // the rank's last backward (its chunk 0)
       ops_[r].push_back(std::move(op));
     };
-    if (!m.needs_backward()) {
-      for (int64_t mb = 0; mb < M_; ++mb) forward(mb);
-      return;
+    if (fwd)
+      forward(mb);
+    else
+      backward(mb);
+  }
+
+  // What rank r holds of module i for the step: its stage, or under virtual stages the sum of
+  // its chunks' parameters, gradients, optimizer state and optimizer seconds.
+  StageCost rank_cost(int64_t i, int64_t r) const {
+    const ModulePlan& m = mod(i);
+    const int64_t s = m.coord(r).pp, P = m.layout.pp;
+    StageCost sum = costs_[i][s];
+    for (int64_t k = 1; k < m.layout.vp; ++k) {
+      const StageCost& x = costs_[i][k * P + s];
+      sum.param_bytes += x.param_bytes;
+      sum.copy_bytes += x.copy_bytes;
+      sum.train_state_bytes += x.train_state_bytes;
+      sum.grad_bytes += x.grad_bytes;
+      sum.expert_param_bytes += x.expert_param_bytes;
+      sum.expert_train_state_bytes += x.expert_train_state_bytes;
+      sum.expert_grad_bytes += x.expert_grad_bytes;
+      sum.expert_copy_bytes += x.expert_copy_bytes;
+      sum.optimizer_seconds += x.optimizer_seconds;
     }
-    const int64_t warmup = std::min(P - 1 - s, M_);
-    int64_t nf = 0, nb = 0;
-    while (nf < warmup) forward(nf++);
-    while (nf < M_) {
-      forward(nf++);
-      backward(nb++);
-    }
-    while (nb < M_) backward(nb++);
+    return sum;
   }
 
   // Static memory and the step-end collectives of module i's stage on rank r.
   void build_module_end(int64_t r, int64_t i) {
     const ModulePlan& m = mod(i);
-    const Coord c = m.coord(r);
-    const StageCost& sc = costs_[i][c.pp];
+    const StageCost sc = rank_cost(i, r);
     const auto group = m.group(r, {Axis::kCp, Axis::kDp});
     const Holding held = rank_holding(sc, m.layout, spec_.train.zero_stage == 1);
     RankReport& rep = result_.ranks[r];
@@ -614,7 +638,7 @@ class Engine {
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
-      const StageCost& sc = costs_[i][m.coord(r).pp];
+      const StageCost sc = rank_cost(static_cast<int64_t>(i), r);
       const Holding held = rank_holding(sc, m.layout, spec_.train.zero_stage == 1);
       if (sc.measured)
         measured_seconds += sc.optimizer_seconds * held.step_fraction;
@@ -637,7 +661,7 @@ class Engine {
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
-      const Holding held = rank_holding(costs_[i][m.coord(r).pp], m.layout, true);
+      const Holding held = rank_holding(rank_cost(static_cast<int64_t>(i), r), m.layout, true);
       const auto gather = [&](const std::string& name, const std::vector<int64_t>& g,
                               double bytes) {
         if (bytes > 0)
@@ -929,7 +953,7 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
     const ModulePlan& m = plan.modules[i];
     if (m.role == ModuleRole::kProjector) continue;
     const ModuleCosts costs = module_layer_costs(spec, m, unit);
-    for (int64_t s = 0; s < m.layout.pp; ++s) {
+    for (int64_t s = 0; s < m.layout.stages(); ++s) {
       StageCost sc;
       const auto [begin, end] = m.stage_layers(s);
       if (s == 0) add(&sc, costs.front, m.layout);
@@ -942,7 +966,7 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
         add(&sc, costs.blocks[static_cast<size_t>(b)], m.layout);
         if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b)) ++sc.moe_blocks;
       }
-      if (s == m.layout.pp - 1) add(&sc, costs.back, m.layout);
+      if (s == m.layout.stages() - 1) add(&sc, costs.back, m.layout);
       sc.blocks = end - begin;
       table[i].push_back(sc);
     }
@@ -965,7 +989,8 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
              " modules, plan has ", plan.modules.size());
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
-    const size_t want = m.role == ModuleRole::kProjector ? 0 : static_cast<size_t>(m.layout.pp);
+    const size_t want =
+        m.role == ModuleRole::kProjector ? 0 : static_cast<size_t>(m.layout.stages());
     WEFT_CHECK(costs[i].size() == want, "[simulate] cost table of module '", m.name, "' has ",
                costs[i].size(), " stages (expected ", want, ")");
   }
