@@ -7,6 +7,7 @@
 //               pipeline stage with the LLM's tp (or its largest divisor the encoder allows),
 //               pp = cp = 1, data parallel over those ranks; the LLM's layers split evenly over
 //               its stages; its own best tp / pp / dp / microbatches / ZeRO-1 / recomputation
+//               (and interleaved 1F1B, tried on its best layouts as on weft's)
 //               (search placement "megatron")
 //   colocated   the best plan with every module on every rank (search placement "colocated")
 //   separate    the best plan with disjoint rank spans (search placement "separate")
@@ -190,7 +191,10 @@ int main(int argc, char** argv) {
              "(norms' inputs and outputs, a recomputed block's input) whole on every TP rank. "
              "Both weft's and the Megatron-style plans hide TP's backward collectives behind "
              "the column-parallel linears' own matmuls, up to those matmuls' time, as "
-             "Megatron-LM's asynchronous TP communication does. "
+             "Megatron-LM's asynchronous TP communication does. Both try interleaved 1F1B "
+             "(`vp` 2 to 4 chunks per LLM pipeline rank, Megatron-LM's virtual pipeline; "
+             "weft's chunks cut by its partitioner, Megatron's evenly) on the layouts the "
+             "search reports, and keep it where the simulator finds it faster. "
              "Colocated / separate: the best plan with that placement only (separate includes "
              "the DistTrain-style split of the GPUs). `*`: the search budget ran out before "
              "the bound closed. `plan s` is the wall time of weft's search on this 2-core "

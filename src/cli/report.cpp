@@ -416,6 +416,7 @@ std::string plan_table(const json& plan) {
     const json& l = m.value("layout", json::object());
     os << "<tr><td>" << esc(m.value("name", "")) << "</td><td>dp " << l.value("dp", 1) << " tp "
        << l.value("tp", 1) << " pp " << l.value("pp", 1) << " cp " << l.value("cp", 1)
+       << (l.value("vp", 1) > 1 ? " vp " + std::to_string(l.value("vp", 1)) : std::string())
        << "</td><td>" << esc(m.value("ranks", json::array()).dump()) << "</td><td>"
        << esc(m.value("stage_boundaries", json::array()).dump()) << "</td><td>"
        << (m.value("frozen", false) ? "yes" : "") << "</td></tr>\n";

@@ -153,6 +153,36 @@ TEST(DataParallel, BucketsStartInTheSameOrderOnEveryRank) {
   });
 }
 
+// Interleaved 1F1B arms each chunk's parameters before that chunk's last backward: a later
+// backward through a chunk armed earlier would count its gradient as final too soon, so only
+// the armed parameters count. Here "chunk 1" (p2, bucket 0) finishes first and its bucket starts
+// then; "chunk 0" (p0, p1) keeps accumulating through another backward before it is armed.
+TEST(DataParallel, ArmingSomeParametersLetsTheOthersAccumulate) {
+  testing::run_ranks(2, [](const Comm& comm) {
+    const double w = comm.rank() + 1;
+    model::ParamSet ps;
+    at::Tensor p0 = ps.add("p0", torch::ones({100}));
+    at::Tensor p1 = ps.add("p1", torch::ones({100}));
+    at::Tensor p2 = ps.add("p2", torch::ones({100}));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/400);
+    ASSERT_EQ(sync.bucket_count(), 3);  // [p2], [p1], [p0]
+    sync.attach();
+    ((p0 + p1 + p2).sum() * w).backward();  // every chunk, an earlier microbatch
+    sync.arm({false, false, true});
+    ((2 * p2).sum() * w).backward();  // chunk 1's last backward
+    EXPECT_EQ(sync.buckets_overlapped(), 1);
+    ((3 * p0 + 3 * p1).sum() * w).backward();  // chunk 0, not its last
+    sync.arm({true, true, false});
+    ((5 * p0 + 5 * p1).sum() * w).backward();  // chunk 0's last backward
+    sync.finish();
+    // Summed over ranks (weights 1 + 2 = 3): p2 (1 + 2) · 3, p0 and p1 (1 + 3 + 5) · 3.
+    EXPECT_TRUE(torch::equal(p2.grad(), torch::full({100}, 9.0))) << p2.grad()[0];
+    EXPECT_TRUE(torch::equal(p1.grad(), torch::full({100}, 27.0))) << p1.grad()[0];
+    EXPECT_TRUE(torch::equal(p0.grad(), torch::full({100}, 27.0))) << p0.grad()[0];
+    EXPECT_EQ(sync.buckets_overlapped(), 3);  // every bucket started during a backward
+  });
+}
+
 TEST(DataParallel, ZeroOnePartitionIsBalancedAndComplete) {
   model::ParamSet ps;
   for (int i = 0; i < 7; ++i) ps.add("p" + std::to_string(i), torch::zeros({100 * (i + 1)}));

@@ -58,6 +58,22 @@ TEST(Layouts, LlmInterleavedPipeline) {
       "llm_pp2_vp2");
 }
 
+// Data parallelism beside: each chunk's gradient buckets start reducing during its own last
+// backward (GradSync::arm per chunk), and every bucket does so here.
+TEST(Layouts, LlmInterleavedPipelineDp2OverlapsEachChunksReduction) {
+  const std::string tag = "llm_dp2_pp2_vp2";
+  expect_equivalent(4,
+                    {"parallel.llm.pp=2", "parallel.llm.vp=2", "parallel.llm.dp=2",
+                     "model.llm.layers=4", "train.microbatches=2"},
+                    tag);
+  const auto overlapped =
+      testing::run_metric(fs::temp_directory_path() /
+                              ("weft_test_" + std::to_string(::getpid()) + "_" + tag + "_parallel"),
+                          "grad_buckets_overlapped");
+  ASSERT_FALSE(overlapped.empty());
+  for (const auto& n : overlapped) EXPECT_GT(n.get<int64_t>(), 0);
+}
+
 // Three chunks per rank, an untied head, tensor parallelism beside, the trained encoder's
 // gradients coming back over the bridge; microbatches = pp (every forward first).
 TEST(Layouts, LlmInterleavedPipelineTp2UntiedThreeChunks) {

@@ -320,6 +320,38 @@ TEST(Search, ExpertParallelismWhenTheExpertsDoNotFitOneDevice) {
   EXPECT_NE(err.find("no layout fits"), std::string::npos) << err;
 }
 
+// Interleaved 1F1B is tried on the reported layouts with a pipelined LLM: on a 72B LLM over 256
+// GPUs (the scenario benchmark's frozen ViT-22B + Qwen2-72B) the winner interleaves, is faster
+// than the same layout without it, and its config snippet reproduces it.
+TEST(Search, InterleavingIsTriedOnTheLayoutsFound) {
+  const Spec spec = load_spec(WEFT_SOURCE_DIR "/configs/scenarios/vit22b-qwen2-72b.toml",
+                              {"model.vision.frozen=true"});
+  const Cluster cluster = h100(32);
+  SearchOptions o;
+  o.top = 1;
+  o.report_slack = 0;
+  o.placements = {"colocated"};
+  o.max_simulations = 1000;
+  const SearchResult r = search(spec, cluster, o);
+  const Evaluation& win = r.best.front();
+  const LayoutSpec& llm = win.candidate.layouts.back();
+  ASSERT_GT(llm.vp, 1) << describe(spec, win.candidate);
+  EXPECT_EQ(win.plan.module("llm").layout.vp, llm.vp);
+  EXPECT_EQ(win.plan.schedule, "interleaved-1f1b");
+  EXPECT_NE(describe(spec, win.candidate).find(" vp" + std::to_string(llm.vp)), std::string::npos);
+  EXPECT_DOUBLE_EQ(evaluate(spec, cluster, win.candidate, o.sim).sim.step_seconds,
+                   win.sim.step_seconds);
+  o.max_vp = 1;  // the same search without interleaving
+  const SearchResult plain = search(spec, cluster, o);
+  EXPECT_EQ(plain.best.front().candidate.layouts.back().vp, 1);
+  EXPECT_LT(win.sim.step_seconds, plain.best.front().sim.step_seconds);
+  const Spec again =
+      parse_spec(spec_to_toml(spec), "again.toml", config_overrides(spec, win.candidate));
+  EXPECT_EQ(to_json(make_plan(again, win.candidate.world_size)), to_json(win.plan));
+  EXPECT_NE(config_snippet(spec, win.candidate).find("vp = " + std::to_string(llm.vp)),
+            std::string::npos);
+}
+
 TEST(Search, ConfigSnippetReproducesThePlan) {
   const Spec spec = small_vlm();
   const Cluster cluster = h100(2);

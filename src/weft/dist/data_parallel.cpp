@@ -32,6 +32,7 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
   bucket_of_.resize(params_.size());
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
+  armed_of_.assign(params_.size(), 0);
   int64_t bytes = 0;
   for (size_t k = params_.size(); k-- > 0;) {
     if (buckets_.empty() || bytes >= bucket_bytes) {
@@ -53,7 +54,7 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
   for (size_t k = 0; k < params_.size(); ++k) {
     accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[k].second));
     hooks_.push_back(accumulators_.back()->add_post_hook(std::make_unique<PostHook>([this, k] {
-      if (armed_) on_accumulated(k);
+      if (armed_of_[k]) on_accumulated(k);
     })));
   }
 }
@@ -85,9 +86,16 @@ void GradSync::attach() {
   }
 }
 
-void GradSync::arm() {
-  armed_ = group_.size() > 1;
-  overlapped_ = 0;
+void GradSync::arm() { arm(std::vector<bool>(params_.size(), true)); }
+
+void GradSync::arm(const std::vector<bool>& which) {
+  WEFT_ASSERT(which.size() == params_.size(), "arm: ", which.size(), " flags for ", params_.size(),
+              " parameters");
+  if (group_.size() == 1) return;
+  if (!armed_) overlapped_ = 0;
+  armed_ = true;
+  for (size_t k = 0; k < which.size(); ++k)
+    if (which[k]) armed_of_[k] = 1;
 }
 
 void GradSync::on_accumulated(size_t k) {
@@ -146,6 +154,7 @@ void GradSync::finish() {
     b.launched = false;
   }
   std::fill(filled_.begin(), filled_.end(), 0);
+  std::fill(armed_of_.begin(), armed_of_.end(), 0);
   next_ = 0;
   armed_ = false;
 }

@@ -11,7 +11,9 @@
 // are full (buckets start in index order on every rank, whichever parameters got gradients
 // there), while backward goes on. finish() starts whatever is left (parameters that got no
 // gradient contribute their .grad or zeros), waits, and leaves the sums in .grad. Without arm(),
-// finish() does all the work after backward. Every rank of the group calls attach()/arm()/
+// finish() does all the work after backward. arm(which) arms some parameters only (the rest keep
+// accumulating): interleaved 1F1B arms each LLM chunk's parameters before its own last backward,
+// and the buckets still launch in index order. Every rank of the group calls attach()/arm()/
 // finish() in the same steps with the same parameter list. Not thread-safe; hooks run on the
 // backward thread.
 #pragma once
@@ -42,6 +44,7 @@ class GradSync {
   // The views stay valid until .grad is reset; no-op for a group of one rank.
   void attach();
   void arm();
+  void arm(const std::vector<bool>& which);  // per parameter (aligned with the constructor's list)
   void finish();
   int64_t bucket_count() const { return static_cast<int64_t>(buckets_.size()); }
   // Buckets whose all-reduce started during backward in the last step (overlap achieved).
@@ -71,7 +74,8 @@ class GradSync {
   // parameter keeps only a weak reference) and the key of the hook on it.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hooks_;
-  bool armed_ = false;
+  bool armed_ = false;             // any parameter armed this step
+  std::vector<uint8_t> armed_of_;  // per parameter: its next accumulation completes its gradient
   int64_t overlapped_ = 0;
 };
 

@@ -95,6 +95,9 @@ struct Runtime::Impl {
   // TP: etp = 1 < tp): expert parameters, summed over the expert-data-parallel group only.
   SyncGroup expert_sync;
   bool expert_parallel = false;
+  // Interleaved 1F1B: per chunk of this rank, which of llm_sync's (expert_sync's) parameters
+  // it holds; armed before the chunk's last backward (GradSync::arm).
+  std::vector<std::vector<bool>> llm_chunk_params, expert_chunk_params;
   model::MoeStats moe_stats;  // this rank's, during a step
   RoutingReport routing;
   Comm tied;  // first and last LLM stage with the same (tp, cp, dp): the tied embedding's copies
@@ -283,6 +286,29 @@ struct Runtime::Impl {
     for (auto& g : enc_sync) make_sync(g);
     make_sync(llm_sync);
     if (expert_parallel) make_sync(expert_sync);
+    // The chunk of each LLM parameter: its block's; the embedding the first chunk's (a tied
+    // copy on the last stage the last chunk's); the final norm and head the last chunk's.
+    const std::vector<model::StageRange>& chunks = hosting.llm.chunks;
+    const auto chunk_of = [&](const std::string& name) -> size_t {
+      const std::string layers = "llm.layers.";
+      if (name.rfind(layers, 0) == 0) {
+        const int64_t i = std::stoll(name.substr(layers.size()));
+        for (size_t k = 0; k < chunks.size(); ++k)
+          if (i >= chunks[k].first_layer && i < chunks[k].last_layer) return k;
+      }
+      if (name == "llm.embedding" && chunks.front().first_stage) return 0;
+      return chunks.size() - 1;
+    };
+    const auto per_chunk = [&](const SyncGroup& g) {
+      std::vector<std::vector<bool>> out(chunks.size(), std::vector<bool>(g.params.size()));
+      for (size_t i = 0; i < g.params.size(); ++i)
+        out[chunk_of(trainable[g.params[i]].first)][i] = true;
+      return out;
+    };
+    if (llm_role.hosted && chunks.size() > 1) {
+      llm_chunk_params = per_chunk(llm_sync);
+      if (expert_parallel) expert_chunk_params = per_chunk(expert_sync);
+    }
     if (spec.llm.moe.enabled())
       for (int64_t i = 0; i < spec.llm.layers; ++i)
         if (spec.llm.moe.is_moe_layer(i)) routing.layers.push_back(i);
@@ -980,12 +1006,17 @@ struct Runtime::Impl {
           saved_of(op) = llm_forward(op.microbatch, op.chunk, batch, targets, rows, &loss);
           continue;
         }
-        // The rank's last backward (of its first chunk) starts the gradient reductions: each
-        // bucket as its gradients are final. Under virtual stages the other chunks' buckets,
-        // whose last backwards came before, go at finish().
-        if (op.microbatch == M - 1 && op.chunk == 0 && opts.overlap_grad_reduce) {
-          llm_sync.sync->arm();
-          if (expert_parallel) expert_sync.sync->arm();
+        // A chunk's last backward completes its parameters' gradients: their buckets start
+        // as they fill (in bucket order), while backward goes on.
+        if (op.microbatch == M - 1 && opts.overlap_grad_reduce) {
+          if (llm_chunk_params.empty()) {
+            llm_sync.sync->arm();
+            if (expert_parallel) expert_sync.sync->arm();
+          } else {
+            llm_sync.sync->arm(llm_chunk_params[static_cast<size_t>(op.chunk)]);
+            if (expert_parallel)
+              expert_sync.sync->arm(expert_chunk_params[static_cast<size_t>(op.chunk)]);
+          }
         }
         llm_backward(op.microbatch, op.chunk, batch, saved_of(op));
       }

@@ -12,7 +12,8 @@
 //  the
 //     replica whose sample holds it (every TP and CP rank: TP replicates them, each CP rank
 //     keeps the placeholder rows it owns) — fan-in, fan-out or equal DP, colocated or separate;
-//  3. LLM: a 1F1B schedule over its stages; under CP each rank holds its token blocks
+//  3. LLM: a 1F1B schedule over its stages (interleaved over each rank's chunks under virtual
+//     stages, plan.h pipeline_schedule); under CP each rank holds its token blocks
 //     (contiguous or zigzag) with original positions, attention gathers K/V, the loss is summed
 //     over each rank's own targets;
 //  4. bridge, backward: feature gradients go back the reverse way (from LLM tp-rank 0; CP ranks'

@@ -39,7 +39,10 @@
 // Complete candidates are simulated in bound order until the bound reaches the best simulated
 // step time, so the winner is the simulator's optimum over the space unless the simulation
 // budget ran out first (SearchStats::complete says which); tests check on exhaustive spaces
-// that the bound never exceeds the simulated step. Everything runs on one thread; the
+// that the bound never exceeds the simulated step. Then interleaved 1F1B (parallel.llm.vp) is
+// tried on each reported layout with a pipelined LLM — vp = 2 .. max_vp, simulated, kept when
+// faster and within memory — outside the bound: it refines the winners, it does not widen the
+// space the bound covers (the bound models plain 1F1B). Everything runs on one thread; the
 // simulator is called with SimOptions::trace = false.
 //
 // Expert parallelism is priced as the simulator does (simulate.h): the experts' parameters,
@@ -86,6 +89,9 @@ struct SearchOptions {
   std::vector<std::string> placements = {"colocated", "separate"};
   int64_t max_tp = 0;  // 0 = the cluster's gpus_per_node
   int64_t max_pp = 32, max_encoder_pp = 8;
+  // Interleaved 1F1B tried on the winners (Searcher::interleave): up to this many chunks per
+  // LLM pipeline rank; 1 = never.
+  int64_t max_vp = 4;
   int64_t max_cp = 16;
   int64_t max_ep = 0;         // MoE LLM: largest ep to try; 0 = the number of experts
   bool expert_tp_one = true;  // MoE LLM with tp > 1: also try expert TP 1 (parallel.llm.etp)

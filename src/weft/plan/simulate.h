@@ -7,12 +7,16 @@
 //     stage ranks of the replica that holds it (every TP and CP rank);
 //  2. the LLM's stages run 1F1B (warm-up min(P - 1 - s, M) forwards on stage s, then one
 //     forward / one backward, then the remaining backwards; forward only when the LLM needs no
-//     backward); its first stage waits for every bridge message of the microbatch and, in
-//     backward, sends feature gradients back (from tp-rank 0 of each CP rank);
+//     backward), or under virtual stages (parallel.llm.vp) interleaved 1F1B over each rank's
+//     chunks — plan.h pipeline_schedule, the runtime's order; its first stage waits for every
+//     bridge message of the microbatch and, in backward, sends feature gradients back (from
+//     tp-rank 0 of each CP rank);
 //  3. encoder stages run backward in microbatch order (the last stage iff its projector needs
 //     backward, earlier stages iff the encoder trains), waiting for the gradients;
 //  4. each module's gradients are all-reduced over its CP × DP group (started with the last
-//     backward when train.overlap_grad_reduce, its last bucket after the backward ends), a tied
+//     backward when train.overlap_grad_reduce, its last bucket after the backward ends; under
+//     interleaved 1F1B the runtime starts each chunk's buckets with that chunk's own last
+//     backward, earlier for all but the first chunk: conservative there), a tied
 //     embedding's first/last-stage copies are summed, the loss and the gradient norm are
 //     all-reduced over the world, and the optimizer steps (AdamW's memory traffic).
 //
