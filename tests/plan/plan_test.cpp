@@ -399,6 +399,22 @@ TEST(Plan, VirtualStages) {
   }
   EXPECT_EQ(next, 8);
   EXPECT_THROW(llm.stage_layers(4), Error);
+  // The chunks follow the cumulative work, so the pipeline ranks (each the sum of its chunks)
+  // are even: 80 equal blocks over pp 8 · vp 3 give every rank 10 (smallest-largest-chunk cuts
+  // with earliest ties would give ranks 9 to 12).
+  Spec big = s;
+  big.model.llm.layers = 80;
+  big.train.batch = 64;
+  big.train.microbatches = 8;
+  big.parallel.modules["llm"] = layout(1, 1, 8);
+  big.parallel.modules["llm"].vp = 3;
+  const Plan bp = make_plan(big, 8);
+  std::vector<int64_t> per_rank(8, 0);
+  for (int64_t st = 0; st < 24; ++st) {
+    const auto [b, e] = bp.module("llm").stage_layers(st);
+    per_rank[static_cast<size_t>(st % 8)] += e - b;
+  }
+  EXPECT_EQ(per_rank, std::vector<int64_t>(8, 10));
   // Given boundaries, and the JSON round trip.
   s.parallel.modules["llm"].stages = {1, 4, 6};
   const Plan given = make_plan(s, 2);

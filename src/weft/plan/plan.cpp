@@ -1,6 +1,7 @@
 #include "weft/plan/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "weft/core/error.h"
@@ -301,6 +302,30 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
   return c;
 }
 
+// Boundaries cutting a module's blocks into `n` contiguous non-empty stages of about equal work
+// (forward + backward; the front in the first stage, the back in the last): the first block of
+// stage k is where the work before it comes closest to k/n of the total.
+std::vector<int64_t> even_cuts(const ModuleCosts& c, int64_t n) {
+  const auto work = [](const LayerCost& l) { return l.forward + l.input_grad + l.weight_grad; };
+  const int64_t blocks = static_cast<int64_t>(c.blocks.size());
+  std::vector<double> before(static_cast<size_t>(blocks + 1), work(c.front));  // work before b
+  for (int64_t b = 0; b < blocks; ++b)
+    before[static_cast<size_t>(b + 1)] = before[static_cast<size_t>(b)] + work(c.blocks[b]);
+  const double total = before.back() + work(c.back);
+  std::vector<int64_t> cuts;
+  for (int64_t k = 1; k < n; ++k) {
+    const double target = total * static_cast<double>(k) / static_cast<double>(n);
+    const int64_t lo = cuts.empty() ? 1 : cuts.back() + 1, hi = blocks - (n - k);  // non-empty
+    int64_t best = lo;
+    for (int64_t b = lo; b <= hi; ++b)
+      if (std::abs(before[static_cast<size_t>(b)] - target) <
+          std::abs(before[static_cast<size_t>(best)] - target))
+        best = b;
+    cuts.push_back(best);
+  }
+  return cuts;
+}
+
 // The default stage boundaries of every pipelined module without parallel.<m>.stages: the joint
 // partition (partition.h) of what one rank of each module does per LLM microbatch — its share of
 // the global microbatch's samples over its data-parallel ranks.
@@ -332,16 +357,14 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     } else {
       j.costs = flop_costs(spec, m, samples);
     }
-    // An interleaved LLM's chunks are cut alone, each as cheap as it can be: its ranks hold one
-    // chunk of every group of pp, so their loads come out about even and the other modules'
-    // joint split beside it stays what it would be with an even load.
+    // An interleaved LLM's chunks are cut alone, evenly by work: the busiest pipeline rank
+    // (the sum of its vp chunks) sets the pace, so the chunks follow the cumulative work (the
+    // embedding's in the first, the head's in the last) rather than the smallest largest chunk,
+    // whose earliest-cut ties could leave one rank several blocks more than another. The other
+    // modules' joint split then sees about the same LLM load on every rank.
     if (m.layout.vp > 1) {
-      if (m.stage_boundaries.empty()) {
-        PartitionOptions po;
-        po.stages = m.layout.stages();
-        po.microbatches = std::max<int64_t>(plan->microbatches, 1);
-        plan->modules[i].stage_boundaries = partition_stages(j.costs, po).boundaries;
-      }
+      if (m.stage_boundaries.empty())
+        plan->modules[i].stage_boundaries = even_cuts(j.costs, m.layout.stages());
       continue;
     }
     any = any || (m.layout.pp > 1 && m.stage_boundaries.empty());

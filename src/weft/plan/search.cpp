@@ -309,7 +309,7 @@ void Searcher::interleave(SearchResult* result) {
       if (c.placement == "megatron")  // its layers split evenly over the chunks, as Megatron-LM
         for (int64_t k = 1; k < l.pp * vp; ++k) l.stages.push_back(k * layers / (l.pp * vp));
       Evaluation x = evaluate(spec_, cl_, c, o_.sim);
-      x.lower_bound = e.lower_bound;
+      x.lower_bound = std::min(e.lower_bound, x.sim.step_seconds);  // the bound is plain 1F1B's
       ++st.simulated;
       if (x.sim.memory_fits && x.sim.step_seconds < best.sim.step_seconds) best = std::move(x);
     }

@@ -183,7 +183,7 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
     if (l.ep > 1) out.push_back(p + "ep=" + std::to_string(l.ep));
     if (l.etp > 0) out.push_back(p + "etp=" + std::to_string(l.etp));
     if (l.sp) out.push_back(p + "sp=true");
-    if (l.vp > 1) out.push_back(p + "vp=" + std::to_string(l.vp));
+    out.push_back(p + "vp=" + std::to_string(l.vp));  // always: the config may set another
     out.push_back(p + "stages=" + list(l.stages));
   }
   out.push_back("train.microbatches=" + std::to_string(c.microbatches));
@@ -205,7 +205,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
     if (l.ep > 1) os << "ep = " << l.ep << "\n";
     if (l.etp > 0) os << "etp = " << l.etp << "\n";
     if (l.sp) os << "sp = true\n";
-    if (l.vp > 1) os << "vp = " << l.vp << "\n";
+    os << "vp = " << l.vp << "\n";
     os << "stages = " << list(l.stages) << "\n";
   }
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
