@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
              "the column-parallel linears' own matmuls, up to those matmuls' time, as "
              "Megatron-LM's asynchronous TP communication does. Both try interleaved 1F1B "
              "(`vp` 2 to 4 chunks per LLM pipeline rank, Megatron-LM's virtual pipeline; "
-             "weft's chunks cut by its partitioner, Megatron's evenly) on the layouts the "
+             "weft's chunks cut evenly by work, Megatron's by block count) on the layouts the "
              "search reports, and keep it where the simulator finds it faster. "
              "Colocated / separate: the best plan with that placement only (separate includes "
              "the DistTrain-style split of the GPUs). `*`: the search budget ran out before "
