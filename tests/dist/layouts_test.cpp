@@ -316,5 +316,31 @@ TEST(Layouts, ResumesUnderAnotherLayout) {
     EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
 }
 
+// A checkpoint written by interleaved pipeline ranks (two chunks of blocks each, the tied
+// embedding's copy on the last) resumes under tensor parallelism like an uninterrupted
+// single-process run.
+TEST(Layouts, InterleavedCheckpointResumesUnderAnotherLayout) {
+  const auto spec_with = [](std::vector<std::string> sets) {
+    sets.push_back("model.llm.layers=4");
+    return resume_spec(sets);
+  };
+  const RunResult ref =
+      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("vp_reshard_single"));
+  const fs::path out = weft::testing::temp_dir("vp_reshard");
+  const Spec first = spec_with({"train.steps=2", "parallel.llm.pp=2", "parallel.llm.vp=2"});
+  testing::run_ranks(2, [&](const Comm& comm) { train(first, comm, out); });
+  const Spec second = spec_with({"train.steps=4", "parallel.llm.tp=2", "parallel.vision.tp=2"});
+  std::vector<RunResult> ranks(2);
+  testing::run_ranks(
+      2, [&](const Comm& comm) { ranks[comm.rank()] = train(second, comm, out, /*resume=*/true); });
+  const RunResult& got = ranks[0];
+  ASSERT_EQ(ref.losses.size(), 4u);
+  ASSERT_EQ(got.losses.size(), 4u);  // steps 1-2 from the interleaved run, 3-4 under TP2
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << "step " << i + 1;
+  for (const auto& [name, p] : ref.params)
+    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
+}
+
 }  // namespace
 }  // namespace weft::dist
