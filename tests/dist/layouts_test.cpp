@@ -294,52 +294,51 @@ TEST(Layouts, ShardedCheckpointOfTp2Zero1ResumesInOneProcess) {
     EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
 }
 
-// A checkpoint holds full tensors: a run saved under DP2 resumes under LLM TP2 x vision TP2
-// and continues with the losses and parameters of an uninterrupted single-process run.
-TEST(Layouts, ResumesUnderAnotherLayout) {
-  const auto& spec_with = resume_spec;
+// A run of 2 steps under `first` (2 ranks), resumed for steps 3-4 under `second` (2 ranks),
+// matches an uninterrupted 4-step single-process run: losses and final parameters. `model`
+// applies to all three runs.
+void expect_resumes(const std::string& tag, const std::vector<std::string>& model,
+                    const std::vector<std::string>& first_sets,
+                    const std::vector<std::string>& second_sets) {
+  const auto spec_with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), model.begin(), model.end());
+    return resume_spec(sets);
+  };
   const RunResult ref =
-      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("reshard_single"));
-  const fs::path out = weft::testing::temp_dir("reshard");
-  const Spec first = spec_with({"train.steps=2"});
+      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir(tag + "_single"));
+  const fs::path out = weft::testing::temp_dir(tag);
+  std::vector<std::string> sets = first_sets;
+  sets.push_back("train.steps=2");
+  const Spec first = spec_with(sets);
   testing::run_ranks(2, [&](const Comm& comm) { train(first, comm, out); });
-  const Spec second = spec_with({"train.steps=4", "parallel.llm.tp=2", "parallel.vision.tp=2"});
+  sets = second_sets;
+  sets.push_back("train.steps=4");
+  const Spec second = spec_with(sets);
   std::vector<RunResult> ranks(2);
   testing::run_ranks(
       2, [&](const Comm& comm) { ranks[comm.rank()] = train(second, comm, out, /*resume=*/true); });
   const RunResult& got = ranks[0];
-  ASSERT_EQ(ref.losses.size(), 4u);
-  ASSERT_EQ(got.losses.size(), 4u);  // steps 1-2 kept from the DP2 run, 3-4 under TP2
+  ASSERT_EQ(ref.losses.size(), 4u) << tag;
+  ASSERT_EQ(got.losses.size(), 4u) << tag;  // steps 1-2 kept from the first run, 3-4 resumed
   for (size_t i = 0; i < 4; ++i)
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << "step " << i + 1;
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
+        << tag << " step " << i + 1;
   for (const auto& [name, p] : ref.params)
-    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
+    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << tag << " " << name;
+}
+
+// A checkpoint holds full tensors: a run saved under DP2 resumes under LLM TP2 x vision TP2
+// and continues with the losses and parameters of an uninterrupted single-process run.
+TEST(Layouts, ResumesUnderAnotherLayout) {
+  expect_resumes("reshard", {}, {}, {"parallel.llm.tp=2", "parallel.vision.tp=2"});
 }
 
 // A checkpoint written by interleaved pipeline ranks (two chunks of blocks each, the tied
 // embedding's copy on the last) resumes under tensor parallelism like an uninterrupted
 // single-process run.
 TEST(Layouts, InterleavedCheckpointResumesUnderAnotherLayout) {
-  const auto spec_with = [](std::vector<std::string> sets) {
-    sets.push_back("model.llm.layers=4");
-    return resume_spec(sets);
-  };
-  const RunResult ref =
-      train(spec_with({"train.steps=4"}), Comm(), weft::testing::temp_dir("vp_reshard_single"));
-  const fs::path out = weft::testing::temp_dir("vp_reshard");
-  const Spec first = spec_with({"train.steps=2", "parallel.llm.pp=2", "parallel.llm.vp=2"});
-  testing::run_ranks(2, [&](const Comm& comm) { train(first, comm, out); });
-  const Spec second = spec_with({"train.steps=4", "parallel.llm.tp=2", "parallel.vision.tp=2"});
-  std::vector<RunResult> ranks(2);
-  testing::run_ranks(
-      2, [&](const Comm& comm) { ranks[comm.rank()] = train(second, comm, out, /*resume=*/true); });
-  const RunResult& got = ranks[0];
-  ASSERT_EQ(ref.losses.size(), 4u);
-  ASSERT_EQ(got.losses.size(), 4u);  // steps 1-2 from the interleaved run, 3-4 under TP2
-  for (size_t i = 0; i < 4; ++i)
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i])) << "step " << i + 1;
-  for (const auto& [name, p] : ref.params)
-    EXPECT_LT(rel_diff(got.params.at(name), p), 1e-4) << name;
+  expect_resumes("vp_reshard", {"model.llm.layers=4"}, {"parallel.llm.pp=2", "parallel.llm.vp=2"},
+                 {"parallel.llm.tp=2", "parallel.vision.tp=2"});
 }
 
 }  // namespace

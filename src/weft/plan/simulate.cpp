@@ -392,12 +392,19 @@ class Engine {
     const int64_t P = m.layout.pp, V = m.layout.vp;
     for (int64_t k = 0; k < V; ++k)
       result_.ranks[r].stages.push_back(m.name + " s" + std::to_string(k * P + c.pp));
+    // The rank's collective groups, the same for each of its ops.
+    LlmGroups g{m.group(r, {Axis::kTp}), m.group(r, {Axis::kCp}), {r}};
+    if (spec_.model.llm.moe.enabled()) g.ep = expert_group(r, false);
     for (const PipelineOp& op : pipeline_schedule(P, V, M_, c.pp, m.needs_backward()))
-      build_llm_op(r, op.chunk * P + c.pp, op.forward, op.microbatch);
+      build_llm_op(r, op.chunk * P + c.pp, op.forward, op.microbatch, g);
   }
 
+  struct LlmGroups {
+    std::vector<int64_t> tp, cp, ep;
+  };
+
   // The forward or backward of microbatch `mb` through the LLM's (virtual) stage s on rank r.
-  void build_llm_op(int64_t r, int64_t s, bool fwd, int64_t mb) {
+  void build_llm_op(int64_t r, int64_t s, bool fwd, int64_t mb, const LlmGroups& groups) {
     const ModulePlan& m = mod(llm_);
     const LlmSpec& l = spec_.model.llm;
     const Coord c = m.coord(r);
@@ -406,7 +413,8 @@ class Engine {
     const StageCost& sc = costs_[llm_][s];
     const double S = seq_, H = static_cast<double>(l.hidden);
     const double kv_width = static_cast<double>(l.head_dim() * l.kv_heads);
-    const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
+    const std::vector<int64_t>& tp_group = groups.tp;
+    const std::vector<int64_t>& cp_group = groups.cp;
     // The rank of (virtual) stage `stage` beside this one: pipeline rank stage mod pp.
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage % P}); };
     const std::string where = " s" + std::to_string(s);
@@ -422,8 +430,7 @@ class Engine {
     const double moe = static_cast<double>(sc.moe_blocks);
     const int64_t slices = tp / m.layout.expert_tp();
     const double sliced = slices > 1 ? moe : 0;
-    const std::vector<int64_t> no_group = {r};
-    const std::vector<int64_t>& ep_group = moe > 0 ? expert_group(r, false) : no_group;
+    const std::vector<int64_t>& ep_group = groups.ep;
     // One exchange moves top_k rows per token (flops.h moe_all_to_all_bytes is both).
     const double a2a_per_token = moe_all_to_all_bytes(l, LlmTokens{1, 1, 1}, 0, act_) / 2;
     const auto moe_comm = [&](double tokens) {
