@@ -58,6 +58,18 @@ TEST(Layouts, LlmInterleavedPipeline) {
       "llm_pp2_vp2");
 }
 
+// Microbatch counts that are not a multiple of pp: 5 over pp = 2 run as groups of 3 and 2
+// microbatches; 2 over pp = 3 (fewer than pp) as every forward first.
+TEST(Layouts, LlmInterleavedPipelineAnyMicrobatchCount) {
+  expect_equivalent(2,
+                    {"parallel.llm.pp=2", "parallel.llm.vp=2", "model.llm.layers=4",
+                     "train.batch=10", "train.microbatches=5"},
+                    "llm_pp2_vp2_m5");
+  expect_equivalent(
+      3, {"parallel.llm.pp=3", "parallel.llm.vp=2", "model.llm.layers=6", "train.microbatches=2"},
+      "llm_pp3_vp2_m2");
+}
+
 // Data parallelism beside: each chunk's gradient buckets start reducing during its own last
 // backward (GradSync::arm per chunk), and every bucket does so here.
 TEST(Layouts, LlmInterleavedPipelineDp2OverlapsEachChunksReduction) {

@@ -454,14 +454,6 @@ TEST(Plan, VirtualStages) {
                    {"parallel.llm.vp = 5: pp * vp = 2 * 5 = 10 virtual stages, more than blocks "
                     "(model.llm.layers = 8)"}});
   Spec x = with_vp("llm", 2, 2);
-  x.train.microbatches = 3;
-  x.train.batch = 30;
-  cases.push_back({"microbatches",
-                   x,
-                   2,
-                   {"parallel.llm.vp = 2: interleaved 1F1B runs microbatches in groups of pp, so "
-                    "train.microbatches = 3 must be a multiple of pp = 2"}});
-  x = with_vp("llm", 2, 2);
   x.parallel.modules["llm"].stages = {4};
   cases.push_back({"stages", x, 2, {"parallel.llm.stages = [4]: needs pp * vp - 1 = 3 entries"}});
   for (const ErrorCase& c : cases) {
@@ -475,11 +467,11 @@ TEST(Plan, VirtualStages) {
 // order that cannot deadlock when sends never block: replaying every rank's list, some rank can
 // always run its next op (its input from the previous stage, its gradient from the next).
 TEST(Plan, PipelineScheduleRunsEveryOpOnceWithoutDeadlock) {
-  for (int64_t P = 1; P <= 4; ++P)
-    for (int64_t vp = 1; vp <= 3; ++vp)
-      for (int64_t M = 1; M <= 9; ++M)
+  for (int64_t P = 1; P <= 9; ++P)
+    for (int64_t vp = 1; vp <= 4; ++vp)
+      for (int64_t M = 1; M <= 40; ++M)
         for (bool backward : {true, false}) {
-          if ((vp > 1 && (P == 1 || M % P != 0))) continue;
+          if (vp > 1 && P == 1) continue;
           const std::string at = "P " + std::to_string(P) + " vp " + std::to_string(vp) + " M " +
                                  std::to_string(M) + (backward ? "" : " forward only");
           const int64_t stages = P * vp;

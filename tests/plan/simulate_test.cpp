@@ -253,9 +253,11 @@ TEST(Simulate, OneFOneBBubbleIsTextbook) {
 }
 
 // Interleaved 1F1B: the fill and drain shrink vp-fold, (P - 1) / vp of a microbatch's time
-// (Narayanan et al. 2021), on the same work.
+// (Narayanan et al. 2021), on the same work; also for microbatch counts that are not a multiple of
+// P (groups of at least P microbatches).
 TEST(Simulate, InterleavedPipelineShrinksTheBubble) {
-  for (auto [p, m] : std::vector<std::pair<int64_t, int64_t>>{{2, 4}, {4, 8}, {4, 4}, {2, 2}}) {
+  for (auto [p, m] : std::vector<std::pair<int64_t, int64_t>>{
+           {2, 4}, {4, 8}, {4, 4}, {2, 2}, {4, 6}, {4, 10}, {3, 7}, {2, 5}}) {
     for (int64_t vp : {2, 3}) {
       const SimResult r = uniform_pipeline(p, m, 1.0, 2.0, vp);
       const double pm = static_cast<double>(p), mm = static_cast<double>(m);

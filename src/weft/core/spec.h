@@ -242,7 +242,8 @@ struct OutputSpec {
 // vp (virtual pipeline stages, the LLM only; Megatron-LM's interleaved 1F1B): each of the pp
 // pipeline ranks holds vp chunks of blocks, virtual stages s, s + pp, ..., s + (vp - 1)·pp of
 // pp·vp; a microbatch passes every rank vp times, so the fill and drain bubble shrinks vp-fold
-// for vp times the pipeline messages. Needs pp > 1 and train.microbatches a multiple of pp.
+// for vp times the pipeline messages. Needs pp > 1; any train.microbatches (the bubble is
+// (pp - 1) / vp microbatches' time when it is at least pp).
 struct LayoutSpec {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1, ep = 1, etp = 0;
   bool sp = false;

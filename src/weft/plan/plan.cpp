@@ -101,8 +101,6 @@ std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int
                                           bool backward) {
   WEFT_ASSERT(pp >= 1 && vp >= 1 && M >= 1 && s >= 0 && s < pp, "pipeline_schedule(", pp, ", ", vp,
               ", ", M, ", ", s, ")");
-  WEFT_ASSERT(vp == 1 || M % pp == 0, "interleaved 1F1B needs microbatches (", M,
-              ") a multiple of pp (", pp, ")");
   std::vector<PipelineOp> ops;
   if (vp == 1) {
     const int64_t warmup = backward ? std::min(pp - 1 - s, M) : M;
@@ -115,15 +113,26 @@ std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int
     while (nb < M && backward) ops.push_back({false, nb++, 0});
     return ops;
   }
-  // The k-th forward (backward) of the rank: microbatch group k / (pp·vp), its (k % pp)-th
-  // microbatch, through chunk (k / pp) % vp (backward: from the last chunk down).
-  const int64_t total = M * vp, group = pp * vp;
+  // Groups of at least pp microbatches (max(1, M / pp) groups, their sizes differing by at most
+  // one, the larger first): a microbatch's next chunk is never waited for while the group's
+  // others pass the ring. The k-th forward (backward) takes them through chunk 0, 1, ... (vp - 1,
+  // vp - 2, ...), group by group.
+  std::vector<PipelineOp> order;  // the forwards, in order
+  const int64_t groups = std::max<int64_t>(1, M / pp);
+  const int64_t first_group = M / groups + (M % groups != 0 ? 1 : 0);
+  for (int64_t g = 0, begin = 0; g < groups; ++g) {
+    const int64_t size = M / groups + (g < M % groups ? 1 : 0);
+    for (int64_t chunk = 0; chunk < vp; ++chunk)
+      for (int64_t mb = begin; mb < begin + size; ++mb) order.push_back({true, mb, chunk});
+    begin += size;
+  }
+  const int64_t total = M * vp;
   const auto op = [&](bool forward, int64_t k) {
-    const int64_t chunk = (k % group) / pp;
-    return PipelineOp{forward, k / group * pp + k % pp, forward ? chunk : vp - 1 - chunk};
+    const PipelineOp& f = order[static_cast<size_t>(k)];
+    return PipelineOp{forward, f.microbatch, forward ? f.chunk : vp - 1 - f.chunk};
   };
   const int64_t warmup =
-      !backward || M == pp ? total : std::min(total, 2 * (pp - 1 - s) + (vp - 1) * pp);
+      !backward || M <= pp ? total : std::min(total, 2 * (pp - 1 - s) + (vp - 1) * first_group);
   for (int64_t k = 0; k < warmup; ++k) ops.push_back(op(true, k));
   for (int64_t k = 0; k + warmup < total; ++k) {
     ops.push_back(op(true, k + warmup));
@@ -224,9 +233,6 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
                l.pp, ")");
     WEFT_CHECK(l.stages() <= m->layers, at, "vp = ", l.vp, ": pp * vp = ", l.pp, " * ", l.vp, " = ",
                l.stages(), " virtual stages, more than blocks (", blocks, ")");
-    WEFT_CHECK(spec.train.microbatches % l.pp == 0, at, "vp = ", l.vp,
-               ": interleaved 1F1B runs microbatches in groups of pp, so train.microbatches = ",
-               spec.train.microbatches, " must be a multiple of pp = ", l.pp);
   }
   m->stage_boundaries.clear();
   if (stages.empty()) return;  // chosen by choose_boundaries once every layout is known

@@ -95,12 +95,13 @@ struct PipelineOp {
 };
 
 // The order in which pipeline rank s of pp, holding vp chunks, runs M microbatches — the one order
-// the runtime runs and the simulator replays. Forward only: every microbatch through chunk 0, then
-// chunk 1, ... in groups of pp microbatches (microbatch order for vp = 1). With backward, vp = 1:
-// 1F1B (min(pp - 1 - s, M) warm-up forwards, then one forward / one backward, then the remaining
-// backwards); vp > 1: Megatron-LM's interleaved 1F1B (M a multiple of pp; warm-up
-// 2·(pp - 1 - s) + (vp - 1)·pp forwards, or all of them when M = pp), its forwards taking groups
-// of pp microbatches through chunks 0, 1, ..., vp - 1 and its backwards through vp - 1, ..., 0.
+// the runtime runs and the simulator replays. vp = 1: 1F1B (min(pp - 1 - s, M) warm-up forwards,
+// then one forward / one backward, then the remaining backwards). vp > 1: Megatron-LM's
+// interleaved 1F1B for any M. The microbatches form max(1, M / pp) groups whose sizes differ by at
+// most one (the larger first), so each group holds at least pp unless M < pp; the forwards take
+// each group through chunks 0, 1, ..., vp - 1 and the backwards through vp - 1, ..., 0. Warm-up:
+// 2·(pp - 1 - s) + (vp - 1)·(first group's size) forwards, or all of them when M <= pp. Forward
+// only (no backward): every forward in that order.
 std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
                                           bool backward);
 

@@ -289,16 +289,17 @@ SearchResult Searcher::run() {
   return result;
 }
 
-// Interleaved 1F1B on the layouts found: each one with a pipelined LLM (and microbatches a
-// multiple of its pp) is simulated again with vp = 2 .. max_vp chunks per rank (pp·vp at most
-// its blocks, the chunks cut afresh; the Megatron-LM baseline's evenly), and the fastest that
-// fits the memory replaces it.
+// Interleaved 1F1B on the layouts found: each one with a pipelined LLM is simulated again with
+// vp = 2 .. max_vp chunks per rank (pp·vp at most its blocks, the chunks cut afresh; the
+// Megatron-LM baseline's evenly, and only with at least pp microbatches, as Megatron-LM requires),
+// and the fastest that fits the memory replaces it.
 void Searcher::interleave(SearchResult* result) {
   SearchStats& st = result->stats;
   const int64_t layers = spec_.model.llm.layers;
   for (Evaluation& e : result->best) {
     const LayoutSpec& llm = e.candidate.layouts.back();
-    if (llm.pp < 2 || e.candidate.microbatches % llm.pp != 0) continue;
+    if (llm.pp < 2) continue;
+    if (e.candidate.placement == "megatron" && e.candidate.microbatches < llm.pp) continue;
     Evaluation best = e;
     for (int64_t vp = 2; vp <= o_.max_vp && llm.pp * vp <= layers; ++vp) {
       if (st.simulated >= o_.max_simulations) break;
