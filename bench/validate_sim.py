@@ -12,8 +12,9 @@
    devices of one core each; the device numbers are unused once costs are measured).
 3. Each plan runs for real on 2 local ranks, one intra-op thread each
    (`weft launch --nproc 2 -- weft train ... --set train.threads=1`): DP2, LLM TP2, LLM TP2 with
-   sequence parallelism (and the encoder's too), LLM PP2 (4 microbatches, 1F1B), LLM CP2, and
-   encoder | LLM on separate ranks; the measured step is
+   sequence parallelism (and the encoder's too), LLM PP2 (4 microbatches, 1F1B), the same with a
+   4-block LLM in plain and interleaved 1F1B (vp 2; their speed-up is printed measured and
+   simulated), LLM CP2, and encoder | LLM on separate ranks; the measured step is
    the median `step_seconds` of metrics.jsonl after the first fifth of the steps (rank 0's
    wall time of the whole step: batch preparation, forward, backward, gradient sync,
    optimizer). Rounds repeat every run; the table takes the median over rounds.
@@ -49,9 +50,16 @@ PLANS = [
     ("TP2 + SP (vision and LLM)", ["parallel.llm.tp=2", "parallel.llm.sp=true",
                                    "parallel.vision.tp=2", "parallel.vision.sp=true"]),
     ("PP2 (LLM, 4 microbatches)", ["parallel.llm.pp=2", "train.microbatches=4"]),
+    ("PP2 (4-block LLM, 4 microbatches)",
+     ["parallel.llm.pp=2", "train.microbatches=4", "model.llm.layers=4"]),
+    ("PP2 vp2 interleaved (4-block LLM, 4 microbatches)",
+     ["parallel.llm.pp=2", "parallel.llm.vp=2", "train.microbatches=4", "model.llm.layers=4"]),
     ("CP2 (LLM)", ["parallel.llm.cp=2"]),
     ("encoder, LLM on separate ranks", ["parallel.placement=separate"]),
 ]
+# (baseline, plan): the plan's speed-up over the baseline, measured and simulated in each round.
+SPEEDUPS = [("PP2 (4-block LLM, 4 microbatches)",
+             "PP2 vp2 interleaved (4-block LLM, 4 microbatches)")]
 MOE_PLANS = [
     ("DP2, experts replicated", []),
     ("EP2 (experts over the 2 DP ranks)", ["parallel.llm.ep=2"]),
@@ -274,7 +282,16 @@ def main():
               "(the ratio is the median over rounds of the simulated / measured ratio of the same "
               "round). The last profile taken is described above; each simulated value is the "
               "mean of the predictions from the profiles taken right before and right after its "
-              "run.", "", end]
+              "run."]
+    for base, plan in ([] if args.moe else SPEEDUPS):
+        pairs = list(zip(runs[base], runs[plan]))
+        got = statistics.median(b[0] / x[0] for b, x in pairs)
+        sim = statistics.median(b[1] / x[1] for b, x in pairs)
+        lines += ["", f"{plan} vs {base}: speed-up measured {got:.3f}x, simulated {sim:.3f}x "
+                  "(median over rounds of the ratio within a round; per round measured / "
+                  "simulated: " + ", ".join(f"{b[0] / x[0]:.3f}x / {b[1] / x[1]:.3f}x"
+                                             for b, x in pairs) + ")."]
+    lines += ["", end]
     print("\n".join(lines[1:-1]))
     if args.write:
         results_md.write_section(lines, begin, end)

@@ -98,6 +98,7 @@ struct BalanceArgs {
   int64_t replicas = 1;
   int64_t microbatches = 0;  // 0 = train.microbatches
   int64_t stages = 1;
+  int64_t vp = 1;  // chunks per pipeline rank
   uint64_t seed = 0;
 };
 
@@ -134,7 +135,10 @@ int run_balance(const BalanceArgs& a) {
   plan::BalanceOptions opts;
   opts.replicas = a.replicas;
   opts.microbatches = spec.train.microbatches;
+  WEFT_CHECK(a.vp == 1 || a.stages > 1, "--vp = ", a.vp,
+             ": interleaved 1F1B needs more than one pipeline stage (--pp)");
   opts.pipeline_stages = a.stages;
+  opts.virtual_stages = a.vp;
   nlohmann::ordered_json out;
   out["config"] = a.config;
   out["mix"] = a.mix;
@@ -142,6 +146,7 @@ int run_balance(const BalanceArgs& a) {
   out["replicas"] = a.replicas;
   out["microbatches_per_replica"] = opts.microbatches;
   out["pipeline_stages"] = a.stages;
+  out["virtual_stages"] = a.vp;
   std::vector<plan::Spread> spreads;
   for (plan::BalancePolicy policy :
        {plan::BalancePolicy::kInOrder, plan::BalancePolicy::kBalanced}) {
@@ -198,6 +203,8 @@ std::function<int()> add_inspect(CLI::App& app) {
                   "microbatches per replica (default train.microbatches)")
       ->check(weft::cli::kPositive);
   bal->add_option("--pp", bargs->stages, "pipeline stages (orders microbatches for 1F1B)")
+      ->check(weft::cli::kPositive);
+  bal->add_option("--vp", bargs->vp, "chunks per pipeline rank (interleaved 1F1B; with --pp)")
       ->check(weft::cli::kPositive);
   bal->add_option("--seed", bargs->seed, "workload seed (shapes: the training step)");
   return [cp, args, bal, bargs]() -> int {

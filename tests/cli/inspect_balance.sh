@@ -27,3 +27,17 @@ PY
   && die "an unknown mix was accepted"
 grep -q -- "--mix podcasts: expected llava, video, interleaved or shapes" "$tmp/out" \
   || { cat "$tmp/out"; die "unclear error for an unknown mix"; }
+# Interleaved 1F1B: microbatches ordered by its makespan; --vp needs --pp.
+"$weft" inspect balance "$src/configs/tiny-vlm.toml" --mix llava --batch 64 --replicas 2 \
+  --microbatches 6 --pp 2 --vp 2 > "$tmp/vp.json" || die "inspect balance --vp failed"
+python3 - "$tmp/vp.json" <<'PY' || die "bad interleaved balance output"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["virtual_stages"] == 2 and j["pipeline_stages"] == 2, j
+seen = sorted(i for r in j["policies"]["balanced"]["replicas"] for m in r["microbatches"] for i in m["samples"])
+assert seen == list(range(64))
+PY
+"$weft" inspect balance "$src/configs/tiny-vlm.toml" --vp 2 > "$tmp/out" 2>&1 \
+  && die "--vp without --pp was accepted"
+grep -q -- "--vp = 2: interleaved 1F1B needs more than one pipeline stage (--pp)" "$tmp/out" \
+  || { cat "$tmp/out"; die "unclear error for --vp without --pp"; }

@@ -305,6 +305,37 @@ TEST(OneFOneB, UniformMicrobatchesGiveTheClosedForm) {
   EXPECT_EQ(one_f_one_b_makespan({}, 4), 0.0);
 }
 
+// Interleaved (vp chunks per rank, P·vp virtual stages of c/(P·vp) each): the fill and drain
+// shrink vp-fold, (m + (P − 1)/vp)·c/P, for any m >= P (the runtime's pipeline_schedule order);
+// with every chunk equal it matches the simulator's textbook bubble.
+TEST(OneFOneB, InterleavedMakespanIsTextbook) {
+  for (int64_t P = 2; P <= 5; ++P)
+    for (int64_t vp = 2; vp <= 4; ++vp)
+      for (int64_t m = P; m <= 11; ++m) {
+        const double c = 8.0 * static_cast<double>(P * vp);  // f + b = 8 per virtual stage
+        const std::vector<double> cost(static_cast<size_t>(m), c);
+        EXPECT_NEAR(one_f_one_b_makespan(cost, P, 0.25, vp),
+                    8.0 * static_cast<double>(m * vp + P - 1), 1e-9)
+            << "P=" << P << " vp=" << vp << " m=" << m;
+      }
+  EXPECT_THROW(one_f_one_b_makespan({1, 1}, 1, 0.25, 2), Error);  // vp needs P > 1
+  // Balancing orders each replica's microbatches by the interleaved makespan: never worse than
+  // in order.
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int t = 0; t < 40; ++t) {
+    const int64_t P = 2 + t % 3, vp = 2 + t % 2, m = P + t % 7;
+    std::vector<double> cost;
+    for (int64_t i = 0; i < m; ++i) cost.push_back(u(rng) < 0.3 ? 1 + 9 * u(rng) : 1 + u(rng));
+    const std::vector<int64_t> order = order_for_1f1b(cost, P, 1.0 / 3, vp);
+    std::vector<double> reordered;
+    for (int64_t i : order) reordered.push_back(cost[static_cast<size_t>(i)]);
+    EXPECT_LE(one_f_one_b_makespan(reordered, P, 1.0 / 3, vp),
+              one_f_one_b_makespan(cost, P, 1.0 / 3, vp))
+        << "trial " << t;
+  }
+}
+
 TEST(OneFOneB, HandWorkedCases) {
   // P = 2, f = b = c/4: mb0 takes 0.5 + 0.5 per stage, mb1 1 + 1.
   //   s0: F0 [0, .5]  F1 [.5, 1.5]               B0 [1.5, 2]      B1 [3.5, 4.5]

@@ -272,6 +272,38 @@ TEST(Simulate, InterleavedPipelineShrinksTheBubble) {
   }
 }
 
+// Interleaved 1F1B with the reduction overlapped: each chunk's gradients start reducing with that
+// chunk's own last backward, one chunk after the other. Here chunk 1's (armed two chunk-backwards
+// before the rank's last) hides entirely, and only chunk 0's last bucket shows; reducing both
+// chunks from the rank's last backward would expose a whole chunk's reduction (1 s).
+TEST(Simulate, InterleavedChunksReduceFromTheirOwnLastBackward) {
+  const auto run = [](int64_t dp) {
+    Spec s;
+    s.source = "pipe.toml";
+    s.model.llm.vocab = 64;
+    s.model.llm.layers = 4;
+    s.model.llm.tie_embeddings = false;
+    s.train.batch = 2 * dp;
+    s.train.microbatches = 2;
+    s.train.overlap_grad_reduce = true;
+    s.parallel.modules["llm"].pp = 2;
+    s.parallel.modules["llm"].vp = 2;
+    s.parallel.modules["llm"].dp = dp;
+    const Plan plan = make_plan(s, 2 * dp);
+    CostTable costs = stage_costs(s, plan);
+    for (StageCost& sc : costs.back())  // per chunk: forward 0.5 s, backward 1 s, reduction 1 s
+      sc.forward_flops = 0.5e12, sc.backward_flops = 1e12, sc.grad_bytes = 1e9;
+    return std::make_pair(s, simulate(s, plan, ideal(2 * dp, 0, 1), costs, no_optimizer()));
+  };
+  const auto [s, two] = run(2);
+  const SimResult one = run(1).second;
+  const Cluster c = ideal(4, 0, 1);
+  const std::vector<int64_t> pair = {0, 2};
+  EXPECT_NEAR(all_reduce_seconds(c, pair, 1e9), 1.0, 1e-12);
+  const double last_bucket = all_reduce_seconds(c, pair, s.train.grad_bucket_mb * 1024 * 1024);
+  EXPECT_NEAR(two.step_seconds, one.step_seconds + last_bucket, 1e-6);
+}
+
 TEST(Simulate, ActivationsInFlightFollow1F1B) {
   const SimResult r = uniform_pipeline(4, 8, 1, 2);
   Spec s;

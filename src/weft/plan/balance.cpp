@@ -10,6 +10,7 @@
 
 #include "weft/core/error.h"
 #include "weft/plan/partition.h"
+#include "weft/plan/plan.h"
 
 namespace weft::plan {
 
@@ -406,7 +407,8 @@ double BatchBalance::max_makespan() const {
 }
 
 BatchBalance evaluate_assignment(const std::vector<SampleWork>& samples, const BalanceCost& cost,
-                                 Assignment assignment, int64_t stages, double forward_fraction) {
+                                 Assignment assignment, int64_t stages, double forward_fraction,
+                                 int64_t virtual_stages) {
   check_samples(samples, cost);
   const int64_t n = static_cast<int64_t>(samples.size());
   const size_t K = samples.empty() ? 0 : samples[0].encoder.size();
@@ -436,7 +438,7 @@ BatchBalance evaluate_assignment(const std::vector<SampleWork>& samples, const B
     out.replica_cost.push_back(cost(replica));
     out.replica_work.push_back(std::move(replica));
     out.makespan.push_back(
-        one_f_one_b_makespan(out.microbatch_cost.back(), stages, forward_fraction));
+        one_f_one_b_makespan(out.microbatch_cost.back(), stages, forward_fraction, virtual_stages));
   }
   for (int64_t s = 0; s < n; ++s)
     WEFT_CHECK(seen[static_cast<size_t>(s)] == 1, "[balance] sample ", s, " is not assigned");
@@ -456,9 +458,13 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
   WEFT_CHECK(o.pipeline_stages >= 1, "[balance] pipeline_stages = ", o.pipeline_stages,
              " (expected >= 1)");
   check_samples(samples, cost);
-  const Assignment in_order = in_order_assignment(n, D, M);
-  BatchBalance best =
-      evaluate_assignment(samples, cost, in_order, o.pipeline_stages, o.forward_fraction);
+  WEFT_CHECK(o.virtual_stages >= 1, "[balance] virtual_stages = ", o.virtual_stages,
+             " (expected >= 1)");
+  const auto evaluate = [&](Assignment a) {
+    return evaluate_assignment(samples, cost, std::move(a), o.pipeline_stages, o.forward_fraction,
+                               o.virtual_stages);
+  };
+  BatchBalance best = evaluate(in_order_assignment(n, D, M));
   best.policy = o.policy;
   if (o.policy == BalancePolicy::kInOrder) return best;
 
@@ -488,8 +494,7 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
       std::sort(items.begin(), items.end());
       a.push_back(split_balanced(f, items, M, microbatch_budget).items);
     }
-    BatchBalance b =
-        evaluate_assignment(samples, cost, std::move(a), o.pipeline_stages, o.forward_fraction);
+    BatchBalance b = evaluate(std::move(a));
     if (key(b) < key(best)) best = std::move(b), fallback = false;
   }
   // Run order for 1F1B (the split stays what it is).
@@ -497,12 +502,11 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
     Assignment ordered;
     for (size_t r = 0; r < best.assignment.size(); ++r) {
       ordered.emplace_back();
-      for (int64_t i :
-           order_for_1f1b(best.microbatch_cost[r], o.pipeline_stages, o.forward_fraction))
+      for (int64_t i : order_for_1f1b(best.microbatch_cost[r], o.pipeline_stages,
+                                      o.forward_fraction, o.virtual_stages))
         ordered.back().push_back(best.assignment[r][static_cast<size_t>(i)]);
     }
-    best = evaluate_assignment(samples, cost, std::move(ordered), o.pipeline_stages,
-                               o.forward_fraction);
+    best = evaluate(std::move(ordered));
   }
   best.policy = BalancePolicy::kBalanced;
   best.in_order_fallback = fallback;
@@ -511,44 +515,40 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
 
 // --- 1F1B ---------------------------------------------------------------------------------------
 
-double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double ff) {
+double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double ff, int64_t vp) {
   WEFT_CHECK(P >= 1, "[1f1b] stages = ", P, " (expected >= 1)");
+  WEFT_CHECK(vp == 1 || (vp > 1 && P > 1), "[1f1b] virtual_stages = ", vp,
+             " (expected 1, or more with stages > 1)");
   WEFT_CHECK(ff >= 0 && ff <= 1, "[1f1b] forward_fraction = ", ff, " (expected in [0, 1])");
   for (double c : cost)
     WEFT_CHECK(std::isfinite(c) && c >= 0, "[1f1b] microbatch cost ", c, " (expected >= 0)");
   const int64_t m = static_cast<int64_t>(cost.size());
   if (m == 0) return 0;
-  const double Pd = static_cast<double>(P);
-  // ops[s]: (+i + 1) = forward of microbatch i, -(i + 1) = its backward, in 1F1B order.
-  std::vector<std::vector<int64_t>> ops(static_cast<size_t>(P));
-  for (int64_t s = 0; s < P; ++s) {
-    auto& q = ops[static_cast<size_t>(s)];
-    const int64_t warm = std::min(P - s - 1, m);
-    for (int64_t i = 0; i < warm; ++i) q.push_back(i + 1);
-    for (int64_t k = 0; k < m - warm; ++k) q.push_back(warm + k + 1), q.push_back(-(k + 1));
-    for (int64_t i = m - warm; i < m; ++i) q.push_back(-(i + 1));
-  }
+  const int64_t V = P * vp;  // virtual stages; rank s runs s, s + P, ...
+  const double Vd = static_cast<double>(V);
+  std::vector<std::vector<PipelineOp>> ops;
+  for (int64_t s = 0; s < P; ++s) ops.push_back(pipeline_schedule(P, vp, m, s, true));
   constexpr double kNotYet = -1;
-  const auto at = [&](int64_t s, int64_t i) { return static_cast<size_t>(s * m + i); };
-  std::vector<double> end_f(static_cast<size_t>(P * m), kNotYet), end_b(end_f);
+  const auto at = [&](int64_t v, int64_t i) { return static_cast<size_t>(v * m + i); };
+  std::vector<double> end_f(static_cast<size_t>(V * m), kNotYet), end_b(end_f);
   std::vector<double> free_at(static_cast<size_t>(P), 0.0);
   std::vector<size_t> next(static_cast<size_t>(P), 0);
-  int64_t left = 2 * P * m;
+  int64_t left = 2 * V * m;
   double makespan = 0;
   while (left > 0) {
     bool progress = false;
     for (int64_t s = 0; s < P; ++s) {
-      auto& q = ops[static_cast<size_t>(s)];
+      const auto& q = ops[static_cast<size_t>(s)];
       for (size_t& k = next[static_cast<size_t>(s)]; k < q.size(); ++k) {
-        const bool fwd = q[k] > 0;
-        const int64_t i = (fwd ? q[k] : -q[k]) - 1;
-        const double dep = fwd ? (s == 0 ? 0.0 : end_f[at(s - 1, i)])
-                               : (s == P - 1 ? end_f[at(s, i)] : end_b[at(s + 1, i)]);
+        const PipelineOp& op = q[k];
+        const int64_t v = op.chunk * P + s, i = op.microbatch;
+        const double dep = op.forward ? (v == 0 ? 0.0 : end_f[at(v - 1, i)])
+                                      : (v == V - 1 ? end_f[at(v, i)] : end_b[at(v + 1, i)]);
         if (dep == kNotYet) break;
         const double c = cost[static_cast<size_t>(i)];
         const double t = std::max(free_at[static_cast<size_t>(s)], dep) +
-                         (fwd ? ff * c / Pd : (1 - ff) * c / Pd);
-        (fwd ? end_f : end_b)[at(s, i)] = free_at[static_cast<size_t>(s)] = t;
+                         (op.forward ? ff * c / Vd : (1 - ff) * c / Vd);
+        (op.forward ? end_f : end_b)[at(v, i)] = free_at[static_cast<size_t>(s)] = t;
         makespan = std::max(makespan, t);
         --left, progress = true;
       }
@@ -558,18 +558,19 @@ double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double f
   return makespan;
 }
 
-std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, double ff) {
+std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, double ff,
+                                    int64_t vp) {
   const int64_t m = static_cast<int64_t>(cost.size());
   std::vector<int64_t> best(static_cast<size_t>(m));
   std::iota(best.begin(), best.end(), 0);
   if (m <= 1 || P == 1) {
-    one_f_one_b_makespan(cost, P, ff);  // validates
+    one_f_one_b_makespan(cost, P, ff, vp);  // validates
     return best;
   }
   const auto eval = [&](const std::vector<int64_t>& order) {
     std::vector<double> c;
     for (int64_t i : order) c.push_back(cost[static_cast<size_t>(i)]);
-    return one_f_one_b_makespan(c, P, ff);
+    return one_f_one_b_makespan(c, P, ff, vp);
   };
   double best_time = eval(best);
   const double tol = 1e-12 * best_time;

@@ -107,6 +107,7 @@ struct BalanceOptions {
   // P uniform pipeline stages: > 1 orders each replica's microbatches for 1F1B (balanced only)
   // and is the P of BatchBalance::makespan. 1 = no pipeline (makespan = Σ microbatch costs).
   int64_t pipeline_stages = 1;
+  int64_t virtual_stages = 1;         // vp chunks per pipeline rank: interleaved 1F1B when > 1
   double forward_fraction = 1.0 / 3;  // forward share of a microbatch's work (Megatron: 1 of 3)
 };
 
@@ -120,7 +121,7 @@ struct BatchBalance {
   std::vector<std::vector<double>> microbatch_cost;      // combined, [replica][microbatch]
   std::vector<SampleWork> replica_work;
   std::vector<double> replica_cost;  // combined cost of the replica's whole share
-  std::vector<double> makespan;      // per replica: 1F1B makespan of its microbatches in order
+  std::vector<double> makespan;      // per replica: (interleaved) 1F1B makespan of its microbatches
 
   double max_microbatch_cost() const;  // the objective
   double max_replica_cost() const;
@@ -134,16 +135,19 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
 // price one balancer's assignment under another cost. Sorts each microbatch's indices.
 BatchBalance evaluate_assignment(const std::vector<SampleWork>& samples, const BalanceCost& cost,
                                  std::vector<std::vector<std::vector<int64_t>>> assignment,
-                                 int64_t pipeline_stages = 1, double forward_fraction = 1.0 / 3);
+                                 int64_t pipeline_stages = 1, double forward_fraction = 1.0 / 3,
+                                 int64_t virtual_stages = 1);
 
-// 1F1B on P uniform stages: microbatch i (in the given order) takes forward_fraction·cost[i]/P
-// forward and the rest backward on every stage. Stage s runs min(P − s − 1, m) warm-up forwards,
-// then alternates one forward and one backward, then drains the backwards; a forward needs the
-// previous stage's forward of that microbatch, a backward the next stage's backward (the last
-// stage's, its own forward). No communication time. Returns the time the last op ends. Uniform
-// costs c give exactly (m + P − 1)·c/P; P = 1 gives Σ cost.
+// 1F1B on P uniform pipeline ranks of vp chunks each (P·vp uniform virtual stages): microbatch i
+// (in the given order) takes forward_fraction·cost[i]/(P·vp) forward and the rest backward on
+// every virtual stage. Each rank runs its ops in plan.h pipeline_schedule's order (vp = 1: stage s
+// runs min(P − s − 1, m) warm-up forwards, then alternates one forward and one backward, then
+// drains the backwards); a forward needs the previous virtual stage's forward of that microbatch,
+// a backward the next one's backward (the last stage's, its own forward). No communication time.
+// Returns the time the last op ends. Uniform costs c give exactly (m + (P − 1)/vp)·c/P when
+// m >= P; P = 1 gives Σ cost.
 double one_f_one_b_makespan(const std::vector<double>& cost, int64_t stages,
-                            double forward_fraction = 1.0 / 3);
+                            double forward_fraction = 1.0 / 3, int64_t virtual_stages = 1);
 
 // A microbatch order (a permutation of 0..m-1) for 1F1B. With per-stage times f_i, b_i the
 // makespan is at least (P − 1)·f_first + Σ_i (f_i + b_i) + (P − 1)·b_last: the first
@@ -156,7 +160,7 @@ double one_f_one_b_makespan(const std::vector<double>& cost, int64_t stages,
 // of evaluations). The best of all that and the given order: never worse than in-order.
 // Deterministic.
 std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t stages,
-                                    double forward_fraction = 1.0 / 3);
+                                    double forward_fraction = 1.0 / 3, int64_t virtual_stages = 1);
 
 // Spread of a set of values: max / mean and the coefficient of variation (population stddev /
 // mean). Both are 1 and 0 for an empty set or a zero mean.

@@ -61,7 +61,7 @@ struct Op {
   std::vector<MsgKey> waits;
   std::vector<Send> sends;
   double keep_bytes = 0, free_bytes = 0;  // activations kept by a forward / freed by a backward
-  int64_t arms = -1;        // the module whose gradient reduction this (last) backward starts
+  int64_t arms = -1;        // the gradient reduction (Engine::arm_key) this last backward starts
   int64_t collective = -1;  // index into Engine::collectives; a step-end collective
   bool llm = false;         // a forward / backward of the LLM
   // Measured contention: seconds the op's compute takes on top of `base` while another rank of
@@ -74,7 +74,9 @@ struct Collective {
   std::string name;
   std::vector<int64_t> ranks;
   double seconds = 0, last_bucket_seconds = 0;
-  int64_t module = -1;  // gradient reduction of this module: may start when armed
+  int64_t armed_by = -1;  // a gradient reduction: may start when armed (Engine::arm_key)
+  int64_t after = -1;     // the collective it queues behind (the module's previous chunk's)
+  double last_end = 0;    // where the last pass ended it
   std::vector<bool> arrived;
   int64_t count = 0;
 };
@@ -273,9 +275,18 @@ class Engine {
     op->free_bytes = kept_activation_bytes(sc, n, layout) + op->keep_bytes;
   }
 
-  void add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
-                      double seconds, double last_bucket = 0, int64_t module = -1) {
-    if (ranks.size() <= 1 || seconds <= 0) return;
+  // The key of a module's chunk's gradient reduction, armed by that chunk's last backward (every
+  // module but an interleaved LLM has one chunk).
+  int64_t arm_key(int64_t module, int64_t chunk) const {
+    return chunk * static_cast<int64_t>(plan_.modules.size()) + module;
+  }
+
+  // Adds a step-end collective to rank r's ops; returns its index (-1: none, a single rank or no
+  // time).
+  int64_t add_collective(int64_t r, std::string name, const std::vector<int64_t>& ranks,
+                         double seconds, double last_bucket = 0, int64_t armed_by = -1,
+                         int64_t after = -1) {
+    if (ranks.size() <= 1 || seconds <= 0) return -1;
     const auto key = std::make_pair(name, ranks.front());
     auto it = collective_index_.find(key);
     if (it == collective_index_.end()) {
@@ -284,7 +295,8 @@ class Engine {
       c.ranks = ranks;
       c.seconds = seconds;
       c.last_bucket_seconds = last_bucket;
-      c.module = module;
+      c.armed_by = armed_by;
+      c.after = after;
       c.arrived.assign(ranks.size(), false);
       it = collective_index_.emplace(key, static_cast<int64_t>(collectives_.size())).first;
       collectives_.push_back(std::move(c));
@@ -294,6 +306,7 @@ class Engine {
     op.category = "collective";
     op.collective = it->second;
     ops_[r].push_back(std::move(op));
+    return it->second;
   }
 
   void build_encoder(int64_t r, int64_t e, bool forward_pass) {
@@ -381,7 +394,7 @@ class Engine {
         op.sends.push_back(
             {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), bytes / seq_split});
       backward_bytes(&op, sc, n, m.layout);
-      if (mb == M_ - 1) op.arms = e;
+      if (mb == M_ - 1) op.arms = arm_key(e, 0);
       ops_[r].push_back(std::move(op));
     }
   }
@@ -531,7 +544,7 @@ class Engine {
         }
       }
       backward_bytes(&op, sc, n, m.layout);
-      if (mb == M_ - 1 && s < P) op.arms = llm_;  // the rank's last backward (its chunk 0)
+      if (mb == M_ - 1) op.arms = arm_key(llm_, s / P);  // the last backward of its chunk
       ops_[r].push_back(std::move(op));
     };
     if (fwd)
@@ -564,23 +577,34 @@ class Engine {
   // Static memory and the step-end collectives of module i's stage on rank r.
   void build_module_end(int64_t r, int64_t i) {
     const ModulePlan& m = mod(i);
-    const StageCost sc = rank_cost(i, r);
-    const auto group = m.group(r, {Axis::kCp, Axis::kDp});
-    const Holding held = rank_holding(sc, m.layout, spec_.train.zero_stage == 1);
-    RankReport& rep = result_.ranks[r];
-    rep.static_bytes += held.total();
+    const Holding held = rank_holding(rank_cost(i, r), m.layout, spec_.train.zero_stage == 1);
+    result_.ranks[r].static_bytes += held.total();
     // Gradients are summed over the CP × DP group, experts apart over their expert-data-parallel
-    // group; both start with the module's last backward when overlapped.
+    // group. When overlapped, each chunk's reduction starts with its own last backward (the
+    // runtime arms each chunk's buckets then), the last chunk's first (backward order), each
+    // queueing behind the one before on the module's group.
     const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
-    const auto reduce = [&](const std::string& name, const std::vector<int64_t>& g, double bytes) {
-      if (bytes <= 0) return;
-      add_collective(r, name, g, ring(o_.grad_curve, g, bytes, true, o_.grad_reduce_algo),
-                     ring(o_.grad_curve, g, std::min(bytes, bucket), true, o_.grad_reduce_algo),
-                     spec_.train.overlap_grad_reduce ? i : -1);
-    };
-    reduce(m.name + " grad all-reduce", group, held.grads - held.expert_grads);
-    if (held.expert_grads > 0)
-      reduce(m.name + " expert grad all-reduce", expert_group(r, true), held.expert_grads);
+    const bool overlap = spec_.train.overlap_grad_reduce;
+    const int64_t P = m.layout.pp, s = m.coord(r).pp, V = m.layout.vp;
+    int64_t after = -1, expert_after = -1;
+    for (int64_t k = V - 1; k >= 0; --k) {
+      const Holding chunk =
+          rank_holding(costs_[i][k * P + s], m.layout, spec_.train.zero_stage == 1);
+      const std::string of = V > 1 ? " (chunk " + std::to_string(k) + ")" : "";
+      const auto reduce = [&](const std::string& name, const std::vector<int64_t>& g, double bytes,
+                              int64_t* prev) {
+        if (bytes <= 0) return;
+        const int64_t c = add_collective(
+            r, name + of, g, ring(o_.grad_curve, g, bytes, true, o_.grad_reduce_algo),
+            ring(o_.grad_curve, g, std::min(bytes, bucket), true, o_.grad_reduce_algo),
+            overlap ? arm_key(i, k) : -1, overlap ? *prev : -1);
+        if (c >= 0) *prev = c;
+      };
+      reduce(m.name + " grad all-reduce", m.group(r, {Axis::kCp, Axis::kDp}),
+             chunk.grads - chunk.expert_grads, &after);
+      reduce(m.name + " expert grad all-reduce", expert_group(r, true), chunk.expert_grads,
+             &expert_after);
+    }
   }
 
   void build_rank(int64_t r) {
@@ -808,22 +832,23 @@ class Engine {
       result_.step_seconds = std::max(result_.step_seconds, free_at[r]);
   }
 
-  void run_collective(const Collective& c, std::vector<size_t>* cursor,
-                      std::vector<double>* free_at,
+  void run_collective(Collective& c, std::vector<size_t>* cursor, std::vector<double>* free_at,
                       const std::vector<std::map<int64_t, std::pair<double, double>>>& armed) {
     // Without overlap it starts when every rank reached it; with overlap a rank is ready from
-    // the start of its last backward of the module, and the last bucket follows its end.
-    double start = 0, backward_end = 0;
+    // the start of the last backward that arms it, and the last bucket follows its end; behind
+    // the collective it queues after, on the same group.
+    double start = c.after >= 0 ? collectives_[c.after].last_end : 0, backward_end = 0;
     for (int64_t r : c.ranks) {
       double ready = (*free_at)[r], end = (*free_at)[r];
-      auto it = c.module >= 0 ? armed[r].find(c.module) : armed[r].end();
+      auto it = c.armed_by >= 0 ? armed[r].find(c.armed_by) : armed[r].end();
       if (it != armed[r].end()) ready = it->second.first, end = it->second.second;
       start = std::max(start, ready);
       backward_end = std::max(backward_end, end);
     }
-    const double end = c.module >= 0
+    const double end = c.armed_by >= 0
                            ? std::max(start + c.seconds, backward_end + c.last_bucket_seconds)
                            : start + c.seconds;
+    c.last_end = end;
     for (int64_t r : c.ranks) {
       double& f = (*free_at)[r];
       if (end > f) {

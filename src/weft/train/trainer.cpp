@@ -450,6 +450,7 @@ Trainer::Impl::Layout Trainer::Impl::layout_of(int64_t step) {
   bo.microbatches = spec.train.microbatches;
   bo.policy = plan::parse_balance_policy(plan.balance);
   bo.pipeline_stages = plan.module("llm").layout.pp;
+  bo.virtual_stages = plan.module("llm").layout.vp;
   l.balance = plan::balance_batch(work, work_model.cost, bo);
   // Media: only the items this rank's encoder stages read, microbatch by microbatch (the
   // replicas' items of one encoder in order, as the runtime concatenates them).
