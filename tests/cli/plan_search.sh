@@ -47,6 +47,10 @@ a, b = (json.load(open(p)) for p in sys.argv[1:])
 assert a == b, (a, b)
 print("the snippet reproduces the plan:", a["placement"], [(m["name"], m["layout"]) for m in a["modules"] if m["role"] != "projector"])
 PY
+# The printed `or: weft plan ...` line runs as printed, in a shell, to the same plan.
+or=$(grep '^or: weft plan ' "$tmp/out.txt" | sed 's/^or: weft //') || die "no command line printed"
+eval "\"\$weft\" $or" > "$tmp/or.json" || die "the printed command line fails: $or"
+cmp -s "$tmp/plan.json" "$tmp/or.json" || die "the printed command line gives another plan: $or"
 # shellcheck disable=SC2046
 "$weft" simulate "$config" --cluster "$cluster" --plan "$tmp/plan.json" $(grep -o -- '--set [^ ]*\(zero_stage\|recompute\)=[^ ]*' "$tmp/sets") \
   --trace "$tmp/trace.json" > "$tmp/sim.json" || die "weft simulate --plan failed"

@@ -175,7 +175,7 @@ std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Clust
 // "separate | vision tp1 dp16 | llm tp8 pp4 dp2 | mb 8 zero1 recompute llm".
 std::string describe(const Spec& spec, const Candidate& candidate);
 // The config that reproduces a candidate: TOML ([parallel], [parallel.<module>], [train],
-// [model.<module>] recompute) and the same as --set overrides.
+// [model.<module>] recompute) and the same as --set overrides (no spaces: each one shell word).
 std::string config_snippet(const Spec& spec, const Candidate& candidate);
 std::vector<std::string> config_overrides(const Spec& spec, const Candidate& candidate);
 

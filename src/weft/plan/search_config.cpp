@@ -11,9 +11,10 @@ namespace weft::plan {
 
 namespace {
 
-std::string list(const std::vector<int64_t>& v) {
+// A TOML array; `sep` between the values (", " in a file, "," in one shell word).
+std::string list(const std::vector<int64_t>& v, const char* sep = ", ") {
   std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + std::to_string(v[i]);
   return out + "]";
 }
 
@@ -184,7 +185,7 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
     if (l.etp > 0) out.push_back(p + "etp=" + std::to_string(l.etp));
     if (l.sp) out.push_back(p + "sp=true");
     out.push_back(p + "vp=" + std::to_string(l.vp));  // always: the config may set another
-    out.push_back(p + "stages=" + list(l.stages));
+    out.push_back(p + "stages=" + list(l.stages, ","));
   }
   out.push_back("train.microbatches=" + std::to_string(c.microbatches));
   out.push_back("train.zero_stage=" + std::to_string(c.zero_stage));
