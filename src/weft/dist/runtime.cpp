@@ -771,21 +771,30 @@ struct Runtime::Impl {
   }
 
   // Forward of microbatch m through this rank's LLM chunk `chunk`.
-  LlmSaved llm_forward(int64_t m, int64_t chunk,
-                       const std::vector<std::vector<model::Inputs>>& batch, int64_t targets,
-                       int64_t batch_rows, at::Tensor* loss_out) {
+  // What a rank's chunks share for one microbatch: its padded inputs on the device, its CP
+  // share, and the LLM context (RoPE tables, prepared mask, attention tiles), built by the
+  // microbatch's first forward here (its chunk 0) and dropped after its last chunk's forward
+  // (autograd keeps what the backwards need).
+  struct LlmMicrobatch {
+    model::Inputs in;
+    at::Tensor own;  // CP: this rank's token positions; undefined without CP
+    int64_t S = 0, Sl = 0;
+    model::LlmContext context;
+    model::TokenInfo tokens;  // for MoE blocks
+  };
+  std::map<int64_t, LlmMicrobatch> llm_microbatches;
+
+  const LlmMicrobatch& llm_microbatch(int64_t m, const model::Inputs& inputs, int64_t batch_rows) {
+    auto it = llm_microbatches.find(m);
+    if (it != llm_microbatches.end()) return it->second;
     const ModulePlan& lp = *llm_plan;
-    const Role& role = llm_role;
-    const int64_t stage = llm_stage(chunk);
-    const bool first = stage == 0, last = llm_last_stage(stage);
-    Span span{this, op_name("llm", "fwd", m, stage), "forward"};
-    const int64_t d = role.c.dp, cp = lp.layout.cp;
-    const CpLayout* layout = cp > 1 ? &cp_layout(batch[d][m]) : nullptr;
-    const int64_t S = llm_tokens(batch[d][m]);
-    const model::Inputs host = padded(batch[d][m], S);
-    const model::Inputs in = model::to_device(host, opts.device);
-    const int64_t B = in.tokens.size(0), H = spec.llm.hidden;
-    model::AttentionMask mask{model::visible_mask(in.doc, in.item), {}};
+    const int64_t cp = lp.layout.cp;
+    const CpLayout* layout = cp > 1 ? &cp_layout(inputs) : nullptr;
+    LlmMicrobatch mb;
+    mb.S = llm_tokens(inputs);
+    const model::Inputs host = padded(inputs, mb.S);
+    mb.in = model::to_device(host, opts.device);
+    model::AttentionMask mask{model::visible_mask(mb.in.doc, mb.in.item), {}};
     // Query blocks and key tiles (model/chunked_attention.h), from the host's descriptors: no
     // device read. Not under CP, nor where LibTorch has no kernel for some kind of tile here
     // (1.13, whose own attention skips hidden blocks itself; GPUs, dtypes or head sizes beyond
@@ -794,24 +803,51 @@ struct Runtime::Impl {
         model::chunked_attention_has_kernels(opts.device, model::compute_dtype(),
                                              spec.llm.head_dim()))
       mask.chunks = model::attention_chunks(host.doc, host.item, spec.llm.attention_chunk);
-    at::Tensor positions = in.positions;
-    at::Tensor own;
+    at::Tensor positions = mb.in.positions;
     if (layout) {
-      own = layout->own[role.c.cp];
-      mask.visible = mask.visible.index_select(2, own);
+      mb.own = layout->own[llm_role.c.cp];
+      mask.visible = mask.visible.index_select(2, mb.own);
       mask.kv_order = layout->order;
-      positions = positions.index_select(1, own);
+      positions = positions.index_select(1, mb.own);
     }
-    const int64_t Sl = own.defined() ? own.numel() : S;
-    model::TokenInfo tokens;  // for MoE blocks
+    mb.Sl = mb.own.defined() ? mb.own.numel() : mb.S;
     if (spec.llm.moe.enabled()) {
-      tokens.valid = in.doc >= 0;
-      if (own.defined()) tokens.valid = tokens.valid.index_select(1, own);
-      tokens.index = own;
-      tokens.row_length = S;
-      tokens.aux_scale = 1.0 / static_cast<double>(batch_rows);
-      tokens.stats = &moe_stats;
+      mb.tokens.valid = mb.in.doc >= 0;
+      if (mb.own.defined()) mb.tokens.valid = mb.tokens.valid.index_select(1, mb.own);
+      mb.tokens.index = mb.own;
+      mb.tokens.row_length = mb.S;
+      mb.tokens.aux_scale = 1.0 / static_cast<double>(batch_rows);
+      mb.tokens.stats = &moe_stats;
     }
+    const at::Tensor like =
+        at::empty({0}, at::TensorOptions().dtype(model::compute_dtype()).device(opts.device));
+    mb.context = model->llm().context(positions, mask, like);
+    return llm_microbatches.emplace(m, std::move(mb)).first->second;
+  }
+
+  LlmSaved llm_forward(int64_t m, int64_t chunk,
+                       const std::vector<std::vector<model::Inputs>>& batch, int64_t targets,
+                       int64_t batch_rows, at::Tensor* loss_out) {
+    const ModulePlan& lp = *llm_plan;
+    const Role& role = llm_role;
+    const int64_t stage = llm_stage(chunk);
+    const bool first = stage == 0, last = llm_last_stage(stage);
+    Span span{this, op_name("llm", "fwd", m, stage), "forward"};
+    const int64_t d = role.c.dp;
+    const LlmMicrobatch& mb = llm_microbatch(m, batch[d][m], batch_rows);
+    // Its last chunk here: later ops of this microbatch on this rank are backwards.
+    struct Drop {
+      std::map<int64_t, LlmMicrobatch>* all;
+      int64_t m;
+      bool now;
+      ~Drop() {
+        if (now) all->erase(m);
+      }
+    } drop{&llm_microbatches, m, chunk + 1 == static_cast<int64_t>(model->llm().chunks.size())};
+    const model::Inputs& in = mb.in;
+    const at::Tensor& own = mb.own;
+    const int64_t S = mb.S, Sl = mb.Sl, B = in.tokens.size(0), H = spec.llm.hidden;
+    const model::TokenInfo& tokens = mb.tokens;
     torch::AutoGradMode grad(lp.needs_backward());
     LlmSaved saved;
     at::Tensor x;
@@ -840,7 +876,7 @@ struct Runtime::Impl {
       if (lp.needs_backward()) x.set_requires_grad(true);
       saved.input = x;
     }
-    at::Tensor h = model->llm().forward(x, positions, mask, tokens, static_cast<size_t>(chunk));
+    at::Tensor h = model->llm().forward(x, mb.context, tokens, static_cast<size_t>(chunk));
     if (!last) {
       send(h, llm_rank_of_stage(stage + 1), tag_of(kLlmAct, 0, m, stage + 1));
       saved.output = h;
@@ -990,6 +1026,7 @@ struct Runtime::Impl {
       const plan::Layout& l = llm_plan->layout;
       const std::vector<plan::PipelineOp> ops =
           plan::pipeline_schedule(l.pp, l.vp, M, llm_role.c.pp, llm_plan->needs_backward());
+      llm_microbatches.clear();  // nothing left from a step that failed part-way
       std::vector<LlmSaved> saved(static_cast<size_t>(M * l.vp));  // [chunk · M + microbatch]
       const auto saved_of = [&](const plan::PipelineOp& op) -> LlmSaved& {
         return saved[static_cast<size_t>(op.chunk * M + op.microbatch)];

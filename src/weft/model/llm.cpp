@@ -79,21 +79,33 @@ at::Tensor Llm::embed(const at::Tensor& tokens) const {
   return dist::reduce_from(to_compute(e), tp);
 }
 
-at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const at::Tensor& positions,
-                               const AttentionMask& mask_in, const TokenInfo& tokens,
-                               size_t chunk) const {
-  WEFT_ASSERT(chunk + 1 < chunk_begin.size(), "chunk ", chunk, " of ", chunks.size());
-  const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
-  AttentionMask mask = mask_in;  // the mask converted once here, not in every block
+LlmContext Llm::context(const at::Tensor& positions, const AttentionMask& mask_in,
+                        const at::Tensor& x) const {
+  LlmContext c{Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling), mask_in};
+  AttentionMask& mask = c.mask;  // the mask converted once here, not in every block
   if (!mask.prepared.defined())
-    mask.prepared = compat::attention_mask(mask.visible, x_in.scalar_type());
+    mask.prepared = compat::attention_mask(mask.visible, x.scalar_type());
   // Blocks of queries over tiles of the keys they see (the runtime fills `chunks`, never under
   // CP, where a rank's queries are its share of the keys).
-  if (!chunked_attention_has_kernels(x_in.device(), x_in.scalar_type(), spec.head_dim()) ||
+  if (!chunked_attention_has_kernels(x.device(), x.scalar_type(), spec.head_dim()) ||
       mask.kv_order.defined() || !mask.prepared.defined())
     mask.chunks.clear();
-  if (!mask.chunks.empty())
-    mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks, x_in.scalar_type());
+  if (!mask.chunks.empty() && mask.chunk_masks.empty())
+    mask.chunk_masks = chunk_masks(mask.prepared, mask.chunks, x.scalar_type());
+  return c;
+}
+
+at::Tensor Llm::blocks_forward(const at::Tensor& x, const at::Tensor& positions,
+                               const AttentionMask& mask, const TokenInfo& tokens,
+                               size_t chunk) const {
+  return blocks_forward(x, context(positions, mask, x), tokens, chunk);
+}
+
+at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const LlmContext& context,
+                               const TokenInfo& tokens, size_t chunk) const {
+  WEFT_ASSERT(chunk + 1 < chunk_begin.size(), "chunk ", chunk, " of ", chunks.size());
+  const Rope& rope = context.rope;
+  const AttentionMask& mask = context.mask;
   at::Tensor x = x_in;
   for (size_t i = chunk_begin[chunk]; i < chunk_begin[chunk + 1]; ++i) {
     const LlmBlock& b = blocks[i];
@@ -122,7 +134,12 @@ at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mas
 
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
                         const TokenInfo& tokens, size_t chunk) const {
-  at::Tensor h = blocks_forward(x, positions, mask, tokens, chunk);
+  return forward(x, context(positions, mask, x), tokens, chunk);
+}
+
+at::Tensor Llm::forward(const at::Tensor& x, const LlmContext& context, const TokenInfo& tokens,
+                        size_t chunk) const {
+  at::Tensor h = blocks_forward(x, context, tokens, chunk);
   return chunks[chunk].last_stage ? final_norm(h) : h;
 }
 

@@ -42,6 +42,13 @@ struct StageRange {
   bool first_stage = true, last_stage = true;
 };
 
+// What every block of a microbatch shares: its RoPE tables and its attention mask, converted
+// once (Llm::context); a rank's chunks of one microbatch (interleaved 1F1B) can share one.
+struct LlmContext {
+  Rope rope;
+  AttentionMask mask;
+};
+
 struct Llm {
   LlmSpec spec;
   std::vector<StageRange> chunks;   // what this rank runs, in block order (one stage: one chunk)
@@ -62,9 +69,17 @@ struct Llm {
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
                             const AttentionMask& mask, const TokenInfo& tokens = {},
                             size_t chunk = 0) const;
+  at::Tensor blocks_forward(const at::Tensor& x, const LlmContext& context,
+                            const TokenInfo& tokens = {}, size_t chunk = 0) const;
+  // RoPE tables for positions [B, S] and the mask prepared for hidden states like `x` (its
+  // dtype and device): the additive form SDPA takes, the tiles' masks.
+  LlmContext context(const at::Tensor& positions, const AttentionMask& mask,
+                     const at::Tensor& x) const;
   // A chunk's blocks, then the final norm when it is the last stage.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
                      const TokenInfo& tokens = {}, size_t chunk = 0) const;
+  at::Tensor forward(const at::Tensor& x, const LlmContext& context, const TokenInfo& tokens = {},
+                     size_t chunk = 0) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head

@@ -532,16 +532,18 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
         if (llm && spec.model.llm.tie_embeddings && m.layout.pp > 1)
           sc.optimizer_seconds += mp.front.optimizer_seconds;
       }
-      // Every LLM stage builds the mask and RoPE tables, and keeps the mask while its
-      // microbatch is in flight.
-      if (llm) {
+      // Every LLM pipeline rank builds the mask and RoPE tables once per microbatch (its first
+      // chunk's forward; its other chunks share them, dist/runtime.cpp LlmMicrobatch), and keeps
+      // the mask while its microbatch is in flight.
+      const bool first_chunk = s < m.layout.pp;
+      if (llm && first_chunk) {
         sc.forward_fixed_seconds += mp.stage.forward.fixed;
         sc.forward_seconds += mp.stage.forward.per_unit(seq);
         const CostFit& f = mp.stage.shared ? mp.stage.forward_shared : mp.stage.forward;
         sc.forward_fixed_seconds_shared += f.fixed;
         sc.forward_seconds_shared += f.per_unit(seq);
       }
-      if (llm && m.needs_backward()) {
+      if (llm && first_chunk && m.needs_backward()) {
         sc.activation_fixed_bytes += mp.stage.activation_bytes.fixed;
         sc.activation_bytes += mp.stage.activation_bytes.per_unit(seq);
       }
