@@ -91,18 +91,20 @@ int run_search(const PlanArgs& a) {
   // The user's own overrides first, then the plan's (later ones win), each one shell word.
   std::vector<std::string> sets = a.sets;
   for (const std::string& s : plan::config_overrides(spec, win.candidate)) sets.push_back(s);
-  std::string flags;
-  for (const std::string& s : sets) {
-    const bool plain = s.find_first_not_of(
-                           "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                           "0123456789._=,:+-/") == std::string::npos;
+  // One shell word: as is when plain, else single-quoted.
+  const auto word = [](const std::string& s) {
+    if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                          "0123456789._=,:+-/") == std::string::npos)
+      return s;
     std::string quoted = "'";
     for (char ch : s) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-    flags += " --set " + (plain ? s : quoted + "'");
-  }
+    return quoted + "'";
+  };
+  std::string flags;
+  for (const std::string& s : sets) flags += " --set " + word(s);
   std::printf("\nconfig that reproduces it (merge into %s%s):\n%s\n", a.config.c_str(),
               a.sets.empty() ? "" : ", with your --set overrides", snippet.c_str());
-  std::printf("or: weft plan %s --world-size %lld%s\n", a.config.c_str(),
+  std::printf("or: weft plan %s --world-size %lld%s\n", word(a.config).c_str(),
               static_cast<long long>(win.candidate.world_size), flags.c_str());
   std::printf("run it on %lld ranks (weft launch --nproc %lld, or WORLD_SIZE=%lld)\n",
               static_cast<long long>(win.candidate.world_size),

@@ -8,7 +8,9 @@ set -u
 weft=$1; src=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 die() { echo "FAIL: $*"; exit 1; }
-config="$src/configs/small-vlm.toml"
+mkdir -p "$tmp/my configs"  # a path that needs quoting in a shell
+cp "$src/configs/small-vlm.toml" "$tmp/my configs/small vlm.toml"
+config="$tmp/my configs/small vlm.toml"
 cluster="$src/configs/clusters/h200-8x4.toml"
 
 "$weft" plan "$config" --cluster "$cluster" --out "$tmp/plan.json" --snippet "$tmp/snippet.toml" \
@@ -47,10 +49,16 @@ a, b = (json.load(open(p)) for p in sys.argv[1:])
 assert a == b, (a, b)
 print("the snippet reproduces the plan:", a["placement"], [(m["name"], m["layout"]) for m in a["modules"] if m["role"] != "projector"])
 PY
-# The printed `or: weft plan ...` line runs as printed, in a shell, to the same plan.
-or=$(grep '^or: weft plan ' "$tmp/out.txt" | sed 's/^or: weft //') || die "no command line printed"
+# The printed `or: weft plan ...` line runs as printed, in a shell, to the same plan; with the
+# user's own --set flags (a quoted string among them) kept.
+"$weft" plan "$config" --cluster "$cluster" --set 'train.steps=70' --set "data.kind=\"synthetic\"" \
+  --out "$tmp/plan_sets.json" > "$tmp/out_sets.txt" || die "weft plan --cluster --set failed"
+or=$(grep '^or: weft plan ' "$tmp/out_sets.txt" | sed 's/^or: weft //')
+[ -n "$or" ] || { cat "$tmp/out_sets.txt"; die "no command line printed"; }
+grep -q -- "--set train.steps=70 --set 'data.kind=\"synthetic\"'" <<< "$or" \
+  || die "the user's --set flags are not in the printed command line: $or"
 eval "\"\$weft\" $or" > "$tmp/or.json" || die "the printed command line fails: $or"
-cmp -s "$tmp/plan.json" "$tmp/or.json" || die "the printed command line gives another plan: $or"
+cmp -s "$tmp/plan_sets.json" "$tmp/or.json" || die "the printed command line gives another plan: $or"
 # shellcheck disable=SC2046
 "$weft" simulate "$config" --cluster "$cluster" --plan "$tmp/plan.json" $(grep -o -- '--set [^ ]*\(zero_stage\|recompute\)=[^ ]*' "$tmp/sets") \
   --trace "$tmp/trace.json" > "$tmp/sim.json" || die "weft simulate --plan failed"

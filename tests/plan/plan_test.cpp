@@ -513,6 +513,22 @@ TEST(Plan, PipelineScheduleRunsEveryOpOnceWithoutDeadlock) {
         }
 }
 
+// The warm-up: 2·(pp − 1 − s) + (vp − 1)·(first group's size) forwards before the first
+// backward. 9 microbatches over pp = 4 form groups of 5 and 4.
+TEST(Plan, InterleavedWarmUpFollowsTheFirstGroup) {
+  for (int64_t s = 0; s < 4; ++s) {
+    const std::vector<PipelineOp> ops = pipeline_schedule(4, 2, 9, s, true);
+    size_t leading = 0;  // the warm-up, then the steady phase's first forward
+    while (leading < ops.size() && ops[leading].forward) ++leading;
+    EXPECT_EQ(leading, static_cast<size_t>(2 * (3 - s) + 5 + 1)) << "rank " << s;
+    EXPECT_EQ(ops[5].microbatch, 0);  // the first group's 5 microbatches through chunk 0 ...
+    EXPECT_EQ(ops[5].chunk, 1);       // ... then chunk 1
+  }
+  // Fewer microbatches than pp: every forward first.
+  const std::vector<PipelineOp> few = pipeline_schedule(4, 2, 3, 2, true);
+  for (size_t k = 0; k < few.size(); ++k) EXPECT_EQ(few[k].forward, k < 6) << k;
+}
+
 TEST(Plan, ScheduleIsSequentialWithoutPipelines) {
   Spec s = two_encoder_spec();
   s.parallel.modules["llm"] = layout(1, 2, 1, 2);

@@ -275,9 +275,11 @@ TEST(Simulate, InterleavedPipelineShrinksTheBubble) {
 // Interleaved 1F1B with the reduction overlapped: each chunk's gradients start reducing with that
 // chunk's own last backward, one chunk after the other. Here chunk 1's (armed two chunk-backwards
 // before the rank's last) hides entirely, and only chunk 0's last bucket shows; reducing both
-// chunks from the rank's last backward would expose a whole chunk's reduction (1 s).
+// chunks from the rank's last backward would expose a whole chunk's reduction (1 s). With chunk
+// 1's reduction 3 s long, chunk 0's queues behind it and ends about 1 s after the rank's last
+// backward (the rank waits on its neighbour between them for a moment).
 TEST(Simulate, InterleavedChunksReduceFromTheirOwnLastBackward) {
-  const auto run = [](int64_t dp) {
+  const auto run = [](int64_t dp, double chunk1_bytes = 1e9) {
     Spec s;
     s.source = "pipe.toml";
     s.model.llm.vocab = 64;
@@ -291,8 +293,11 @@ TEST(Simulate, InterleavedChunksReduceFromTheirOwnLastBackward) {
     s.parallel.modules["llm"].dp = dp;
     const Plan plan = make_plan(s, 2 * dp);
     CostTable costs = stage_costs(s, plan);
-    for (StageCost& sc : costs.back())  // per chunk: forward 0.5 s, backward 1 s, reduction 1 s
-      sc.forward_flops = 0.5e12, sc.backward_flops = 1e12, sc.grad_bytes = 1e9;
+    for (size_t v = 0; v < costs.back().size(); ++v) {  // forward 0.5 s, backward 1 s per chunk
+      StageCost& sc = costs.back()[v];
+      sc.forward_flops = 0.5e12, sc.backward_flops = 1e12;
+      sc.grad_bytes = v >= 2 ? chunk1_bytes : 1e9;  // virtual stages 2, 3: the ranks' chunk 1
+    }
     return std::make_pair(s, simulate(s, plan, ideal(2 * dp, 0, 1), costs, no_optimizer()));
   };
   const auto [s, two] = run(2);
@@ -302,6 +307,7 @@ TEST(Simulate, InterleavedChunksReduceFromTheirOwnLastBackward) {
   EXPECT_NEAR(all_reduce_seconds(c, pair, 1e9), 1.0, 1e-12);
   const double last_bucket = all_reduce_seconds(c, pair, s.train.grad_bucket_mb * 1024 * 1024);
   EXPECT_NEAR(two.step_seconds, one.step_seconds + last_bucket, 1e-6);
+  EXPECT_NEAR(run(2, 3e9).second.step_seconds, one.step_seconds + 1.0, 1e-3);
 }
 
 TEST(Simulate, ActivationsInFlightFollow1F1B) {

@@ -515,19 +515,21 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
 
 // --- 1F1B ---------------------------------------------------------------------------------------
 
-double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double ff, int64_t vp) {
-  WEFT_CHECK(P >= 1, "[1f1b] stages = ", P, " (expected >= 1)");
-  WEFT_CHECK(vp == 1 || (vp > 1 && P > 1), "[1f1b] virtual_stages = ", vp,
-             " (expected 1, or more with stages > 1)");
-  WEFT_CHECK(ff >= 0 && ff <= 1, "[1f1b] forward_fraction = ", ff, " (expected in [0, 1])");
-  for (double c : cost)
-    WEFT_CHECK(std::isfinite(c) && c >= 0, "[1f1b] microbatch cost ", c, " (expected >= 0)");
-  const int64_t m = static_cast<int64_t>(cost.size());
-  if (m == 0) return 0;
-  const int64_t V = P * vp;  // virtual stages; rank s runs s, s + P, ...
-  const double Vd = static_cast<double>(V);
+namespace {
+
+// Every rank's pipeline_schedule for m microbatches (with backward).
+std::vector<std::vector<PipelineOp>> schedules(int64_t P, int64_t vp, int64_t m) {
   std::vector<std::vector<PipelineOp>> ops;
   for (int64_t s = 0; s < P; ++s) ops.push_back(pipeline_schedule(P, vp, m, s, true));
+  return ops;
+}
+
+// one_f_one_b_makespan of checked costs, on the ranks' schedules `ops`.
+double replay_makespan(const std::vector<std::vector<PipelineOp>>& ops,
+                       const std::vector<double>& cost, int64_t P, int64_t vp, double ff) {
+  const int64_t m = static_cast<int64_t>(cost.size());
+  const int64_t V = P * vp;  // virtual stages; rank s runs s, s + P, ...
+  const double Vd = static_cast<double>(V);
   constexpr double kNotYet = -1;
   const auto at = [&](int64_t v, int64_t i) { return static_cast<size_t>(v * m + i); };
   std::vector<double> end_f(static_cast<size_t>(V * m), kNotYet), end_b(end_f);
@@ -558,19 +560,32 @@ double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double f
   return makespan;
 }
 
+}  // namespace
+
+double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double ff, int64_t vp) {
+  WEFT_CHECK(P >= 1, "[1f1b] stages = ", P, " (expected >= 1)");
+  WEFT_CHECK(vp == 1 || (vp > 1 && P > 1), "[1f1b] virtual_stages = ", vp,
+             " (expected 1, or more with stages > 1)");
+  WEFT_CHECK(ff >= 0 && ff <= 1, "[1f1b] forward_fraction = ", ff, " (expected in [0, 1])");
+  for (double c : cost)
+    WEFT_CHECK(std::isfinite(c) && c >= 0, "[1f1b] microbatch cost ", c, " (expected >= 0)");
+  const int64_t m = static_cast<int64_t>(cost.size());
+  if (m == 0) return 0;
+  return replay_makespan(schedules(P, vp, m), cost, P, vp, ff);
+}
+
 std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, double ff,
                                     int64_t vp) {
   const int64_t m = static_cast<int64_t>(cost.size());
   std::vector<int64_t> best(static_cast<size_t>(m));
   std::iota(best.begin(), best.end(), 0);
-  if (m <= 1 || P == 1) {
-    one_f_one_b_makespan(cost, P, ff, vp);  // validates
-    return best;
-  }
+  one_f_one_b_makespan(cost, P, ff, vp);  // validates
+  if (m <= 1 || P == 1) return best;
+  const std::vector<std::vector<PipelineOp>> ops = schedules(P, vp, m);  // the order's alone
   const auto eval = [&](const std::vector<int64_t>& order) {
     std::vector<double> c;
     for (int64_t i : order) c.push_back(cost[static_cast<size_t>(i)]);
-    return one_f_one_b_makespan(c, P, ff, vp);
+    return replay_makespan(ops, c, P, vp, ff);
   };
   double best_time = eval(best);
   const double tol = 1e-12 * best_time;
@@ -602,7 +617,7 @@ std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, 
   // Swaps of two microbatches and moves of one to another position while the makespan strictly
   // drops (first improvement, bounded).
   int64_t evals = 0;
-  const int64_t max_evals = std::max<int64_t>(2000, 4000000 / std::max<int64_t>(1, m * P));
+  const int64_t max_evals = std::max<int64_t>(2000, 4000000 / std::max<int64_t>(1, m * P * vp));
   for (bool improved = true; improved && evals < max_evals;) {
     improved = false;
     for (int64_t i = 0; i < m && evals < max_evals; ++i)

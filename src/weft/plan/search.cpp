@@ -291,7 +291,8 @@ SearchResult Searcher::run() {
 
 // Interleaved 1F1B on the layouts found: each one with a pipelined LLM is simulated again with
 // vp = 2 .. max_vp chunks per rank (pp·vp at most its blocks, the chunks cut afresh; the
-// Megatron-LM baseline's evenly, and only with at least pp microbatches, as Megatron-LM requires),
+// Megatron-LM baseline's evenly, and only with at least pp microbatches, which Megatron-LM needs;
+// it runs weft's groups, which its microbatch_group_size_per_vp_stage can express for some M),
 // and the fastest that fits the memory replaces it.
 void Searcher::interleave(SearchResult* result) {
   SearchStats& st = result->stats;
