@@ -129,6 +129,16 @@ TEST(DataParallel, AttachedGradientsLiveInTheirBucket) {
   });
 }
 
+// Three parameters of 100 fp32 values in buckets of 400 bytes: one each, [p2], [p1], [p0].
+struct ThreeBuckets {
+  model::ParamSet ps;
+  at::Tensor p0 = ps.add("p0", torch::ones({100}));
+  at::Tensor p1 = ps.add("p1", torch::ones({100}));
+  at::Tensor p2 = ps.add("p2", torch::ones({100}));
+  GradSync sync;
+  explicit ThreeBuckets(const Comm& comm) : sync(comm, ps.all(), /*bucket_bytes=*/400) {}
+};
+
 // Buckets start in index order on every rank, whichever parameters got a gradient there: rank 0's
 // armed backward reaches buckets 1 and 2 but never bucket 0's parameter; rank 1 runs no armed
 // backward at all (an encoder skipped for a microbatch without items). Started as they fill,
@@ -136,11 +146,9 @@ TEST(DataParallel, AttachedGradientsLiveInTheirBucket) {
 TEST(DataParallel, BucketsStartInTheSameOrderOnEveryRank) {
   testing::run_ranks(2, [](const Comm& comm) {
     const int r = comm.rank();
-    model::ParamSet ps;
-    at::Tensor p0 = ps.add("p0", torch::ones({100}));
-    at::Tensor p1 = ps.add("p1", torch::ones({100}));
-    at::Tensor p2 = ps.add("p2", torch::ones({100}));
-    GradSync sync(comm, ps.all(), /*bucket_bytes=*/400);
+    ThreeBuckets t(comm);
+    at::Tensor &p0 = t.p0, &p1 = t.p1, &p2 = t.p2;
+    GradSync& sync = t.sync;
     ASSERT_EQ(sync.bucket_count(), 3);  // [p2], [p1], [p0]
     ((p0 + 10 * p1 + 100 * p2).sum() * (r + 1)).backward();
     sync.arm();
@@ -160,11 +168,9 @@ TEST(DataParallel, BucketsStartInTheSameOrderOnEveryRank) {
 TEST(DataParallel, ArmingSomeParametersLetsTheOthersAccumulate) {
   testing::run_ranks(2, [](const Comm& comm) {
     const double w = comm.rank() + 1;
-    model::ParamSet ps;
-    at::Tensor p0 = ps.add("p0", torch::ones({100}));
-    at::Tensor p1 = ps.add("p1", torch::ones({100}));
-    at::Tensor p2 = ps.add("p2", torch::ones({100}));
-    GradSync sync(comm, ps.all(), /*bucket_bytes=*/400);
+    ThreeBuckets t(comm);
+    at::Tensor &p0 = t.p0, &p1 = t.p1, &p2 = t.p2;
+    GradSync& sync = t.sync;
     ASSERT_EQ(sync.bucket_count(), 3);  // [p2], [p1], [p0]
     sync.attach();
     ((p0 + p1 + p2).sum() * w).backward();  // every chunk, an earlier microbatch
