@@ -185,12 +185,17 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   // reads (a GPU), step i + 1 is queued before step i is finished, as in `weft train`: the time
   // is then the device's pace, the host's launches hidden behind the device's work. Otherwise
   // each step runs alone, bracketed by device synchronisations.
-  std::optional<QueuedStep> pending;
   dist::synchronize(device);
   double last = now_seconds();
+  struct Queued {
+    QueuedStep q;
+  };
+  std::unique_ptr<StepTrace> profiler;
+  const auto profiled = [&](int64_t i) { return !o.profile.empty() && i + 1 == total; };
   // next_in_flight: a step runs on the device during this one's bookkeeping, whose time then
   // belongs to the next step's (finish to finish); otherwise the bookkeeping counts toward none.
-  auto finish = [&](QueuedStep& q, bool next_in_flight) {
+  const auto finish = [&](Queued& queued, bool next_in_flight) {
+    QueuedStep& q = queued.q;
     const StepOutcome out = trainer.finish_step(q);
     if (!trainer.defers()) dist::synchronize(device);
     const double finished = now_seconds(), dt = finished - last;
@@ -210,27 +215,18 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
       tokens += batches[i].tokens;
     }
     last = next_in_flight ? finished : now_seconds();
+    if (profiled(i)) profiler.reset();
   };
-  for (int64_t i = 0; i < total; ++i) {
-    std::unique_ptr<StepTrace> profiler;
-    if (!o.profile.empty() && i + 1 == total) {  // the profiled step runs alone
-      if (pending) finish(*pending, false);
-      pending.reset();
+  const auto queue = [&](int64_t i) {
+    if (profiled(i)) {  // it runs alone (run_steps finished the one before)
       profiler = std::make_unique<StepTrace>(o.profile);
       dist::synchronize(device);
       last = now_seconds();
     }
-    QueuedStep q = trainer.queue_step(batches[i], i);
-    if (pending) finish(*pending, !q.finished);
-    pending.reset();
-    if (profiler || !trainer.defers()) {
-      finish(q, false);
-      profiler.reset();
-    } else {
-      pending = std::move(q);
-    }
-  }
-  if (pending) finish(*pending, false);
+    return Queued{trainer.queue_step(batches[i], i)};
+  };
+  run_steps<Queued>(
+      0, total, queue, finish, [](int64_t) { return false; }, profiled);
   const int64_t peak_rss = peak_rss_bytes();
 
   json j;

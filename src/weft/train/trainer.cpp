@@ -849,46 +849,28 @@ Summary Trainer::run() {
     last_done = next_in_flight ? finished : now_seconds();
   };
 
-  std::optional<Pending> pending;
-  try {
-    for (int64_t step = m.start_step; step < ts.steps; ++step) {
-      const double t0 = now_seconds();
-      Pending current;
-      current.batch = prepare_step(step);
-      current.data_seconds = now_seconds() - t0;
-      current.data_skipped = m.dataset->skipped();
-      const bool traced = step + 1 == spec.output.trace_step;
-      m.runtime->set_tracing(traced);
-      current.q = queue_step(current.batch, step);
-      if (traced) {  // collective; rank 0 writes the step's timeline
-        const std::string trace = m.runtime->gather_trace();
-        if (writer) write_text(m.run_dir / "trace.json", trace);
-      }
-      if (pending) {
-        Pending previous = std::move(*pending);
-        pending.reset();
-        complete(previous, !current.q.finished);
-      }
-      // Evaluation and checkpoints read the parameters: their step finishes first.
-      const bool last = step + 1 == ts.steps;
-      const bool reads_model =
-          (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
-          (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
-      if (current.q.finished || last || reads_model)
-        complete(current, false);
-      else
-        pending = std::move(current);
+  const auto queue = [&](int64_t step) {
+    const double t0 = now_seconds();
+    Pending current;
+    current.batch = prepare_step(step);
+    current.data_seconds = now_seconds() - t0;
+    current.data_skipped = m.dataset->skipped();
+    const bool traced = step + 1 == spec.output.trace_step;
+    m.runtime->set_tracing(traced);
+    current.q = queue_step(current.batch, step);
+    if (traced) {  // collective; rank 0 writes the step's timeline
+      const std::string trace = m.runtime->gather_trace();
+      if (writer) write_text(m.run_dir / "trace.json", trace);
     }
-  } catch (...) {
-    // A later step failed while one was still unread: keep that one's metrics if it went well.
-    if (pending) {
-      try {
-        complete(*pending, false);
-      } catch (...) {  // the later step's error is the one reported
-      }
-    }
-    throw;
-  }
+    return current;
+  };
+  // Evaluation and checkpoints read the parameters: their step finishes first.
+  const auto reads_model = [&](int64_t step) {
+    return (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
+           (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
+  };
+  run_steps<Pending>(m.start_step, ts.steps, queue, complete, reads_model,
+                     [](int64_t) { return false; });
   progress.finish();
   last_eval = true;
   if (m.opts.eval) run_eval();

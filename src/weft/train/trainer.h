@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "weft/core/spec.h"
 #include "weft/data/collate.h"
@@ -141,5 +143,44 @@ class Trainer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The step loop of `weft train` (Trainer::run) and `weft bench step`. Steps [begin, end) are
+// queued in order by queue(i), which returns a State holding its QueuedStep as `q`; finish(state,
+// next_in_flight) finishes one. Where reads are deferred (a GPU) step i is finished after step
+// i + 1 is queued, so the device runs step i + 1 while the host does step i's bookkeeping;
+// next_in_flight says whether step i + 1 is then still running. Step i is finished at once,
+// before the next is queued, when finish_now(i) (the last step, or one whose model is read:
+// evaluation, a checkpoint) or alone(i); alone(i) also finishes the step before it first, so it
+// runs on its own (a profiled step). When a step throws, the one still unread is finished
+// first (its own error, if any, dropped for the first).
+template <class State, class Queue, class Finish, class FinishNow, class Alone>
+void run_steps(int64_t begin, int64_t end, Queue&& queue, Finish&& finish, FinishNow&& finish_now,
+               Alone&& alone) {
+  std::optional<State> pending;
+  const auto finish_pending = [&](bool next_in_flight) {
+    if (!pending) return;
+    State previous = std::move(*pending);
+    pending.reset();
+    finish(previous, next_in_flight);
+  };
+  try {
+    for (int64_t i = begin; i < end; ++i) {
+      if (alone(i)) finish_pending(false);
+      State current = queue(i);
+      finish_pending(!current.q.finished);
+      if (current.q.finished || i + 1 == end || finish_now(i) || alone(i))
+        finish(current, false);
+      else
+        pending = std::move(current);
+    }
+  } catch (...) {
+    // A later step failed while one was still unread: keep that one's metrics if it went well.
+    try {
+      finish_pending(false);
+    } catch (...) {  // the later step's error is the one reported
+    }
+    throw;
+  }
+}
 
 }  // namespace weft::train
