@@ -110,16 +110,19 @@ TEST(Search, BoundIsALowerBoundAndPruningKeepsTheOptimum) {
     const char* name;
     Spec spec;
     int64_t nodes;
+    bool interleaved;
   };
-  const Case cases[] = {{"trainable vision, 8 GPUs", small_vlm(), 1},
-                        {"frozen vision, 16 GPUs on 2 nodes", small_vlm(true), 2}};
+  const Case cases[] = {{"trainable vision, 8 GPUs", small_vlm(), 1, false},
+                        {"frozen vision, 16 GPUs on 2 nodes", small_vlm(true), 2, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Cluster cluster = h100(c.nodes);
     SearchOptions o = small_space();
-    o.max_vp = 1;  // the bounded space is plain 1F1B's; interleaving refines what it found after
     int64_t count = 0;
     const Evaluation best = brute_force(c.spec, cluster, o, &count);
+    // The space includes interleaved 1F1B; on two nodes its optimum is interleaved (pp2 vp2).
+    EXPECT_EQ(best.candidate.layouts.back().vp > 1, c.interleaved)
+        << describe(c.spec, best.candidate);
     ASSERT_GT(count, 500) << "the space should be large enough to prune";
     const SearchResult r = search(c.spec, cluster, o);
     ASSERT_FALSE(r.best.empty());
@@ -321,10 +324,10 @@ TEST(Search, ExpertParallelismWhenTheExpertsDoNotFitOneDevice) {
   EXPECT_NE(err.find("no layout fits"), std::string::npos) << err;
 }
 
-// Interleaved 1F1B is tried on the reported layouts with a pipelined LLM: on a 72B LLM over 256
-// GPUs (the scenario benchmark's frozen ViT-22B + Qwen2-72B) the winner interleaves, is faster
-// than the same layout without it, and its config snippet reproduces it.
-TEST(Search, InterleavingIsTriedOnTheLayoutsFound) {
+// Interleaved 1F1B is part of the searched space: on a 72B LLM over 256 GPUs (the scenario
+// benchmark's frozen ViT-22B + Qwen2-72B) the winner interleaves, is faster than the best plan
+// without it, and its config snippet (the chunks' boundaries explicit) reproduces it.
+TEST(Search, InterleavingIsSearched) {
   const Spec spec = load_spec(WEFT_SOURCE_DIR "/configs/scenarios/vit22b-qwen2-72b.toml",
                               {"model.vision.frozen=true"});
   const Cluster cluster = h100(32);

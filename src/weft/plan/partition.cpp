@@ -269,6 +269,27 @@ ModuleCosts module_layer_costs(const Spec& spec, const ModulePlan& module,
                                          : encoder_costs(spec, module, shape.items);
 }
 
+std::vector<int64_t> even_cuts(const ModuleCosts& c, int64_t n) {
+  const auto work = [](const LayerCost& l) { return l.forward + l.input_grad + l.weight_grad; };
+  const int64_t blocks = static_cast<int64_t>(c.blocks.size());
+  std::vector<double> before(static_cast<size_t>(blocks + 1), work(c.front));  // work before b
+  for (int64_t b = 0; b < blocks; ++b)
+    before[static_cast<size_t>(b + 1)] = before[static_cast<size_t>(b)] + work(c.blocks[b]);
+  const double total = before.back() + work(c.back);
+  std::vector<int64_t> cuts;
+  for (int64_t k = 1; k < n; ++k) {
+    const double target = total * static_cast<double>(k) / static_cast<double>(n);
+    const int64_t lo = cuts.empty() ? 1 : cuts.back() + 1, hi = blocks - (n - k);  // non-empty
+    int64_t best = lo;
+    for (int64_t b = lo; b <= hi; ++b)
+      if (std::abs(before[static_cast<size_t>(b)] - target) <
+          std::abs(before[static_cast<size_t>(best)] - target))
+        best = b;
+    cuts.push_back(best);
+  }
+  return cuts;
+}
+
 StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions& o) {
   const int64_t n = static_cast<int64_t>(costs.blocks.size()), P = o.stages;
   WEFT_CHECK(P >= 1 && P <= n, "[partition] module '", costs.module, "': ", P,

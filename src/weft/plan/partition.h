@@ -137,6 +137,12 @@ struct StagePartition {
 // naming the module, the limit and the smallest peak stage memory any partition reaches.
 StagePartition partition_stages(const ModuleCosts& costs, const PartitionOptions& options);
 
+// Boundaries cutting a module's blocks into `n` contiguous non-empty stages of about equal work
+// (forward + backward; the front in the first stage, the back in the last): the first block of
+// stage k is where the work before it comes closest to k/n of the total. An interleaved LLM's
+// chunks (make_plan's default for vp > 1, the layout search's).
+std::vector<int64_t> even_cuts(const ModuleCosts& costs, int64_t n);
+
 // ---- Joint partition: every module's stage boundaries together (make_plan's default) ------
 //
 // Each module's costs are the work one of its ranks does per LLM microbatch (its data-parallel

@@ -110,8 +110,7 @@ std::string layout_key(const Candidate& c) {
   std::ostringstream os;
   os << c.placement;
   for (const LayoutSpec& l : c.layouts)
-    os << '|' << l.tp << ',' << l.cp << ',' << l.pp << ',' << l.dp << ',' << l.ep << ',' << l.etp
-       << ',' << l.vp;
+    os << '|' << l.tp << ',' << l.cp << ',' << l.pp << ',' << l.dp << ',' << l.ep << ',' << l.etp;
   return os.str();
 }
 
@@ -121,7 +120,6 @@ class Searcher {
       : spec_(spec), cl_(cluster), o_(options), space_(spec, cluster, options) {}
   SearchResult run();
   std::vector<BoundedCandidate> enumerate();
-  void interleave(SearchResult* result);
 
  private:
   const Spec& spec_;
@@ -257,7 +255,6 @@ SearchResult Searcher::run() {
   }
   if (static_cast<int64_t>(result.best.size()) > o_.top)
     result.best.resize(static_cast<size_t>(o_.top));
-  interleave(&result);
   // What the memory limit costs: the fastest candidate over memory, when it beats the winner.
   const double win = result.best.front().sim.step_seconds;
   if (over_bound < win && o_.max_simulations > st.simulated) {
@@ -287,40 +284,6 @@ SearchResult Searcher::run() {
   st.seconds = elapsed();
   result.why = explain(spec_, cl_, result);
   return result;
-}
-
-// Interleaved 1F1B on the layouts found: each one with a pipelined LLM is simulated again with
-// vp = 2 .. max_vp chunks per rank (pp·vp at most its blocks, the chunks cut afresh; the
-// Megatron-LM baseline's evenly, and only with at least pp microbatches, which Megatron-LM needs;
-// it runs weft's groups, which its microbatch_group_size_per_vp_stage can express for some M),
-// and the fastest that fits the memory replaces it.
-void Searcher::interleave(SearchResult* result) {
-  SearchStats& st = result->stats;
-  const int64_t layers = spec_.model.llm.layers;
-  for (Evaluation& e : result->best) {
-    const LayoutSpec& llm = e.candidate.layouts.back();
-    if (llm.pp < 2) continue;
-    if (e.candidate.placement == "megatron" && e.candidate.microbatches < llm.pp) continue;
-    Evaluation best = e;
-    for (int64_t vp = 2; vp <= o_.max_vp && llm.pp * vp <= layers; ++vp) {
-      if (st.simulated >= o_.max_simulations) break;
-      Candidate c = e.candidate;
-      LayoutSpec& l = c.layouts.back();
-      l.vp = vp;
-      l.stages.clear();
-      if (c.placement == "megatron")  // its layers split evenly over the chunks, as Megatron-LM
-        for (int64_t k = 1; k < l.pp * vp; ++k) l.stages.push_back(k * layers / (l.pp * vp));
-      Evaluation x = evaluate(spec_, cl_, c, o_.sim);
-      x.lower_bound = std::min(e.lower_bound, x.sim.step_seconds);  // the bound is plain 1F1B's
-      ++st.simulated;
-      if (x.sim.memory_fits && x.sim.step_seconds < best.sim.step_seconds) best = std::move(x);
-    }
-    e = std::move(best);
-  }
-  std::stable_sort(result->best.begin(), result->best.end(),
-                   [](const Evaluation& x, const Evaluation& y) {
-                     return x.sim.step_seconds < y.sim.step_seconds;
-                   });
 }
 
 SearchResult search(const Spec& spec, const Cluster& cluster, const SearchOptions& options) {

@@ -18,6 +18,9 @@
 //   ranks     at most the cluster's devices (a plan may leave some idle: the step time, not the
 //             device count, is what is minimised)
 //   microbatches  M | train.batch, M <= batch / llm dp, M <= max_microbatches
+//   vp        the LLM's interleaved 1F1B chunks per pipeline rank (pp >= 2): 1 .. max_vp with
+//             pp · vp <= layers, the chunks cut evenly by work (Megatron-style: by blocks, and
+//             only with M >= pp, as Megatron-LM needs)
 //   zero_stage    0 or 1; recompute per module that keeps activations (off or on)
 //
 // Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
@@ -28,22 +31,21 @@
 //     the start of its last backward when overlapped, its last bucket after it) — the loss
 //     all-reduce and the optimizer follow on every rank (under ZeRO-1, then the parameter
 //     all-gathers);
-//   - 1F1B on every LLM stage: the fill chain before its first op (after the encoders' first
-//     microbatch), chains of microbatch round trips through the stages above it and its own ops
-//     around them (exact for a uniform pipeline; it sees the bubbles of uneven stages and
-//     microbatch sizes), the drain below it; separate encoders' last forward before the LLM's
-//     last microbatch and their backwards after the LLM's;
+//   - the LLM's schedule (1F1B, or interleaved 1F1B over its pp · vp chunks) replayed on its
+//     stages with every other constraint dropped: the fill chain before each stage's first op
+//     (after the encoders' first microbatch), every op after the one it waits for (exact for a
+//     uniform pipeline; it sees the bubbles of uneven stages and microbatch sizes), the drain;
+//     separate encoders' last forward before the LLM's last microbatch and their backwards
+//     after the LLM's;
 //   - encoders not chosen yet: their FLOPs spread over every rank they could get.
 // Nodes whose per-rank memory (parameters, gradients, optimizer state sharded by ZeRO-1, peak
 // activations under the schedule) exceeds the device are dropped before any simulation.
 // Complete candidates are simulated in bound order until the bound reaches the best simulated
 // step time, so the winner is the simulator's optimum over the space unless the simulation
 // budget ran out first (SearchStats::complete says which); tests check on exhaustive spaces
-// that the bound never exceeds the simulated step. Then interleaved 1F1B (parallel.llm.vp) is
-// tried on each reported layout with a pipelined LLM — vp = 2 .. max_vp, simulated, kept when
-// faster and within memory — outside the bound: it refines the winners, it does not widen the
-// space the bound covers (the bound models plain 1F1B). Everything runs on one thread; the
-// simulator is called with SimOptions::trace = false.
+// that the bound never exceeds the simulated step, interleaved schedules included. The report
+// keeps each layout's fastest schedule (M, vp, recomputation, ZeRO). Everything runs on one
+// thread; the simulator is called with SimOptions::trace = false.
 //
 // Expert parallelism is priced as the simulator does (simulate.h): the experts' parameters,
 // gradients and moments over ep · etp ranks (ZeRO-1: moments over the expert-data-parallel
@@ -89,8 +91,7 @@ struct SearchOptions {
   std::vector<std::string> placements = {"colocated", "separate"};
   int64_t max_tp = 0;  // 0 = the cluster's gpus_per_node
   int64_t max_pp = 32, max_encoder_pp = 8;
-  // Interleaved 1F1B tried on the winners (Searcher::interleave): up to this many chunks per
-  // LLM pipeline rank; 1 = never.
+  // Interleaved 1F1B: up to this many chunks per LLM pipeline rank; 1 = never.
   int64_t max_vp = 4;
   int64_t max_cp = 16;
   int64_t max_ep = 0;         // MoE LLM: largest ep to try; 0 = the number of experts

@@ -146,18 +146,22 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
 // ---- costs --------------------------------------------------------------------------------
 
 const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                            bool sp) {
-  auto& slot = staged_[{k, pp, recompute, even, vocab_parallel, sp}];
+                            bool sp, int64_t vp) {
+  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
   m.layout = Layout{};
-  m.layout.pp = pp;
+  m.layout.pp = pp * vp;  // an interleaved LLM's chunks priced as stages of their own
+  pp *= vp;
   // Costs are for the whole stage; tp picks the loss, and lets sp take effect.
   m.layout.tp = vocab_parallel || sp ? 2 : 1;
   m.layout.sp = sp;
   if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
+  } else if (pp > 1 && vp > 1) {  // interleaved chunks: make_plan's default cut
+    st->boundaries =
+        even_cuts(module_layer_costs(costed_, m, single_sample_microbatch(costed_)), pp);
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
     if (recompute) {
@@ -233,7 +237,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   // parallel group (ranks ep · etp apart in token order). Overlapped, both start with the last
   // backward and run side by side; otherwise one after the other.
   const bool overlap = spec_.train.overlap_grad_reduce;
-  const auto reduce = [&](int64_t ranks, int64_t span, double bytes) {
+  const auto reduce = [&](int64_t ranks, int64_t span, double bytes, size_t kind) {
     if (bytes <= 0 || ranks <= 1) return;
     const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
     const double full = collective(kAllReduce, ranks, span, bytes, false, o_.sim.grad_reduce_algo);
@@ -242,17 +246,15 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
                                 : full;
     w.full = overlap ? std::max(w.full, full) : w.full + full;
     w.tail = overlap ? std::max(w.tail, tail) : w.tail + tail;
+    w.reduce_full[kind] = full, w.reduce_tail[kind] = tail;
   };
   const int64_t etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
   const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
-  reduce(group, span, held.grads - held.expert_grads);
-  reduce(edp, expert_span, held.expert_grads);
+  reduce(group, span, held.grads - held.expert_grads, 0);
+  reduce(edp, expert_span, held.expert_grads, 1);
   if (n.zero == 1) {  // the stepped parameters, all-gathered over the same groups
-    const auto gather = [&](int64_t ranks, int64_t span_of, double bytes) {
-      return bytes > 0 ? collective(kAllGather, ranks, span_of, bytes, false) : 0.0;
-    };
-    w.gather = gather(group, span, held.grads - held.expert_grads) +
-               gather(edp, expert_span, held.expert_grads);
+    w.gather_bytes = held.grads - held.expert_grads, w.gather_expert_bytes = held.expert_grads;
+    w.gather = zero_gather(c, w.gather_bytes, w.gather_expert_bytes);
   }
   const auto runs = microbatch_runs(B_ / n.D, n.M);
   // The backward's TP collectives of `blocks` blocks (the simulator's tp_blocks_backward_comm),
@@ -312,6 +314,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       w.last_bwd = b;
     }
     if (w.backward) {  // 1F1B keeps min(P - s, M) microbatches alive, the largest first
+      w.act_first = kept_activation_bytes(sc, static_cast<double>(runs.front().first), layout);
+      w.act_last = kept_activation_bytes(sc, static_cast<double>(runs.back().first), layout);
       int64_t alive = std::min(c.pp - s, n.M);
       for (const auto& [m, count] : runs) {
         const int64_t take = std::min(alive, count);
@@ -360,10 +364,72 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   return w;
 }
 
-std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n) const {
+std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
+                               std::vector<Work>* chunks) const {
   std::vector<Work> out;
-  for (int64_t s = 0; s < c.pp; ++s) out.push_back(work(k, c, s, 0, n));
+  if (c.vp == 1) {
+    for (int64_t s = 0; s < c.pp; ++s) out.push_back(work(k, c, s, 0, n));
+    if (chunks) *chunks = out;
+    return out;
+  }
+  // Interleaved: chunk v = j · P + s is virtual stage v of a pp · vp pipeline (its first and
+  // last hold the embedding and the head; each hops to the next, the last of a round back to
+  // rank 0), priced as a stage of its own.
+  const int64_t P = c.pp, V = c.pp * c.vp;
+  Choice virt = c;
+  virt.pp = V, virt.vp = 1, virt.staged = c.chunks;
+  std::vector<Work> cw;
+  for (int64_t v = 0; v < V; ++v) cw.push_back(work(k, virt, v, 0, n));
+  const bool overlap = spec_.train.overlap_grad_reduce;
+  const int64_t big = microbatch_runs(B_ / n.D, n.M).front().second;
+  for (int64_t s = 0; s < P; ++s) {
+    Work r = cw[static_cast<size_t>(s)];  // chunk 0: the rank's first forward and last backward
+    r.fwd = r.bwd = r.static_bytes = r.opt_bytes = r.opt_seconds = r.act = 0;
+    r.gather_bytes = r.gather_expert_bytes = 0;
+    if (!overlap) r.full = r.tail = 0;
+    for (int64_t j = 0; j < c.vp; ++j) {
+      const Work& x = cw[static_cast<size_t>(j * P + s)];
+      r.fwd += x.fwd, r.bwd += x.bwd, r.static_bytes += x.static_bytes;
+      r.opt_bytes += x.opt_bytes, r.opt_seconds += x.opt_seconds;
+      r.gather_bytes += x.gather_bytes, r.gather_expert_bytes += x.gather_expert_bytes;
+      // Each chunk's reduction queues behind the one before (the runtime's GradSync per chunk):
+      // chunk 0's, armed by the rank's last backward, ends it. Not overlapped: all of them.
+      if (!overlap) r.full += x.full, r.tail += x.tail;
+    }
+    if (n.zero == 1) r.gather = zero_gather(c, r.gather_bytes, r.gather_expert_bytes);  // one
+    if (r.backward) {  // the peak of the activations its schedule holds
+      double live = 0;
+      for (const PipelineOp& op : schedules(P, c.vp, n.M, true)[static_cast<size_t>(s)]) {
+        const Work& x = cw[static_cast<size_t>(op.chunk * P + s)];
+        const double a = op.microbatch < big ? x.act_first : x.act_last;
+        live += op.forward ? a : -a;
+        r.act = std::max(r.act, live);
+      }
+    }
+    out.push_back(r);
+  }
+  if (chunks) *chunks = std::move(cw);
   return out;
+}
+
+const std::vector<std::vector<PipelineOp>>& Space::schedules(int64_t pp, int64_t vp, int64_t M,
+                                                             bool backward) const {
+  auto& slot = schedules_[{pp, vp, M, backward}];
+  if (slot.empty())
+    for (int64_t s = 0; s < pp; ++s) slot.push_back(pipeline_schedule(pp, vp, M, s, backward));
+  return slot;
+}
+
+// ZeRO-1's all-gathers of a rank's stepped parameters of `c` (dense and experts' bytes): over
+// its CP × DP group and its experts' expert-data-parallel group.
+double Space::zero_gather(const Choice& c, double bytes, double expert_bytes) const {
+  const Layout layout = c.layout();
+  const int64_t group = c.cp * c.dp, etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
+  const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
+  const auto gather = [&](int64_t ranks, int64_t span_of, double b) {
+    return b > 0 ? collective(kAllGather, ranks, span_of, b, false) : 0.0;
+  };
+  return gather(group, span, bytes) + gather(edp, expert_span, expert_bytes);
 }
 
 double Space::optimizer_seconds(double bytes, double measured) const {
@@ -427,8 +493,9 @@ Bound Space::bound(const Node& n) const {
   const bool overlap = spec_.train.overlap_grad_reduce;
   std::vector<std::vector<Work>> w(static_cast<size_t>(E_ + 1));
   for (size_t k = 0; k < n.enc.size(); ++k) w[k] = works(static_cast<int64_t>(k), n.enc[k], n);
-  const std::vector<Work>& lw = w[static_cast<size_t>(E_)] = works(E_, n.llm, n);
-  const int64_t P = n.llm.pp;
+  std::vector<Work> cw;  // the LLM's per virtual stage v = chunk · P + s (vp = 1: lw)
+  const std::vector<Work>& lw = w[static_cast<size_t>(E_)] = works(E_, n.llm, n, &cw);
+  const int64_t P = n.llm.pp, V = P * n.llm.vp;
 
   std::vector<Rank> ranks;
   if (shared) {  // the first rank of every stage of every module
@@ -498,80 +565,85 @@ Bound Space::bound(const Node& n) const {
         enc_done = std::max(enc_done, done);
       }
     }
-  for (int64_t s = 0; s < P; ++s) {
+  for (int64_t s = 0; s < P; ++s) {  // microbatch 0 through chunk 0 of the stages below
     const size_t i = static_cast<size_t>(s);
     start[i] =
         s == 0 ? std::max(enc_ready[0], data_ + E0)
-               : std::max(start[i - 1] + lw[i - 1].first_fwd + lw[i - 1].hop_first, enc_ready[i]);
+               : std::max(start[i - 1] + cw[i - 1].first_fwd + cw[i - 1].hop_first, enc_ready[i]);
   }
-  // The LLM's 1F1B schedule of replica 0, replayed with these op durations: every stage runs
-  // its ops in the runtime's order (warm-up forwards, forward / backward pairs, the remaining
-  // backwards) from start[s], a forward after the stage below sent it, a backward after the
-  // stage above sent its gradient. This is the simulator's schedule of those ranks with every
-  // other constraint dropped, so its ends are lower bounds; it sees the fill and drain, the
-  // bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
+  // The LLM's schedule of replica 0 (pipeline_schedule: 1F1B, or interleaved 1F1B over the
+  // P · vp virtual stages), replayed with these op durations: every stage runs its ops in the
+  // runtime's order from start[s], a forward after the virtual stage before sent it (the last
+  // microbatch's first also after the encoders' forward of it, enc_done), a backward after the
+  // virtual stage after sent its gradient. This is the simulator's schedule of those ranks with
+  // every other constraint dropped, so its ends are lower bounds; it sees the fill and drain,
+  // the bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
   const auto runs = microbatch_runs(B_ / n.D, n.M);
   const int64_t M = n.M, big = runs.size() == 2 ? runs[0].second : M;
   const bool backward = lw.front().backward;
-  const int64_t ops = backward ? 2 * M : M;
-  std::vector<double> tf(static_cast<size_t>(P * M), -1), tb(tf);
-  std::vector<int64_t> cursor(static_cast<size_t>(P), 0);
+  const auto& order = schedules(P, n.llm.vp, M, backward);
+  const auto at = [M](int64_t v, int64_t mb) { return static_cast<size_t>(v * M + mb); };
+  std::vector<double> tf(static_cast<size_t>(V * M), -1), tb(tf);
+  std::vector<size_t> cursor(static_cast<size_t>(P), 0);
   std::vector<double> clock(start);  // per stage: the end of its last op so far
   for (bool left = true; left;) {
     left = false;
     bool progress = false;
     for (int64_t s = 0; s < P; ++s) {
       const size_t i = static_cast<size_t>(s);
-      const Work& x = lw[i];
-      const int64_t W = std::min(P - s, M);
-      for (int64_t& c = cursor[i]; c < ops; ++c) {
-        bool fwd = true;
-        int64_t mb = c;
-        if (backward && c >= W) {
-          const int64_t t = c - W;
-          if (t < 2 * (M - W))
-            fwd = t % 2 == 1, mb = fwd ? W + t / 2 : t / 2;
-          else
-            fwd = false, mb = M - W + (t - 2 * (M - W));
-        }
+      const std::vector<PipelineOp>& ops = order[i];
+      for (size_t& c = cursor[i]; c < ops.size(); ++c) {
+        const PipelineOp& op = ops[c];
+        const int64_t v = op.chunk * P + s, mb = op.microbatch;
+        const Work& x = cw[static_cast<size_t>(v)];
         const bool first = mb < big;
         double ready = clock[i];
-        if (fwd && s > 0) {
-          const double sent = tf[static_cast<size_t>((s - 1) * M + mb)];
+        if (op.forward && v > 0) {
+          const double sent = tf[at(v - 1, mb)];
           if (sent < 0) break;
-          const Work& below = lw[i - 1];
+          const Work& below = cw[static_cast<size_t>(v - 1)];
           ready = std::max(ready, sent + (first ? below.hop_first : below.hop_last));
-        } else if (!fwd && s + 1 < P) {
-          const double sent = tb[static_cast<size_t>((s + 1) * M + mb)];
+        } else if (op.forward && mb == M - 1) {
+          ready = std::max(ready, enc_done);
+        } else if (!op.forward) {
+          const double sent = v + 1 < V ? tb[at(v + 1, mb)] : tf[at(v, mb)];
           if (sent < 0) break;
-          ready = std::max(ready, sent + (first ? x.hop_first : x.hop_last));
+          ready = std::max(ready, sent + (v + 1 < V ? (first ? x.hop_first : x.hop_last) : 0));
         }
-        clock[i] =
-            ready + (fwd ? (first ? x.first_fwd : x.last_fwd) : (first ? x.first_bwd : x.last_bwd));
-        (fwd ? tf : tb)[static_cast<size_t>(s * M + mb)] = clock[i];
+        clock[i] = ready + (op.forward ? (first ? x.first_fwd : x.last_fwd)
+                                       : (first ? x.first_bwd : x.last_bwd));
+        (op.forward ? tf : tb)[at(v, mb)] = clock[i];
         progress = true;
       }
-      left = left || cursor[i] < ops;
+      left = left || cursor[i] < ops.size();
     }
     WEFT_ASSERT(progress || !left, "the bound's pipeline replay deadlocks");
   }
-  // The last microbatch leaves the encoders at enc_done, then crosses every stage and back.
-  std::vector<double> up(static_cast<size_t>(P) + 1, 0);  // up[s]: Σ last forwards below s
-  for (size_t i = 0; i < lw.size(); ++i) up[i + 1] = up[i] + lw[i].last_fwd + lw[i].hop_last;
-  double down = 0;
-  for (int64_t s = P - 1; s >= 0; --s) {
-    const size_t i = static_cast<size_t>(s);
-    const Work& x = lw[i];
-    // (clock[i] includes the stage's own op time: start[i] + x.fwd + x.bwd at least.)
-    end[i] = clock[i];
-    if (x.backward && s + 1 < P) end[i] = std::max(end[i], end[i + 1] + x.hop_last + x.last_bwd);
-    down += x.last_bwd + x.hop_last;
-    if (enc_done > 0)
-      end[i] = std::max(end[i], enc_done + (x.backward ? up.back() + down : up[i + 1]));
-  }
+  end = clock;  // (each includes its stage's own op time: start[s] + fwd + bwd at least)
   // Microbatch 0's gradient reaches the encoders at bwd0 (separate), at least.
-  double bwd0 = start[static_cast<size_t>(P - 1)] + lw.back().first_fwd;
-  for (const Work& x : lw) bwd0 += x.first_bwd + x.hop_first;
+  double bwd0 = start[static_cast<size_t>(P - 1)] + cw[static_cast<size_t>(P - 1)].first_fwd;
+  for (int64_t s = 0; s < P; ++s)
+    bwd0 += cw[static_cast<size_t>(s)].first_bwd + cw[static_cast<size_t>(s)].hop_first;
+  if (backward) bwd0 = std::max(bwd0, tb[at(0, 0)]);
+  // Overlapped, the LLM's gradient reductions on replica 0's stages: each chunk's (the last
+  // chunk's first) starts no earlier than its last backward and than the one before it on the
+  // same group (dense and experts' apart), and ends no earlier than its last bucket after that
+  // backward (the simulator's armed, chained reductions).
+  std::vector<double> reduced(static_cast<size_t>(P), 0);
+  if (overlap && backward)
+    for (int64_t s = 0; s < P; ++s)
+      for (size_t kind = 0; kind < 2; ++kind) {
+        double e = 0;
+        for (int64_t j = n.llm.vp - 1; j >= 0; --j) {
+          const int64_t v = j * P + s;
+          const Work& x = cw[static_cast<size_t>(v)];
+          if (x.reduce_full[kind] <= 0) continue;
+          const double end_bwd = tb[at(v, M - 1)];
+          const double start_bwd = end_bwd - (M - 1 < big ? x.first_bwd : x.last_bwd);
+          e = std::max(std::max(e, start_bwd) + x.reduce_full[kind], end_bwd + x.reduce_tail[kind]);
+        }
+        reduced[static_cast<size_t>(s)] = std::max(reduced[static_cast<size_t>(s)], e);
+      }
 
   double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
   for (const Rank& x : ranks) {
@@ -606,7 +678,10 @@ Bound Space::bound(const Node& n) const {
       tail = e.backward ? e.tail : 0;
     } else {  // its encoders' forwards, its LLM stage, its encoders' backwards
       t = std::max(data_ + fwd, x.enc_ready) + (x.llm ? x.llm->fwd + x.llm->bwd : 0);
-      if (x.chain) t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
+      if (x.chain) {
+        t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
+        bound = std::max(bound, reduced[static_cast<size_t>(x.llm_stage)]);
+      }
       if (x.llm) {
         if (overlap && x.llm->full > 0) bound = std::max(bound, t - x.llm->last_bwd + x.llm->full);
         full += x.llm->full;
@@ -661,6 +736,9 @@ std::vector<int64_t> Space::zero_stages() const {
 std::vector<bool> Space::sequence_options(int64_t tp, int64_t k, int64_t cp) const {
   if (tp == 1 || !o_.sequence_parallel) return {false};
   if (k < E_ && !info(k).enc->splits_evenly(tp * cp)) return {false};
+  // An encoder that keeps no activations (frozen: forward only) would gain no memory from SP,
+  // only its output's all-gather: the plan without it is never slower.
+  if (k < E_ && !info(k).keeps_activations) return {false};
   return {false, true};
 }
 std::vector<bool> Space::recompute_options(int64_t k) const {
@@ -696,6 +774,14 @@ std::vector<std::pair<int64_t, int64_t>> Space::expert_layouts(int64_t tp, int64
   return out;
 }
 
+// Interleaved 1F1B's chunks per rank: up to max_vp with pp · vp at most the LLM's blocks; the
+// Megatron-LM baseline only with at least pp microbatches, which Megatron-LM needs (it runs
+// weft's groups, which its microbatch_group_size_per_vp_stage can express for some M).
+int64_t Space::max_vp(int64_t pp, int64_t M, int placement) const {
+  if (pp < 2 || (placement == kMegatron && M < pp)) return 1;
+  return std::max<int64_t>(1, std::min(o_.max_vp, spec_.model.llm.layers / pp));
+}
+
 void Space::roots(const std::function<void(Node&&)>& emit) {
   const ModuleInfo& li = info(E_);
   for (int p : placements_)
@@ -711,23 +797,19 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
               for (const auto& [ep, etp] : expert_layouts(tp, cp * D))
                 for (int64_t zero : zero_stages())
                   for (bool rc : recompute_options(E_))
-                    for (bool sp : sequence_options(tp, E_, cp)) {
-                      Node n;
-                      n.placement = p;
-                      n.D = D, n.M = M, n.zero = zero;
-                      n.llm =
-                          Choice{tp,
-                                 cp,
-                                 pp,
-                                 D,
-                                 0,
-                                 rc,
-                                 &staged(static_cast<int>(E_), pp, rc, p == kMegatron, tp > 1, sp),
-                                 ep,
-                                 etp,
-                                 sp};
-                      emit(std::move(n));
-                    }
+                    for (bool sp : sequence_options(tp, E_, cp))
+                      for (int64_t vp = 1; vp <= max_vp(pp, M, p); ++vp) {
+                        const int k = static_cast<int>(E_);
+                        const bool even = p == kMegatron;
+                        Node n;
+                        n.placement = p;
+                        n.D = D, n.M = M, n.zero = zero;
+                        n.llm = Choice{tp, cp,  pp, D, 0, rc, &staged(k, pp, rc, even, tp > 1, sp),
+                                       ep, etp, sp};
+                        n.llm.vp = vp;
+                        if (vp > 1) n.llm.chunks = &staged(k, pp, rc, even, tp > 1, sp, vp);
+                        emit(std::move(n));
+                      }
             }
           }
       }
@@ -784,7 +866,8 @@ Candidate Space::to_candidate(const Node& n) const {
   const auto add = [&](const Choice& x) {
     LayoutSpec l;
     l.dp = x.dp, l.tp = x.tp, l.pp = x.pp, l.cp = x.cp, l.ep = x.ep, l.etp = x.etp, l.sp = x.sp;
-    l.stages = x.staged->boundaries;
+    l.vp = x.vp;
+    l.stages = (x.vp > 1 ? x.chunks : x.staged)->boundaries;
     c.layouts.push_back(l);
     c.recompute.push_back(x.recompute);
     next += x.size();

@@ -50,8 +50,12 @@ struct Choice {
   const Staged* staged = nullptr;
   int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
   bool sp = false;          // sequence parallelism
+  // The LLM's interleaved 1F1B: vp chunks per pipeline rank, cut as `chunks` (pp · vp virtual
+  // stages, rank s running chunks s, s + pp, ...); staged stays the plain pp-stage cut.
+  int64_t vp = 1;
+  const Staged* chunks = nullptr;
   int64_t size() const { return tp * cp * pp * dp; }
-  Layout layout() const { return {dp, tp, pp, cp, ep, etp, sp}; }
+  Layout layout() const { return {dp, tp, pp, cp, ep, etp, sp, vp}; }
 };
 
 // A node of the search tree: the LLM's choice and the encoders' chosen so far (spec order).
@@ -71,11 +75,14 @@ struct Work {
   // encoder's last stage: its features over the bridge), over the cheapest possible link.
   double hop_first = 0, hop_last = 0;
   double act = 0;                         // peak activation bytes it holds
+  double act_first = 0, act_last = 0;     // LLM: one microbatch's (the first's, the last's)
   double static_bytes = 0;                // parameters, gradients, optimizer state
   double opt_bytes = 0, opt_seconds = 0;  // optimizer: gradient bytes stepped, measured seconds
-  double tail = 0;    // gradient reduction still running after its last backward, at least
-  double full = 0;    // the whole gradient all-reduce
+  double tail = 0;  // gradient reduction still running after its last backward, at least
+  double full = 0;  // the whole gradient all-reduce
+  double reduce_full[2] = {0, 0}, reduce_tail[2] = {0, 0};  // full and tail: dense, experts'
   double gather = 0;  // ZeRO-1: the parameter all-gathers after the optimizer
+  double gather_bytes = 0, gather_expert_bytes = 0;  // what they gather (dense, experts')
   bool backward = false;
 };
 
@@ -110,24 +117,37 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  std::map<std::tuple<int, int64_t, bool, bool, bool, bool>, std::unique_ptr<Staged>> staged_;
+  std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool>, std::unique_ptr<Staged>>
+      staged_;
+  // pipeline_schedule of every pipeline rank, by {pp, vp, M, backward}.
+  mutable std::map<std::tuple<int64_t, int64_t, int64_t, bool>,
+                   std::vector<std::vector<PipelineOp>>>
+      schedules_;
   mutable std::map<std::pair<int64_t, bool>, std::vector<int64_t>> groups_;
 
   const ModuleInfo& info(int64_t k) const { return info_[static_cast<size_t>(k)]; }
 
   // Module k's stages over pp; vocab_parallel: the LLM at tp > 1, whose loss keeps its logits
   // instead of the fused head's gradients (partition.h module_layer_costs); sp: with sequence
-  // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes).
+  // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes). vp > 1: the
+  // LLM's pp · vp interleaved chunks, cut evenly by work (make_plan's cut) or, even, by blocks.
   const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                       bool sp = false);
+                       bool sp = false, int64_t vp = 1);
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
   double hop(double bytes, int64_t stride) const;
   double op_seconds(const StageCost& sc, bool forward, double n, double split) const;
   Work work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const;
-  std::vector<Work> works(int64_t k, const Choice& c, const Node& n) const;
+  // Per pipeline rank of module k (the LLM interleaved: the sums over each rank's chunks, its
+  // activations the peak its schedule holds); chunks: the LLM's per virtual stage (vp = 1: the
+  // same as the ranks').
+  std::vector<Work> works(int64_t k, const Choice& c, const Node& n,
+                          std::vector<Work>* chunks = nullptr) const;
+  const std::vector<std::vector<PipelineOp>>& schedules(int64_t pp, int64_t vp, int64_t M,
+                                                        bool backward) const;
   double optimizer_seconds(double bytes, double measured) const;
+  double zero_gather(const Choice& c, double bytes, double expert_bytes) const;
   struct Rank;
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
@@ -135,6 +155,7 @@ class Space {
   // Sequence parallelism for module k (E_: the LLM) at tp × cp.
   std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
+  int64_t max_vp(int64_t pp, int64_t M, int placement) const;
 };
 
 }  // namespace weft::plan::search_space

@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "weft/core/error.h"
@@ -48,6 +49,18 @@ Spec with_vocab(Spec spec, const SimOptions& o) {
 // microbatch, sender, receiver.
 enum MsgKind { kEncAct, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
 using MsgKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;
+struct MsgKeyHash {
+  size_t operator()(const MsgKey& k) const {
+    uint64_t h = static_cast<uint64_t>(std::get<0>(k));
+    for (const int64_t v : {std::get<1>(k), std::get<2>(k), std::get<3>(k), std::get<4>(k)}) {
+      h = (h + static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull);  // splitmix64's mix
+      h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+      h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+      h ^= h >> 31;
+    }
+    return static_cast<size_t>(h);
+  }
+};
 
 struct Send {
   MsgKey key;
@@ -763,7 +776,11 @@ class Engine {
     const size_t R = ops_.size();
     std::vector<size_t> cursor(R, 0);
     std::vector<double> free_at(R, 0), activations(R, 0);
-    std::map<MsgKey, double> arrival;
+    std::unordered_map<MsgKey, double, MsgKeyHash> arrival;
+    size_t sends = 0;
+    for (const auto& ops : ops_)
+      for (const Op& op : ops) sends += op.sends.size();
+    arrival.reserve(sends);
     std::vector<std::map<int64_t, std::pair<double, double>>> armed(R);  // module → [start, end)
     busy_.assign(R, {});
     window_start_.assign(R, 0);
@@ -801,8 +818,10 @@ class Engine {
           ops_[r][cursor[r]].last_start = start;
           ops_[r][cursor[r]].last_end = end;
           for (const Send& s : op.sends) {
-            WEFT_ASSERT(!arrival.count(s.key), "message sent twice: ", op.name);
-            arrival[s.key] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
+            const bool fresh =
+                arrival.emplace(s.key, end + message(static_cast<int64_t>(r), s.dst, s.bytes))
+                    .second;
+            WEFT_ASSERT(fresh, "message sent twice: ", op.name);
           }
           if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, end};
           activations[r] += op.keep_bytes;
