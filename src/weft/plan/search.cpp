@@ -189,7 +189,7 @@ SearchResult Searcher::run() {
   const auto consider = [&](Node&& n) {
     const bool leaf = static_cast<int64_t>(n.enc.size()) == E_;
     if (leaf && redundant(n)) return;
-    const Bound b = bound(n);
+    const Bound b = space_.bound(n, threshold(), over_bound);
     ++st.nodes;
     if (!b.feasible) return;
     if (b.memory > mem) {

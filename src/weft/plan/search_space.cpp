@@ -397,15 +397,12 @@ std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
       if (!overlap) r.full += x.full, r.tail += x.tail;
     }
     if (n.zero == 1) r.gather = zero_gather(c, r.gather_bytes, r.gather_expert_bytes);  // one
-    if (r.backward) {  // the peak of the activations its schedule holds
-      double live = 0;
+    if (r.backward)  // what its schedule holds before its first backward (its peak, at least)
       for (const PipelineOp& op : schedules(P, c.vp, n.M, true)[static_cast<size_t>(s)]) {
+        if (!op.forward) break;
         const Work& x = cw[static_cast<size_t>(op.chunk * P + s)];
-        const double a = op.microbatch < big ? x.act_first : x.act_last;
-        live += op.forward ? a : -a;
-        r.act = std::max(r.act, live);
+        r.act += op.microbatch < big ? x.act_first : x.act_last;
       }
-    }
     out.push_back(r);
   }
   if (chunks) *chunks = std::move(cw);
@@ -487,8 +484,7 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
 
 // The analytic lower bound of a node's (every completion's) simulated step, and the largest
 // per-rank memory it certainly needs.
-Bound Space::bound(const Node& n) const {
-  Bound out;
+Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   const bool shared = n.placement != kSeparate;
   const bool overlap = spec_.train.overlap_grad_reduce;
   std::vector<std::vector<Work>> w(static_cast<size_t>(E_ + 1));
@@ -571,6 +567,111 @@ Bound Space::bound(const Node& n) const {
         s == 0 ? std::max(enc_ready[0], data_ + E0)
                : std::max(start[i - 1] + cw[i - 1].first_fwd + cw[i - 1].hop_first, enc_ready[i]);
   }
+  const auto runs = microbatch_runs(B_ / n.D, n.M);
+  const int64_t M = n.M, big = runs.size() == 2 ? runs[0].second : M;
+  const bool backward = lw.front().backward;
+  const auto& order = schedules(P, n.llm.vp, M, backward);
+  const auto at = [M](int64_t v, int64_t mb) { return static_cast<size_t>(v * M + mb); };
+  // First without the replay below (each stage's ops back to back from start[s], microbatch
+  // 0's gradient through chunk 0 of every stage, the reductions from each rank's last
+  // backward): a weaker bound, returned when it already reaches the limit for the node's memory
+  // (the search drops the node either way).
+  for (int64_t s = 0; s < P; ++s)
+    end[static_cast<size_t>(s)] = start[static_cast<size_t>(s)] + lw[static_cast<size_t>(s)].fwd +
+                                  lw[static_cast<size_t>(s)].bwd;
+  double bwd0 = start[static_cast<size_t>(P - 1)] + cw[static_cast<size_t>(P - 1)].first_fwd;
+  for (int64_t s = 0; s < P; ++s)
+    bwd0 += cw[static_cast<size_t>(s)].first_bwd + cw[static_cast<size_t>(s)].hop_first;
+  std::vector<double> reduced(static_cast<size_t>(P), 0);
+  const auto finish = [&] {
+    Bound out;
+    double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
+    for (const Rank& x : ranks) {
+      double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0, gather = 0;
+      for (const auto& e : x.enc) {
+        fwd += e.second.fwd, bytes += e.second.opt_bytes, measured += e.second.opt_seconds;
+        static_bytes += e.second.static_bytes, act += e.second.act, gather += e.second.gather;
+      }
+      if (x.llm) {
+        bytes += x.llm->opt_bytes, measured += x.llm->opt_seconds;
+        static_bytes += x.llm->static_bytes, act += x.llm->act, gather += x.llm->gather;
+      }
+      out.memory = std::max(out.memory, static_bytes + act);
+      opt = std::max(opt, optimizer_seconds(bytes, measured) + gather);
+      double bound = 0, full = 0, tail = 0, t = 0;
+      if (x.enc_stage >= 0) {  // an encoder stage of its own; its last backward follows the LLM's
+        const int64_t k = x.enc.front().first;
+        const Work& e = x.enc.front().second;
+        t = data_ + e.fwd + e.bwd;
+        if (e.backward && info(k).backward) {
+          const std::vector<Work>& ew = w[static_cast<size_t>(k)];
+          double last = end[0], first = bwd0 + e.bwd;
+          for (size_t s = static_cast<size_t>(x.enc_stage); s < ew.size(); ++s)
+            if (ew[s].backward) {
+              last += ew[s].last_bwd;
+              if (s > static_cast<size_t>(x.enc_stage)) first += ew[s].first_bwd;
+            }
+          t = std::max({t, last, first});
+        }
+        if (overlap && e.full > 0) bound = std::max(bound, t - e.last_bwd + e.full);
+        full = e.full;
+        tail = e.backward ? e.tail : 0;
+      } else {  // its encoders' forwards, its LLM stage, its encoders' backwards
+        t = std::max(data_ + fwd, x.enc_ready) + (x.llm ? x.llm->fwd + x.llm->bwd : 0);
+        if (x.chain) {
+          t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
+          bound = std::max(bound, reduced[static_cast<size_t>(x.llm_stage)]);
+        }
+        if (x.llm) {
+          if (overlap && x.llm->full > 0)
+            bound = std::max(bound, t - x.llm->last_bwd + x.llm->full);
+          full += x.llm->full;
+          tail = x.llm->backward ? x.llm->tail : 0;
+        }
+        for (const auto& e : x.enc) {
+          t += e.second.bwd;
+          if (e.second.backward) tail = e.second.tail;
+          if (overlap && e.second.full > 0)
+            bound = std::max(bound, t - e.second.last_bwd + e.second.full);
+          full += e.second.full;
+        }
+      }
+      bound = std::max(bound, t + (overlap ? tail : full));
+      arrival = std::max(arrival, bound);
+    }
+
+    // Work not yet placed: spread over every rank it could get.
+    double unknown = 0;
+    for (int64_t k = static_cast<int64_t>(n.enc.size()); k < E_; ++k)
+      unknown += static_cast<double>(B_) * info(k).min_unit_seconds;
+    int64_t world = 0;
+    if (shared) {
+      world = n.llm.size();
+      double total = unknown;
+      for (const Work& x : lw) total += (x.fwd + x.bwd) * static_cast<double>(n.llm.size() / P);
+      for (const Choice& c : n.enc) total += static_cast<double>(B_) * c.staged->unit_seconds;
+      arrival = std::max(arrival, data_ + total / static_cast<double>(world));
+    } else {
+      world = n.llm.size();
+      for (const Choice& c : n.enc) world += c.size();
+      const int64_t open = E_ - static_cast<int64_t>(n.enc.size());
+      const int64_t left = max_ranks_ - world;
+      if (left < open) {
+        out.feasible = false;
+        return out;
+      }
+      if (open > 0) arrival = std::max(arrival, data_ + unknown / static_cast<double>(left));
+      world += open;
+    }
+    const double loss = 2 * collective(kAllReduce, world, world, 8, false);
+    out.seconds = arrival + loss + opt;
+    return out;
+  };
+  const Bound quick = finish();
+  if (!quick.feasible ||
+      quick.seconds >= (quick.memory > cl_.device.memory_bytes ? over_limit : fits_limit))
+    return quick;
+
   // The LLM's schedule of replica 0 (pipeline_schedule: 1F1B, or interleaved 1F1B over the
   // P · vp virtual stages), replayed with these op durations: every stage runs its ops in the
   // runtime's order from start[s], a forward after the virtual stage before sent it (the last
@@ -578,11 +679,6 @@ Bound Space::bound(const Node& n) const {
   // virtual stage after sent its gradient. This is the simulator's schedule of those ranks with
   // every other constraint dropped, so its ends are lower bounds; it sees the fill and drain,
   // the bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
-  const auto runs = microbatch_runs(B_ / n.D, n.M);
-  const int64_t M = n.M, big = runs.size() == 2 ? runs[0].second : M;
-  const bool backward = lw.front().backward;
-  const auto& order = schedules(P, n.llm.vp, M, backward);
-  const auto at = [M](int64_t v, int64_t mb) { return static_cast<size_t>(v * M + mb); };
   std::vector<double> tf(static_cast<size_t>(V * M), -1), tb(tf);
   std::vector<size_t> cursor(static_cast<size_t>(P), 0);
   std::vector<double> clock(start);  // per stage: the end of its last op so far
@@ -621,15 +717,11 @@ Bound Space::bound(const Node& n) const {
   }
   end = clock;  // (each includes its stage's own op time: start[s] + fwd + bwd at least)
   // Microbatch 0's gradient reaches the encoders at bwd0 (separate), at least.
-  double bwd0 = start[static_cast<size_t>(P - 1)] + cw[static_cast<size_t>(P - 1)].first_fwd;
-  for (int64_t s = 0; s < P; ++s)
-    bwd0 += cw[static_cast<size_t>(s)].first_bwd + cw[static_cast<size_t>(s)].hop_first;
   if (backward) bwd0 = std::max(bwd0, tb[at(0, 0)]);
   // Overlapped, the LLM's gradient reductions on replica 0's stages: each chunk's (the last
   // chunk's first) starts no earlier than its last backward and than the one before it on the
   // same group (dense and experts' apart), and ends no earlier than its last bucket after that
   // backward (the simulator's armed, chained reductions).
-  std::vector<double> reduced(static_cast<size_t>(P), 0);
   if (overlap && backward)
     for (int64_t s = 0; s < P; ++s)
       for (size_t kind = 0; kind < 2; ++kind) {
@@ -645,86 +737,7 @@ Bound Space::bound(const Node& n) const {
         reduced[static_cast<size_t>(s)] = std::max(reduced[static_cast<size_t>(s)], e);
       }
 
-  double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
-  for (const Rank& x : ranks) {
-    double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0, gather = 0;
-    for (const auto& e : x.enc) {
-      fwd += e.second.fwd, bytes += e.second.opt_bytes, measured += e.second.opt_seconds;
-      static_bytes += e.second.static_bytes, act += e.second.act, gather += e.second.gather;
-    }
-    if (x.llm) {
-      bytes += x.llm->opt_bytes, measured += x.llm->opt_seconds;
-      static_bytes += x.llm->static_bytes, act += x.llm->act, gather += x.llm->gather;
-    }
-    out.memory = std::max(out.memory, static_bytes + act);
-    opt = std::max(opt, optimizer_seconds(bytes, measured) + gather);
-    double bound = 0, full = 0, tail = 0, t = 0;
-    if (x.enc_stage >= 0) {  // an encoder stage of its own; its last backward follows the LLM's
-      const int64_t k = x.enc.front().first;
-      const Work& e = x.enc.front().second;
-      t = data_ + e.fwd + e.bwd;
-      if (e.backward && info(k).backward) {
-        const std::vector<Work>& ew = w[static_cast<size_t>(k)];
-        double last = end[0], first = bwd0 + e.bwd;
-        for (size_t s = static_cast<size_t>(x.enc_stage); s < ew.size(); ++s)
-          if (ew[s].backward) {
-            last += ew[s].last_bwd;
-            if (s > static_cast<size_t>(x.enc_stage)) first += ew[s].first_bwd;
-          }
-        t = std::max({t, last, first});
-      }
-      if (overlap && e.full > 0) bound = std::max(bound, t - e.last_bwd + e.full);
-      full = e.full;
-      tail = e.backward ? e.tail : 0;
-    } else {  // its encoders' forwards, its LLM stage, its encoders' backwards
-      t = std::max(data_ + fwd, x.enc_ready) + (x.llm ? x.llm->fwd + x.llm->bwd : 0);
-      if (x.chain) {
-        t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
-        bound = std::max(bound, reduced[static_cast<size_t>(x.llm_stage)]);
-      }
-      if (x.llm) {
-        if (overlap && x.llm->full > 0) bound = std::max(bound, t - x.llm->last_bwd + x.llm->full);
-        full += x.llm->full;
-        tail = x.llm->backward ? x.llm->tail : 0;
-      }
-      for (const auto& e : x.enc) {
-        t += e.second.bwd;
-        if (e.second.backward) tail = e.second.tail;
-        if (overlap && e.second.full > 0)
-          bound = std::max(bound, t - e.second.last_bwd + e.second.full);
-        full += e.second.full;
-      }
-    }
-    bound = std::max(bound, t + (overlap ? tail : full));
-    arrival = std::max(arrival, bound);
-  }
-
-  // Work not yet placed: spread over every rank it could get.
-  double unknown = 0;
-  for (int64_t k = static_cast<int64_t>(n.enc.size()); k < E_; ++k)
-    unknown += static_cast<double>(B_) * info(k).min_unit_seconds;
-  int64_t world = 0;
-  if (shared) {
-    world = n.llm.size();
-    double total = unknown;
-    for (const Work& x : lw) total += (x.fwd + x.bwd) * static_cast<double>(n.llm.size() / P);
-    for (const Choice& c : n.enc) total += static_cast<double>(B_) * c.staged->unit_seconds;
-    arrival = std::max(arrival, data_ + total / static_cast<double>(world));
-  } else {
-    world = n.llm.size();
-    for (const Choice& c : n.enc) world += c.size();
-    const int64_t open = E_ - static_cast<int64_t>(n.enc.size());
-    const int64_t left = max_ranks_ - world;
-    if (left < open) {
-      out.feasible = false;
-      return out;
-    }
-    if (open > 0) arrival = std::max(arrival, data_ + unknown / static_cast<double>(left));
-    world += open;
-  }
-  const double loss = 2 * collective(kAllReduce, world, world, 8, false);
-  out.seconds = arrival + loss + opt;
-  return out;
+  return finish();
 }
 
 // ---- the tree ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -96,7 +97,10 @@ class Space {
   Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options);
 
   // The analytic bound of every completion of `n` and the per-rank memory it certainly needs.
-  Bound bound(const Node& n) const;
+  // Where a cheaper, weaker bound already reaches fits_limit (its memory fits the device) or
+  // over_limit (it does not), that one.
+  Bound bound(const Node& n, double fits_limit = kNoLimit, double over_limit = kNoLimit) const;
+  static constexpr double kNoLimit = std::numeric_limits<double>::infinity();
   // A leaf whose ZeRO-1 shards nothing: the same plan as with zero_stage = 0.
   bool redundant(const Node& n) const;
   // The LLM's choices (the roots), and a node's children (the next encoder's choices).
