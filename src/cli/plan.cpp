@@ -25,7 +25,7 @@ struct PlanArgs {
   std::vector<std::string> sets, placements;
   int64_t world = 0;  // without --cluster: ranks to plan for (default 1); with: devices to use
   int64_t top = 5, max_simulations = 400;
-  double time_budget = 50;
+  double time_budget = 50, gap = 0.5;  // gap in percent
 };
 
 void write_file(const std::string& path, const std::string& text, const char* what) {
@@ -50,6 +50,7 @@ int run_search(const PlanArgs& a) {
   o.top = a.top;
   o.max_simulations = a.max_simulations;
   o.time_budget_seconds = a.time_budget;
+  o.gap = a.gap / 100;
   const plan::SearchResult r = plan::search(spec, cluster, o);
   const plan::SearchStats& st = r.stats;
   const int64_t devices = a.world > 0 ? a.world : cluster.world_size();
@@ -58,13 +59,17 @@ int run_search(const PlanArgs& a) {
   std::printf("weft plan: %s on %s: %lld x %s (%.0f GiB)\n", a.config.c_str(), a.cluster.c_str(),
               static_cast<long long>(devices), cluster.device.name.c_str(),
               cluster.device.memory_bytes / kGiB);
+  char within[96];
+  std::snprintf(within, sizeof within,
+                "the winner is within %g%% of the simulator's optimum over the space", a.gap);
+  const std::string verdict = !st.complete ? "stopped by the budget, the winner may not be optimal"
+                              : a.gap > 0  ? within
+                                           : "the winner is the simulator's optimum over the space";
   std::printf(
       "searched %lld candidates (%lld over memory by the analytic filter), simulated %lld in "
       "%.1f s: %s\n",
       static_cast<long long>(st.nodes), static_cast<long long>(st.memory_filtered),
-      static_cast<long long>(st.simulated), st.seconds,
-      st.complete ? "the winner is the simulator's optimum over the space"
-                  : "stopped by the budget, the winner may not be optimal");
+      static_cast<long long>(st.simulated), st.seconds, verdict.c_str());
   std::printf("%3s %10s %7s %11s %7s %8s %6s  %s\n", "#", "step s", "MFU", "tokens/s", "bubble",
               "GiB/GPU", "GPUs", "layout");
   for (size_t i = 0; i < r.best.size(); ++i) {
@@ -181,6 +186,10 @@ std::function<int()> add_plan(CLI::App& app) {
   cmd->add_option("--time-budget", args->time_budget,
                   "with --cluster: stop after this many seconds")
       ->check(weft::cli::kPositive);
+  cmd->add_option("--gap", args->gap,
+                  "with --cluster: optimality gap in percent: plans whose bound is within it of "
+                  "the best are not simulated (default 0.5; 0 = the exact optimum)")
+      ->check(CLI::Range(0.0, 100.0));
   return [cmd, args]() -> int {
     if (!*cmd) return 1;
     if (!args->cluster.empty()) return run_search(*args);

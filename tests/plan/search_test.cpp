@@ -74,6 +74,7 @@ SearchOptions small_space() {
   o.top = 3;
   o.max_simulations = 100000;
   o.time_budget_seconds = 1e9;
+  o.gap = 0;  // the exact optimum, to compare with brute force
   return o;
 }
 
@@ -132,6 +133,13 @@ TEST(Search, BoundIsALowerBoundAndPruningKeepsTheOptimum) {
         << "search: " << describe(c.spec, r.best.front().candidate)
         << "\nbrute force: " << describe(c.spec, best.candidate);
     EXPECT_LT(r.stats.simulated * 5, count) << "branch and bound should simulate far fewer";
+    // With an optimality gap it simulates no more, and its winner is within the gap.
+    SearchOptions g = o;
+    g.gap = 0.02;
+    const SearchResult within = search(c.spec, cluster, g);
+    EXPECT_TRUE(within.stats.complete);
+    EXPECT_LE(within.best.front().sim.step_seconds, best.sim.step_seconds * 1.02);
+    EXPECT_LE(within.stats.simulated, r.stats.simulated);
     for (size_t i = 1; i < r.best.size(); ++i)
       EXPECT_LE(r.best[i - 1].sim.step_seconds, r.best[i].sim.step_seconds);
     EXPECT_FALSE(r.why.empty());
@@ -180,6 +188,7 @@ TEST(Search, NoSlowerThanFixedBaselines) {
     const Cluster cluster = h100(nodes);
     SearchOptions o;
     o.top = 2;
+    o.gap = 0;  // exact optima, to compare
     const SearchResult weft = search(spec, cluster, o);
     const double best = weft.best.front().sim.step_seconds;
     for (const char* placement : {"megatron", "colocated", "separate"}) {

@@ -189,7 +189,7 @@ SearchResult Searcher::run() {
   const auto consider = [&](Node&& n) {
     const bool leaf = static_cast<int64_t>(n.enc.size()) == E_;
     if (leaf && redundant(n)) return;
-    const Bound b = space_.bound(n, threshold(), over_bound);
+    const Bound b = space_.bound(n, threshold() / (1 + o_.gap), over_bound);
     ++st.nodes;
     if (!b.feasible) return;
     if (b.memory > mem) {
@@ -199,7 +199,7 @@ SearchResult Searcher::run() {
       if (b.seconds < over_bound) over_bound = b.seconds, over_node = n;
       return;
     }
-    if (b.seconds >= threshold()) return;
+    if (b.seconds * (1 + o_.gap) >= threshold()) return;
     nodes.push_back(std::move(n));
     open.push({b.seconds, nodes.size() - 1});
   };
@@ -208,9 +208,10 @@ SearchResult Searcher::run() {
   while (!open.empty()) {
     const auto [b, index] = open.top();
     st.open_bound = b;
-    if (b >= threshold()) break;
+    if (b * (1 + o_.gap) >= threshold()) break;
     if (st.simulated >= o_.max_simulations || elapsed() > o_.time_budget_seconds) {
-      st.complete = result.best.empty() ? false : b >= result.best.front().sim.step_seconds;
+      st.complete =
+          result.best.empty() ? false : b * (1 + o_.gap) >= result.best.front().sim.step_seconds;
       break;
     }
     open.pop();
