@@ -70,6 +70,16 @@ TEST(Layouts, LlmInterleavedPipelineAnyMicrobatchCount) {
       "llm_pp3_vp2_m2");
 }
 
+// Chunks of different sizes, as `weft plan --cluster` writes them (explicit boundaries, cut by
+// work): 6 blocks as 1, 2, 1 and 2 over pp = 2, so rank 0 holds blocks 0 and 3, rank 1 blocks
+// 1-2 and 4-5.
+TEST(Layouts, LlmInterleavedPipelineUnevenChunks) {
+  expect_equivalent(2,
+                    {"parallel.llm.pp=2", "parallel.llm.vp=2", "parallel.llm.stages=[1,3,4]",
+                     "model.llm.layers=6", "train.microbatches=4"},
+                    "llm_pp2_vp2_uneven");
+}
+
 // Data parallelism beside: each chunk's gradient buckets start reducing during its own last
 // backward (GradSync::arm per chunk), and every bucket does so here.
 TEST(Layouts, LlmInterleavedPipelineDp2OverlapsEachChunksReduction) {
