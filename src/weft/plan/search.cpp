@@ -117,7 +117,9 @@ std::string layout_key(const Candidate& c) {
 class Searcher {
  public:
   Searcher(const Spec& spec, const Cluster& cluster, const SearchOptions& options)
-      : spec_(spec), cl_(cluster), o_(options), space_(spec, cluster, options) {}
+      : spec_(spec), cl_(cluster), o_(options), space_(spec, cluster, options) {
+    WEFT_CHECK(o_.gap >= 0, "[plan] the optimality gap must be >= 0, got ", o_.gap);
+  }
   SearchResult run();
   std::vector<BoundedCandidate> enumerate();
 

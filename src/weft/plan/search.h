@@ -106,7 +106,7 @@ struct SearchOptions {
   bool recompute = true;  // also try activation recomputation per module
   int64_t top = 5;        // distinct layouts to report (the winner first)
   // Also simulate candidates whose bound is within this fraction of the best step time, so the
-  // runner-ups in the table are exact too; the winner is exact regardless.
+  // runner-ups in the table are searched like the winner (within `gap`).
   double report_slack = 0.15;
   // Relative optimality gap: candidates whose bound is within this fraction below the step
   // times to beat are not simulated, so the winner is within it of the simulator's optimum
@@ -131,9 +131,9 @@ struct SearchStats {
   int64_t simulated = 0;
   int64_t simulated_over_memory = 0;  // simulated, but a rank's peak exceeds the device
   double seconds = 0;
-  // True when every candidate left had a bound at least the winner's step time: the winner is
-  // the optimum of the space. False when max_simulations or the time budget stopped the search;
-  // `open_bound` is then the smallest bound not yet simulated.
+  // True when every candidate left had a bound at least the winner's step time / (1 + gap):
+  // the winner is the optimum of the space within the gap. False when max_simulations or the
+  // time budget stopped the search; `open_bound` is then the smallest bound not yet simulated.
   bool complete = true;
   double open_bound = 0;
 };

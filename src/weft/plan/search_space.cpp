@@ -227,12 +227,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   Work w;
   const int64_t group = c.cp * c.dp;
   const Layout layout = c.layout();
-  const Holding held = rank_holding(sc, layout, n.zero == 1);
-  w.static_bytes = held.total();
-  if (sc.measured)
-    w.opt_seconds = sc.optimizer_seconds * held.step_fraction;
-  else
-    w.opt_bytes = sc.grad_bytes * held.step_fraction;
+  const Holding held = hold(&w, sc, c, n);
   // The gradient reductions: the CP × DP group's, and the experts' over their expert-data-
   // parallel group (ranks ep · etp apart in token order). Overlapped, both start with the last
   // backward and run side by side; otherwise one after the other.
@@ -252,10 +247,6 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
   reduce(group, span, held.grads - held.expert_grads, 0);
   reduce(edp, expert_span, held.expert_grads, 1);
-  if (n.zero == 1) {  // the stepped parameters, all-gathered over the same groups
-    w.gather_bytes = held.grads - held.expert_grads, w.gather_expert_bytes = held.expert_grads;
-    w.gather = zero_gather(c, w.gather_bytes, w.gather_expert_bytes);
-  }
   const auto runs = microbatch_runs(B_ / n.D, n.M);
   // The backward's TP collectives of `blocks` blocks (the simulator's tp_blocks_backward_comm),
   // with its column-parallel linears' reductions and re-gathers hidden behind their matmuls.
@@ -384,20 +375,17 @@ std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
   const int64_t big = microbatch_runs(B_ / n.D, n.M).front().second;
   for (int64_t s = 0; s < P; ++s) {
     Work r = cw[static_cast<size_t>(s)];  // chunk 0: the rank's first forward and last backward
-    r.fwd = r.bwd = r.static_bytes = r.opt_bytes = r.opt_seconds = r.act = 0;
-    r.gather_bytes = r.gather_expert_bytes = 0;
+    r.fwd = r.bwd = r.act = 0;
     if (!overlap) r.full = r.tail = 0;
     for (int64_t j = 0; j < c.vp; ++j) {
       const Work& x = cw[static_cast<size_t>(j * P + s)];
-      r.fwd += x.fwd, r.bwd += x.bwd, r.static_bytes += x.static_bytes;
-      r.opt_bytes += x.opt_bytes, r.opt_seconds += x.opt_seconds;
-      r.gather_bytes += x.gather_bytes, r.gather_expert_bytes += x.gather_expert_bytes;
+      r.fwd += x.fwd, r.bwd += x.bwd;
       // Each chunk's reduction queues behind the one before (the runtime's GradSync per chunk):
       // chunk 0's, armed by the rank's last backward, ends it. Not overlapped: all of them.
       if (!overlap) r.full += x.full, r.tail += x.tail;
     }
-    if (n.zero == 1) r.gather = zero_gather(c, r.gather_bytes, r.gather_expert_bytes);  // one
-    if (r.backward)  // what its schedule holds before its first backward (its peak, at least)
+    hold(&r, rank_chunks(c.chunks->stages, P, c.vp, s), c, n);  // one optimizer, one gather
+    if (r.backward)  // what its schedule holds before its first backward (its peak is no less)
       for (const PipelineOp& op : schedules(P, c.vp, n.M, true)[static_cast<size_t>(s)]) {
         if (!op.forward) break;
         const Work& x = cw[static_cast<size_t>(op.chunk * P + s)];
@@ -417,16 +405,28 @@ const std::vector<std::vector<PipelineOp>>& Space::schedules(int64_t pp, int64_t
   return slot;
 }
 
-// ZeRO-1's all-gathers of a rank's stepped parameters of `c` (dense and experts' bytes): over
-// its CP × DP group and its experts' expert-data-parallel group.
-double Space::zero_gather(const Choice& c, double bytes, double expert_bytes) const {
+// What a rank of `c` holding `sc` (its stage, or its chunks summed) keeps and steps: its
+// static bytes, optimizer work and (ZeRO-1) the all-gathers of its stepped parameters over its
+// CP × DP group and its experts' expert-data-parallel group, as the simulator charges them.
+Holding Space::hold(Work* w, const StageCost& sc, const Choice& c, const Node& n) const {
   const Layout layout = c.layout();
-  const int64_t group = c.cp * c.dp, etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
-  const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
-  const auto gather = [&](int64_t ranks, int64_t span_of, double b) {
-    return b > 0 ? collective(kAllGather, ranks, span_of, b, false) : 0.0;
-  };
-  return gather(group, span, bytes) + gather(edp, expert_span, expert_bytes);
+  const Holding held = rank_holding(sc, layout, n.zero == 1);
+  w->static_bytes = held.total();
+  w->opt_seconds = w->opt_bytes = w->gather = 0;
+  if (sc.measured)
+    w->opt_seconds = sc.optimizer_seconds * held.step_fraction;
+  else
+    w->opt_bytes = sc.grad_bytes * held.step_fraction;
+  if (n.zero == 1) {
+    const int64_t group = c.cp * c.dp, etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
+    const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
+    const auto gather = [&](int64_t ranks, int64_t span_of, double b) {
+      return b > 0 ? collective(kAllGather, ranks, span_of, b, false) : 0.0;
+    };
+    w->gather = gather(group, span, held.grads - held.expert_grads) +
+                gather(edp, expert_span, held.expert_grads);
+  }
+  return held;
 }
 
 double Space::optimizer_seconds(double bytes, double measured) const {
@@ -746,12 +746,13 @@ std::vector<int64_t> Space::zero_stages() const {
   if (o_.zero && trains_ && max_ranks_ > 1) return {0, 1};
   return {0};
 }
-std::vector<bool> Space::sequence_options(int64_t tp, int64_t k, int64_t cp) const {
+std::vector<bool> Space::sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const {
   if (tp == 1 || !o_.sequence_parallel) return {false};
   if (k < E_ && !info(k).enc->splits_evenly(tp * cp)) return {false};
-  // An encoder that keeps no activations (frozen: forward only) would gain no memory from SP,
-  // only its output's all-gather: the plan without it is never slower.
-  if (k < E_ && !info(k).keeps_activations) return {false};
+  // An unpipelined encoder that keeps no activations (frozen: forward only) would gain no
+  // memory from SP, only its output's all-gather: the plan without it is never slower.
+  // (Pipelined, SP also cuts its stages' messages tp-fold.)
+  if (k < E_ && !info(k).keeps_activations && pp == 1) return {false};
   return {false, true};
 }
 std::vector<bool> Space::recompute_options(int64_t k) const {
@@ -810,7 +811,7 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
               for (const auto& [ep, etp] : expert_layouts(tp, cp * D))
                 for (int64_t zero : zero_stages())
                   for (bool rc : recompute_options(E_))
-                    for (bool sp : sequence_options(tp, E_, cp))
+                    for (bool sp : sequence_options(tp, E_, cp, pp))
                       for (int64_t vp = 1; vp <= max_vp(pp, M, p); ++vp) {
                         const int k = static_cast<int>(E_);
                         const bool even = p == kMegatron;
@@ -833,7 +834,7 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   const ModuleInfo& mi = info(k);
   const auto push = [&](Choice c, bool megatron = false) {
     for (bool rc : recompute_options(k))
-      for (bool sp : megatron ? std::vector<bool>{false} : sequence_options(c.tp, k, c.cp)) {
+      for (bool sp : megatron ? std::vector<bool>{false} : sequence_options(c.tp, k, c.cp, c.pp)) {
         c.recompute = rc;
         c.sp = sp;
         c.staged = &staged(static_cast<int>(k), c.pp, rc, false, false, sp);

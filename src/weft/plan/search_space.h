@@ -83,7 +83,6 @@ struct Work {
   double full = 0;  // the whole gradient all-reduce
   double reduce_full[2] = {0, 0}, reduce_tail[2] = {0, 0};  // full and tail: dense, experts'
   double gather = 0;  // ZeRO-1: the parameter all-gathers after the optimizer
-  double gather_bytes = 0, gather_expert_bytes = 0;  // what they gather (dense, experts')
   bool backward = false;
 };
 
@@ -151,13 +150,13 @@ class Space {
   const std::vector<std::vector<PipelineOp>>& schedules(int64_t pp, int64_t vp, int64_t M,
                                                         bool backward) const;
   double optimizer_seconds(double bytes, double measured) const;
-  double zero_gather(const Choice& c, double bytes, double expert_bytes) const;
+  Holding hold(Work* w, const StageCost& sc, const Choice& c, const Node& n) const;
   struct Rank;
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
-  // Sequence parallelism for module k (E_: the LLM) at tp × cp.
-  std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp) const;
+  // Sequence parallelism for module k (E_: the LLM) at tp × cp × pp.
+  std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
   int64_t max_vp(int64_t pp, int64_t M, int placement) const;
 };

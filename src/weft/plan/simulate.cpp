@@ -566,25 +566,10 @@ class Engine {
       backward(mb);
   }
 
-  // What rank r holds of module i for the step: its stage, or under virtual stages the sum of
-  // its chunks' parameters, gradients, optimizer state and optimizer seconds.
+  // What rank r holds of module i for the step (rank_chunks).
   StageCost rank_cost(int64_t i, int64_t r) const {
     const ModulePlan& m = mod(i);
-    const int64_t s = m.coord(r).pp, P = m.layout.pp;
-    StageCost sum = costs_[i][s];
-    for (int64_t k = 1; k < m.layout.vp; ++k) {
-      const StageCost& x = costs_[i][k * P + s];
-      sum.param_bytes += x.param_bytes;
-      sum.copy_bytes += x.copy_bytes;
-      sum.train_state_bytes += x.train_state_bytes;
-      sum.grad_bytes += x.grad_bytes;
-      sum.expert_param_bytes += x.expert_param_bytes;
-      sum.expert_train_state_bytes += x.expert_train_state_bytes;
-      sum.expert_grad_bytes += x.expert_grad_bytes;
-      sum.expert_copy_bytes += x.expert_copy_bytes;
-      sum.optimizer_seconds += x.optimizer_seconds;
-    }
-    return sum;
+    return rank_chunks(costs_[i], m.layout.pp, m.layout.vp, m.coord(r).pp);
   }
 
   // Static memory and the step-end collectives of module i's stage on rank r.
@@ -917,6 +902,23 @@ class Engine {
 };
 
 }  // namespace
+
+StageCost rank_chunks(const std::vector<StageCost>& stages, int64_t pp, int64_t vp, int64_t s) {
+  StageCost sum = stages[static_cast<size_t>(s)];
+  for (int64_t k = 1; k < vp; ++k) {
+    const StageCost& x = stages[static_cast<size_t>(k * pp + s)];
+    sum.param_bytes += x.param_bytes;
+    sum.copy_bytes += x.copy_bytes;
+    sum.train_state_bytes += x.train_state_bytes;
+    sum.grad_bytes += x.grad_bytes;
+    sum.expert_param_bytes += x.expert_param_bytes;
+    sum.expert_train_state_bytes += x.expert_train_state_bytes;
+    sum.expert_grad_bytes += x.expert_grad_bytes;
+    sum.expert_copy_bytes += x.expert_copy_bytes;
+    sum.optimizer_seconds += x.optimizer_seconds;
+  }
+  return sum;
+}
 
 Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {
   const int64_t etp = l.expert_tp();

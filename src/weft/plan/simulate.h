@@ -176,6 +176,10 @@ struct Holding {
   double total() const { return params + grads + moments; }
 };
 Holding rank_holding(const StageCost& stage, const Layout& layout, bool zero1);
+// What pipeline rank s holds of a module whose `stages` are its pp · vp (virtual) stages: its
+// stage, or under virtual stages its chunks s, s + pp, ... summed (parameters, gradients,
+// optimizer state and measured optimizer seconds; the rest is chunk s's).
+StageCost rank_chunks(const std::vector<StageCost>& stages, int64_t pp, int64_t vp, int64_t s);
 
 // A measured cost curve on one node (plan/profile.h): seconds of a point-to-point message, or of
 // a two-rank collective, at increasing sizes in bytes; linear between the points, extrapolated

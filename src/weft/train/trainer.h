@@ -149,7 +149,7 @@ class Trainer {
 // next_in_flight) finishes one. Where reads are deferred (a GPU) step i is finished after step
 // i + 1 is queued, so the device runs step i + 1 while the host does step i's bookkeeping;
 // next_in_flight says whether step i + 1 is then still running. Step i is finished at once,
-// before the next is queued, when finish_now(i) (the last step, or one whose model is read:
+// before the next is queued, when it is the last, when finish_now(i) (its model is read:
 // evaluation, a checkpoint) or alone(i); alone(i) also finishes the step before it first, so it
 // runs on its own (a profiled step). When a step throws, the one still unread is finished
 // first (its own error, if any, dropped for the first).
