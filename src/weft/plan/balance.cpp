@@ -527,37 +527,16 @@ std::vector<std::vector<PipelineOp>> schedules(int64_t P, int64_t vp, int64_t m)
 // one_f_one_b_makespan of checked costs, on the ranks' schedules `ops`.
 double replay_makespan(const std::vector<std::vector<PipelineOp>>& ops,
                        const std::vector<double>& cost, int64_t P, int64_t vp, double ff) {
-  const int64_t m = static_cast<int64_t>(cost.size());
-  const int64_t V = P * vp;  // virtual stages; rank s runs s, s + P, ...
-  const double Vd = static_cast<double>(V);
-  constexpr double kNotYet = -1;
-  const auto at = [&](int64_t v, int64_t i) { return static_cast<size_t>(v * m + i); };
-  std::vector<double> end_f(static_cast<size_t>(V * m), kNotYet), end_b(end_f);
-  std::vector<double> free_at(static_cast<size_t>(P), 0.0);
-  std::vector<size_t> next(static_cast<size_t>(P), 0);
-  int64_t left = 2 * V * m;
-  double makespan = 0;
-  while (left > 0) {
-    bool progress = false;
-    for (int64_t s = 0; s < P; ++s) {
-      const auto& q = ops[static_cast<size_t>(s)];
-      for (size_t& k = next[static_cast<size_t>(s)]; k < q.size(); ++k) {
-        const PipelineOp& op = q[k];
-        const int64_t v = op.chunk * P + s, i = op.microbatch;
-        const double dep = op.forward ? (v == 0 ? 0.0 : end_f[at(v - 1, i)])
-                                      : (v == V - 1 ? end_f[at(v, i)] : end_b[at(v + 1, i)]);
-        if (dep == kNotYet) break;
-        const double c = cost[static_cast<size_t>(i)];
-        const double t = std::max(free_at[static_cast<size_t>(s)], dep) +
-                         (op.forward ? ff * c / Vd : (1 - ff) * c / Vd);
-        (op.forward ? end_f : end_b)[at(v, i)] = free_at[static_cast<size_t>(s)] = t;
-        makespan = std::max(makespan, t);
-        --left, progress = true;
-      }
-    }
-    WEFT_ASSERT(progress, "1F1B dependency deadlock");
-  }
-  return makespan;
+  const double V = static_cast<double>(P * vp);  // virtual stages; rank s runs s, s + P, ...
+  const std::vector<double> ends = replay_schedule(
+      ops, vp, static_cast<int64_t>(cost.size()), std::vector<double>(static_cast<size_t>(P), 0),
+      [&](const PipelineOp& op, int64_t) {
+        const double c = cost[static_cast<size_t>(op.microbatch)];
+        return (op.forward ? ff : 1 - ff) * c / V;
+      },
+      [](int64_t, int64_t) { return 0.0; }, [](const PipelineOp&, int64_t) { return 0.0; }, nullptr,
+      nullptr);
+  return *std::max_element(ends.begin(), ends.end());
 }
 
 }  // namespace

@@ -4,12 +4,14 @@
 // Single-process training is the Plan with every size 1.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "weft/core/error.h"
 #include "weft/core/spec.h"
 
 namespace weft::plan {
@@ -104,6 +106,59 @@ struct PipelineOp {
 // only (no backward): every forward in that order.
 std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
                                           bool backward);
+
+// Replays the pipeline ranks' schedules `ops` (pipeline_schedule of each of the pp ranks) over
+// pp · vp virtual stages and M microbatches with every constraint but the schedule's dropped:
+// rank s runs its ops in order from start[s], each after the rank's previous op and after the
+// message it waits for: a forward the previous virtual stage's forward of its microbatch, a
+// backward the next virtual stage's backward (the last virtual stage: its own forward), plus
+// link(v, microbatch) for a message between virtual stages v and v + 1 (either way); ready(op,
+// v) may hold an op later still. seconds(op, v) is its duration. Fills the ends of every forward
+// and backward ((v, microbatch) at v · M + microbatch; may be null) and returns each rank's end.
+// (The layout search's bound and batch balancing's makespan; the simulator adds the rest.)
+template <class Seconds, class Link, class Ready>
+std::vector<double> replay_schedule(const std::vector<std::vector<PipelineOp>>& ops, int64_t vp,
+                                    int64_t M, std::vector<double> start, Seconds seconds,
+                                    Link link, Ready ready, std::vector<double>* forward_end,
+                                    std::vector<double>* backward_end) {
+  const int64_t P = static_cast<int64_t>(ops.size()), V = P * vp;
+  constexpr double kNotYet = -1;
+  std::vector<double> own_f, own_b;
+  std::vector<double>& tf = forward_end ? *forward_end : own_f;
+  std::vector<double>& tb = backward_end ? *backward_end : own_b;
+  tf.assign(static_cast<size_t>(V * M), kNotYet);
+  tb.assign(static_cast<size_t>(V * M), kNotYet);
+  const auto at = [M](int64_t v, int64_t mb) { return static_cast<size_t>(v * M + mb); };
+  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  std::vector<double>& clock = start;  // per rank: the end of its last op so far
+  for (bool left = true; left;) {
+    left = false;
+    bool progress = false;
+    for (int64_t s = 0; s < P; ++s) {
+      const std::vector<PipelineOp>& q = ops[static_cast<size_t>(s)];
+      for (size_t& k = next[static_cast<size_t>(s)]; k < q.size(); ++k) {
+        const PipelineOp& op = q[k];
+        const int64_t v = op.chunk * P + s, mb = op.microbatch;
+        double t = std::max(clock[static_cast<size_t>(s)], static_cast<double>(ready(op, v)));
+        if (op.forward && v > 0) {
+          const double sent = tf[at(v - 1, mb)];
+          if (sent == kNotYet) break;
+          t = std::max(t, sent + link(v - 1, mb));
+        } else if (!op.forward) {
+          const double sent = v + 1 < V ? tb[at(v + 1, mb)] : tf[at(v, mb)];
+          if (sent == kNotYet) break;
+          t = std::max(t, sent + (v + 1 < V ? link(v, mb) : 0.0));
+        }
+        t += seconds(op, v);
+        (op.forward ? tf : tb)[at(v, mb)] = clock[static_cast<size_t>(s)] = t;
+        progress = true;
+      }
+      left = left || next[static_cast<size_t>(s)] < q.size();
+    }
+    WEFT_ASSERT(progress || !left, "pipeline schedule replay deadlocks");
+  }
+  return clock;
+}
 
 struct Plan {
   int64_t world_size = 1;

@@ -51,6 +51,9 @@ std::vector<std::pair<int64_t, int64_t>> microbatch_runs(int64_t per, int64_t M)
   return runs;
 }
 
+// How many of M microbatches have the first (larger) size.
+int64_t first_run(int64_t per, int64_t M) { return microbatch_runs(per, M).front().second; }
+
 }  // namespace
 
 Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options)
@@ -304,16 +307,9 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       if (r == 0) w.first_bwd = b;
       w.last_bwd = b;
     }
-    if (w.backward) {  // 1F1B keeps min(P - s, M) microbatches alive, the largest first
+    if (w.backward) {  // per microbatch kept; what a rank holds: works()
       w.act_first = kept_activation_bytes(sc, static_cast<double>(runs.front().first), layout);
       w.act_last = kept_activation_bytes(sc, static_cast<double>(runs.back().first), layout);
-      int64_t alive = std::min(c.pp - s, n.M);
-      for (const auto& [m, count] : runs) {
-        const int64_t take = std::min(alive, count);
-        w.act +=
-            static_cast<double>(take) * kept_activation_bytes(sc, static_cast<double>(m), layout);
-        alive -= take;
-      }
     }
     return w;
   }
@@ -358,24 +354,38 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
 std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
                                std::vector<Work>* chunks) const {
   std::vector<Work> out;
+  const int64_t P = c.pp, V = c.pp * c.vp;
+  // The LLM's activations on rank s: what its schedule holds before its first backward (its
+  // peak is no less; 1F1B: min(P - s, M) microbatches, the largest first), from the chunks' per
+  // microbatch.
+  const auto activations = [&](Work* r, const std::vector<Work>& cw, int64_t s) {
+    if (!info(k).llm) return;  // (an encoder's: work())
+    r->act = 0;
+    if (!r->backward) return;
+    const int64_t big = first_run(B_ / n.D, n.M);
+    for (const PipelineOp& op : schedules(P, c.vp, n.M, true)[static_cast<size_t>(s)]) {
+      if (!op.forward) break;
+      const Work& x = cw[static_cast<size_t>(op.chunk * P + s)];
+      r->act += op.microbatch < big ? x.act_first : x.act_last;
+    }
+  };
   if (c.vp == 1) {
-    for (int64_t s = 0; s < c.pp; ++s) out.push_back(work(k, c, s, 0, n));
+    for (int64_t s = 0; s < P; ++s) out.push_back(work(k, c, s, 0, n));
+    for (int64_t s = 0; s < P; ++s) activations(&out[static_cast<size_t>(s)], out, s);
     if (chunks) *chunks = out;
     return out;
   }
   // Interleaved: chunk v = j · P + s is virtual stage v of a pp · vp pipeline (its first and
   // last hold the embedding and the head; each hops to the next, the last of a round back to
   // rank 0), priced as a stage of its own.
-  const int64_t P = c.pp, V = c.pp * c.vp;
   Choice virt = c;
   virt.pp = V, virt.vp = 1, virt.staged = c.chunks;
   std::vector<Work> cw;
   for (int64_t v = 0; v < V; ++v) cw.push_back(work(k, virt, v, 0, n));
   const bool overlap = spec_.train.overlap_grad_reduce;
-  const int64_t big = microbatch_runs(B_ / n.D, n.M).front().second;
   for (int64_t s = 0; s < P; ++s) {
     Work r = cw[static_cast<size_t>(s)];  // chunk 0: the rank's first forward and last backward
-    r.fwd = r.bwd = r.act = 0;
+    r.fwd = r.bwd = 0;
     if (!overlap) r.full = r.tail = 0;
     for (int64_t j = 0; j < c.vp; ++j) {
       const Work& x = cw[static_cast<size_t>(j * P + s)];
@@ -385,12 +395,7 @@ std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
       if (!overlap) r.full += x.full, r.tail += x.tail;
     }
     hold(&r, rank_chunks(c.chunks->stages, P, c.vp, s), c, n);  // one optimizer, one gather
-    if (r.backward)  // what its schedule holds before its first backward (its peak is no less)
-      for (const PipelineOp& op : schedules(P, c.vp, n.M, true)[static_cast<size_t>(s)]) {
-        if (!op.forward) break;
-        const Work& x = cw[static_cast<size_t>(op.chunk * P + s)];
-        r.act += op.microbatch < big ? x.act_first : x.act_last;
-      }
+    activations(&r, cw, s);
     out.push_back(r);
   }
   if (chunks) *chunks = std::move(cw);
@@ -491,7 +496,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   for (size_t k = 0; k < n.enc.size(); ++k) w[k] = works(static_cast<int64_t>(k), n.enc[k], n);
   std::vector<Work> cw;  // the LLM's per virtual stage v = chunk · P + s (vp = 1: lw)
   const std::vector<Work>& lw = w[static_cast<size_t>(E_)] = works(E_, n.llm, n, &cw);
-  const int64_t P = n.llm.pp, V = P * n.llm.vp;
+  const int64_t P = n.llm.pp;
 
   std::vector<Rank> ranks;
   if (shared) {  // the first rank of every stage of every module
@@ -567,8 +572,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         s == 0 ? std::max(enc_ready[0], data_ + E0)
                : std::max(start[i - 1] + cw[i - 1].first_fwd + cw[i - 1].hop_first, enc_ready[i]);
   }
-  const auto runs = microbatch_runs(B_ / n.D, n.M);
-  const int64_t M = n.M, big = runs.size() == 2 ? runs[0].second : M;
+  const int64_t M = n.M, big = first_run(B_ / n.D, M);
   const bool backward = lw.front().backward;
   const auto& order = schedules(P, n.llm.vp, M, backward);
   const auto at = [M](int64_t v, int64_t mb) { return static_cast<size_t>(v * M + mb); };
@@ -679,43 +683,23 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   // virtual stage after sent its gradient. This is the simulator's schedule of those ranks with
   // every other constraint dropped, so its ends are lower bounds; it sees the fill and drain,
   // the bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
-  std::vector<double> tf(static_cast<size_t>(V * M), -1), tb(tf);
-  std::vector<size_t> cursor(static_cast<size_t>(P), 0);
-  std::vector<double> clock(start);  // per stage: the end of its last op so far
-  for (bool left = true; left;) {
-    left = false;
-    bool progress = false;
-    for (int64_t s = 0; s < P; ++s) {
-      const size_t i = static_cast<size_t>(s);
-      const std::vector<PipelineOp>& ops = order[i];
-      for (size_t& c = cursor[i]; c < ops.size(); ++c) {
-        const PipelineOp& op = ops[c];
-        const int64_t v = op.chunk * P + s, mb = op.microbatch;
+  std::vector<double> tf, tb;
+  const auto first = [&](int64_t mb) { return mb < big; };  // of the first microbatches' size
+  end = replay_schedule(
+      order, n.llm.vp, M, start,
+      [&](const PipelineOp& op, int64_t v) {
         const Work& x = cw[static_cast<size_t>(v)];
-        const bool first = mb < big;
-        double ready = clock[i];
-        if (op.forward && v > 0) {
-          const double sent = tf[at(v - 1, mb)];
-          if (sent < 0) break;
-          const Work& below = cw[static_cast<size_t>(v - 1)];
-          ready = std::max(ready, sent + (first ? below.hop_first : below.hop_last));
-        } else if (op.forward && mb == M - 1) {
-          ready = std::max(ready, enc_done);
-        } else if (!op.forward) {
-          const double sent = v + 1 < V ? tb[at(v + 1, mb)] : tf[at(v, mb)];
-          if (sent < 0) break;
-          ready = std::max(ready, sent + (v + 1 < V ? (first ? x.hop_first : x.hop_last) : 0));
-        }
-        clock[i] = ready + (op.forward ? (first ? x.first_fwd : x.last_fwd)
-                                       : (first ? x.first_bwd : x.last_bwd));
-        (op.forward ? tf : tb)[at(v, mb)] = clock[i];
-        progress = true;
-      }
-      left = left || cursor[i] < ops.size();
-    }
-    WEFT_ASSERT(progress || !left, "the bound's pipeline replay deadlocks");
-  }
-  end = clock;  // (each includes its stage's own op time: start[s] + fwd + bwd at least)
+        const bool f = first(op.microbatch);
+        return op.forward ? (f ? x.first_fwd : x.last_fwd) : (f ? x.first_bwd : x.last_bwd);
+      },
+      [&](int64_t v, int64_t mb) {
+        const Work& x = cw[static_cast<size_t>(v)];
+        return first(mb) ? x.hop_first : x.hop_last;
+      },
+      [&](const PipelineOp& op, int64_t v) {
+        return op.forward && v == 0 && op.microbatch == M - 1 ? enc_done : 0.0;
+      },
+      &tf, &tb);  // (each end includes its stage's own op time: start[s] + fwd + bwd at least)
   // Microbatch 0's gradient reaches the encoders at bwd0 (separate), at least.
   if (backward) bwd0 = std::max(bwd0, tb[at(0, 0)]);
   // Overlapped, the LLM's gradient reductions on replica 0's stages: each chunk's (the last
