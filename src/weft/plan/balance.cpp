@@ -517,13 +517,6 @@ BatchBalance balance_batch(const std::vector<SampleWork>& samples, const Balance
 
 namespace {
 
-// Every rank's pipeline_schedule for m microbatches (with backward).
-std::vector<std::vector<PipelineOp>> schedules(int64_t P, int64_t vp, int64_t m) {
-  std::vector<std::vector<PipelineOp>> ops;
-  for (int64_t s = 0; s < P; ++s) ops.push_back(pipeline_schedule(P, vp, m, s, true));
-  return ops;
-}
-
 // one_f_one_b_makespan of checked costs, on the ranks' schedules `ops`.
 double replay_makespan(const std::vector<std::vector<PipelineOp>>& ops,
                        const std::vector<double>& cost, int64_t P, int64_t vp, double ff) {
@@ -550,7 +543,7 @@ double one_f_one_b_makespan(const std::vector<double>& cost, int64_t P, double f
     WEFT_CHECK(std::isfinite(c) && c >= 0, "[1f1b] microbatch cost ", c, " (expected >= 0)");
   const int64_t m = static_cast<int64_t>(cost.size());
   if (m == 0) return 0;
-  return replay_makespan(schedules(P, vp, m), cost, P, vp, ff);
+  return replay_makespan(pipeline_schedules(P, vp, m, true), cost, P, vp, ff);
 }
 
 std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, double ff,
@@ -560,7 +553,8 @@ std::vector<int64_t> order_for_1f1b(const std::vector<double>& cost, int64_t P, 
   std::iota(best.begin(), best.end(), 0);
   one_f_one_b_makespan(cost, P, ff, vp);  // validates
   if (m <= 1 || P == 1) return best;
-  const std::vector<std::vector<PipelineOp>> ops = schedules(P, vp, m);  // the order's alone
+  // The schedules depend on the microbatch count alone: built once for every order tried.
+  const std::vector<std::vector<PipelineOp>> ops = pipeline_schedules(P, vp, m, true);
   const auto eval = [&](const std::vector<int64_t>& order) {
     std::vector<double> c;
     for (int64_t i : order) c.push_back(cost[static_cast<size_t>(i)]);

@@ -144,6 +144,13 @@ std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int
   return ops;
 }
 
+std::vector<std::vector<PipelineOp>> pipeline_schedules(int64_t pp, int64_t vp, int64_t M,
+                                                        bool backward) {
+  std::vector<std::vector<PipelineOp>> ops;
+  for (int64_t s = 0; s < pp; ++s) ops.push_back(pipeline_schedule(pp, vp, M, s, backward));
+  return ops;
+}
+
 namespace {
 
 std::string format_list(const std::vector<int64_t>& values) {

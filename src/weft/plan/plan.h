@@ -106,6 +106,9 @@ struct PipelineOp {
 // only (no backward): every forward in that order.
 std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
                                           bool backward);
+// Every rank's pipeline_schedule, rank 0 first.
+std::vector<std::vector<PipelineOp>> pipeline_schedules(int64_t pp, int64_t vp, int64_t M,
+                                                        bool backward);
 
 // Replays the pipeline ranks' schedules `ops` (pipeline_schedule of each of the pp ranks) over
 // pp · vp virtual stages and M microbatches with every constraint but the schedule's dropped:

@@ -405,8 +405,7 @@ std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
 const std::vector<std::vector<PipelineOp>>& Space::schedules(int64_t pp, int64_t vp, int64_t M,
                                                              bool backward) const {
   auto& slot = schedules_[{pp, vp, M, backward}];
-  if (slot.empty())
-    for (int64_t s = 0; s < pp; ++s) slot.push_back(pipeline_schedule(pp, vp, M, s, backward));
+  if (slot.empty()) slot = pipeline_schedules(pp, vp, M, backward);
   return slot;
 }
 
