@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -189,14 +190,59 @@ TEST(DataParallel, ArmingSomeParametersLetsTheOthersAccumulate) {
   });
 }
 
-TEST(DataParallel, ZeroOnePartitionIsBalancedAndComplete) {
-  model::ParamSet ps;
-  for (int i = 0; i < 7; ++i) ps.add("p" + std::to_string(i), torch::zeros({100 * (i + 1)}));
-  const std::vector<int> owner = partition_parameters(ps.all(), 2);
-  int64_t load[2] = {0, 0};
-  for (size_t k = 0; k < owner.size(); ++k) load[owner[k]] += ps.all()[k].second.numel();
-  EXPECT_EQ(load[0] + load[1], 2800);
-  EXPECT_LE(std::abs(load[0] - load[1]), 100);
+// ZeRO-1: sharded buckets are reduce-scattered. Over three ranks, each rank's pieces cover its
+// shard of every sharded bucket (padded: 7 + 5 elements in a bucket of 12, 4 per rank; 6 alone
+// in its own, 2 per rank) and hold the summed gradient there; the all-reduced parameter is
+// summed whole. gather_params() gives every rank every rank's stepped pieces.
+TEST(DataParallel, ZeroOneBucketsAreReduceScatteredAndGathered) {
+  testing::run_ranks(3, [](const Comm& comm) {
+    const int r = comm.rank();
+    model::ParamSet ps;
+    at::Tensor a = ps.add("a", torch::zeros({7}));
+    at::Tensor norm = ps.add("norm", torch::zeros({3}));
+    at::Tensor tied = ps.add("tied", torch::zeros({2, 3}));
+    at::Tensor b = ps.add("b", torch::zeros({5}));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/1 << 20,
+                  {Reduce::kScatter, Reduce::kAllReduce, Reduce::kScatterAlone, Reduce::kScatter});
+    ASSERT_EQ(sync.bucket_count(), 3);  // [b, a] sharded, [tied] sharded alone, [norm]
+    EXPECT_TRUE(sync.sharded(0) && sync.sharded(2) && sync.sharded(3));
+    EXPECT_FALSE(sync.sharded(1));
+    sync.attach();
+    // Gradient of element i of each parameter on rank r: (r + 1) (i + 1); summed: 6 (i + 1).
+    for (const at::Tensor& p : {a, norm, tied, b})
+      p.mutable_grad().add_(torch::arange(1, p.numel() + 1, torch::kFloat).view(p.sizes()) *
+                            (r + 1));
+    sync.finish();
+    EXPECT_TRUE(torch::equal(norm.grad(), torch::tensor({6.0f, 12.0f, 18.0f})));
+    // Bucket [b, a]: b is elements 0-4, a 5-11; rank r's shard [4r, 4r + 4).
+    const std::vector<std::vector<std::array<int64_t, 3>>> want = {
+        {{3, 0, 4}, {2, 0, 2}},             // b[0:4], tied[0:2]
+        {{3, 4, 1}, {0, 0, 3}, {2, 2, 2}},  // b[4], a[0:3], tied[2:4]
+        {{0, 3, 4}, {2, 4, 2}}};            // a[3:7], tied[4:6]
+    const std::vector<ShardPiece>& pieces = sync.pieces();
+    ASSERT_EQ(pieces.size(), want[r].size());
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const ShardPiece& p = pieces[i];
+      EXPECT_EQ(p.param, static_cast<size_t>(want[r][i][0]));
+      EXPECT_EQ(p.begin, want[r][i][1]);
+      EXPECT_EQ(p.length, want[r][i][2]);
+      const at::Tensor sum = torch::arange(p.begin + 1, p.begin + p.length + 1, torch::kFloat) * 6;
+      EXPECT_TRUE(torch::equal(p.grad, sum)) << p.grad;
+      // The optimizer's stand-in: each rank writes 100 (rank + 1) + element into its pieces.
+      ps.all()[p.param]
+          .second.detach()
+          .view({-1})
+          .narrow(0, p.begin, p.length)
+          .copy_(torch::arange(p.begin, p.begin + p.length, torch::kFloat) + 100 * (r + 1));
+    }
+    sync.gather_params();
+    EXPECT_TRUE(torch::equal(b, torch::tensor(std::vector<float>{100.0f, 101, 102, 103, 204})));
+    EXPECT_TRUE(
+        torch::equal(a, torch::tensor(std::vector<float>{200.0f, 201, 202, 303, 304, 305, 306})));
+    EXPECT_TRUE(torch::equal(tied.view({-1}),
+                             torch::tensor(std::vector<float>{100.0f, 101, 202, 203, 304, 305})));
+    EXPECT_TRUE(torch::equal(norm, torch::zeros({3})));  // not sharded: not gathered
+  });
 }
 
 TEST(DataParallel, BucketsCoverEveryParameterOnce) {

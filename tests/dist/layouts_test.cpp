@@ -277,7 +277,26 @@ TEST(Layouts, ZeroOneShardsStateWithinEachModulesDataParallelGroup) {
       "zero1_vision_dp4_llm_tp2_dp2");
 }
 
-// Each rank writes its own shards (TP halves here, ZeRO-1 moments from their owners); one
+// ZeRO-1 beside the gradient sums that follow the data-parallel one. The tied embedding's two
+// copies (first and last pipeline stage, interleaved) are each sharded alone, so both copies'
+// ranks hold the same range and sum just it; sequence parallelism's partial gradients (the
+// LLM's norms under TP 2 with SP) are not sharded. The layout with ZeRO-1 against one process.
+TEST(Layouts, ZeroOneWithTiedEmbeddingOverInterleavedPipeline) {
+  expect_equivalent(4,
+                    {"parallel.llm.pp=2", "parallel.llm.vp=2", "parallel.llm.dp=2",
+                     "model.llm.layers=4", "parallel.vision.dp=4", "train.zero_stage=1"},
+                    "zero1_tied_llm_pp2_vp2_dp2");
+}
+
+TEST(Layouts, ZeroOneWithSequenceParallelPartialGradients) {
+  expect_equivalent(
+      4,
+      {"parallel.llm.tp=2", "parallel.llm.sp=true", "parallel.llm.dp=2", "parallel.vision.tp=2",
+       "parallel.vision.sp=true", "parallel.vision.dp=2", "train.zero_stage=1"},
+      "zero1_llm_tp2_sp_dp2");
+}
+
+// Each rank writes its own shards (TP halves here, ZeRO-1 moments made whole over DP); one
 // process joins them and continues exactly like an uninterrupted run.
 // Constant learning rate after warm-up, so a 2-step run is the first half of a 4-step one.
 Spec resume_spec(std::vector<std::string> sets) {
@@ -361,6 +380,13 @@ TEST(Layouts, ResumesUnderAnotherLayout) {
 TEST(Layouts, InterleavedCheckpointResumesUnderAnotherLayout) {
   expect_resumes("vp_reshard", {"model.llm.layers=4"}, {"parallel.llm.pp=2", "parallel.llm.vp=2"},
                  {"parallel.llm.tp=2", "parallel.vision.tp=2"});
+}
+
+// ZeRO-1 on both sides: moments written from DP2's shards (each parameter's range split over the
+// two ranks), read back into other shards (vision DP2 beside LLM TP2).
+TEST(Layouts, ZeroOneCheckpointResumesIntoOtherShards) {
+  expect_resumes("zero1_reshard", {"train.zero_stage=1"}, {},
+                 {"parallel.llm.tp=2", "parallel.vision.dp=2"});
 }
 
 }  // namespace

@@ -43,12 +43,18 @@ inline RunResult train(const Spec& spec, const dist::Comm& comm, const std::file
   o.comm = comm;
   train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
   RunResult r;
+  // Under ZeRO-1 a rank's .grad of a sharded parameter is the sum on its own pieces only:
+  // gradients are gathered as the trainable parameters' (Runtime::gather_trainable).
   auto gather = [&](bool grads) {
     std::vector<at::Tensor> local;
-    for (const auto& [name, p] : t.model().parameters())
-      local.push_back(grads ? p.grad() : p.detach());
+    if (grads)
+      for (const auto& [name, p] : t.runtime().trainable()) local.push_back(p.grad());
+    else
+      for (const auto& [name, p] : t.model().parameters()) local.push_back(p.detach());
     std::map<std::string, at::Tensor> full;
-    for (auto& [name, v] : t.runtime().gather_full(local)) full[name] = v.clone();
+    for (auto& [name, v] :
+         grads ? t.runtime().gather_trainable(local) : t.runtime().gather_full(local))
+      full[name] = v.clone();
     return full;
   };
   t.after_backward = [&](int64_t step) {

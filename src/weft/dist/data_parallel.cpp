@@ -27,29 +27,54 @@ struct PostHook final : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes)
+GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
+                   std::vector<Reduce> how)
     : group_(std::move(group)), params_(std::move(params)) {
+  if (how.empty()) how.assign(params_.size(), Reduce::kAllReduce);
+  WEFT_ASSERT(how.size() == params_.size(), "GradSync: ", how.size(), " reductions for ",
+              params_.size(), " parameters");
   bucket_of_.resize(params_.size());
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
   armed_of_.assign(params_.size(), 0);
-  int64_t bytes = 0;
+  // Buckets fill in reverse creation order; all-reduced and reduce-scattered parameters fill
+  // their own, and a kScatterAlone one gets a bucket to itself.
+  int64_t open[2] = {-1, -1};
+  const int64_t bucket_numel = bucket_bytes / static_cast<int64_t>(sizeof(float));
   for (size_t k = params_.size(); k-- > 0;) {
-    if (buckets_.empty() || bytes >= bucket_bytes) {
+    const bool sharded = how[k] != Reduce::kAllReduce, alone = how[k] == Reduce::kScatterAlone;
+    int64_t b = alone ? -1 : open[sharded];
+    if (b < 0 || buckets_[b].numel >= bucket_numel) {
       buckets_.emplace_back();
-      bytes = 0;
+      buckets_.back().sharded = sharded;
+      b = static_cast<int64_t>(buckets_.size()) - 1;
+      if (!alone) open[sharded] = b;
     }
-    Bucket& b = buckets_.back();
-    b.params.push_back(k);
-    bucket_of_[k] = buckets_.size() - 1;
-    offset_of_[k] = bytes / static_cast<int64_t>(sizeof(float));
-    bytes += params_[k].second.numel() * static_cast<int64_t>(sizeof(float));
+    Bucket& bucket = buckets_[b];
+    bucket.params.push_back(k);
+    bucket_of_[k] = static_cast<size_t>(b);
+    offset_of_[k] = bucket.numel;
+    bucket.numel += params_[k].second.numel();
   }
   if (group_.size() == 1) return;
-  for (Bucket& b : buckets_) {
-    int64_t numel = 0;
-    for (size_t k : b.params) numel += params_[k].second.numel();
+  const int64_t n = group_.size(), rank = group_.rank();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
+    b.shard = b.sharded ? (b.numel + n - 1) / n : 0;
+    const int64_t numel = b.sharded ? b.shard * n : b.numel;
     b.buffer = torch::zeros({numel}, params_[b.params[0]].second.options().dtype(torch::kFloat));
+    if (!b.sharded) continue;
+    const int64_t lo = rank * b.shard, hi = lo + b.shard;  // this rank's shard of the bucket
+    for (size_t k : b.params) {
+      WEFT_CHECK(params_[k].second.is_contiguous(), "ZeRO-1: parameter '", params_[k].first,
+                 "' is not contiguous");
+      const int64_t begin = std::max(lo, offset_of_[k]);
+      const int64_t end = std::min(hi, offset_of_[k] + params_[k].second.numel());
+      if (begin >= end) continue;
+      b.pieces.push_back(pieces_.size());
+      pieces_.push_back(
+          {k, begin - offset_of_[k], end - begin, b.buffer.narrow(0, begin, end - begin)});
+    }
   }
   for (size_t k = 0; k < params_.size(); ++k) {
     accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[k].second));
@@ -120,7 +145,13 @@ void GradSync::on_accumulated(size_t k) {
 
 void GradSync::launch(Bucket& b) {
   b.launched = true;
-  b.pending = group_.all_reduce_sum_async(b.buffer);
+  if (!b.sharded) {
+    b.pending = group_.all_reduce_sum_async(b.buffer);
+    return;
+  }
+  auto sum = std::make_shared<PendingTensor>(group_.reduce_scatter_sum_async(b.buffer));
+  const at::Tensor mine = b.buffer.narrow(0, group_.rank() * b.shard, b.shard);
+  b.pending = Pending([sum, mine] { mine.copy_(sum->wait()); });
 }
 
 void GradSync::finish() {
@@ -159,30 +190,26 @@ void GradSync::finish() {
   armed_ = false;
 }
 
-std::vector<int> partition_parameters(const model::NamedTensors& params, int ranks) {
-  WEFT_CHECK(ranks >= 1, "partition_parameters: ranks must be >= 1");
-  std::vector<size_t> order(params.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return params[a].second.numel() > params[b].second.numel();
-  });
-  std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
-  std::vector<int> owner(params.size(), 0);
-  for (size_t k : order) {
-    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    owner[k] = r;
-    load[r] += params[k].second.numel();
-  }
-  return owner;
-}
-
-void broadcast_from_owners(const Comm& group, const model::NamedTensors& params,
-                           const std::vector<int>& owner) {
-  if (group.size() == 1) return;
+void GradSync::gather_params() {
+  if (group_.size() == 1) return;
   torch::NoGradGuard no_grad;
-  for (size_t k = 0; k < params.size(); ++k) {
-    at::Tensor t = params[k].second.detach();
-    group.broadcast(t, owner[k]);
+  const auto flat = [&](size_t k) { return params_[k].second.detach().view({-1}); };
+  std::vector<std::pair<const Bucket*, PendingTensor>> gathers;
+  for (const Bucket& b : buckets_) {
+    if (!b.sharded) continue;
+    const int64_t lo = group_.rank() * b.shard;
+    at::Tensor mine = torch::zeros({b.shard}, b.buffer.options());
+    for (size_t i : b.pieces) {
+      const ShardPiece& p = pieces_[i];
+      mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
+          .copy_(flat(p.param).narrow(0, p.begin, p.length));
+    }
+    gathers.emplace_back(&b, group_.all_gather_async(mine));
+  }
+  for (auto& [b, gather] : gathers) {
+    const at::Tensor all = gather.wait();
+    for (size_t k : b->params)
+      flat(k).copy_(all.narrow(0, offset_of_[k], params_[k].second.numel()));
   }
 }
 

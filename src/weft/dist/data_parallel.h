@@ -1,4 +1,4 @@
-// Data parallelism: gradient synchronisation and ZeRO-1 parameter ownership.
+// Data parallelism: gradient synchronisation and the ZeRO-1 shards of the optimizer.
 //
 // GradSync sums every gradient over the DP group in flat fp32 buckets of about `bucket_bytes`,
 // in reverse creation order (roughly the order backward produces them). attach() at the start
@@ -7,7 +7,7 @@
 // fp32 copy of the gradients exists. Overlapped use: call arm() before the last backward of a
 // step (the one that completes the gradients); as each parameter's gradient is accumulated
 // (a post-hook of its AccumulateGrad node), it is in its bucket (or copied there, when .grad is
-// not the bucket's view), and a bucket's all-reduce starts once it and every bucket before it
+// not the bucket's view), and a bucket's reduction starts once it and every bucket before it
 // are full (buckets start in index order on every rank, whichever parameters got gradients
 // there), while backward goes on. finish() starts whatever is left (parameters that got no
 // gradient contribute their .grad or zeros), waits, and leaves the sums in .grad. Without arm(),
@@ -16,6 +16,14 @@
 // and the buckets still launch in index order. Every rank of the group calls attach()/arm()/
 // finish() in the same steps with the same parameter list. Not thread-safe; hooks run on the
 // backward thread.
+//
+// ZeRO-1 (Megatron's distributed optimizer): parameters marked Reduce::kScatter go into buckets
+// padded to a multiple of the group's size and split into equal contiguous shards, shard r
+// rank r's. Their reduction is a reduce-scatter: after finish() rank r holds the sum of its
+// shard only (in its part of the bucket; the rest of such a .grad keeps this rank's own
+// contribution), and steps the parameter elements in it (pieces()). gather_params() then
+// all-gathers the stepped shards into every rank's parameters: a reduce-scatter and an
+// all-gather move the bytes of one all-reduce, and each rank keeps 1/n of the moments.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,9 +41,27 @@ struct Node;
 
 namespace weft::dist {
 
+// How a parameter's gradient is summed over the group.
+enum class Reduce : uint8_t {
+  kAllReduce,     // every rank gets the whole sum
+  kScatter,       // ZeRO-1: each rank gets the sum of its shard of the bucket
+  kScatterAlone,  // the same, in a bucket of its own: its shard ranges then depend on its size
+                  // only, and equal those of a copy in another group (a tied embedding's)
+};
+
+// ZeRO-1: a contiguous range of a sharded parameter's elements that this rank steps.
+struct ShardPiece {
+  size_t param = 0;               // index into the parameter list
+  int64_t begin = 0, length = 0;  // of the parameter's elements, flattened
+  at::Tensor grad;                // [length] fp32: where finish() leaves their summed gradient
+};
+
 class GradSync {
  public:
-  GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes = 4 << 20);
+  // `how`: per parameter (empty: every one kAllReduce). A group of one rank reduces nothing and
+  // shards nothing.
+  GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes = 4 << 20,
+           std::vector<Reduce> how = {});
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
@@ -47,13 +73,23 @@ class GradSync {
   void arm(const std::vector<bool>& which);  // per parameter (aligned with the constructor's list)
   void finish();
   int64_t bucket_count() const { return static_cast<int64_t>(buckets_.size()); }
-  // Buckets whose all-reduce started during backward in the last step (overlap achieved).
+  // Buckets whose reduction started during backward in the last step (overlap achieved).
   int64_t buckets_overlapped() const { return overlapped_; }
+  // ZeRO-1: whether parameter k is sharded, this rank's pieces (in bucket order; a parameter may
+  // have none, or span two ranks' shards), and after the optimizer stepped them, every rank's
+  // stepped pieces into every rank's parameters. Collective.
+  bool sharded(size_t k) const { return group_.size() > 1 && buckets_[bucket_of_[k]].sharded; }
+  const std::vector<ShardPiece>& pieces() const { return pieces_; }
+  void gather_params();
 
  private:
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
-    at::Tensor buffer;           // fp32, flat
+    int64_t numel = 0;           // of its parameters
+    bool sharded = false;        // reduce-scattered (ZeRO-1)
+    int64_t shard = 0;           // sharded: each rank's share of the (padded) buffer
+    at::Tensor buffer;           // fp32, flat (sharded: padded to `shard` x group size)
+    std::vector<size_t> pieces;  // sharded: this rank's, indices into pieces_
     int64_t ready = 0;
     bool launched = false;
     Pending pending;
@@ -69,7 +105,8 @@ class GradSync {
   std::vector<size_t> bucket_of_;   // per parameter
   std::vector<int64_t> offset_of_;  // per parameter: where its slice starts in its bucket
   std::vector<uint8_t> filled_;     // per parameter: its bucket slice holds this step's gradient
-  size_t next_ = 0;                 // the next bucket to launch (they launch in index order)
+  std::vector<ShardPiece> pieces_;
+  size_t next_ = 0;  // the next bucket to launch (they launch in index order)
   // Per parameter: its AccumulateGrad node (held, so the hook lives as long as this object; the
   // parameter keeps only a weak reference) and the key of the hook on it.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
@@ -78,13 +115,5 @@ class GradSync {
   std::vector<uint8_t> armed_of_;  // per parameter: its next accumulation completes its gradient
   int64_t overlapped_ = 0;
 };
-
-// ZeRO-1 ownership: parameter k's optimizer state lives on rank owner[k] of the DP group.
-// Greedy by size (largest first, to the least-loaded rank): balanced, deterministic.
-std::vector<int> partition_parameters(const model::NamedTensors& params, int ranks);
-
-// After each owner stepped its parameters, gives every rank the updated values.
-void broadcast_from_owners(const Comm& group, const model::NamedTensors& params,
-                           const std::vector<int>& owner);
 
 }  // namespace weft::dist

@@ -85,9 +85,8 @@ struct Runtime::Impl {
   // Gradient synchronisation: one group (data x context parallel ranks) per hosted module.
   struct SyncGroup {
     Comm group;
-    std::vector<size_t> params;  // indices into trainable
-    std::unique_ptr<GradSync> sync;
-    std::vector<int> owner;  // ZeRO-1: owner (group rank) of each of `params`
+    std::vector<size_t> params;      // indices into trainable
+    std::unique_ptr<GradSync> sync;  // its parameters in `params`' order
   };
   std::vector<SyncGroup> enc_sync;  // per encoder (with its projector)
   SyncGroup llm_sync;
@@ -115,7 +114,12 @@ struct Runtime::Impl {
   model::NamedTensors trainable;
   std::vector<size_t> trainable_param;  // index into model->parameters()
   std::vector<bool> counted;  // per trainable: counts toward norms (one copy of each value)
-  std::vector<bool> owned;
+  // Per trainable: under ZeRO-1 each rank of its sync group counts its own pieces (the copy
+  // condition without the data- and context-parallel one).
+  std::vector<bool> counted_pieces;
+  // What this rank's optimizer steps (trainable indices): ZeRO-1 pieces of sharded parameters,
+  // every other trainable parameter whole.
+  std::vector<ShardPiece> pieces;
   // Per model parameter: the TP group that splits or replicates it; canonical = the copy that
   // represents it in checkpoints (dp = cp = 0, not the tied copy).
   std::vector<Comm> param_tp;
@@ -183,7 +187,7 @@ struct Runtime::Impl {
       h.shard.tp = module_group(m, {Axis::kTp});
       h.shard.cp = module_group(m, {Axis::kCp});
       h.shard.sp = m.layout.sp;
-      enc_sync.push_back({module_group(m, {Axis::kCp, Axis::kDp}), {}, nullptr, {}});
+      enc_sync.push_back({module_group(m, {Axis::kCp, Axis::kDp}), {}, nullptr});
       h.hosted = enc_role[e].hosted;
       if (h.hosted) {
         const auto [b, end] = m.stage_layers(enc_role[e].c.pp);
@@ -266,26 +270,41 @@ struct Runtime::Impl {
       const size_t t = trainable.size();
       trainable.push_back(params[k]);
       trainable_param.push_back(k);
-      counted.push_back(canonical && (model->param_set().split(k).sharded() || tp.rank() == 0));
+      counted_pieces.push_back(!tied_copy &&
+                               (model->param_set().split(k).sharded() || tp.rank() == 0));
+      counted.push_back(canonical && counted_pieces.back());
       (expert ? expert_sync : is_llm ? llm_sync : enc_sync[e]).params.push_back(t);
       if (is_llm && tied_pp && name == "llm.embedding") tied_index = static_cast<int64_t>(t);
       if (model->param_set().split(k).partial_grad)
         sequence_partial[is_llm ? spec.encoders.size() : e].params.push_back(t);
     }
-    owned.assign(trainable.size(), true);
+    // ZeRO-1 shards every parameter over its sync group but those whose gradients are summed
+    // again after it: sequence parallelism's partial ones (over TP; small: norms and biases), and
+    // a tied embedding's copies (over its pair: each copy in a bucket of its own, so both pair
+    // ranks hold the same range and sum just that).
+    std::vector<uint8_t> sharded(trainable.size(), 0);
     auto make_sync = [&](SyncGroup& g) {
       model::NamedTensors ps;
-      for (size_t t : g.params) ps.push_back(trainable[t]);
-      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes);
-      if (opts.zero1 && g.group.size() > 1) {
-        g.owner = partition_parameters(ps, g.group.size());
-        for (size_t i = 0; i < g.params.size(); ++i)
-          owned[g.params[i]] = g.owner[i] == g.group.rank();
+      std::vector<Reduce> how;
+      for (size_t t : g.params) {
+        ps.push_back(trainable[t]);
+        how.push_back(!opts.zero1 || model->param_set().split(trainable_param[t]).partial_grad
+                          ? Reduce::kAllReduce
+                      : static_cast<int64_t>(t) == tied_index ? Reduce::kScatterAlone
+                                                              : Reduce::kScatter);
+      }
+      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes, how);
+      for (size_t i = 0; i < g.params.size(); ++i) sharded[g.params[i]] = g.sync->sharded(i);
+      for (ShardPiece p : g.sync->pieces()) {
+        p.param = g.params[p.param];
+        pieces.push_back(std::move(p));
       }
     };
     for (auto& g : enc_sync) make_sync(g);
     make_sync(llm_sync);
     if (expert_parallel) make_sync(expert_sync);
+    for (size_t t = 0; t < trainable.size(); ++t)
+      if (!sharded[t]) pieces.push_back({t, 0, trainable[t].second.numel(), {}});
     // The chunk of each LLM parameter: its block's; the embedding the first chunk's (a tied
     // copy on the last stage the last chunk's); the final norm and head the last chunk's.
     const std::vector<model::StageRange>& chunks = hosting.llm.chunks;
@@ -1073,16 +1092,18 @@ struct Runtime::Impl {
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
     WEFT_ASSERT(posted.empty(), posted.size(), " posted receives not read");
     times.collective_wait_seconds = blocked_seconds() - blocked0;
-    // 4. Gradients: data x context parallel sums per module, then tied embedding copies.
+    // 4. Gradients: data x context parallel sums per module (ZeRO-1: reduce-scatters), then tied
+    // embedding copies.
     const double t0 = now();
+    const std::string reduction = opts.zero1 ? " grad reduce-scatter" : " grad all-reduce";
     for (size_t e = 0; e < enc_sync.size(); ++e) {
       if (!enc_role[e].hosted) continue;
-      Span span{this, spec.encoders[e].name + " grad all-reduce", "collective"};
+      Span span{this, spec.encoders[e].name + reduction, "collective"};
       enc_sync[e].sync->finish();
       times.buckets_overlapped += enc_sync[e].sync->buckets_overlapped();
     }
     if (llm_role.hosted) {
-      Span span{this, "llm grad all-reduce", "collective"};
+      Span span{this, "llm" + reduction, "collective"};
       llm_sync.sync->finish();
       times.buckets_overlapped += llm_sync.sync->buckets_overlapped();
       if (expert_parallel) {
@@ -1090,10 +1111,18 @@ struct Runtime::Impl {
         times.buckets_overlapped += expert_sync.sync->buckets_overlapped();
       }
     }
-    if (tied_index >= 0) {
-      at::Tensor& g = trainable[tied_index].second.mutable_grad();
-      if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
-      tied.all_reduce_sum(g);
+    if (tied_index >= 0) {  // ZeRO-1: the pair's same range of it
+      bool whole = true;
+      for (ShardPiece& p : pieces) {
+        if (p.param != static_cast<size_t>(tied_index)) continue;
+        whole = !p.grad.defined();
+        if (!whole) tied.all_reduce_sum(p.grad);
+      }
+      if (whole) {
+        at::Tensor& g = trainable[tied_index].second.mutable_grad();
+        if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
+        tied.all_reduce_sum(g);
+      }
     }
     for (const PartialGrads& p : sequence_partial) {  // after the DP sums, which they commute with
       if (p.params.empty()) continue;
@@ -1163,35 +1192,50 @@ struct Runtime::Impl {
   double grad_norm() {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> grads;
-    for (size_t t = 0; t < trainable.size(); ++t)
-      if (counted[t]) grads.push_back(trainable[t].second.grad());
+    for (const ShardPiece& p : pieces) {
+      if (!p.grad.defined() && counted[p.param])
+        grads.push_back(trainable[p.param].second.grad());
+      else if (p.grad.defined() && counted_pieces[p.param])
+        grads.push_back(p.grad);
+    }
     at::Tensor total = torch::tensor({model::sum_squares(grads)}, torch::kDouble);
     world.all_reduce_sum(total);
     return std::sqrt(total.item<double>());
   }
 
   void after_optimizer_step() {
-    auto bcast = [&](SyncGroup& g) {
-      if (g.owner.empty()) return;
-      model::NamedTensors ps;
-      for (size_t t : g.params) ps.push_back(trainable[t]);
-      broadcast_from_owners(g.group, ps, g.owner);
-    };
-    for (auto& g : enc_sync) bcast(g);
-    bcast(llm_sync);
-    if (expert_parallel) bcast(expert_sync);
+    for (auto& g : enc_sync) g.sync->gather_params();
+    llm_sync.sync->gather_params();
+    if (expert_parallel) expert_sync.sync->gather_params();
   }
 
-  // ZeRO-1: each per-trainable tensor (an optimizer moment) takes its owner's value on every
-  // rank of the owner's sync group (undefined entries become zeros first). Collective.
+  // ZeRO-1: each per-trainable tensor of a sharded parameter (a gradient, an optimizer moment),
+  // valid on this rank's pieces only (or undefined where it has none), becomes the whole on
+  // every rank of its sync group: the pieces are summed over the group, everything else zero.
+  // Collective.
   void from_owners(std::vector<at::Tensor>& values) const {
     WEFT_ASSERT(values.size() == trainable.size());
+    torch::NoGradGuard no_grad;
     auto one = [&](const SyncGroup& g) {
-      for (size_t i = 0; i < g.params.size() && !g.owner.empty(); ++i) {
-        at::Tensor& t = values[g.params[i]];
-        if (!t.defined()) t = torch::zeros_like(trainable[g.params[i]].second);
-        t = t.contiguous();
-        g.group.broadcast(t, g.owner[i]);
+      std::vector<int64_t> offset(g.params.size(), -1);
+      int64_t total = 0;
+      for (size_t i = 0; i < g.params.size(); ++i)
+        if (g.sync->sharded(i))
+          offset[i] = std::exchange(total, total + trainable[g.params[i]].second.numel());
+      if (total == 0) return;
+      at::Tensor flat =
+          torch::zeros({total}, trainable[g.params[0]].second.options().dtype(at::kFloat));
+      for (const ShardPiece& p : g.sync->pieces()) {
+        const at::Tensor& v = values[g.params[p.param]];
+        if (v.defined())
+          flat.narrow(0, offset[p.param] + p.begin, p.length)
+              .copy_(v.reshape({-1}).narrow(0, p.begin, p.length));
+      }
+      g.group.all_reduce_sum(flat);
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        if (offset[i] < 0) continue;
+        const at::Tensor& param = trainable[g.params[i]].second;
+        values[g.params[i]] = flat.narrow(0, offset[i], param.numel()).view(param.sizes());
       }
     };
     for (const auto& g : enc_sync) one(g);
@@ -1294,7 +1338,7 @@ Runtime::~Runtime() = default;
 model::MultimodalModel& Runtime::model() { return *impl_->model; }
 const Comm& Runtime::world() const { return impl_->world; }
 const model::NamedTensors& Runtime::trainable() const { return impl_->trainable; }
-const std::vector<bool>& Runtime::owned() const { return impl_->owned; }
+const std::vector<ShardPiece>& Runtime::optimizer_pieces() const { return impl_->pieces; }
 std::pair<int64_t, int64_t> Runtime::encoder_items_read(size_t e,
                                                         const std::vector<int64_t>& counts) const {
   const Impl& m = *impl_;

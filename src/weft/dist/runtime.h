@@ -37,6 +37,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/dist/data_parallel.h"
 #include "weft/io/checkpoint.h"
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
@@ -86,10 +87,11 @@ class Runtime {
 
   model::MultimodalModel& model();
   const Comm& world() const;
-  // This rank's trainable parameters (the optimizer's list), and for ZeRO-1 which of them this
-  // rank steps (empty = all).
+  // This rank's trainable parameters (the optimizer's list), and what of them this rank steps
+  // (train::AdamW's pieces, indices into trainable()): under ZeRO-1 its shards of the sharded
+  // parameters (whose .grad is then valid on those pieces only), every other one whole.
   const model::NamedTensors& trainable() const;
-  const std::vector<bool>& owned() const;
+  const std::vector<ShardPiece>& optimizer_pieces() const;
 
   // Forward and backward of one step. batch[d][m] is LLM data-parallel replica d's microbatch m;
   // every rank passes the whole global batch. Gradients of (Σ loss over targets) / `targets`
@@ -124,20 +126,22 @@ class Runtime {
   // [n] on the device (0 for a parameter without a gradient), queued, not read: the gradient
   // norm is the square root of its sum, and a non-finite entry names the parameter.
   at::Tensor grad_squares() const;
-  // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values.
+  // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values (the
+  // all-gathers of the stepped shards).
   void after_optimizer_step();
 
   // Full (unsharded) tensors of the whole model on `root`, by parameter name: for each of this
   // rank's parameters k, local[k] is a tensor shaped like it (the parameter, its gradient, an
   // optimizer moment). Collective; other ranks get an empty list.
   model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root = 0) const;
-  // Same for tensors shaped like the trainable parameters (optimizer moments): per_trainable[t]
-  // may be undefined where ZeRO-1 gave another rank that state; it is taken from its owner.
+  // Same for tensors shaped like the trainable parameters (gradients, optimizer moments): under
+  // ZeRO-1 per_trainable[t] of a sharded parameter counts on this rank's pieces only (it may be
+  // undefined where there are none); the group's pieces make the whole.
   model::NamedTensors gather_trainable(std::vector<at::Tensor> per_trainable, int root = 0) const;
   // This rank's part of a sharded checkpoint: "model/<name>" for every parameter whose shard
   // this rank holds canonically (each shard of each parameter is canonical on exactly one rank,
   // up to a tied embedding's copies) and "optimizer/<kind>.<name>" for each `moments` entry
-  // (kind, per-trainable tensors; ZeRO-1 owners hand theirs to the canonical rank). Collective.
+  // (kind, per-trainable tensors; ZeRO-1 pieces made whole as in gather_trainable). Collective.
   std::vector<io::TensorShard> checkpoint_shards(
       const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const;
   // Index into the model's parameters of trainable parameter t.

@@ -235,13 +235,16 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   // parallel group (ranks ep · etp apart in token order). Overlapped, both start with the last
   // backward and run side by side; otherwise one after the other.
   const bool overlap = spec_.train.overlap_grad_reduce;
+  // ZeRO-1 reduce-scatters (the bytes of an all-gather).
+  const auto seconds = [&](int64_t ranks, int64_t span, double bytes) {
+    return n.zero == 1 ? collective(kAllGather, ranks, span, bytes, false)
+                       : collective(kAllReduce, ranks, span, bytes, false, o_.sim.grad_reduce_algo);
+  };
   const auto reduce = [&](int64_t ranks, int64_t span, double bytes, size_t kind) {
     if (bytes <= 0 || ranks <= 1) return;
     const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
-    const double full = collective(kAllReduce, ranks, span, bytes, false, o_.sim.grad_reduce_algo);
-    const double tail = overlap ? collective(kAllReduce, ranks, span, std::min(bytes, bucket),
-                                             false, o_.sim.grad_reduce_algo)
-                                : full;
+    const double full = seconds(ranks, span, bytes);
+    const double tail = overlap ? seconds(ranks, span, std::min(bytes, bucket)) : full;
     w.full = overlap ? std::max(w.full, full) : w.full + full;
     w.tail = overlap ? std::max(w.tail, tail) : w.tail + tail;
     w.reduce_full[kind] = full, w.reduce_tail[kind] = tail;

@@ -578,11 +578,17 @@ class Engine {
     const Holding held = rank_holding(rank_cost(i, r), m.layout, spec_.train.zero_stage == 1);
     result_.ranks[r].static_bytes += held.total();
     // Gradients are summed over the CP × DP group, experts apart over their expert-data-parallel
-    // group. When overlapped, each chunk's reduction starts with its own last backward (the
+    // group; under ZeRO-1 by a reduce-scatter (each rank gets its shard's sums: the bytes of an
+    // all-gather). When overlapped, each chunk's reduction starts with its own last backward (the
     // runtime arms each chunk's buckets then), the last chunk's first (backward order), each
     // queueing behind the one before on the module's group.
     const double bucket = spec_.train.grad_bucket_mb * 1024 * 1024;
     const bool overlap = spec_.train.overlap_grad_reduce;
+    const bool zero1 = spec_.train.zero_stage == 1;
+    const auto seconds = [&](const std::vector<int64_t>& g, double bytes) {
+      return zero1 ? ring(o_.grad_curve, g, bytes, false, CollectiveAlgo::kRing)
+                   : ring(o_.grad_curve, g, bytes, true, o_.grad_reduce_algo);
+    };
     const int64_t P = m.layout.pp, s = m.coord(r).pp, V = m.layout.vp;
     int64_t after = -1, expert_after = -1;
     for (int64_t k = V - 1; k >= 0; --k) {
@@ -592,16 +598,15 @@ class Engine {
       const auto reduce = [&](const std::string& name, const std::vector<int64_t>& g, double bytes,
                               int64_t* prev) {
         if (bytes <= 0) return;
-        const int64_t c = add_collective(
-            r, name + of, g, ring(o_.grad_curve, g, bytes, true, o_.grad_reduce_algo),
-            ring(o_.grad_curve, g, std::min(bytes, bucket), true, o_.grad_reduce_algo),
-            overlap ? arm_key(i, k) : -1, overlap ? *prev : -1);
+        const int64_t c =
+            add_collective(r, name + of, g, seconds(g, bytes), seconds(g, std::min(bytes, bucket)),
+                           overlap ? arm_key(i, k) : -1, overlap ? *prev : -1);
         if (c >= 0) *prev = c;
       };
-      reduce(m.name + " grad all-reduce", m.group(r, {Axis::kCp, Axis::kDp}),
-             chunk.grads - chunk.expert_grads, &after);
-      reduce(m.name + " expert grad all-reduce", expert_group(r, true), chunk.expert_grads,
-             &expert_after);
+      const std::string kind = zero1 ? " grad reduce-scatter" : " grad all-reduce";
+      reduce(m.name + kind, m.group(r, {Axis::kCp, Axis::kDp}), chunk.grads - chunk.expert_grads,
+             &after);
+      reduce(m.name + " expert" + kind, expert_group(r, true), chunk.expert_grads, &expert_after);
     }
   }
 
@@ -651,9 +656,12 @@ class Engine {
           (c.pp == 0 || c.pp == P - 1)) {
         const std::vector<int64_t> pair = {llm.rank_of({c.tp, c.cp, c.dp, 0}),
                                            llm.rank_of({c.tp, c.cp, c.dp, P - 1})};
+        // Under ZeRO-1 the pair sums only their shard of it (of the CP × DP group's).
+        const double shards =
+            spec_.train.zero_stage == 1 ? static_cast<double>(llm.layout.cp * llm.layout.dp) : 1;
         const double bytes = 4.0 * static_cast<double>(spec_.model.llm.vocab) *
                              static_cast<double>(spec_.model.llm.hidden) /
-                             static_cast<double>(llm.layout.tp);
+                             static_cast<double>(llm.layout.tp) / shards;
         add_collective(r, "llm tied embedding all-reduce", pair,
                        ring(o_.grad_curve, pair, bytes, true, CollectiveAlgo::kRing));
       }
@@ -683,9 +691,8 @@ class Engine {
       op.seconds = seconds;
       ops_[r].push_back(std::move(op));
     }
-    // ZeRO-1: every rank then takes the parameters the others stepped (the runtime broadcasts
-    // each from its owner): an all-gather of the trainable fp32 parameters over each group that
-    // shards their moments, module by module.
+    // ZeRO-1: every rank then takes the parameters the others stepped: an all-gather of the
+    // trainable fp32 parameters over each group that shards their moments, module by module.
     if (spec_.train.zero_stage != 1) return;
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];

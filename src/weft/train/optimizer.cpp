@@ -16,14 +16,18 @@ namespace {
 constexpr bool kHasFusedAdamW = TORCH_VERSION_MAJOR >= 2;
 }  // namespace
 
-AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned)
-    : params_(std::move(params)), owned_(std::move(owned)), opts_(opts) {
-  if (owned_.empty()) owned_.assign(params_.size(), true);
-  WEFT_ASSERT(owned_.size() == params_.size());
-  for (size_t k = 0; k < params_.size(); ++k) {
-    const at::Tensor& p = params_[k].second;
-    exp_avg_.push_back(owned_[k] ? torch::zeros_like(p) : at::Tensor());
-    exp_avg_sq_.push_back(owned_[k] ? torch::zeros_like(p) : at::Tensor());
+AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::ShardPiece> pieces)
+    : params_(std::move(params)), pieces_(std::move(pieces)), opts_(opts) {
+  if (pieces_.empty())
+    for (size_t k = 0; k < params_.size(); ++k)
+      pieces_.push_back({k, 0, params_[k].second.numel(), {}});
+  for (const dist::ShardPiece& p : pieces_) {
+    WEFT_ASSERT(p.param < params_.size());
+    const at::Tensor& param = params_[p.param].second;
+    const bool whole = p.begin == 0 && p.length == param.numel();
+    const at::Tensor like = whole ? param : param.detach().view({-1}).narrow(0, p.begin, p.length);
+    exp_avg_.push_back(torch::zeros_like(like));
+    exp_avg_sq_.push_back(torch::zeros_like(like));
   }
 }
 
@@ -48,12 +52,18 @@ void AdamW::update(double lr, double grad_scale, const at::Tensor& scale_t,
   // CUDA fp32 tensors: LibTorch's multi-tensor fused AdamW (one kernel family per device and
   // decay group, as torch.optim.AdamW(fused=True)), the same update as model::adamw_update.
   std::map<std::pair<int, bool>, FusedGroup> fused;
+  // Each piece's parameter elements and gradient (a part of a parameter: flat views).
+  std::vector<at::Tensor> ps(pieces_.size()), gs(pieces_.size());
   std::vector<size_t> rest;  // the others: model::adamw_update
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& p = params_[i].second;
-    const at::Tensor& g = p.grad();
-    if (!g.defined() || !owned_[i]) continue;
-    const bool decays = opts_.weight_decay > 0 && p.dim() >= 2;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const dist::ShardPiece& piece = pieces_[i];
+    const at::Tensor& param = params_[piece.param].second;
+    const bool whole = !piece.grad.defined();
+    const at::Tensor& p = ps[i] =
+        whole ? param : param.detach().view({-1}).narrow(0, piece.begin, piece.length);
+    const at::Tensor& g = gs[i] = whole ? param.grad() : piece.grad;
+    if (!g.defined()) continue;
+    const bool decays = opts_.weight_decay > 0 && param.dim() >= 2;
     if (kHasFusedAdamW && p.is_cuda() && p.scalar_type() == at::kFloat &&
         g.scalar_type() == at::kFloat && g.device() == p.device() && p.is_contiguous() &&
         !g.is_sparse() && g.strides() == p.strides() && exp_avg_[i].strides() == p.strides() &&
@@ -73,9 +83,9 @@ void AdamW::update(double lr, double grad_scale, const at::Tensor& scale_t,
   }
   u.grad_scale = grad_scale;
   for (size_t i : rest) {
-    const at::Tensor& p = params_[i].second;
-    u.decay = opts_.weight_decay > 0 && p.dim() >= 2 ? 1.0 - lr * opts_.weight_decay : 1.0;
-    model::adamw_update(p, p.grad(), exp_avg_[i], exp_avg_sq_[i], u);
+    const bool decays = opts_.weight_decay > 0 && params_[pieces_[i].param].second.dim() >= 2;
+    u.decay = decays ? 1.0 - lr * opts_.weight_decay : 1.0;
+    model::adamw_update(ps[i], gs[i], exp_avg_[i], exp_avg_sq_[i], u);
   }
   for (auto& [key, f] : fused)
     fused_step(f, key.second ? opts_.weight_decay : 0.0, lr, grad_scale, scale_t, skip_t);
@@ -105,38 +115,46 @@ void AdamW::fused_step(FusedGroup& f, double weight_decay, double lr, double gra
 #endif
 }
 
-model::NamedTensors AdamW::state() const {
-  model::NamedTensors out;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!owned_[i]) continue;
-    out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
-    out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+std::vector<at::Tensor> AdamW::whole(const std::vector<at::Tensor>& per_piece) const {
+  std::vector<at::Tensor> out(params_.size());
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const dist::ShardPiece& p = pieces_[i];
+    at::Tensor& t = out[p.param];
+    if (!t.defined()) t = torch::zeros_like(params_[p.param].second);
+    t.view({-1}).narrow(0, p.begin, p.length).copy_(per_piece[i].reshape({-1}));
   }
   return out;
 }
 
 void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
-  auto take = [&](const std::string& key, at::Tensor& dst) {
-    auto it = by_name.find(key);
-    WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
-    WEFT_CHECK(it->second.sizes() == dst.sizes(), "optimizer state: '", key, "' has shape ",
-               it->second.sizes(), ", expected ", dst.sizes());
-    dst.copy_(it->second);
-    by_name.erase(it);
-  };
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (owned_[i]) {
-      take("exp_avg." + params_[i].first, exp_avg_[i]);
-      take("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
-    } else {  // another rank's shard
-      by_name.erase("exp_avg." + params_[i].first);
-      by_name.erase("exp_avg_sq." + params_[i].first);
+  std::vector<uint8_t> has(params_.size(), 0);
+  for (const dist::ShardPiece& p : pieces_) has[p.param] = 1;
+  std::vector<at::Tensor> full[2];  // per parameter with pieces: exp_avg, exp_avg_sq
+  const char* kinds[2] = {"exp_avg.", "exp_avg_sq."};
+  for (size_t k = 0; k < params_.size(); ++k)
+    for (int j = 0; j < 2; ++j) {
+      full[j].resize(params_.size());
+      const std::string key = kinds[j] + params_[k].first;
+      auto it = by_name.find(key);
+      if (has[k]) {
+        WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
+        const at::Tensor& p = params_[k].second;
+        WEFT_CHECK(it->second.sizes() == p.sizes(), "optimizer state: '", key, "' has shape ",
+                   it->second.sizes(), ", expected ", p.sizes());
+        full[j][k] = it->second;
+      }
+      if (it != by_name.end()) by_name.erase(it);  // another rank's, when no pieces here
     }
-  }
   WEFT_CHECK(by_name.empty(), "optimizer state: unexpected tensor '",
              by_name.empty() ? "" : by_name.begin()->first,
              "' (a checkpoint of another model or freezing setup?)");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const dist::ShardPiece& p = pieces_[i];
+    exp_avg_[i].view({-1}).copy_(full[0][p.param].reshape({-1}).narrow(0, p.begin, p.length));
+    exp_avg_sq_[i].view({-1}).copy_(full[1][p.param].reshape({-1}).narrow(0, p.begin, p.length));
+  }
   steps_ = steps;
 }
 

@@ -9,6 +9,7 @@
 
 #include "weft/core/spec.h"
 #include "weft/dist/comm.h"
+#include "weft/dist/data_parallel.h"
 #include "weft/model/layers.h"
 
 namespace weft::train {
@@ -22,11 +23,12 @@ struct AdamWOptions {
 // left untouched (its moments too). CPU tensors take model::adamw_update; CUDA fp32 tensors
 // LibTorch's multi-tensor fused AdamW (LibTorch 2), the same update.
 //
-// ZeRO-1: with `owned` given, only parameters with owned[k] have state and are stepped here;
-// the others are stepped by their owner rank (see dist::partition_parameters).
+// ZeRO-1: with `pieces` given, only those ranges of the parameters have state and are stepped
+// here, each with the gradient its piece names (a whole-parameter piece without one reads
+// .grad); the other ranks of the group step the rest (dist::GradSync::pieces).
 class AdamW {
  public:
-  AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<bool> owned = {});
+  AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::ShardPiece> pieces = {});
   // One update at learning rate lr, with every gradient multiplied by grad_scale (clipping).
   // The fused CUDA path may leave the scaled gradient in .grad (the trainer resets grads after).
   void step(double lr, double grad_scale = 1.0);
@@ -36,15 +38,14 @@ class AdamW {
   // parameters read them on the host. steps() counts the step either way.
   void step(double lr, const at::Tensor& grad_scale, const at::Tensor& skip);
   int64_t steps() const { return steps_; }
-  bool owns(size_t k) const { return owned_[k]; }
-  // State of the owned parameters as named tensors ("exp_avg.<param>", "exp_avg_sq.<param>").
-  model::NamedTensors state() const;
-  // Takes the owned parameters' state from a full (or owned-only) state; a tensor that names no
-  // parameter of this optimizer, or a missing owned one, is an error.
+  // Takes the pieces' state from per-parameter tensors ("exp_avg.<param>",
+  // "exp_avg_sq.<param>", each shaped as its parameter); a tensor that names no parameter, or a
+  // missing one of a parameter with pieces here, is an error.
   void load_state(const model::NamedTensors& state, int64_t steps);
-  // The moments per parameter (undefined where not owned).
-  const std::vector<at::Tensor>& exp_avg() const { return exp_avg_; }
-  const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
+  // The moments per parameter, shaped as it: zeros outside this rank's pieces, undefined where
+  // it has none.
+  std::vector<at::Tensor> exp_avg() const { return whole(exp_avg_); }
+  std::vector<at::Tensor> exp_avg_sq() const { return whole(exp_avg_sq_); }
 
  private:
   struct FusedGroup {  // one device's parameters of one decay group
@@ -54,10 +55,11 @@ class AdamW {
   void fused_step(FusedGroup& f, double weight_decay, double lr, double grad_scale,
                   const at::Tensor& scale_on_device, const at::Tensor& skip_on_device);
   void update(double lr, double grad_scale, const at::Tensor& scale_t, const at::Tensor& skip_t);
+  std::vector<at::Tensor> whole(const std::vector<at::Tensor>& per_piece) const;
 
   model::NamedTensors params_;
-  std::vector<bool> owned_;
-  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+  std::vector<dist::ShardPiece> pieces_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // per piece
   AdamWOptions opts_;
   int64_t steps_ = 0;
 };

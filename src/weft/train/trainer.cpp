@@ -183,7 +183,7 @@ struct Trainer::Impl {
     defer = may_defer && (opts.defer == DeferReads::kAlways ||
                           (opts.defer == DeferReads::kAuto && device.is_cuda()));
     AdamWOptions ao{spec.train.beta1, spec.train.beta2, spec.train.eps, spec.train.weight_decay};
-    optimizer = std::make_unique<AdamW>(runtime->trainable(), ao, runtime->owned());
+    optimizer = std::make_unique<AdamW>(runtime->trainable(), ao, runtime->optimizer_pieces());
     run_dir = !opts.resume_dir.empty()   ? fs::path(opts.resume_dir)
               : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
