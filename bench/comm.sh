@@ -9,7 +9,10 @@
 #  - LLM TP2, without and with SP: the time per step blocked in TP collectives and the step
 #    time, with the column-parallel linears' backward overlapping its collectives with its matmuls
 #    (train.overlap_tp_comm, the default) and waiting for each where issued; the two run
-#    alternately, twice each, against drift.
+#    alternately, twice each, against drift;
+#  - DP2 with and without ZeRO-1 (reduce-scatter, each rank steps its shard, all-gather): the
+#    step time, the exposed gradient reduction and the optimizer step with the parameter
+#    all-gather, alternately, twice each.
 # All runs happen here, in one invocation, so the ratios compare like with like.
 #   usage: bench/comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
@@ -49,6 +52,16 @@ for round in 1 2; do
   done
 done
 
+for round in 1 2; do
+  for zero in 0 1; do
+    [ $round -eq 2 ] && zero=$((1 - zero))
+    name=dp2_zero${zero}_$round
+    "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
+      "${common[@]}" --set train.zero_stage=$zero --out "$tmp/$name" --quiet \
+      > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+  done
+done
+
 python3 - "$tmp" "$steps" <<'PY'
 import json, statistics, sys
 tmp, steps = sys.argv[1], int(sys.argv[2])
@@ -81,4 +94,10 @@ for sp in ("false", "true"):
           f"{on_wait:.4f} s overlapped, {off_wait:.4f} s waiting where issued "
           f"({1 - on_wait / off_wait:.3f} of it hidden); step time waiting / overlapped: "
           f"{off_step / on_step:.3f}x")
+def zero(z, key):  # the mean of the two rounds' medians
+    return statistics.mean(med(load(f"dp2_zero{z}_{r}"), key) for r in (1, 2))
+print(f"DP2 with ZeRO-1 / without: step time {zero(1, 'step_seconds') / zero(0, 'step_seconds'):.3f}x; "
+      f"exposed gradient reduction {zero(1, 'grad_sync_seconds'):.4f} s vs {zero(0, 'grad_sync_seconds'):.4f} s; "
+      f"optimizer step (with ZeRO-1's parameter all-gather) {zero(1, 'optimizer_seconds'):.4f} s vs "
+      f"{zero(0, 'optimizer_seconds'):.4f} s")
 PY

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <deque>
 #include <functional>
 #include <numeric>
 
@@ -37,8 +38,8 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
   armed_of_.assign(params_.size(), 0);
-  // Buckets fill in reverse creation order; all-reduced and reduce-scattered parameters fill
-  // their own, and a kScatterAlone one gets a bucket to itself.
+  // Buckets fill in reverse creation order (roughly backward's); all-reduced and reduce-scattered
+  // parameters fill their own, and a kScatterAlone one gets a bucket to itself.
   int64_t open[2] = {-1, -1};
   const int64_t bucket_numel = bucket_bytes / static_cast<int64_t>(sizeof(float));
   for (size_t k = params_.size(); k-- > 0;) {
@@ -56,6 +57,23 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
     offset_of_[k] = bucket.numel;
     bucket.numel += params_[k].second.numel();
   }
+  // Buckets launch in index order, so index them in the order they can fill: by their
+  // earliest-created parameter, which backward reaches last. A bucket of the other kind whose
+  // parameters span the module (sequence parallelism's norms under ZeRO-1) then comes after the
+  // buckets it would otherwise hold back.
+  std::vector<size_t> order(buckets_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return buckets_[a].params.back() > buckets_[b].params.back();
+  });
+  std::vector<Bucket> sorted;
+  std::vector<size_t> index_of(buckets_.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    index_of[order[i]] = i;
+    sorted.push_back(std::move(buckets_[order[i]]));
+  }
+  buckets_ = std::move(sorted);
+  for (size_t& b : bucket_of_) b = index_of[b];
   if (group_.size() == 1) return;
   const int64_t n = group_.size(), rank = group_.rank();
   for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -194,9 +212,12 @@ void GradSync::gather_params() {
   if (group_.size() == 1) return;
   torch::NoGradGuard no_grad;
   const auto flat = [&](size_t k) { return params_[k].second.detach().view({-1}); };
-  std::vector<std::pair<const Bucket*, PendingTensor>> gathers;
-  for (const Bucket& b : buckets_) {
-    if (!b.sharded) continue;
+  // Two buckets' all-gathers in flight at a time: the next one's transfer overlaps this one's
+  // copies, and the gathered copies held at once stay two buckets' worth.
+  std::vector<const Bucket*> sharded;
+  for (const Bucket& b : buckets_)
+    if (b.sharded) sharded.push_back(&b);
+  const auto start = [&](const Bucket& b) {
     const int64_t lo = group_.rank() * b.shard;
     at::Tensor mine = torch::zeros({b.shard}, b.buffer.options());
     for (size_t i : b.pieces) {
@@ -204,11 +225,15 @@ void GradSync::gather_params() {
       mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
           .copy_(flat(p.param).narrow(0, p.begin, p.length));
     }
-    gathers.emplace_back(&b, group_.all_gather_async(mine));
-  }
-  for (auto& [b, gather] : gathers) {
-    const at::Tensor all = gather.wait();
-    for (size_t k : b->params)
+    return group_.all_gather_async(mine);
+  };
+  std::deque<PendingTensor> gathers;
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    while (gathers.size() < 2 && i + gathers.size() < sharded.size())
+      gathers.push_back(start(*sharded[i + gathers.size()]));
+    const at::Tensor all = gathers.front().wait();
+    gathers.pop_front();
+    for (size_t k : sharded[i]->params)
       flat(k).copy_(all.narrow(0, offset_of_[k], params_[k].second.numel()));
   }
 }

@@ -1,16 +1,17 @@
 // Data parallelism: gradient synchronisation and the ZeRO-1 shards of the optimizer.
 //
 // GradSync sums every gradient over the DP group in flat fp32 buckets of about `bucket_bytes`,
-// in reverse creation order (roughly the order backward produces them). attach() at the start
-// of a step makes every .grad a view of its bucket (DDP's gradient_as_bucket_view, Megatron's
-// contiguous gradient buffer): backward accumulates straight into the buckets, and no second
-// fp32 copy of the gradients exists. Overlapped use: call arm() before the last backward of a
-// step (the one that completes the gradients); as each parameter's gradient is accumulated
-// (a post-hook of its AccumulateGrad node), it is in its bucket (or copied there, when .grad is
-// not the bucket's view), and a bucket's reduction starts once it and every bucket before it
-// are full (buckets start in index order on every rank, whichever parameters got gradients
-// there), while backward goes on. finish() starts whatever is left (parameters that got no
-// gradient contribute their .grad or zeros), waits, and leaves the sums in .grad. Without arm(),
+// filled in reverse creation order (roughly the order backward produces them) and indexed by
+// when they can be full (their earliest-created parameter, which backward reaches last). attach()
+// at the start of a step makes every .grad a view of its bucket (DDP's gradient_as_bucket_view,
+// Megatron's contiguous gradient buffer): backward accumulates straight into the buckets, and no
+// second fp32 copy of the gradients exists. Overlapped use: call arm() before the last backward of
+// a step (the one that completes the gradients); as each parameter's gradient is accumulated (a
+// post-hook of its AccumulateGrad node), it is in its bucket (or copied there, when .grad is not
+// the bucket's view), and a bucket's reduction starts once it and every bucket before it are full
+// (buckets start in index order on every rank, whichever parameters got gradients there), while
+// backward goes on. finish() starts whatever is left (parameters that got no gradient contribute
+// their .grad or zeros), waits, and leaves the sums in .grad (ZeRO-1: below). Without arm(),
 // finish() does all the work after backward. arm(which) arms some parameters only (the rest keep
 // accumulating): interleaved 1F1B arms each LLM chunk's parameters before its own last backward,
 // and the buckets still launch in index order. Every rank of the group calls attach()/arm()/
@@ -53,7 +54,9 @@ enum class Reduce : uint8_t {
 struct ShardPiece {
   size_t param = 0;               // index into the parameter list
   int64_t begin = 0, length = 0;  // of the parameter's elements, flattened
-  at::Tensor grad;                // [length] fp32: where finish() leaves their summed gradient
+  // [length] fp32: where finish() leaves their summed gradient. Undefined in a whole-parameter
+  // piece (train::AdamW's, and the runtime's for parameters not sharded), which reads .grad.
+  at::Tensor grad;
 };
 
 class GradSync {
@@ -77,7 +80,8 @@ class GradSync {
   int64_t buckets_overlapped() const { return overlapped_; }
   // ZeRO-1: whether parameter k is sharded, this rank's pieces (in bucket order; a parameter may
   // have none, or span two ranks' shards), and after the optimizer stepped them, every rank's
-  // stepped pieces into every rank's parameters. Collective.
+  // stepped pieces into every rank's parameters (two buckets' all-gathers in flight at a time).
+  // Collective.
   bool sharded(size_t k) const { return group_.size() > 1 && buckets_[bucket_of_[k]].sharded; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
   void gather_params();

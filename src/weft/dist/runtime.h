@@ -45,7 +45,7 @@
 namespace weft::dist {
 
 struct RuntimeOptions {
-  int64_t bucket_bytes = 4 << 20;  // gradient all-reduce bucket size
+  int64_t bucket_bytes = 4 << 20;  // gradient reduction bucket size
   bool overlap_grad_reduce = true;
   bool zero1 = false;     // optimizer state sharded over each module's data-parallel ranks
   bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)

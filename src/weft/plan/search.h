@@ -27,8 +27,9 @@
 // every node has an analytic lower bound on the simulated step time, built from the same op
 // durations the simulator charges (forward / backward with their TP / CP collectives, and
 // point-to-point hops, priced at the cheapest link the group can use):
-//   - each representative rank's own ops, then its gradient reduction (the whole all-reduce from
-//     the start of its last backward when overlapped, its last bucket after it) — the loss
+//   - each representative rank's own ops, then its gradient reduction (the whole all-reduce, or
+//     ZeRO-1's reduce-scatter, from the start of its last backward when overlapped, its last
+//     bucket after it) — the loss
 //     all-reduce and the optimizer follow on every rank (under ZeRO-1, then the parameter
 //     all-gathers);
 //   - the LLM's schedule (1F1B, or interleaved 1F1B over its pp · vp chunks) replayed on its

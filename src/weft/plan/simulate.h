@@ -13,10 +13,10 @@
 //     tp-rank 0 of each CP rank);
 //  3. encoder stages run backward in microbatch order (the last stage iff its projector needs
 //     backward, earlier stages iff the encoder trains), waiting for the gradients;
-//  4. each module's gradients are all-reduced over its CP × DP group (started with the last
-//     backward when train.overlap_grad_reduce, its last bucket after the backward ends; under
-//     interleaved 1F1B each chunk's with that chunk's own last backward, as the runtime arms
-//     them, one chunk's reduction after the other's on the group), a tied
+//  4. each module's gradients are all-reduced (ZeRO-1: reduce-scattered) over its CP × DP group
+//     (started with the last backward when train.overlap_grad_reduce, its last bucket after the
+//     backward ends; under interleaved 1F1B each chunk's with that chunk's own last backward, as
+//     the runtime arms them, one chunk's reduction after the other's on the group), a tied
 //     embedding's first/last-stage copies are summed, the loss and the gradient norm are
 //     all-reduced over the world, and the optimizer steps (AdamW's memory traffic).
 //

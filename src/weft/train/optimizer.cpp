@@ -24,7 +24,7 @@ AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::Sh
   for (const dist::ShardPiece& p : pieces_) {
     WEFT_ASSERT(p.param < params_.size());
     const at::Tensor& param = params_[p.param].second;
-    const bool whole = p.begin == 0 && p.length == param.numel();
+    const bool whole = !p.grad.defined();  // as update() reads it
     const at::Tensor like = whole ? param : param.detach().view({-1}).narrow(0, p.begin, p.length);
     exp_avg_.push_back(torch::zeros_like(like));
     exp_avg_sq_.push_back(torch::zeros_like(like));
