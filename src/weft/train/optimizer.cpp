@@ -63,6 +63,9 @@ void AdamW::update(double lr, double grad_scale, const at::Tensor& scale_t,
         whole ? param : param.detach().view({-1}).narrow(0, piece.begin, piece.length);
     const at::Tensor& g = gs[i] = whole ? param.grad() : piece.grad;
     if (!g.defined()) continue;
+    WEFT_ASSERT(exp_avg_[i].sizes() == p.sizes() && g.numel() == p.numel(), "AdamW: piece of '",
+                params_[piece.param].first, "' shaped ", p.sizes(), ", its moments ",
+                exp_avg_[i].sizes(), ", its gradient ", g.sizes());
     const bool decays = opts_.weight_decay > 0 && param.dim() >= 2;
     if (kHasFusedAdamW && p.is_cuda() && p.scalar_type() == at::kFloat &&
         g.scalar_type() == at::kFloat && g.device() == p.device() && p.is_contiguous() &&
