@@ -1111,14 +1111,14 @@ struct Runtime::Impl {
         times.buckets_overlapped += expert_sync.sync->buckets_overlapped();
       }
     }
-    if (tied_index >= 0) {  // ZeRO-1: the pair's same range of it
-      bool whole = true;
-      for (ShardPiece& p : pieces) {
-        if (p.param != static_cast<size_t>(tied_index)) continue;
-        whole = !p.grad.defined();
-        if (!whole) tied.all_reduce_sum(p.grad);
-      }
-      if (whole) {
+    if (tied_index >= 0) {
+      // Whole, or under ZeRO-1 the range both copies' ranks hold (none on either: nothing).
+      const auto it = std::find_if(pieces.begin(), pieces.end(), [&](const ShardPiece& p) {
+        return p.param == static_cast<size_t>(tied_index);
+      });
+      if (it != pieces.end() && it->grad.defined()) {
+        tied.all_reduce_sum(it->grad);
+      } else if (it != pieces.end()) {
         at::Tensor& g = trainable[tied_index].second.mutable_grad();
         if (!g.defined()) g = torch::zeros_like(trainable[tied_index].second);
         tied.all_reduce_sum(g);
