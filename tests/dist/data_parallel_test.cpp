@@ -246,6 +246,56 @@ TEST(DataParallel, ZeroOneBucketsAreReduceScatteredAndGathered) {
   });
 }
 
+// ZeRO-1 under bf16 gathers the stepped parameters in bf16 (norms in fp32): only the copies of
+// other ranks' shards are rounded, and every use casts them to bf16 anyway, so the run is plain
+// DP's (two ranks sum in the same order either way), while gather_parameters() (as checkpoints)
+// takes each shard exact from the rank that steps it.
+TEST(DataParallel, ZeroOneGathersParametersInBf16AndKeepsMastersExact) {
+  struct Out {
+    std::vector<double> losses;
+    std::map<std::string, at::Tensor> exact, local;  // rank 0's
+  };
+  const auto run = [](const std::string& zero) {
+    const fs::path dir = testing::temp_dir("bf16_dp2_zero" + zero);
+    const Spec spec =
+        parse_spec(testing::kTinyVlm, "tiny",
+                   {"train.precision=\"bf16\"", "train.steps=3", "train.zero_stage=" + zero});
+    Out out;
+    testing::run_ranks(2, [&](const Comm& comm) {
+      train::TrainerOptions o;
+      o.out_dir = dir.string();
+      o.progress = false;
+      o.peak_flops = 1e12;
+      o.eval = false;
+      o.comm = comm;
+      train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+      t.run();
+      const model::NamedTensors exact = t.runtime().gather_parameters();
+      if (comm.rank() != 0) return;
+      for (const auto& [name, v] : exact) out.exact[name] = v.clone();
+      for (const auto& [name, p] : t.model().parameters()) out.local[name] = p.detach().clone();
+      out.losses = testing::run_losses(dir);
+    });
+    return out;
+  };
+  const Out dp = run("0"), zero = run("1");
+  ASSERT_EQ(zero.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(zero.losses[i], dp.losses[i]) << "step " << i + 1;
+  int64_t rounded = 0;
+  for (const auto& [name, p] : dp.exact) {
+    EXPECT_TRUE(torch::equal(zero.exact.at(name), p)) << name;
+    EXPECT_TRUE(torch::equal(dp.local.at(name), p)) << name;  // plain DP: every copy exact
+    const at::Tensor local = zero.local.at(name);
+    if (name.find("norm") != std::string::npos) {
+      EXPECT_TRUE(torch::equal(local, p)) << name << " travels in fp32";
+    } else if (!torch::equal(local, p)) {  // rank 1's shard, rounded as its bf16 cast is
+      ++rounded;
+      EXPECT_TRUE(torch::equal(local.to(at::kBFloat16), p.to(at::kBFloat16))) << name;
+    }
+  }
+  EXPECT_GT(rounded, 0);  // the gather did travel in bf16
+}
+
 TEST(DataParallel, BucketsCoverEveryParameterOnce) {
   model::ParamSet ps;
   ps.add("a", torch::zeros({1000}));

@@ -451,23 +451,32 @@ TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {
 }
 
 // ZeRO-1 sums the gradients by a reduce-scatter (each rank its shard) and all-gathers the
-// stepped parameters after the optimizer: on a ring, the bytes of DP's one all-reduce.
+// stepped parameters after the optimizer: in fp32, on a ring, the bytes of DP's one all-reduce;
+// under bf16 the parameters travel in bf16, half those bytes.
 TEST(Simulate, ZeroOneReduceScattersAndAllGathersInsteadOfAllReducing) {
-  Spec s = vlm_spec();
-  const Cluster c = ideal(2, 5e-6, 10);
-  const SimResult dp = simulate(s, make_plan(s, 2), c, no_optimizer());
-  s.train.zero_stage = 1;
-  const SimResult zero = simulate(s, make_plan(s, 2), c, no_optimizer());
-  const CostTable costs = stage_costs(s, make_plan(s, 2));
-  const std::vector<int64_t> pair = {0, 1};
-  const double vision = costs[0][0].grad_bytes, llm = costs[2][0].grad_bytes;
-  const double all_reduce = all_reduce_seconds(c, pair, vision) + all_reduce_seconds(c, pair, llm);
-  const double all_gather = all_gather_seconds(c, pair, vision) + all_gather_seconds(c, pair, llm);
-  EXPECT_EQ(count_events(zero, "vision grad reduce-scatter"), 2);
-  EXPECT_EQ(count_events(zero, "llm grad all-reduce"), 0);
-  EXPECT_EQ(count_events(zero, "llm ZeRO-1 parameter all-gather"), 2);
-  EXPECT_NEAR(zero.step_seconds, dp.step_seconds - all_reduce + 2 * all_gather, 1e-12);
-  EXPECT_NEAR(2 * all_gather, all_reduce, 0.01 * all_reduce);  // the same bytes on the ring
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    Spec s = vlm_spec();
+    s.train.precision = precision;
+    const Cluster c = ideal(2, 5e-6, 10);
+    const SimResult dp = simulate(s, make_plan(s, 2), c, no_optimizer());
+    s.train.zero_stage = 1;
+    const SimResult zero = simulate(s, make_plan(s, 2), c, no_optimizer());
+    const CostTable costs = stage_costs(s, make_plan(s, 2));
+    const std::vector<int64_t> pair = {0, 1};
+    const double vision = costs[0][0].grad_bytes, llm = costs[2][0].grad_bytes;
+    const double all_reduce =
+        all_reduce_seconds(c, pair, vision) + all_reduce_seconds(c, pair, llm);
+    const double scatter = all_gather_seconds(c, pair, vision) + all_gather_seconds(c, pair, llm);
+    const double wire = precision == Precision::kBf16 ? 0.5 : 1.0;
+    EXPECT_EQ(zero1_gather_fraction(s), wire);
+    const double gather =
+        all_gather_seconds(c, pair, wire * vision) + all_gather_seconds(c, pair, wire * llm);
+    EXPECT_EQ(count_events(zero, "vision grad reduce-scatter"), 2);
+    EXPECT_EQ(count_events(zero, "llm grad all-reduce"), 0);
+    EXPECT_EQ(count_events(zero, "llm ZeRO-1 parameter all-gather"), 2);
+    EXPECT_NEAR(zero.step_seconds, dp.step_seconds - all_reduce + scatter + gather, 1e-12);
+    EXPECT_NEAR(scatter + gather, (1 + wire) / 2 * all_reduce, 0.01 * all_reduce);
+  }
 }
 
 TEST(Simulate, FrozenEncoderRunsNoBackward) {

@@ -43,17 +43,15 @@ inline RunResult train(const Spec& spec, const dist::Comm& comm, const std::file
   o.comm = comm;
   train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
   RunResult r;
-  // Under ZeRO-1 a rank's .grad of a sharded parameter is the sum on its own pieces only:
-  // gradients are gathered as the trainable parameters' (Runtime::gather_trainable).
+  // Under ZeRO-1 a rank's .grad of a sharded parameter is the sum on its own pieces only, and
+  // under a bf16 parameter gather its copies of other ranks' pieces are rounded: gradients and
+  // parameters are gathered through the runtime, which takes each piece from its rank.
   auto gather = [&](bool grads) {
     std::vector<at::Tensor> local;
-    if (grads)
-      for (const auto& [name, p] : t.runtime().trainable()) local.push_back(p.grad());
-    else
-      for (const auto& [name, p] : t.model().parameters()) local.push_back(p.detach());
+    for (const auto& [name, p] : t.runtime().trainable()) local.push_back(p.grad());
     std::map<std::string, at::Tensor> full;
     for (auto& [name, v] :
-         grads ? t.runtime().gather_trainable(local) : t.runtime().gather_full(local))
+         grads ? t.runtime().gather_trainable(local) : t.runtime().gather_parameters())
       full[name] = v.clone();
     return full;
   };

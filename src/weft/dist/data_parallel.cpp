@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <map>
 #include <numeric>
 
 #include "weft/core/error.h"
@@ -29,27 +30,33 @@ struct PostHook final : torch::autograd::FunctionPostHook {
 }  // namespace
 
 GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
-                   std::vector<Reduce> how)
+                   std::vector<Reduce> how, std::vector<at::ScalarType> wire)
     : group_(std::move(group)), params_(std::move(params)) {
   if (how.empty()) how.assign(params_.size(), Reduce::kAllReduce);
-  WEFT_ASSERT(how.size() == params_.size(), "GradSync: ", how.size(), " reductions for ",
+  if (wire.empty()) wire.assign(params_.size(), at::kFloat);
+  WEFT_ASSERT(how.size() == params_.size() && wire.size() == params_.size(),
+              "GradSync: ", how.size(), " reductions and ", wire.size(), " dtypes for ",
               params_.size(), " parameters");
   bucket_of_.resize(params_.size());
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
   armed_of_.assign(params_.size(), 0);
-  // Buckets fill in reverse creation order (roughly backward's); all-reduced and reduce-scattered
-  // parameters fill their own, and a kScatterAlone one gets a bucket to itself.
-  int64_t open[2] = {-1, -1};
+  // Buckets fill in reverse creation order (roughly backward's); all-reduced parameters and
+  // reduce-scattered ones of each wire dtype fill their own, and a kScatterAlone one gets a
+  // bucket to itself.
+  std::map<std::pair<bool, at::ScalarType>, int64_t> open;
   const int64_t bucket_numel = bucket_bytes / static_cast<int64_t>(sizeof(float));
   for (size_t k = params_.size(); k-- > 0;) {
     const bool sharded = how[k] != Reduce::kAllReduce, alone = how[k] == Reduce::kScatterAlone;
-    int64_t b = alone ? -1 : open[sharded];
+    const std::pair<bool, at::ScalarType> kind = {sharded, sharded ? wire[k] : at::kFloat};
+    const auto it = open.find(kind);
+    int64_t b = alone || it == open.end() ? -1 : it->second;
     if (b < 0 || buckets_[b].numel >= bucket_numel) {
       buckets_.emplace_back();
       buckets_.back().sharded = sharded;
+      buckets_.back().wire = kind.second;
       b = static_cast<int64_t>(buckets_.size()) - 1;
-      if (!alone) open[sharded] = b;
+      if (!alone) open[kind] = b;
     }
     Bucket& bucket = buckets_[b];
     bucket.params.push_back(k);
@@ -219,7 +226,7 @@ void GradSync::gather_params() {
     if (b.sharded) sharded.push_back(&b);
   const auto start = [&](const Bucket& b) {
     const int64_t lo = group_.rank() * b.shard;
-    at::Tensor mine = torch::zeros({b.shard}, b.buffer.options());
+    at::Tensor mine = torch::zeros({b.shard}, b.buffer.options().dtype(b.wire));
     for (size_t i : b.pieces) {
       const ShardPiece& p = pieces_[i];
       mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
@@ -233,8 +240,18 @@ void GradSync::gather_params() {
       gathers.push_back(start(*sharded[i + gathers.size()]));
     const at::Tensor all = gathers.front().wait();
     gathers.pop_front();
-    for (size_t k : sharded[i]->params)
-      flat(k).copy_(all.narrow(0, offset_of_[k], params_[k].second.numel()));
+    // The other ranks' shards (this rank's own is exact already; in fp32 it is the same).
+    const Bucket& b = *sharded[i];
+    const int64_t lo = group_.rank() * b.shard, hi = lo + b.shard;
+    for (size_t k : b.params) {
+      const int64_t o = offset_of_[k], m = params_[k].second.numel();
+      if (b.wire == at::kFloat || hi <= o || lo >= o + m) {
+        flat(k).copy_(all.narrow(0, o, m));
+        continue;
+      }
+      if (lo > o) flat(k).narrow(0, 0, lo - o).copy_(all.narrow(0, o, lo - o));
+      if (hi < o + m) flat(k).narrow(0, hi - o, o + m - hi).copy_(all.narrow(0, hi, o + m - hi));
+    }
   }
 }
 

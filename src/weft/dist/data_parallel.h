@@ -61,10 +61,12 @@ struct ShardPiece {
 
 class GradSync {
  public:
-  // `how`: per parameter (empty: every one kAllReduce). A group of one rank reduces nothing and
-  // shards nothing.
+  // `how`: per parameter (empty: every one kAllReduce). `wire`: per sharded parameter, the dtype
+  // gather_params() sends it in (empty: fp32); a narrower one rounds the copies other ranks keep
+  // of this rank's shard (for parameters only ever used cast to it), while every rank keeps its
+  // own shard exact. A group of one rank reduces nothing and shards nothing.
   GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes = 4 << 20,
-           std::vector<Reduce> how = {});
+           std::vector<Reduce> how = {}, std::vector<at::ScalarType> wire = {});
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
@@ -88,12 +90,13 @@ class GradSync {
 
  private:
   struct Bucket {
-    std::vector<size_t> params;  // indices into params_
-    int64_t numel = 0;           // of its parameters
-    bool sharded = false;        // reduce-scattered (ZeRO-1)
-    int64_t shard = 0;           // sharded: each rank's share of the (padded) buffer
-    at::Tensor buffer;           // fp32, flat (sharded: padded to `shard` x group size)
-    std::vector<size_t> pieces;  // sharded: this rank's, indices into pieces_
+    std::vector<size_t> params;        // indices into params_
+    int64_t numel = 0;                 // of its parameters
+    bool sharded = false;              // reduce-scattered (ZeRO-1)
+    at::ScalarType wire = at::kFloat;  // sharded: the dtype its parameters are gathered in
+    int64_t shard = 0;                 // sharded: each rank's share of the (padded) buffer
+    at::Tensor buffer;                 // fp32, flat (sharded: padded to `shard` x group size)
+    std::vector<size_t> pieces;        // sharded: this rank's, indices into pieces_
     int64_t ready = 0;
     bool launched = false;
     Pending pending;

@@ -286,14 +286,17 @@ struct Runtime::Impl {
     auto make_sync = [&](SyncGroup& g) {
       model::NamedTensors ps;
       std::vector<Reduce> how;
+      std::vector<at::ScalarType> wire;
       for (size_t t : g.params) {
         ps.push_back(trainable[t]);
-        how.push_back(!opts.zero1 || model->param_set().split(trainable_param[t]).partial_grad
-                          ? Reduce::kAllReduce
+        const size_t k = trainable_param[t];
+        how.push_back(!opts.zero1 || model->param_set().split(k).partial_grad ? Reduce::kAllReduce
                       : static_cast<int64_t>(t) == tied_index ? Reduce::kScatterAlone
                                                               : Reduce::kScatter);
+        wire.push_back(model->param_set().use(k) == model::ParamUse::kCast ? opts.param_gather_dtype
+                                                                           : at::kFloat);
       }
-      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes, how);
+      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes, how, wire);
       for (size_t i = 0; i < g.params.size(); ++i) sharded[g.params[i]] = g.sync->sharded(i);
       for (ShardPiece p : g.sync->pieces()) {
         p.param = g.params[p.param];
@@ -1243,6 +1246,20 @@ struct Runtime::Impl {
     if (expert_parallel) one(expert_sync);
   }
 
+  // Every parameter's value (detached), exact: under a narrow ZeRO-1 gather the sharded ones
+  // made whole from each rank's own pieces. Collective then.
+  std::vector<at::Tensor> exact_parameters() const {
+    const model::NamedTensors& params = model->parameters();
+    std::vector<at::Tensor> out;
+    for (const auto& [name, p] : params) out.push_back(p.detach());
+    if (!opts.zero1 || opts.param_gather_dtype == at::kFloat) return out;
+    std::vector<at::Tensor> values;
+    for (size_t t = 0; t < trainable.size(); ++t) values.push_back(out[trainable_param[t]]);
+    from_owners(values);
+    for (size_t t = 0; t < trainable.size(); ++t) out[trainable_param[t]] = values[t];
+    return out;
+  }
+
   model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root) const {
     const model::NamedTensors& params = model->parameters();
     WEFT_ASSERT(local.size() == params.size(), "gather_full: ", local.size(), " tensors for ",
@@ -1295,6 +1312,10 @@ struct Runtime::Impl {
   }
 };
 
+model::NamedTensors Runtime::gather_parameters(int root) const {
+  return impl_->gather_full(impl_->exact_parameters(), root);
+}
+
 model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_trainable,
                                               int root) const {
   Impl& m = *impl_;
@@ -1315,8 +1336,9 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
                            split.rank, split.size};
   };
   std::vector<io::TensorShard> out;
+  const std::vector<at::Tensor> exact = m.exact_parameters();
   for (size_t k = 0; k < params.size(); ++k)
-    if (m.param_canonical[k]) out.push_back(shard("model/" + params[k].first, k, params[k].second));
+    if (m.param_canonical[k]) out.push_back(shard("model/" + params[k].first, k, exact[k]));
   for (const auto& [kind, per_trainable] : moments) {
     std::vector<at::Tensor> values = per_trainable;
     m.from_owners(values);

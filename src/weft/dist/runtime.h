@@ -47,7 +47,12 @@ namespace weft::dist {
 struct RuntimeOptions {
   int64_t bucket_bytes = 4 << 20;  // gradient reduction bucket size
   bool overlap_grad_reduce = true;
-  bool zero1 = false;     // optimizer state sharded over each module's data-parallel ranks
+  bool zero1 = false;  // optimizer state sharded over each module's data-parallel ranks
+  // ZeRO-1: the dtype stepped parameters are all-gathered in. The compute dtype (bf16) halves the
+  // bytes: other ranks' shards are then held rounded as every use casts them (parameters used in
+  // fp32, norms and routers, still travel in fp32), each rank's own shard stays exact, and
+  // checkpoints and gather_parameters() take every shard from the rank that holds it exactly.
+  at::ScalarType param_gather_dtype = at::kFloat;
   bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)
   // What frozen modules' cast parameters are held in (model::Hosting::frozen_dtype).
   at::ScalarType frozen_dtype = at::kFloat;
@@ -134,6 +139,9 @@ class Runtime {
   // rank's parameters k, local[k] is a tensor shaped like it (the parameter, its gradient, an
   // optimizer moment). Collective; other ranks get an empty list.
   model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root = 0) const;
+  // Every parameter's exact value, at full shape on `root` (gather_full of the parameters, under a
+  // narrow ZeRO-1 gather each shard from the rank that steps it). Collective.
+  model::NamedTensors gather_parameters(int root = 0) const;
   // Same for tensors shaped like the trainable parameters (gradients, optimizer moments): under
   // ZeRO-1 per_trainable[t] of a sharded parameter counts on this rank's pieces only (it may be
   // undefined where there are none); the group's pieces make the whole.

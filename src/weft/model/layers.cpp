@@ -65,6 +65,7 @@ at::Tensor ParamSet::add(const std::string& name, at::Tensor value, Split split,
                      .set_requires_grad(true);
   params_.emplace_back(name, p);
   splits_.push_back(std::move(split));
+  uses_.push_back(use);
   return p;
 }
 

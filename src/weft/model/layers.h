@@ -69,6 +69,7 @@ class ParamSet {
   void hold_cast_params_in(at::ScalarType dtype) { cast_dtype_ = dtype; }
   const NamedTensors& all() const { return params_; }
   const Split& split(size_t k) const { return splits_[k]; }
+  ParamUse use(size_t k) const { return uses_[k]; }
   c10::Device device() const { return device_; }
 
  private:
@@ -76,6 +77,7 @@ class ParamSet {
   at::ScalarType cast_dtype_ = at::kFloat;
   NamedTensors params_;
   std::vector<Split> splits_;
+  std::vector<ParamUse> uses_;
 };
 
 // This rank's groups for the module being built (default: one rank each, no parallelism).

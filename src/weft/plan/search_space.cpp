@@ -430,8 +430,9 @@ Holding Space::hold(Work* w, const StageCost& sc, const Choice& c, const Node& n
     const auto gather = [&](int64_t ranks, int64_t span_of, double b) {
       return b > 0 ? collective(kAllGather, ranks, span_of, b, false) : 0.0;
     };
-    w->gather = gather(group, span, held.grads - held.expert_grads) +
-                gather(edp, expert_span, held.expert_grads);
+    const double wire = zero1_gather_fraction(spec_);
+    w->gather = gather(group, span, wire * (held.grads - held.expert_grads)) +
+                gather(edp, expert_span, wire * held.expert_grads);
   }
   return held;
 }

@@ -692,8 +692,10 @@ class Engine {
       ops_[r].push_back(std::move(op));
     }
     // ZeRO-1: every rank then takes the parameters the others stepped: an all-gather of the
-    // trainable fp32 parameters over each group that shards their moments, module by module.
+    // trainable parameters over each group that shards their moments, module by module, in the
+    // compute dtype (bf16: half the fp32 bytes).
     if (spec_.train.zero_stage != 1) return;
+    const double wire = zero1_gather_fraction(spec_);
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
@@ -704,10 +706,10 @@ class Engine {
           add_collective(r, name, g, ring(o_.grad_curve, g, bytes, false, CollectiveAlgo::kRing));
       };
       gather(m.name + " ZeRO-1 parameter all-gather", m.group(r, {Axis::kCp, Axis::kDp}),
-             held.grads - held.expert_grads);
+             wire * (held.grads - held.expert_grads));
       if (held.expert_grads > 0)
         gather(m.name + " ZeRO-1 expert parameter all-gather", expert_group(r, true),
-               held.expert_grads);
+               wire * held.expert_grads);
     }
   }
 
@@ -925,6 +927,10 @@ StageCost rank_chunks(const std::vector<StageCost>& stages, int64_t pp, int64_t 
     sum.optimizer_seconds += x.optimizer_seconds;
   }
   return sum;
+}
+
+double zero1_gather_fraction(const Spec& spec) {
+  return spec.train.precision == Precision::kBf16 ? 0.5 : 1.0;
 }
 
 Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {

@@ -176,6 +176,8 @@ struct Holding {
   double total() const { return params + grads + moments; }
 };
 Holding rank_holding(const StageCost& stage, const Layout& layout, bool zero1);
+// ZeRO-1's parameter all-gather moves the compute dtype: its bytes over the fp32 gradients'.
+double zero1_gather_fraction(const Spec& spec);
 // What pipeline rank s holds of a module whose `stages` are its pp · vp (virtual) stages: its
 // stage, or under virtual stages its chunks s, s + pp, ... summed (parameters, gradients,
 // optimizer state and measured optimizer seconds; the rest is chunk s's).

@@ -169,6 +169,7 @@ struct Trainer::Impl {
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
     dist::set_overlap_tp_comm(spec.train.overlap_tp_comm);
     ro.zero1 = spec.train.zero_stage == 1;
+    ro.param_gather_dtype = compute;
     ro.cast_once = spec.train.cast_once;
     ro.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
     device = dist::select_device(spec.train.device, opts.local_rank);
@@ -286,11 +287,7 @@ struct Trainer::Impl {
   }
 
   // Every parameter at full shape on rank 0 (collective).
-  model::NamedTensors gather_parameters() const {
-    std::vector<at::Tensor> values;
-    for (const auto& [name, p] : runtime->model().parameters()) values.push_back(p.detach());
-    return runtime->gather_full(values);
-  }
+  model::NamedTensors gather_parameters() const { return runtime->gather_parameters(); }
 
   // Collective: every rank writes its shards of the weights and optimizer moments into the
   // checkpoint rank 0 opened; rank 0 then seals it (manifest, state, rename).
