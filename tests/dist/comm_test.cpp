@@ -52,6 +52,18 @@ TEST(Comm, BroadcastGatherReduceScatter) {
     at::Tensor g = c.all_gather(torch::full({2, 2}, c.rank(), torch::kFloat));
     ASSERT_EQ(g.sizes(), (std::vector<int64_t>{4, 2}));
     EXPECT_EQ(g[3][1].item<float>(), 1.0f);
+    // 2-byte floats go as bytes over Gloo: shapes and values kept.
+    for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+      const at::Tensor mine =
+          (torch::arange(12, torch::kFloat).view({2, 3, 2}) / 7 + c.rank()).to(type);
+      const at::Tensor all = c.all_gather(mine);
+      ASSERT_EQ(all.sizes(), (std::vector<int64_t>{4, 3, 2}));
+      EXPECT_EQ(all.scalar_type(), type);
+      EXPECT_TRUE(torch::equal(all.narrow(0, 2 * c.rank(), 2), mine));
+      EXPECT_TRUE(torch::equal(
+          all.narrow(0, 2 - 2 * c.rank(), 2),
+          (torch::arange(12, torch::kFloat).view({2, 3, 2}) / 7 + 1 - c.rank()).to(type)));
+    }
     // Each rank contributes [4, 3] = rank * 100 + index; rank r keeps rows 2r, 2r+1 summed.
     at::Tensor x = torch::arange(12, torch::kFloat).view({4, 3}) + 100.0 * c.rank();
     at::Tensor rs = c.reduce_scatter_sum(x);

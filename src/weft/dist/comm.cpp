@@ -333,12 +333,23 @@ at::Tensor Comm::all_gather(const at::Tensor& t) const { return all_gather_async
 
 PendingTensor Comm::all_gather_async(const at::Tensor& t) const {
   if (size() == 1) return PendingTensor(t.clone());
-  if (impl_->staged(t) || needs_fp32(t)) {  // gathered in a host / fp32 copy
-    const at::Tensor h = impl_->staged(t) ? t.to(at::kCPU) : t;
-    auto inner =
-        std::make_shared<PendingTensor>(all_gather_async(needs_fp32(h) ? h.to(at::kFloat) : h));
+  if (impl_->staged(t)) {  // gathered in a host copy
+    auto inner = std::make_shared<PendingTensor>(all_gather_async(t.to(at::kCPU)));
     const at::TensorOptions back = t.options();
     return PendingTensor([inner, back] { return inner->wait().to(back); });
+  }
+  if (needs_fp32(t)) {
+    // Nothing is summed: 2-byte floats (bf16, which 1.13's Gloo does not know, and half) go as
+    // rows of bytes, not through an fp32 copy of twice the size.
+    const at::Tensor rows = t.dim() == 0 ? t.reshape({1}) : t.contiguous();
+    int64_t row_elements = 1;
+    for (int64_t d = 1; d < rows.dim(); ++d) row_elements *= rows.size(d);
+    auto inner = std::make_shared<PendingTensor>(
+        all_gather_async(rows.view({rows.size(0), row_elements}).view(at::kByte)));
+    std::vector<int64_t> shape = rows.sizes().vec();
+    shape[0] = rows.size(0) * size();
+    const at::ScalarType type = t.scalar_type();
+    return PendingTensor([inner, type, shape] { return inner->wait().view(type).view(shape); });
   }
   std::vector<at::Tensor> in{t.contiguous()};
   auto out = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
