@@ -262,13 +262,7 @@ TEST(DataParallel, ZeroOneGathersParametersInBf16AndKeepsMastersExact) {
                    {"train.precision=\"bf16\"", "train.steps=3", "train.zero_stage=" + zero});
     Out out;
     testing::run_ranks(2, [&](const Comm& comm) {
-      train::TrainerOptions o;
-      o.out_dir = dir.string();
-      o.progress = false;
-      o.peak_flops = 1e12;
-      o.eval = false;
-      o.comm = comm;
-      train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+      train::Trainer t(spec, plan::make_plan(spec, comm.size()), testing::run_options(dir, comm));
       t.run();
       const model::NamedTensors exact = t.runtime().gather_parameters();
       if (comm.rank() != 0) return;

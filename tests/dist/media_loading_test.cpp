@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "support/equivalence.h"
 #include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
@@ -26,13 +27,7 @@ std::vector<int64_t> loaded_per_rank(int world, const std::vector<std::string>& 
   std::vector<int64_t> loaded(static_cast<size_t>(world), -1);
   const auto out = testing::temp_dir("media_" + tag);
   testing::run_ranks(world, [&](const Comm& comm) {
-    train::TrainerOptions o;
-    o.out_dir = out.string();
-    o.progress = false;
-    o.peak_flops = 1e12;
-    o.eval = false;
-    o.comm = comm;
-    train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+    train::Trainer t(spec, plan::make_plan(spec, comm.size()), testing::run_options(out, comm));
     t.run();
     loaded[static_cast<size_t>(comm.rank())] = t.dataset().media_loaded();
   });

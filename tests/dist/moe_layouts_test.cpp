@@ -144,13 +144,7 @@ TEST(MoeLayouts, MixtralCheckpointInitialisesTp2Ep2Dp2) {
   ASSERT_EQ(spec.model.llm.moe.experts, 4);
   std::vector<std::map<std::string, at::Tensor>> gathered(4);
   run_ranks(4, [&](const dist::Comm& comm) {
-    train::TrainerOptions o;
-    o.out_dir = (dir / "run").string();
-    o.progress = false;
-    o.peak_flops = 1e12;
-    o.eval = false;
-    o.comm = comm;
-    train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+    train::Trainer t(spec, plan::make_plan(spec, comm.size()), run_options(dir / "run", comm));
     std::vector<at::Tensor> local;
     int64_t experts = 0;
     for (const auto& [name, p] : t.model().parameters()) {

@@ -33,15 +33,21 @@ struct RunResult {
   std::map<std::string, at::Tensor> params, grads;  // full tensors (rank 0)
 };
 
-inline RunResult train(const Spec& spec, const dist::Comm& comm, const std::filesystem::path& out,
-                       bool resume = false) {
+// A test run's options: no progress bar, no peak measurement, no evaluation.
+inline train::TrainerOptions run_options(const std::filesystem::path& out, const dist::Comm& comm,
+                                         bool resume = false) {
   train::TrainerOptions o;
   (resume ? o.resume_dir : o.out_dir) = out.string();
   o.progress = false;
   o.peak_flops = 1e12;
   o.eval = false;
   o.comm = comm;
-  train::Trainer t(spec, plan::make_plan(spec, comm.size()), o);
+  return o;
+}
+
+inline RunResult train(const Spec& spec, const dist::Comm& comm, const std::filesystem::path& out,
+                       bool resume = false) {
+  train::Trainer t(spec, plan::make_plan(spec, comm.size()), run_options(out, comm, resume));
   RunResult r;
   // Under ZeRO-1 a rank's .grad of a sharded parameter is the sum on its own pieces only, and
   // under a bf16 parameter gather its copies of other ranks' pieces are rounded: gradients and
