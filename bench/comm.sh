@@ -10,9 +10,10 @@
 #    time, with the column-parallel linears' backward overlapping its collectives with its matmuls
 #    (train.overlap_tp_comm, the default) and waiting for each where issued; the two run
 #    alternately, twice each, against drift;
-#  - DP2 with and without ZeRO-1 (reduce-scatter, each rank steps its shard, all-gather): the
-#    step time, the exposed gradient reduction and the optimizer step with the parameter
-#    all-gather, alternately, twice each.
+#  - DP2 with and without ZeRO-1 (reduce-scatter, each rank steps its shard, all-gather), and
+#    ZeRO-1 with the parameter all-gather overlapped with the next forward (the default) and
+#    waited for after the optimizer step: the step time, the exposed gradient reduction, the
+#    optimizer step and the time forward waited for parameters, alternately, twice each.
 # All runs happen here, in one invocation, so the ratios compare like with like.
 #   usage: bench/comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
@@ -53,12 +54,13 @@ for round in 1 2; do
 done
 
 for round in 1 2; do
-  for zero in 0 1; do
-    [ $round -eq 2 ] && zero=$((1 - zero))
+  order="0 1 1w"; [ $round -eq 2 ] && order="1w 1 0"
+  for zero in $order; do  # 1w: ZeRO-1, the parameter gather waited for after the optimizer
     name=dp2_zero${zero}_$round
     "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
-      "${common[@]}" --set train.zero_stage=$zero --out "$tmp/$name" --quiet \
-      > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+      "${common[@]}" --set train.zero_stage=${zero%w} \
+      --set train.overlap_param_gather=$([ "$zero" = 1w ] && echo false || echo true) \
+      --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
   done
 done
 
@@ -98,6 +100,10 @@ def zero(z, key):  # the mean of the two rounds' medians
     return statistics.mean(med(load(f"dp2_zero{z}_{r}"), key) for r in (1, 2))
 print(f"DP2 with ZeRO-1 / without: step time {zero(1, 'step_seconds') / zero(0, 'step_seconds'):.3f}x; "
       f"exposed gradient reduction {zero(1, 'grad_sync_seconds'):.4f} s vs {zero(0, 'grad_sync_seconds'):.4f} s; "
-      f"optimizer step (with ZeRO-1's parameter all-gather) {zero(1, 'optimizer_seconds'):.4f} s vs "
-      f"{zero(0, 'optimizer_seconds'):.4f} s")
+      f"optimizer step (with what ZeRO-1's parameter all-gather waits for there) "
+      f"{zero(1, 'optimizer_seconds'):.4f} s vs {zero(0, 'optimizer_seconds'):.4f} s")
+print(f"ZeRO-1's parameter all-gather waited for after the optimizer / overlapped with the next "
+      f"forward: step time {zero('1w', 'step_seconds') / zero(1, 'step_seconds'):.3f}x; optimizer "
+      f"step {zero('1w', 'optimizer_seconds'):.4f} s vs {zero(1, 'optimizer_seconds'):.4f} s; "
+      f"forward waiting for parameters {zero(1, 'param_wait_seconds'):.4f} s overlapped")
 PY

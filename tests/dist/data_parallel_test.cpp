@@ -246,6 +246,79 @@ TEST(DataParallel, ZeroOneBucketsAreReduceScatteredAndGathered) {
   });
 }
 
+// ZeRO-1's overlapped parameter gather (Megatron's overlap_param_gather): gather_params(true)
+// starts every bucket's all-gather, waits for those of parameters read in fp32 (norms) and
+// leaves the rest in flight; a bucket's values land when a forward first reads one of its
+// parameters through to_compute or arrived() (a slice counts), or at finish().
+TEST(DataParallel, ZeroOneOverlappedGatherArrivesWhereForwardReadsIt) {
+  testing::run_ranks(2, [](const Comm& comm) {
+    const int r = comm.rank();
+    model::ParamSet ps;
+    at::Tensor a = ps.add("a", torch::zeros({7}));
+    at::Tensor norm = ps.add("norm", torch::zeros({3}), {}, model::ParamUse::kFp32);
+    at::Tensor b = ps.add("b", torch::zeros({5}));
+    const std::vector<model::ParamUse> use = {model::ParamUse::kCast, model::ParamUse::kFp32,
+                                              model::ParamUse::kCast};
+    // Buckets of 4 floats: [b], [norm] (read in fp32: a bucket of its own), [a].
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/16, std::vector<Reduce>(3, Reduce::kScatter), {},
+                  use);
+    ASSERT_EQ(sync.bucket_count(), 3);
+    // Each rank steps its pieces: 100 (rank + 1) + element.
+    const auto step = [&] {
+      sync.attach();
+      for (const at::Tensor& p : {a, norm, b}) p.mutable_grad().fill_(1);
+      sync.finish();
+      for (const ShardPiece& p : sync.pieces())
+        ps.all()[p.param]
+            .second.detach()
+            .view({-1})
+            .narrow(0, p.begin, p.length)
+            .copy_(torch::arange(p.begin, p.begin + p.length, torch::kFloat) + 100 * (r + 1));
+    };
+    // Every element of a parameter of `n` elements stepped by the rank owning its shard.
+    const auto stepped = [](int64_t n) {
+      const int64_t half = (n + 1) / 2;
+      std::vector<float> v;
+      for (int64_t i = 0; i < n; ++i) v.push_back(static_cast<float>(i + (i < half ? 100 : 200)));
+      return torch::tensor(v);
+    };
+    const auto mine_only = [&](const at::Tensor& p) {  // this rank's shard stepped, zeros beside
+      const int64_t n = p.numel(), half = (n + 1) / 2, lo = r * half, hi = std::min(n, lo + half);
+      at::Tensor want = torch::zeros({n});
+      want.narrow(0, lo, hi - lo).copy_(stepped(n).narrow(0, lo, hi - lo));
+      return torch::equal(p.detach(), want);
+    };
+    step();
+    sync.gather_params(/*overlap=*/true);
+    EXPECT_TRUE(torch::equal(norm, stepped(3))) << "read in fp32: there at once";
+    EXPECT_EQ(sync.gathers_in_flight(), 2);
+    EXPECT_TRUE(mine_only(a) && mine_only(b)) << a << b;  // still on their way
+    {
+      torch::NoGradGuard no_grad;
+      const at::Tensor cast = model::to_compute(a);  // forward reads a: its bucket lands first
+      EXPECT_TRUE(torch::equal(cast, stepped(7)));
+    }
+    EXPECT_EQ(sync.gathers_in_flight(), 1);
+    EXPECT_TRUE(mine_only(b)) << b;
+    model::arrived(b.narrow(0, 3, 2));  // a slice of b
+    EXPECT_EQ(sync.gathers_in_flight(), 0);
+    EXPECT_TRUE(torch::equal(b, stepped(5))) << b;
+    EXPECT_GE(sync.gather_wait_seconds(), 0.0);
+    // Not read by any forward: the next finish() (before anything steps them) takes them.
+    for (const at::Tensor& p : {a, norm, b}) p.detach().zero_();
+    step();
+    sync.gather_params(/*overlap=*/true);
+    EXPECT_EQ(sync.gathers_in_flight(), 2);
+    sync.attach();
+    sync.finish();
+    EXPECT_EQ(sync.gathers_in_flight(), 0);
+    EXPECT_TRUE(torch::equal(a, stepped(7)) && torch::equal(b, stepped(5))) << a << b;
+    // Left in flight when the sync goes: its destructor waits, and nothing stays registered.
+    step();
+    sync.gather_params(/*overlap=*/true);
+  });
+}
+
 // ZeRO-1 under bf16 gathers the stepped parameters in bf16 (norms in fp32): only the copies of
 // other ranks' shards are rounded, and every use casts them to bf16 anyway, so the run is plain
 // DP's (two ranks sum in the same order either way), while gather_parameters() (as checkpoints)
@@ -255,11 +328,12 @@ TEST(DataParallel, ZeroOneGathersParametersInBf16AndKeepsMastersExact) {
     std::vector<double> losses;
     std::map<std::string, at::Tensor> exact, local;  // rank 0's
   };
-  const auto run = [](const std::string& zero) {
-    const fs::path dir = testing::temp_dir("bf16_dp2_zero" + zero);
+  const auto run = [](const std::string& zero, bool overlap) {
+    const fs::path dir = testing::temp_dir("bf16_dp2_zero" + zero + (overlap ? "" : "_waited"));
     const Spec spec =
         parse_spec(testing::kTinyVlm, "tiny",
-                   {"train.precision=\"bf16\"", "train.steps=3", "train.zero_stage=" + zero});
+                   {"train.precision=\"bf16\"", "train.steps=3", "train.zero_stage=" + zero,
+                    std::string("train.overlap_param_gather=") + (overlap ? "true" : "false")});
     Out out;
     testing::run_ranks(2, [&](const Comm& comm) {
       train::Trainer t(spec, plan::make_plan(spec, comm.size()), testing::run_options(dir, comm));
@@ -272,9 +346,14 @@ TEST(DataParallel, ZeroOneGathersParametersInBf16AndKeepsMastersExact) {
     });
     return out;
   };
-  const Out dp = run("0"), zero = run("1");
+  // ZeRO-1 with the parameter gather overlapped with the next forward (the default), and not.
+  const Out dp = run("0", true), zero = run("1", true), waited = run("1", false);
   ASSERT_EQ(zero.losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(zero.losses[i], dp.losses[i]) << "step " << i + 1;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(zero.losses[i], dp.losses[i]) << "step " << i + 1;
+    EXPECT_EQ(waited.losses[i], dp.losses[i]) << "step " << i + 1;
+  }
+  for (const auto& [name, p] : zero.local) EXPECT_TRUE(torch::equal(waited.local.at(name), p));
   int64_t rounded = 0;
   for (const auto& [name, p] : dp.exact) {
     EXPECT_TRUE(torch::equal(zero.exact.at(name), p)) << name;

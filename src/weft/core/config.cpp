@@ -101,6 +101,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "threads",
                                            "zero_stage",
                                            "overlap_grad_reduce",
+                                           "overlap_param_gather",
                                            "overlap_tp_comm",
                                            "grad_bucket_mb",
                                            "cast_once",
@@ -735,6 +736,7 @@ void read_train(const Section& s, TrainSpec* t) {
                  "must be at most 1024 intra-op threads per rank (0 = one per core)");
   s.count("zero_stage", &t->zero_stage, /*positive=*/false);
   s.read("overlap_grad_reduce", &t->overlap_grad_reduce);
+  s.read("overlap_param_gather", &t->overlap_param_gather);
   s.read("overlap_tp_comm", &t->overlap_tp_comm);
   s.amount("grad_bucket_mb", &t->grad_bucket_mb);
   s.read("cast_once", &t->cast_once);
@@ -1020,6 +1022,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("threads", t.threads);
   w.put("zero_stage", t.zero_stage);
   w.put("overlap_grad_reduce", t.overlap_grad_reduce);
+  w.put("overlap_param_gather", t.overlap_param_gather);
   w.put("overlap_tp_comm", t.overlap_tp_comm);
   w.put("grad_bucket_mb", t.grad_bucket_mb);
   w.put("cast_once", t.cast_once);

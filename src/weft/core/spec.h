@@ -202,6 +202,10 @@ struct TrainSpec {
   int64_t threads = 0;              // 0 = all cores
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
+  // ZeRO-1: the all-gather of the stepped parameters runs on into the next step, each bucket
+  // waited for where forward first reads it (Megatron's overlap_param_gather); false waits for
+  // all of it after the optimizer step.
+  bool overlap_param_gather = true;
   // TP / SP: a column-parallel linear's backward runs its collectives during its matmuls
   // (dist::column_linear); false waits for each where it is issued (for measuring).
   bool overlap_tp_comm = true;

@@ -6,10 +6,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
 #include <numeric>
+#include <tuple>
 
 #include "weft/core/error.h"
 
@@ -30,31 +32,37 @@ struct PostHook final : torch::autograd::FunctionPostHook {
 }  // namespace
 
 GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
-                   std::vector<Reduce> how, std::vector<at::ScalarType> wire)
+                   std::vector<Reduce> how, std::vector<at::ScalarType> wire,
+                   std::vector<model::ParamUse> use)
     : group_(std::move(group)), params_(std::move(params)) {
   if (how.empty()) how.assign(params_.size(), Reduce::kAllReduce);
   if (wire.empty()) wire.assign(params_.size(), at::kFloat);
-  WEFT_ASSERT(how.size() == params_.size() && wire.size() == params_.size(),
-              "GradSync: ", how.size(), " reductions and ", wire.size(), " dtypes for ",
-              params_.size(), " parameters");
+  if (use.empty()) use.assign(params_.size(), model::ParamUse::kCast);
+  WEFT_ASSERT(
+      how.size() == params_.size() && wire.size() == params_.size() && use.size() == params_.size(),
+      "GradSync: ", how.size(), " reductions, ", wire.size(), " dtypes and ", use.size(),
+      " uses for ", params_.size(), " parameters");
   bucket_of_.resize(params_.size());
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
   armed_of_.assign(params_.size(), 0);
   // Buckets fill in reverse creation order (roughly backward's); all-reduced parameters and
-  // reduce-scattered ones of each wire dtype fill their own, and a kScatterAlone one gets a
-  // bucket to itself.
-  std::map<std::pair<bool, at::ScalarType>, int64_t> open;
+  // reduce-scattered ones of each wire dtype and use fill their own, and a kScatterAlone one
+  // gets a bucket to itself.
+  std::map<std::tuple<bool, at::ScalarType, bool>, int64_t> open;
   const int64_t bucket_numel = bucket_bytes / static_cast<int64_t>(sizeof(float));
   for (size_t k = params_.size(); k-- > 0;) {
     const bool sharded = how[k] != Reduce::kAllReduce, alone = how[k] == Reduce::kScatterAlone;
-    const std::pair<bool, at::ScalarType> kind = {sharded, sharded ? wire[k] : at::kFloat};
+    const bool fp32_use = sharded && use[k] == model::ParamUse::kFp32;
+    const std::tuple<bool, at::ScalarType, bool> kind = {sharded, sharded ? wire[k] : at::kFloat,
+                                                         fp32_use};
     const auto it = open.find(kind);
     int64_t b = alone || it == open.end() ? -1 : it->second;
     if (b < 0 || buckets_[b].numel >= bucket_numel) {
       buckets_.emplace_back();
       buckets_.back().sharded = sharded;
-      buckets_.back().wire = kind.second;
+      buckets_.back().wire = std::get<1>(kind);
+      buckets_.back().fp32_use = fp32_use;
       b = static_cast<int64_t>(buckets_.size()) - 1;
       if (!alone) open[kind] = b;
     }
@@ -110,6 +118,10 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
 }
 
 GradSync::~GradSync() {
+  try {
+    finish_gather();  // nothing may stay registered, nor in flight into freed parameters
+  } catch (const std::exception&) {  // a failed peer: the run is ending with its own error
+  }
   for (size_t k = 0; k < hooks_.size(); ++k) accumulators_[k]->del_post_hook(hooks_[k]);
 }
 
@@ -181,6 +193,7 @@ void GradSync::launch(Bucket& b) {
 
 void GradSync::finish() {
   if (group_.size() == 1) return;
+  finish_gather();  // values no forward read this step, before anything steps them
   torch::NoGradGuard no_grad;
   if (!armed_) overlapped_ = 0;               // nothing could start during backward
   for (; next_ < buckets_.size(); ++next_) {  // the rest, in index order
@@ -215,44 +228,103 @@ void GradSync::finish() {
   armed_ = false;
 }
 
-void GradSync::gather_params() {
-  if (group_.size() == 1) return;
-  torch::NoGradGuard no_grad;
-  const auto flat = [&](size_t k) { return params_[k].second.detach().view({-1}); };
-  // Two buckets' all-gathers in flight at a time: the next one's transfer overlaps this one's
-  // copies, and the gathered copies held at once stay two buckets' worth.
-  std::vector<const Bucket*> sharded;
-  for (const Bucket& b : buckets_)
-    if (b.sharded) sharded.push_back(&b);
-  const auto start = [&](const Bucket& b) {
-    const int64_t lo = group_.rank() * b.shard;
-    at::Tensor mine = torch::zeros({b.shard}, b.buffer.options().dtype(b.wire));
-    for (size_t i : b.pieces) {
-      const ShardPiece& p = pieces_[i];
-      mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
-          .copy_(flat(p.param).narrow(0, p.begin, p.length));
-    }
-    return group_.all_gather_async(mine);
-  };
-  std::deque<PendingTensor> gathers;
-  for (size_t i = 0; i < sharded.size(); ++i) {
-    while (gathers.size() < 2 && i + gathers.size() < sharded.size())
-      gathers.push_back(start(*sharded[i + gathers.size()]));
-    const at::Tensor all = gathers.front().wait();
-    gathers.pop_front();
-    // The other ranks' shards (this rank's own is exact already; in fp32 it is the same).
-    const Bucket& b = *sharded[i];
-    const int64_t lo = group_.rank() * b.shard, hi = lo + b.shard;
-    for (size_t k : b.params) {
-      const int64_t o = offset_of_[k], m = params_[k].second.numel();
-      if (b.wire == at::kFloat || hi <= o || lo >= o + m) {
-        flat(k).copy_(all.narrow(0, o, m));
-        continue;
-      }
-      if (lo > o) flat(k).narrow(0, 0, lo - o).copy_(all.narrow(0, o, lo - o));
-      if (hi < o + m) flat(k).narrow(0, hi - o, o + m - hi).copy_(all.narrow(0, hi, o + m - hi));
-    }
+PendingTensor GradSync::start_gather(const Bucket& b) {
+  const int64_t lo = group_.rank() * b.shard;
+  at::Tensor mine = torch::zeros({b.shard}, b.buffer.options().dtype(b.wire));
+  for (size_t i : b.pieces) {
+    const ShardPiece& p = pieces_[i];
+    mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
+        .copy_(params_[p.param].second.detach().view({-1}).narrow(0, p.begin, p.length));
   }
+  return group_.all_gather_async(mine);
+}
+
+void GradSync::take_gathered(const Bucket& b, const at::Tensor& all) {
+  torch::NoGradGuard no_grad;  // into leaves that require grad, maybe from inside a forward
+  // The other ranks' shards (this rank's own is exact already; in fp32 it is the same).
+  const int64_t lo = group_.rank() * b.shard, hi = lo + b.shard;
+  for (size_t k : b.params) {
+    const at::Tensor flat = params_[k].second.detach().view({-1});
+    const int64_t o = offset_of_[k], m = flat.numel();
+    if (b.wire == at::kFloat || hi <= o || lo >= o + m) {
+      flat.copy_(all.narrow(0, o, m));
+      continue;
+    }
+    if (lo > o) flat.narrow(0, 0, lo - o).copy_(all.narrow(0, o, lo - o));
+    if (hi < o + m) flat.narrow(0, hi - o, o + m - hi).copy_(all.narrow(0, hi, o + m - hi));
+  }
+}
+
+void GradSync::gather_params(bool overlap) {
+  if (group_.size() == 1) return;
+  finish_gather();  // a step that never finished (an error mid-step) may have left some
+  torch::NoGradGuard no_grad;
+  // Sharded buckets in the order forward reads them (buckets are indexed in backward's), those
+  // read in fp32 (waited for at once when overlapped) first.
+  std::vector<size_t> order;
+  for (bool fp32_use : {true, false})
+    for (size_t i = buckets_.size(); i-- > 0;)
+      if (buckets_[i].sharded && buckets_[i].fp32_use == fp32_use) order.push_back(i);
+  std::lock_guard<std::mutex> lock(gather_mu_);
+  gather_wait_seconds_ = 0;
+  if (!overlap) {
+    // Two buckets' all-gathers in flight at a time: the next one's transfer overlaps this one's
+    // copies, and the gathered copies held at once stay two buckets' worth.
+    std::deque<PendingTensor> gathers;
+    for (size_t i = 0; i < order.size(); ++i) {
+      while (gathers.size() < 2 && i + gathers.size() < order.size())
+        gathers.push_back(start_gather(buckets_[order[i + gathers.size()]]));
+      take_gathered(buckets_[order[i]], gathers.front().wait());
+      gathers.pop_front();
+    }
+    return;
+  }
+  // Every bucket's gather at once: the wire copies held meanwhile (half the parameters' fp32
+  // bytes under bf16) are freed as forward reads each bucket, before activations build up.
+  for (size_t i : order)
+    buckets_[i].gathering = std::make_unique<PendingTensor>(start_gather(buckets_[i]));
+  for (size_t i : order) {
+    Bucket& b = buckets_[i];
+    if (b.fp32_use) {
+      take_gathered(b, b.gathering->wait());
+      b.gathering.reset();
+      continue;
+    }
+    std::vector<at::Tensor> params;
+    for (size_t k : b.params) params.push_back(params_[k].second);
+    b.arrival = model::expect_values(params, [this, i] { arrive(i); });
+  }
+}
+
+void GradSync::arrive(size_t i) {
+  std::lock_guard<std::mutex> lock(gather_mu_);
+  Bucket& b = buckets_[i];
+  if (!b.gathering) return;  // taken already
+  // Out of the registry and out of flight first: if the wait throws (a failed peer), nothing
+  // is left to wait for again.
+  if (b.arrival) model::values_arrived(std::exchange(b.arrival, 0));
+  std::unique_ptr<PendingTensor> gathering = std::move(b.gathering);
+  const auto t0 = std::chrono::steady_clock::now();
+  const at::Tensor all = gathering->wait();
+  gather_wait_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  take_gathered(b, all);
+}
+
+void GradSync::finish_gather() {
+  for (size_t i = buckets_.size(); i-- > 0;) arrive(i);  // in the order they started
+}
+
+double GradSync::gather_wait_seconds() const {
+  std::lock_guard<std::mutex> lock(gather_mu_);
+  return gather_wait_seconds_;
+}
+
+int64_t GradSync::gathers_in_flight() const {
+  std::lock_guard<std::mutex> lock(gather_mu_);
+  int64_t n = 0;
+  for (const Bucket& b : buckets_) n += b.gathering != nullptr;
+  return n;
 }
 
 }  // namespace weft::dist

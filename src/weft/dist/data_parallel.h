@@ -25,12 +25,20 @@
 // contribution), and steps the parameter elements in it (pieces()). gather_params() then
 // all-gathers the stepped shards into every rank's parameters: a reduce-scatter and an
 // all-gather move the bytes of one all-reduce, and each rank keeps 1/n of the moments.
+// gather_params(overlap = true) is Megatron's overlapped parameter gather: every bucket's
+// all-gather starts at once (in the order forward reads them), those of parameters read in fp32
+// (norms, routers: model::ParamUse::kFp32) are waited for there, and the rest are left in
+// flight: a bucket's values are copied in when the next forward first reads one of its
+// parameters (model::expect_values; to_compute waits for them), so the transfer overlaps the
+// data loading, the encoders' forward, pipeline warm-up and the layers before. finish() (and
+// finish_gather()) wait for whatever no forward read.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "weft/dist/comm.h"
@@ -64,9 +72,12 @@ class GradSync {
   // `how`: per parameter (empty: every one kAllReduce). `wire`: per sharded parameter, the dtype
   // gather_params() sends it in (empty: fp32); a narrower one rounds the copies other ranks keep
   // of this rank's shard (for parameters only ever used cast to it), while every rank keeps its
-  // own shard exact. A group of one rank reduces nothing and shards nothing.
+  // own shard exact. `use`: per parameter, how forward reads it (empty: every one kCast, through
+  // to_compute); an overlapped gather waits for kFp32 ones at once. A group of one rank reduces
+  // nothing and shards nothing.
   GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes = 4 << 20,
-           std::vector<Reduce> how = {}, std::vector<at::ScalarType> wire = {});
+           std::vector<Reduce> how = {}, std::vector<at::ScalarType> wire = {},
+           std::vector<model::ParamUse> use = {});
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
@@ -86,7 +97,13 @@ class GradSync {
   // Collective.
   bool sharded(size_t k) const { return group_.size() > 1 && buckets_[bucket_of_[k]].sharded; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
-  void gather_params();
+  void gather_params(bool overlap = false);
+  // Waits for the gathers left in flight (local: no collective). Thread-safe.
+  void finish_gather();
+  // Seconds spent waiting for gathered values since the last gather_params() (in forward, and in
+  // finish_gather(): what the overlap did not hide), and the buckets in flight.
+  double gather_wait_seconds() const;
+  int64_t gathers_in_flight() const;
 
  private:
   struct Bucket {
@@ -97,12 +114,19 @@ class GradSync {
     int64_t shard = 0;                 // sharded: each rank's share of the (padded) buffer
     at::Tensor buffer;                 // fp32, flat (sharded: padded to `shard` x group size)
     std::vector<size_t> pieces;        // sharded: this rank's, indices into pieces_
+    bool fp32_use = false;             // its parameters are read in fp32, not via to_compute
     int64_t ready = 0;
     bool launched = false;
     Pending pending;
+    // Overlapped parameter gather: the all-gather in flight, and its model::expect_values entry.
+    std::unique_ptr<PendingTensor> gathering;
+    uint64_t arrival = 0;
   };
   void on_accumulated(size_t k);
   void launch(Bucket& b);
+  PendingTensor start_gather(const Bucket& b);
+  void take_gathered(const Bucket& b, const at::Tensor& all);  // others' shards into parameters
+  void arrive(size_t bucket);        // waits for its gather in flight, if any, and takes it
   at::Tensor slice(size_t k) const;  // parameter k's part of its bucket, shaped as the parameter
   bool attached(size_t k) const;     // .grad is that part
 
@@ -121,6 +145,9 @@ class GradSync {
   bool armed_ = false;             // any parameter armed this step
   std::vector<uint8_t> armed_of_;  // per parameter: its next accumulation completes its gradient
   int64_t overlapped_ = 0;
+  // The overlapped gather's state: arrive() runs on whichever thread reads a parameter first.
+  mutable std::mutex gather_mu_;
+  double gather_wait_seconds_ = 0;
 };
 
 }  // namespace weft::dist

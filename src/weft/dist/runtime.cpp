@@ -287,16 +287,17 @@ struct Runtime::Impl {
       model::NamedTensors ps;
       std::vector<Reduce> how;
       std::vector<at::ScalarType> wire;
+      std::vector<model::ParamUse> use;
       for (size_t t : g.params) {
         ps.push_back(trainable[t]);
         const size_t k = trainable_param[t];
         how.push_back(!opts.zero1 || model->param_set().split(k).partial_grad ? Reduce::kAllReduce
                       : static_cast<int64_t>(t) == tied_index ? Reduce::kScatterAlone
                                                               : Reduce::kScatter);
-        wire.push_back(model->param_set().use(k) == model::ParamUse::kCast ? opts.param_gather_dtype
-                                                                           : at::kFloat);
+        use.push_back(model->param_set().use(k));
+        wire.push_back(use.back() == model::ParamUse::kCast ? opts.param_gather_dtype : at::kFloat);
       }
-      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes, how, wire);
+      g.sync = std::make_unique<GradSync>(g.group, ps, opts.bucket_bytes, how, wire, use);
       for (size_t i = 0; i < g.params.size(); ++i) sharded[g.params[i]] = g.sync->sharded(i);
       for (ShardPiece p : g.sync->pieces()) {
         p.param = g.params[p.param];
@@ -1090,6 +1091,10 @@ struct Runtime::Impl {
       }
     }
     casts.reset();
+    // ZeRO-1: the parameter values no forward read (a module without items), before the gradient
+    // reductions.
+    finish_param_gathers();
+    for (const SyncGroup* g : syncs()) times.param_wait_seconds += g->sync->gather_wait_seconds();
     for (Pending& p : sends) p.wait();
     sends.clear();
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
@@ -1206,10 +1211,22 @@ struct Runtime::Impl {
     return std::sqrt(total.item<double>());
   }
 
+  // Every sync group of this rank's modules.
+  std::vector<const SyncGroup*> syncs() const {
+    std::vector<const SyncGroup*> out;
+    for (const auto& g : enc_sync) out.push_back(&g);
+    out.push_back(&llm_sync);
+    if (expert_parallel) out.push_back(&expert_sync);
+    return out;
+  }
+
   void after_optimizer_step() {
-    for (auto& g : enc_sync) g.sync->gather_params();
-    llm_sync.sync->gather_params();
-    if (expert_parallel) expert_sync.sync->gather_params();
+    for (const SyncGroup* g : syncs()) g->sync->gather_params(opts.overlap_param_gather);
+  }
+
+  // Waits for the parameter values still in flight (local).
+  void finish_param_gathers() const {
+    for (const SyncGroup* g : syncs()) g->sync->finish_gather();
   }
 
   // ZeRO-1: each per-trainable tensor of a sharded parameter (a gradient, an optimizer moment),
@@ -1249,6 +1266,7 @@ struct Runtime::Impl {
   // Every parameter's value (detached), exact: under a narrow ZeRO-1 gather the sharded ones
   // made whole from each rank's own pieces. Collective then.
   std::vector<at::Tensor> exact_parameters() const {
+    finish_param_gathers();
     const model::NamedTensors& params = model->parameters();
     std::vector<at::Tensor> out;
     for (const auto& [name, p] : params) out.push_back(p.detach());
@@ -1357,7 +1375,10 @@ Runtime::Runtime(const ModelSpec& model, uint64_t seed, const plan::Plan& plan, 
                  RuntimeOptions options)
     : impl_(std::make_unique<Impl>(model, seed, plan, std::move(world), options)) {}
 Runtime::~Runtime() = default;
-model::MultimodalModel& Runtime::model() { return *impl_->model; }
+model::MultimodalModel& Runtime::model() {
+  impl_->finish_param_gathers();  // whatever the caller reads
+  return *impl_->model;
+}
 const Comm& Runtime::world() const { return impl_->world; }
 const model::NamedTensors& Runtime::trainable() const { return impl_->trainable; }
 const std::vector<ShardPiece>& Runtime::optimizer_pieces() const { return impl_->pieces; }

@@ -53,6 +53,9 @@ struct RuntimeOptions {
   // fp32, norms and routers, still travel in fp32), each rank's own shard stays exact, and
   // checkpoints and gather_parameters() take every shard from the rank that holds it exactly.
   at::ScalarType param_gather_dtype = at::kFloat;
+  // ZeRO-1: the parameter all-gather left in flight after the optimizer step, each bucket
+  // waited for where the next forward first reads it (GradSync::gather_params(true)).
+  bool overlap_param_gather = true;
   bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)
   // What frozen modules' cast parameters are held in (model::Hosting::frozen_dtype).
   at::ScalarType frozen_dtype = at::kFloat;
@@ -64,6 +67,9 @@ struct RuntimeOptions {
 
 struct StepTimes {
   double grad_sync_seconds = 0;  // exposed (not overlapped) gradient reduction
+  // ZeRO-1 with the overlapped parameter gather: time this step waited for parameter values
+  // still in flight from the last optimizer step (the gather's exposed part).
+  double param_wait_seconds = 0;
   int64_t buckets_overlapped = 0;
   double p2p_wait_seconds = 0;  // time blocked in receives (pipeline bubbles + transfers)
   // Time blocked in the TP / CP / EP / SP collectives of forward and backward (blocked_seconds():
@@ -132,7 +138,8 @@ class Runtime {
   // norm is the square root of its sum, and a non-finite entry names the parameter.
   at::Tensor grad_squares() const;
   // After the optimizer stepped (ZeRO-1): every rank gets its parameters' updated values (the
-  // all-gathers of the stepped shards).
+  // all-gathers of the stepped shards; overlapped, they arrive as the next forward reads them,
+  // and model(), gather_parameters() and checkpoint_shards() wait for them all).
   void after_optimizer_step();
 
   // Full (unsharded) tensors of the whole model on `root`, by parameter name: for each of this

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <map>
 #include <mutex>
 
 #include "weft/core/error.h"
@@ -197,7 +198,69 @@ CastOnce::Resume::Resume(const std::weak_ptr<Cache>& cache)
 }
 CastOnce::Resume::~Resume() { t_cast_once = saved_; }
 
+namespace {
+// expect_values' registry: the byte ranges of the parameters of every group still expected.
+struct Expected {
+  std::mutex mu;
+  struct Range {
+    uintptr_t begin, end;
+    ArrivalId id;
+  };
+  std::vector<Range> ranges;  // sorted by begin; parameters never overlap
+  std::map<ArrivalId, std::shared_ptr<const std::function<void()>>> arrive;
+  ArrivalId next = 1;
+  std::atomic<size_t> groups{0};
+};
+Expected& expected() {
+  static Expected* e = new Expected;  // never destroyed: GradSyncs may outlive static teardown
+  return *e;
+}
+}  // namespace
+
+ArrivalId expect_values(const std::vector<at::Tensor>& params, std::function<void()> arrive) {
+  Expected& e = expected();
+  std::lock_guard<std::mutex> lock(e.mu);
+  const ArrivalId id = e.next++;
+  for (const at::Tensor& p : params) {
+    if (!p.defined() || p.numel() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(p.data_ptr());
+    e.ranges.push_back({begin, begin + p.numel() * p.element_size(), id});
+  }
+  std::sort(e.ranges.begin(), e.ranges.end(),
+            [](const Expected::Range& a, const Expected::Range& b) { return a.begin < b.begin; });
+  e.arrive.emplace(id, std::make_shared<const std::function<void()>>(std::move(arrive)));
+  e.groups.store(e.arrive.size(), std::memory_order_release);
+  return id;
+}
+
+void values_arrived(ArrivalId id) {
+  Expected& e = expected();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.ranges.erase(std::remove_if(e.ranges.begin(), e.ranges.end(),
+                                [id](const Expected::Range& r) { return r.id == id; }),
+                 e.ranges.end());
+  e.arrive.erase(id);
+  e.groups.store(e.arrive.size(), std::memory_order_release);
+}
+
+const at::Tensor& arrived(const at::Tensor& t) {
+  Expected& e = expected();
+  if (e.groups.load(std::memory_order_acquire) == 0 || !t.defined() || t.numel() == 0) return t;
+  std::shared_ptr<const std::function<void()>> arrive;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+    auto it = std::upper_bound(e.ranges.begin(), e.ranges.end(), address,
+                               [](uintptr_t a, const Expected::Range& r) { return a < r.begin; });
+    if (it == e.ranges.begin() || address >= std::prev(it)->end) return t;
+    arrive = e.arrive.at(std::prev(it)->id);
+  }
+  (*arrive)();  // outside the registry's lock: it waits for a transfer, and calls values_arrived
+  return t;
+}
+
 at::Tensor to_compute(const at::Tensor& t) {
+  arrived(t);
   if (!t.defined() || t.scalar_type() == t_compute_dtype || !t.is_floating_point()) return t;
   if (t_cast_once) {
     at::Tensor cast = t_cast_once->find(t);

@@ -14,6 +14,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -138,8 +140,25 @@ class ComputeDtypeGuard {
   at::ScalarType saved_;
 };
 // A floating tensor cast to the compute dtype (no-op when it already is). Inside a CastOnce
-// scope, a parameter's cast is made once and shared.
+// scope, a parameter's cast is made once and shared. A parameter whose value is still on its
+// way (expect_values) is waited for first.
 at::Tensor to_compute(const at::Tensor& t);
+
+// Parameter values still on their way: ZeRO-1's all-gather of the stepped parameters, left in
+// flight into the next step's forward (dist::GradSync). expect_values(params, arrive) registers
+// a group of parameters whose storage will be written when `arrive` runs; arrive() must make
+// them current and call values_arrived(id) (it may be called again, or from two threads at
+// once, before that takes effect: it must be idempotent and thread-safe). Until then, a read of
+// any of them through arrived() — and so through to_compute, which every forward read of a
+// kCast parameter goes through — runs arrive() first. Reads are matched by address range, so
+// views and slices of a parameter count. A forward that reads a kCast parameter's value
+// otherwise (an embedding's rows) must pass it through arrived(). Thread-safe; while nothing is
+// expected it costs an atomic load.
+using ArrivalId = uint64_t;
+ArrivalId expect_values(const std::vector<at::Tensor>& params, std::function<void()> arrive);
+void values_arrived(ArrivalId id);
+// `t`, once its value is current: runs the arrive() of the group holding it, if any.
+const at::Tensor& arrived(const at::Tensor& t);
 
 // Parameters cast to the compute dtype once per scope (the microbatches of a training step, an
 // evaluation) instead of at every use. Without it, every microbatch and every pipeline op casts

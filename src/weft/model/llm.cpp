@@ -69,6 +69,8 @@ at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids) {
 }  // namespace
 
 at::Tensor Llm::embed(const at::Tensor& tokens) const {
+  // The rows are read from the parameter itself (and cast): not through to_compute.
+  arrived(embedding);
   if (tp.size() == 1) return to_compute(lookup(embedding, tokens));
   // Vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros elsewhere,
   // and the sum over TP assembles every embedding.

@@ -495,6 +495,7 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
 Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   const bool shared = n.placement != kSeparate;
   const bool overlap = spec_.train.overlap_grad_reduce;
+  const bool gather_overlapped = spec_.train.overlap_param_gather && !o_.sim.comm_occupies_rank;
   std::vector<std::vector<Work>> w(static_cast<size_t>(E_ + 1));
   for (size_t k = 0; k < n.enc.size(); ++k) w[k] = works(static_cast<int64_t>(k), n.enc[k], n);
   std::vector<Work> cw;  // the LLM's per virtual stage v = chunk · P + s (vp = 1: lw)
@@ -604,7 +605,9 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         static_bytes += x.llm->static_bytes, act += x.llm->act, gather += x.llm->gather;
       }
       out.memory = std::max(out.memory, static_bytes + act);
-      opt = std::max(opt, optimizer_seconds(bytes, measured) + gather);
+      // ZeRO-1's parameter gather follows the optimizer step, or overlapped runs from the
+      // step's start and the rank's first forwards end no sooner than it (the simulator's).
+      opt = std::max(opt, optimizer_seconds(bytes, measured) + (gather_overlapped ? 0 : gather));
       double bound = 0, full = 0, tail = 0, t = 0;
       if (x.enc_stage >= 0) {  // an encoder stage of its own; its last backward follows the LLM's
         const int64_t k = x.enc.front().first;
@@ -644,6 +647,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         }
       }
       bound = std::max(bound, t + (overlap ? tail : full));
+      if (gather_overlapped) bound = std::max(bound, gather);
       arrival = std::max(arrival, bound);
     }
 

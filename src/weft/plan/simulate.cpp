@@ -77,6 +77,11 @@ struct Op {
   int64_t arms = -1;        // the gradient reduction (Engine::arm_key) this last backward starts
   int64_t collective = -1;  // index into Engine::collectives; a step-end collective
   bool llm = false;         // a forward / backward of the LLM
+  int64_t module = -1;      // a forward's module
+  // ZeRO-1's overlapped parameter gather, in flight from the step's start: a module's first
+  // forward on a rank starts once its first bucket is there and ends no sooner than the last.
+  double gather_first = 0, gather_last = 0;
+  std::string gather_name;
   // Measured contention: seconds the op's compute takes on top of `base` while another rank of
   // its node computes throughout (0 = none); `seconds` = base + the share of it that applies.
   double base = 0, shared_extra = 0;
@@ -358,6 +363,7 @@ class Engine {
             (last ? all_gather(cp_group, n * T * H * act_) + (sp ? all_gather(tp_group, bytes) : 0)
                   : 0);
         Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
+        op.module = e;
         if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
         if (!last) {
           op.sends.push_back(
@@ -504,6 +510,7 @@ class Engine {
       Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
                       static_cast<double>(tp * cp), comm);
       op.llm = true;
+      op.module = llm_;
       if (first) {
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder) continue;
@@ -693,17 +700,42 @@ class Engine {
     }
     // ZeRO-1: every rank then takes the parameters the others stepped: an all-gather of the
     // trainable parameters over each group that shards their moments, module by module, in the
-    // compute dtype (bf16: half the fp32 bytes).
+    // compute dtype (bf16: half the fp32 bytes). Overlapped (train.overlap_param_gather), the
+    // gathers run from the step's start, one after another in the runtime's launch order
+    // (encoders, LLM, experts), and each module's first forward on this rank waits for its first
+    // bucket and ends no sooner than its last (simplified: later layers' buckets arrive while
+    // the earlier ones compute). Not on CPU ranks, where Gloo's work takes the computing core
+    // (comm_occupies_rank): there the gathers follow the optimizer step.
     if (spec_.train.zero_stage != 1) return;
     const double wire = zero1_gather_fraction(spec_);
+    const bool overlap = spec_.train.overlap_param_gather && !o_.comm_occupies_rank;
+    const double bucket = wire * spec_.train.grad_bucket_mb * 1024 * 1024;
+    double launched = 0;  // overlapped: where this rank's gathers so far end
     for (size_t i = 0; i < plan_.modules.size(); ++i) {
       const ModulePlan& m = plan_.modules[i];
       if (m.role == ModuleRole::kProjector || !m.hosts(r)) continue;
       const Holding held = rank_holding(rank_cost(static_cast<int64_t>(i), r), m.layout, true);
+      Op* first_forward = nullptr;
+      for (Op& op : ops_[r])
+        if (op.module == static_cast<int64_t>(i) && op.category == "forward") {
+          first_forward = &op;
+          break;
+        }
       const auto gather = [&](const std::string& name, const std::vector<int64_t>& g,
                               double bytes) {
-        if (bytes > 0)
-          add_collective(r, name, g, ring(o_.grad_curve, g, bytes, false, CollectiveAlgo::kRing));
+        if (bytes <= 0 || g.size() <= 1) return;
+        const double seconds = ring(o_.grad_curve, g, bytes, false, CollectiveAlgo::kRing);
+        if (!overlap) {
+          add_collective(r, name, g, seconds);
+          return;
+        }
+        if (first_forward == nullptr) return;  // no items: it lands while the rank waits
+        const double first =
+            ring(o_.grad_curve, g, std::min(bytes, bucket), false, CollectiveAlgo::kRing);
+        first_forward->gather_first = std::max(first_forward->gather_first, launched + first);
+        first_forward->gather_last = std::max(first_forward->gather_last, launched + seconds);
+        first_forward->gather_name = name;
+        launched += seconds;
       };
       gather(m.name + " ZeRO-1 parameter all-gather", m.group(r, {Axis::kCp, Axis::kDp}),
              wire * (held.grads - held.expert_grads));
@@ -808,16 +840,29 @@ class Engine {
             start = std::max(start, it->second);
           }
           if (!ready) break;
-          const double end = start + op.seconds;
+          // The exposed part of an overlapped parameter gather: before the op, and after it.
+          if (op.gather_first > start) {
+            rep.collective_seconds += op.gather_first - start;
+            record(static_cast<int64_t>(r), op.gather_name + " (wait)", "collective", start,
+                   op.gather_first - start);
+            start = op.gather_first;
+          }
+          const double compute_end = start + op.seconds;
+          const double end = std::max(compute_end, op.gather_last);
+          if (end > compute_end) {
+            rep.collective_seconds += end - compute_end;
+            record(static_cast<int64_t>(r), op.gather_name + " (wait)", "collective", compute_end,
+                   end - compute_end);
+          }
           ops_[r][cursor[r]].last_start = start;
-          ops_[r][cursor[r]].last_end = end;
+          ops_[r][cursor[r]].last_end = compute_end;
           for (const Send& s : op.sends) {
             const bool fresh =
                 arrival.emplace(s.key, end + message(static_cast<int64_t>(r), s.dst, s.bytes))
                     .second;
             WEFT_ASSERT(fresh, "message sent twice: ", op.name);
           }
-          if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, end};
+          if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, compute_end};
           activations[r] += op.keep_bytes;
           rep.peak_activation_bytes = std::max(rep.peak_activation_bytes, activations[r]);
           activations[r] -= op.free_bytes;
@@ -829,7 +874,7 @@ class Engine {
           } else {
             rep.busy_seconds += op.seconds;
             rep.comm_seconds += op.comm_seconds;
-            busy_[r].push_back({start, end});
+            busy_[r].push_back({start, compute_end});
           }
           if (op.llm) llm_compute_end_ = std::max(llm_compute_end_, end);
           record(static_cast<int64_t>(r), op.name, op.category, start, op.seconds);

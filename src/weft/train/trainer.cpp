@@ -167,6 +167,7 @@ struct Trainer::Impl {
     dist::RuntimeOptions ro;
     ro.bucket_bytes = static_cast<int64_t>(spec.train.grad_bucket_mb * (1 << 20));
     ro.overlap_grad_reduce = spec.train.overlap_grad_reduce;
+    ro.overlap_param_gather = spec.train.overlap_param_gather;
     dist::set_overlap_tp_comm(spec.train.overlap_tp_comm);
     ro.zero1 = spec.train.zero_stage == 1;
     ro.param_gather_dtype = compute;
@@ -826,6 +827,10 @@ Summary Trainer::run() {
       line["grad_buckets_overlapped"] = times.buckets_overlapped;
       line["p2p_wait_seconds"] = times.p2p_wait_seconds;
       line["collective_wait_seconds"] = times.collective_wait_seconds;
+      if (m.spec.train.zero_stage == 1) {  // exposed wait for the parameters' all-gather
+        line["param_wait_seconds"] = times.param_wait_seconds;
+        time_parts["param_wait"] += times.param_wait_seconds;
+      }
       time_parts["collective_wait"] += times.collective_wait_seconds;
       time_parts["grad_sync"] += times.grad_sync_seconds;
       time_parts["p2p_wait"] += times.p2p_wait_seconds;
