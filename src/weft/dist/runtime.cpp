@@ -1233,7 +1233,7 @@ struct Runtime::Impl {
   // valid on this rank's pieces only (or undefined where it has none), becomes the whole on
   // every rank of its sync group: the pieces are summed over the group, everything else zero.
   // Collective.
-  void from_owners(std::vector<at::Tensor>& values) const {
+  void whole_from_pieces(std::vector<at::Tensor>& values) const {
     WEFT_ASSERT(values.size() == trainable.size());
     torch::NoGradGuard no_grad;
     auto one = [&](const SyncGroup& g) {
@@ -1273,7 +1273,7 @@ struct Runtime::Impl {
     if (!opts.zero1 || opts.param_gather_dtype == at::kFloat) return out;
     std::vector<at::Tensor> values;
     for (size_t t = 0; t < trainable.size(); ++t) values.push_back(out[trainable_param[t]]);
-    from_owners(values);
+    whole_from_pieces(values);
     for (size_t t = 0; t < trainable.size(); ++t) out[trainable_param[t]] = values[t];
     return out;
   }
@@ -1337,7 +1337,7 @@ model::NamedTensors Runtime::gather_parameters(int root) const {
 model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_trainable,
                                               int root) const {
   Impl& m = *impl_;
-  m.from_owners(per_trainable);
+  m.whole_from_pieces(per_trainable);
   std::vector<at::Tensor> local(m.model->parameters().size());
   for (size_t t = 0; t < per_trainable.size(); ++t) local[m.trainable_param[t]] = per_trainable[t];
   return m.gather_full(local, root);
@@ -1359,7 +1359,7 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
     if (m.param_canonical[k]) out.push_back(shard("model/" + params[k].first, k, exact[k]));
   for (const auto& [kind, per_trainable] : moments) {
     std::vector<at::Tensor> values = per_trainable;
-    m.from_owners(values);
+    m.whole_from_pieces(values);
     for (size_t t = 0; t < values.size(); ++t) {
       const size_t k = m.trainable_param[t];
       if (m.param_canonical[k] && values[t].defined())

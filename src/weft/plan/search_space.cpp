@@ -613,6 +613,8 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         const int64_t k = x.enc.front().first;
         const Work& e = x.enc.front().second;
         t = data_ + e.fwd + e.bwd;
+        // Overlapped ZeRO-1 gather: its first forward ends no sooner than it.
+        if (gather_overlapped && e.fwd > 0) t = std::max(t, gather + e.fwd - e.first_fwd + e.bwd);
         if (e.backward && info(k).backward) {
           const std::vector<Work>& ew = w[static_cast<size_t>(k)];
           double last = end[0], first = bwd0 + e.bwd;
@@ -628,6 +630,9 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         tail = e.backward ? e.tail : 0;
       } else {  // its encoders' forwards, its LLM stage, its encoders' backwards
         t = std::max(data_ + fwd, x.enc_ready) + (x.llm ? x.llm->fwd + x.llm->bwd : 0);
+        // Overlapped ZeRO-1 gathers: the LLM's first forward ends no sooner than all of them.
+        if (gather_overlapped && x.llm)
+          t = std::max(t, gather + x.llm->fwd - x.llm->first_fwd + x.llm->bwd);
         if (x.chain) {
           t = std::max(t, end[static_cast<size_t>(x.llm_stage)]);
           bound = std::max(bound, reduced[static_cast<size_t>(x.llm_stage)]);
