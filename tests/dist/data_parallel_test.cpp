@@ -303,7 +303,7 @@ TEST(DataParallel, ZeroOneOverlappedGatherArrivesWhereForwardReadsIt) {
     model::arrived(b.narrow(0, 3, 2));  // a slice of b
     EXPECT_EQ(sync.gathers_in_flight(), 0);
     EXPECT_TRUE(torch::equal(b, stepped(5))) << b;
-    EXPECT_GE(sync.gather_wait_seconds(), 0.0);
+    EXPECT_GE(sync.take_gather_wait_seconds(), 0.0);
     // Not read by any forward: the next finish() (before anything steps them) takes them.
     for (const at::Tensor& p : {a, norm, b}) p.detach().zero_();
     step();

@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <numeric>
 #include <tuple>
+#include <utility>
 
 #include "weft/core/error.h"
 
@@ -266,7 +268,6 @@ void GradSync::gather_params(bool overlap) {
     for (size_t i = buckets_.size(); i-- > 0;)
       if (buckets_[i].sharded && buckets_[i].fp32_use == fp32_use) order.push_back(i);
   std::lock_guard<std::mutex> lock(gather_mu_);
-  gather_wait_seconds_ = 0;
   if (!overlap) {
     // Two buckets' all-gathers in flight at a time: the next one's transfer overlaps this one's
     // copies, and the gathered copies held at once stay two buckets' worth.
@@ -312,12 +313,22 @@ void GradSync::arrive(size_t i) {
 }
 
 void GradSync::finish_gather() {
-  for (size_t i = buckets_.size(); i-- > 0;) arrive(i);  // in the order they started
+  // In the order they started. A failed wait (a dead peer) leaves the others to be taken out of
+  // the registry and waited for all the same; the first error goes up after.
+  std::exception_ptr error;
+  for (size_t i = buckets_.size(); i-- > 0;) {
+    try {
+      arrive(i);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
-double GradSync::gather_wait_seconds() const {
+double GradSync::take_gather_wait_seconds() {
   std::lock_guard<std::mutex> lock(gather_mu_);
-  return gather_wait_seconds_;
+  return std::exchange(gather_wait_seconds_, 0.0);
 }
 
 int64_t GradSync::gathers_in_flight() const {

@@ -100,9 +100,10 @@ class GradSync {
   void gather_params(bool overlap = false);
   // Waits for the gathers left in flight (local: no collective). Thread-safe.
   void finish_gather();
-  // Seconds spent waiting for gathered values since the last gather_params() (in forward, and in
-  // finish_gather(): what the overlap did not hide), and the buckets in flight.
-  double gather_wait_seconds() const;
+  // Seconds the host spent waiting for overlapped gathers' values since the last call (in
+  // forward, and in finish_gather(): what the overlap did not hide; with NCCL only the host's
+  // wait, as the device stream waits instead), and the buckets in flight.
+  double take_gather_wait_seconds();
   int64_t gathers_in_flight() const;
 
  private:

@@ -1094,12 +1094,15 @@ struct Runtime::Impl {
     // ZeRO-1: the parameter values no forward read (a module without items), before the gradient
     // reductions.
     finish_param_gathers();
-    for (const SyncGroup* g : syncs()) times.param_wait_seconds += g->sync->gather_wait_seconds();
+    for (const SyncGroup* g : syncs())
+      times.param_wait_seconds += g->sync->take_gather_wait_seconds();
     for (Pending& p : sends) p.wait();
     sends.clear();
     WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
     WEFT_ASSERT(posted.empty(), posted.size(), " posted receives not read");
-    times.collective_wait_seconds = blocked_seconds() - blocked0;
+    // (Less the waits for parameters in flight, which Comm counts too: param_wait_seconds.)
+    times.collective_wait_seconds =
+        std::max(0.0, blocked_seconds() - blocked0 - times.param_wait_seconds);
     // 4. Gradients: data x context parallel sums per module (ZeRO-1: reduce-scatters), then tied
     // embedding copies.
     const double t0 = now();

@@ -68,7 +68,8 @@ struct RuntimeOptions {
 struct StepTimes {
   double grad_sync_seconds = 0;  // exposed (not overlapped) gradient reduction
   // ZeRO-1 with the overlapped parameter gather: time this step waited for parameter values
-  // still in flight from the last optimizer step (the gather's exposed part).
+  // still in flight from the last optimizer step (the gather's exposed part; with NCCL the
+  // host's wait only, the device stream waiting instead).
   double param_wait_seconds = 0;
   int64_t buckets_overlapped = 0;
   double p2p_wait_seconds = 0;  // time blocked in receives (pipeline bubbles + transfers)

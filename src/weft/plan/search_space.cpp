@@ -652,7 +652,10 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         }
       }
       bound = std::max(bound, t + (overlap ? tail : full));
-      if (gather_overlapped) bound = std::max(bound, gather);
+      // (A rank whose only encoder runs no forward waits for nothing; on one with an LLM its first
+      // forward waits for every gather of the rank, launched before or with it.)
+      if (gather_overlapped && (x.llm || (x.enc_stage >= 0 && fwd > 0)))
+        bound = std::max(bound, gather);
       arrival = std::max(arrival, bound);
     }
 

@@ -729,13 +729,14 @@ class Engine {
           add_collective(r, name, g, seconds);
           return;
         }
+        launched += seconds;  // whether or not a forward here waits for it: in launch order
         if (first_forward == nullptr) return;  // no items: it lands while the rank waits
         const double first =
             ring(o_.grad_curve, g, std::min(bytes, bucket), false, CollectiveAlgo::kRing);
-        first_forward->gather_first = std::max(first_forward->gather_first, launched + first);
-        first_forward->gather_last = std::max(first_forward->gather_last, launched + seconds);
+        const double begin = launched - seconds;
+        first_forward->gather_first = std::max(first_forward->gather_first, begin + first);
+        first_forward->gather_last = std::max(first_forward->gather_last, launched);
         first_forward->gather_name = name;
-        launched += seconds;
       };
       gather(m.name + " ZeRO-1 parameter all-gather", m.group(r, {Axis::kCp, Axis::kDp}),
              wire * (held.grads - held.expert_grads));
