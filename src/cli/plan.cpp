@@ -24,7 +24,7 @@ struct PlanArgs {
   std::string config, cluster, out, snippet, json;
   std::vector<std::string> sets, placements;
   int64_t world = 0;  // without --cluster: ranks to plan for (default 1); with: devices to use
-  int64_t top = 5, max_simulations = 400;
+  int64_t top = 5, max_simulations = 400, threads = 0;
   double time_budget = 50, gap = 0.5;  // gap in percent
 };
 
@@ -51,6 +51,7 @@ int run_search(const PlanArgs& a) {
   o.max_simulations = a.max_simulations;
   o.time_budget_seconds = a.time_budget;
   o.gap = a.gap / 100;
+  o.threads = a.threads;
   const plan::SearchResult r = plan::search(spec, cluster, o);
   const plan::SearchStats& st = r.stats;
   const int64_t devices = a.world > 0 ? a.world : cluster.world_size();
@@ -185,6 +186,10 @@ std::function<int()> add_plan(CLI::App& app) {
       ->check(weft::cli::kPositive);
   cmd->add_option("--time-budget", args->time_budget,
                   "with --cluster: stop after this many seconds")
+      ->check(weft::cli::kPositive);
+  cmd->add_option("--threads", args->threads,
+                  "with --cluster: threads simulating candidates (default: every core, at most 8; "
+                  "the plan found does not depend on it)")
       ->check(weft::cli::kPositive);
   cmd->add_option("--gap", args->gap,
                   "with --cluster: optimality gap in percent: plans whose bound is within it of "

@@ -146,6 +146,37 @@ TEST(Search, BoundIsALowerBoundAndPruningKeepsTheOptimum) {
   }
 }
 
+// Candidates are simulated in batches on several threads: the threads change nothing, and a
+// batch of one (each candidate pruned against every simulation before it) finds the same optimum
+// with no more simulations.
+TEST(Search, BatchedSimulationDoesNotDependOnTheThreads) {
+  const Spec spec = small_vlm(true);
+  const Cluster cluster = h100(2);
+  SearchOptions o = small_space();
+  o.threads = 1;
+  const SearchResult one = search(spec, cluster, o);
+  o.threads = 3;
+  const SearchResult three = search(spec, cluster, o);
+  ASSERT_TRUE(one.stats.complete);
+  ASSERT_TRUE(three.stats.complete);
+  EXPECT_EQ(one.stats.simulated, three.stats.simulated);
+  EXPECT_EQ(one.stats.nodes, three.stats.nodes);
+  ASSERT_EQ(one.best.size(), three.best.size());
+  for (size_t i = 0; i < one.best.size(); ++i) {
+    EXPECT_EQ(describe(spec, one.best[i].candidate), describe(spec, three.best[i].candidate));
+    EXPECT_EQ(one.best[i].sim.step_seconds, three.best[i].sim.step_seconds);
+    EXPECT_EQ(one.best[i].lower_bound, three.best[i].lower_bound);
+  }
+  EXPECT_GT(one.stats.simulated, 8) << "more than one batch";
+  o.batch = 1;
+  const SearchResult serial = search(spec, cluster, o);
+  ASSERT_TRUE(serial.stats.complete);
+  EXPECT_EQ(serial.best.front().sim.step_seconds, one.best.front().sim.step_seconds);
+  EXPECT_LE(serial.stats.simulated, one.stats.simulated);
+  o.batch = 0;
+  EXPECT_THROW(search(spec, cluster, o), Error);
+}
+
 TEST(Search, BoundHoldsForTheMegatronBaseline) {
   const Spec spec = small_vlm();
   const Cluster cluster = h100(2);

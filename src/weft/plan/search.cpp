@@ -3,6 +3,7 @@
 #include "weft/plan/search.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -10,6 +11,7 @@
 #include <queue>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -119,6 +121,8 @@ class Searcher {
   Searcher(const Spec& spec, const Cluster& cluster, const SearchOptions& options)
       : spec_(spec), cl_(cluster), o_(options), space_(spec, cluster, options) {
     WEFT_CHECK(o_.gap >= 0, "[plan] the optimality gap must be >= 0, got ", o_.gap);
+    WEFT_CHECK(o_.batch >= 1, "[plan] the simulation batch must be >= 1, got ", o_.batch);
+    WEFT_CHECK(o_.threads >= 0, "[plan] threads must be >= 0 (0: every core), got ", o_.threads);
   }
   SearchResult run();
   std::vector<BoundedCandidate> enumerate();
@@ -138,7 +142,40 @@ class Searcher {
   void children(const Node& n, const std::function<void(Node&&)>& emit) {
     space_.children(n, emit);
   }
+  // The leaves batch[i] = (index into nodes, bound) simulated, on up to o_.threads threads; in
+  // batch order.
+  std::vector<Evaluation> evaluate_all(const std::vector<std::pair<size_t, double>>& batch,
+                                       const std::vector<Node>& nodes) const;
 };
+
+std::vector<Evaluation> Searcher::evaluate_all(const std::vector<std::pair<size_t, double>>& batch,
+                                               const std::vector<Node>& nodes) const {
+  std::vector<Candidate> candidates;
+  for (const auto& [index, bound] : batch) candidates.push_back(to_candidate(nodes[index]));
+  std::vector<Evaluation> out(batch.size());
+  std::vector<std::exception_ptr> failed(batch.size());
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i = next++; i < batch.size(); i = next++) {
+      try {
+        out[i] = evaluate(spec_, cl_, candidates[i], o_.sim);
+        out[i].lower_bound = batch[i].second;
+      } catch (...) {
+        failed[i] = std::current_exception();
+      }
+    }
+  };
+  int64_t threads =
+      o_.threads > 0 ? o_.threads : static_cast<int64_t>(std::thread::hardware_concurrency());
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, static_cast<int64_t>(batch.size())));
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  for (const std::exception_ptr& e : failed)
+    if (e) std::rethrow_exception(e);
+  return out;
+}
 
 }  // namespace
 
@@ -217,33 +254,50 @@ SearchResult Searcher::run() {
       break;
     }
     open.pop();
-    const Node n = nodes[index];
-    if (static_cast<int64_t>(n.enc.size()) < E_) {
+    if (static_cast<int64_t>(nodes[index].enc.size()) < E_) {
+      const Node n = nodes[index];
       children(n, consider);
       continue;
     }
-    Evaluation e = evaluate(spec_, cl_, to_candidate(n), o_.sim);
-    e.lower_bound = b;
-    ++st.simulated;
-    if (!e.sim.memory_fits) {
-      ++st.simulated_over_memory;
-      over.push_back(std::move(e));
-      continue;
+    // A leaf: with the next leaves the search would take, up to a batch, simulated together
+    // (interior nodes met on the way are expanded as they would be).
+    std::vector<std::pair<size_t, double>> batch{{index, b}};
+    while (static_cast<int64_t>(batch.size()) < o_.batch && !open.empty() &&
+           st.simulated + static_cast<int64_t>(batch.size()) < o_.max_simulations &&
+           elapsed() <= o_.time_budget_seconds) {
+      const auto [nb, ni] = open.top();
+      if (nb * (1 + o_.gap) >= threshold()) break;
+      open.pop();
+      if (static_cast<int64_t>(nodes[ni].enc.size()) < E_) {
+        const Node n = nodes[ni];
+        children(n, consider);
+      } else {
+        batch.push_back({ni, nb});
+      }
     }
-    const std::string key = layout_key(e.candidate);
-    auto it = distinct.find(key);
-    if (it != distinct.end()) {
-      if (e.sim.step_seconds >= result.best[it->second].sim.step_seconds) continue;
-      result.best.erase(result.best.begin() + static_cast<std::ptrdiff_t>(it->second));
+    std::vector<Evaluation> evaluated = evaluate_all(batch, nodes);
+    for (Evaluation& e : evaluated) {
+      ++st.simulated;
+      if (!e.sim.memory_fits) {
+        ++st.simulated_over_memory;
+        over.push_back(std::move(e));
+        continue;
+      }
+      const std::string key = layout_key(e.candidate);
+      auto it = distinct.find(key);
+      if (it != distinct.end()) {
+        if (e.sim.step_seconds >= result.best[it->second].sim.step_seconds) continue;
+        result.best.erase(result.best.begin() + static_cast<std::ptrdiff_t>(it->second));
+      }
+      result.best.push_back(std::move(e));
+      std::stable_sort(result.best.begin(), result.best.end(),
+                       [](const Evaluation& x, const Evaluation& y) {
+                         return x.sim.step_seconds < y.sim.step_seconds;
+                       });
+      distinct.clear();
+      for (size_t i = 0; i < result.best.size(); ++i)
+        distinct[layout_key(result.best[i].candidate)] = i;
     }
-    result.best.push_back(std::move(e));
-    std::stable_sort(result.best.begin(), result.best.end(),
-                     [](const Evaluation& x, const Evaluation& y) {
-                       return x.sim.step_seconds < y.sim.step_seconds;
-                     });
-    distinct.clear();
-    for (size_t i = 0; i < result.best.size(); ++i)
-      distinct[layout_key(result.best[i].candidate)] = i;
   }
   if (open.empty()) st.open_bound = kInf;
   if (result.best.empty()) {

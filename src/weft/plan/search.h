@@ -116,6 +116,13 @@ struct SearchOptions {
   double gap = 0.005;
   int64_t max_simulations = 400;  // stop (SearchStats::complete = false) after this many
   double time_budget_seconds = 50;
+  // Candidates are simulated `batch` at a time (the next ones the search would take, bounds
+  // below the step time to beat when the batch is formed), on up to `threads` threads (0: the
+  // machine's cores, at most `batch`). The result depends on the batch, never on the threads:
+  // any machine finds the same plan (unless time_budget_seconds runs out first). batch = 1
+  // simulates one candidate at a time, each pruned against every simulation before it.
+  int64_t batch = 8;
+  int64_t threads = 0;
   SimOptions sim;  // how candidates are simulated (trace is ignored)
 };
 

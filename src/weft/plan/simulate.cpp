@@ -1,11 +1,13 @@
 #include "weft/plan/simulate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <queue>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 
 #include "weft/core/error.h"
@@ -49,35 +51,47 @@ Spec with_vocab(Spec spec, const SimOptions& o) {
 // microbatch, sender, receiver.
 enum MsgKind { kEncAct, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
 using MsgKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;
-struct MsgKeyHash {
-  size_t operator()(const MsgKey& k) const {
-    uint64_t h = static_cast<uint64_t>(std::get<0>(k));
-    for (const int64_t v : {std::get<1>(k), std::get<2>(k), std::get<3>(k), std::get<4>(k)}) {
-      h = (h + static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull);  // splitmix64's mix
-      h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
-      h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
-      h ^= h >> 31;
-    }
-    return static_cast<size_t>(h);
-  }
-};
 
 struct Send {
   MsgKey key;
   int64_t dst = 0;
   double bytes = 0;
+  int64_t id = -1;  // the message's index (Engine::link)
 };
 
+enum class Cat { kForward, kBackward, kCollective, kData, kOptimizer };
+const char* to_string(Cat c) {
+  switch (c) {
+    case Cat::kForward:
+      return "forward";
+    case Cat::kBackward:
+      return "backward";
+    case Cat::kCollective:
+      return "collective";
+    case Cat::kData:
+      return "data";
+    case Cat::kOptimizer:
+      return "optimizer";
+  }
+  return "?";
+}
+
 struct Op {
-  std::string name, category;
+  // A forward's / backward's name is made only where needed (Engine::name_of, from module, mb and
+  // stage): a step has hundreds of thousands of them. Other ops carry theirs.
+  std::string name;
+  Cat cat = Cat::kForward;
+  int64_t mb = -1, stage = -1;
   double seconds = 0, comm_seconds = 0;  // duration; of which TP / CP collectives
-  std::vector<MsgKey> waits;
-  std::vector<Send> sends;
+  // Its messages, in the Engine's flat arrays: waits [wait_begin, + waits) of Engine::waits_ (a
+  // wait's index there is its slot), sends [send_begin, + sends) of Engine::sends_.
+  int64_t wait_begin = 0, waits = 0, send_begin = 0, sends = 0;
+  int64_t slot = -1;                      // a collective: this rank's place among its ranks
   double keep_bytes = 0, free_bytes = 0;  // activations kept by a forward / freed by a backward
   int64_t arms = -1;        // the gradient reduction (Engine::arm_key) this last backward starts
   int64_t collective = -1;  // index into Engine::collectives; a step-end collective
   bool llm = false;         // a forward / backward of the LLM
-  int64_t module = -1;      // a forward's module
+  int64_t module = -1;      // a forward's / backward's module
   // ZeRO-1's overlapped parameter gather, in flight from the step's start: a module's first
   // forward on a rank starts once its first bucket is there and ends no sooner than the last.
   double gather_first = 0, gather_last = 0;
@@ -141,6 +155,7 @@ class Engine {
 
   SimResult run() {
     for (int64_t r = 0; r < plan_.world_size; ++r) build_rank(r);
+    link();
     execute();
     // Contention: an op is charged its shared cost for the part of it during which another rank
     // of its node computes, taken from the previous pass's timeline (a few passes settle it).
@@ -166,6 +181,8 @@ class Engine {
   int64_t llm_ = 0, D_ = 1, M_ = 1;
   std::vector<int64_t> mb_samples_;  // per microbatch: samples of each LLM replica
   std::vector<std::vector<Op>> ops_;
+  std::vector<MsgKey> waits_;  // every op's waits, an op's together (Op::wait_begin)
+  std::vector<Send> sends_;    // every op's sends, an op's together (Op::send_begin)
   std::vector<Collective> collectives_;
   std::map<std::pair<std::string, int64_t>, int64_t> collective_index_;  // (name, first rank)
   SimResult result_;
@@ -271,11 +288,11 @@ class Engine {
   // A forward / backward op of a stage on n units of data, the per-unit work divided over
   // `split` (tp × cp) ranks: measured seconds when the stage has them, else FLOPs at the
   // device's effective rate; plus the op's TP / CP collectives.
-  Op compute(std::string name, bool forward, const StageCost& sc, double n, double split,
-             double comm) const {
+  Op compute(int64_t module, bool forward, int64_t mb, int64_t stage, const StageCost& sc, double n,
+             double split, double comm) const {
     Op op;
-    op.name = std::move(name);
-    op.category = forward ? "forward" : "backward";
+    op.cat = forward ? Cat::kForward : Cat::kBackward;
+    op.module = module, op.mb = mb, op.stage = stage;
     const double seconds = compute_seconds(sc, forward, n, split, flops_per_second_);
     op.seconds = op.base = seconds + comm;
     op.comm_seconds = comm;
@@ -297,6 +314,22 @@ class Engine {
   // module but an interleaved LLM has one chunk).
   int64_t arm_key(int64_t module, int64_t chunk) const {
     return chunk * static_cast<int64_t>(plan_.modules.size()) + module;
+  }
+
+  // Op `op`, being built, waits for message `key` / sends `s` (after its others).
+  void wait_for(Op* op, const MsgKey& key) {
+    if (op->waits == 0) op->wait_begin = static_cast<int64_t>(waits_.size());
+    WEFT_ASSERT(op->wait_begin + op->waits == static_cast<int64_t>(waits_.size()),
+                "an op's waits are added together");
+    waits_.push_back(key);
+    ++op->waits;
+  }
+  void send(Op* op, Send s) {
+    if (op->sends == 0) op->send_begin = static_cast<int64_t>(sends_.size());
+    WEFT_ASSERT(op->send_begin + op->sends == static_cast<int64_t>(sends_.size()),
+                "an op's sends are added together");
+    sends_.push_back(std::move(s));
+    ++op->sends;
   }
 
   // Adds a step-end collective to rank r's ops; returns its index (-1: none, a single rank or no
@@ -321,7 +354,7 @@ class Engine {
     }
     Op op;
     op.name = std::move(name);
-    op.category = "collective";
+    op.cat = Cat::kCollective;
     op.collective = it->second;
     ops_[r].push_back(std::move(op));
     return it->second;
@@ -341,8 +374,7 @@ class Engine {
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, c.dp, stage}); };
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
-    const std::string where = " s" + std::to_string(s);
-    if (forward_pass) result_.ranks[r].stages.push_back(m.name + where);
+    if (forward_pass) result_.ranks[r].stages.push_back(m.name + " s" + std::to_string(s));
     if (!forward_pass && !stage_backward(e, s)) return;
     for (int64_t mb = 0; mb < M_; ++mb) {
       const auto [a, b] = encoder_range(mb_samples_[mb], D_, m.layout.dp, c.dp);
@@ -352,7 +384,6 @@ class Engine {
       const double act_bytes = kept_activation_bytes(sc, n, m.layout);
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
       const double blocks = static_cast<double>(sc.blocks), bytes = tokens * h * act_;
-      const std::string id = " mb" + std::to_string(mb) + where;
       if (forward_pass) {
         // TP (tp_blocks_forward_comm), CP's K/V all-gather per block, the last stage's all-gather
         // of the projected features over CP (under sequence parallelism, of the encoder's output
@@ -362,12 +393,10 @@ class Engine {
             blocks * all_gather(cp_group, kv) +
             (last ? all_gather(cp_group, n * T * H * act_) + (sp ? all_gather(tp_group, bytes) : 0)
                   : 0);
-        Op op = compute(m.name + " fwd" + id, true, sc, n, static_cast<double>(tp * cp), comm);
-        op.module = e;
-        if (!first) op.waits.push_back({kEncAct, e, mb, neighbour(s - 1), r});
+        Op op = compute(e, true, mb, s, sc, n, static_cast<double>(tp * cp), comm);
+        if (!first) wait_for(&op, {kEncAct, e, mb, neighbour(s - 1), r});
         if (!last) {
-          op.sends.push_back(
-              {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), bytes / seq_split});
+          send(&op, {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), bytes / seq_split});
         } else if (c.tp == 0 && c.cp == 0) {  // bridge: items to the replicas' first LLM stage
           const int64_t per = mb_samples_[mb];
           for (int64_t d = 0; d < D_; ++d) {
@@ -378,7 +407,7 @@ class Engine {
             for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
               for (int64_t ltp = 0; ltp < llm.layout.tp; ++ltp) {
                 const int64_t dst = llm.rank_of({ltp, lcp, d, 0});
-                op.sends.push_back({{kBridge, e, mb, r, dst}, dst, bytes});
+                send(&op, {{kBridge, e, mb, r, dst}, dst, bytes});
               }
           }
         }
@@ -398,20 +427,19 @@ class Engine {
                                               blocks * all_gather(cp_group, kv)
                                         : 0) +
                           (first && sp && m.weight_grads ? all_gather(tp_group, bytes) : 0);
-      Op op = compute(m.name + " bwd" + id, false, sc, n, static_cast<double>(tp * cp), comm);
+      Op op = compute(e, false, mb, s, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
         const int64_t per = mb_samples_[mb];
         for (int64_t d = 0; d < D_; ++d) {
           if (std::max(a, d * per) >= std::min(b, (d + 1) * per)) continue;
           for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
-            op.waits.push_back({kBridgeGrad, e, mb, llm.rank_of({0, lcp, d, 0}), r});
+            wait_for(&op, {kBridgeGrad, e, mb, llm.rank_of({0, lcp, d, 0}), r});
         }
       } else {
-        op.waits.push_back({kEncGrad, e, mb, neighbour(s + 1), r});
+        wait_for(&op, {kEncGrad, e, mb, neighbour(s + 1), r});
       }
       if (!first && m.weight_grads)
-        op.sends.push_back(
-            {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), bytes / seq_split});
+        send(&op, {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), bytes / seq_split});
       backward_bytes(&op, sc, n, m.layout);
       if (mb == M_ - 1) op.arms = arm_key(e, 0);
       ops_[r].push_back(std::move(op));
@@ -449,7 +477,6 @@ class Engine {
     const std::vector<int64_t>& cp_group = groups.cp;
     // The rank of (virtual) stage `stage` beside this one: pipeline rank stage mod pp.
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, d, stage % P}); };
-    const std::string where = " s" + std::to_string(s);
     const auto sizes = [&](int64_t mb, double* n, double* tokens, double* kv) {
       *n = static_cast<double>(mb_samples_[mb]);
       *tokens = *n * S / static_cast<double>(cp);
@@ -507,24 +534,22 @@ class Engine {
                       (m.needs_backward() ? all_reduce(tp_group, tokens * H * act_) : 0)
                 : 0) +
           blocks * all_gather(cp_group, kv) + moe_comm(tokens);
-      Op op = compute("llm fwd mb" + std::to_string(mb) + where, true, sc, n,
-                      static_cast<double>(tp * cp), comm);
+      Op op = compute(llm_, true, mb, s, sc, n, static_cast<double>(tp * cp), comm);
       op.llm = true;
-      op.module = llm_;
       if (first) {
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder) continue;
           const ModulePlan& em = mod(e);
           for (const auto& [i, items] : encoder_ranks_of(e, mb, d))
-            op.waits.push_back({kBridge, e, mb, em.rank_of({0, 0, i, em.layout.pp - 1}), r});
+            wait_for(&op, {kBridge, e, mb, em.rank_of({0, 0, i, em.layout.pp - 1}), r});
         }
       } else {
-        op.waits.push_back({kLlmAct, s, mb, neighbour(s - 1), r});
+        wait_for(&op, {kLlmAct, s, mb, neighbour(s - 1), r});
       }
       if (!last)
-        op.sends.push_back({{kLlmAct, s + 1, mb, r, neighbour(s + 1)},
-                            neighbour(s + 1),
-                            tokens * H * act_ / seq_split});
+        send(&op, {{kLlmAct, s + 1, mb, r, neighbour(s + 1)},
+                   neighbour(s + 1),
+                   tokens * H * act_ / seq_split});
       if (m.needs_backward()) op.keep_bytes = kept_activation_bytes(sc, n, m.layout);
       ops_[r].push_back(std::move(op));
     };
@@ -539,14 +564,13 @@ class Engine {
                           (sc.recompute ? block_comm(tokens, true, n) +
                                               blocks * all_gather(cp_group, kv) + moe_comm(tokens)
                                         : 0);
-      Op op = compute("llm bwd mb" + std::to_string(mb) + where, false, sc, n,
-                      static_cast<double>(tp * cp), comm);
+      Op op = compute(llm_, false, mb, s, sc, n, static_cast<double>(tp * cp), comm);
       op.llm = true;
-      if (!last) op.waits.push_back({kLlmGrad, s, mb, neighbour(s + 1), r});
+      if (!last) wait_for(&op, {kLlmGrad, s, mb, neighbour(s + 1), r});
       if (!first) {
-        op.sends.push_back({{kLlmGrad, s - 1, mb, r, neighbour(s - 1)},
-                            neighbour(s - 1),
-                            tokens * H * act_ / seq_split});
+        send(&op, {{kLlmGrad, s - 1, mb, r, neighbour(s - 1)},
+                   neighbour(s - 1),
+                   tokens * H * act_ / seq_split});
       } else if (c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder || !mod(e + 1).needs_backward()) continue;
@@ -556,10 +580,9 @@ class Engine {
             for (int64_t ecp = 0; ecp < em.layout.cp; ++ecp)
               for (int64_t etp = 0; etp < em.layout.tp; ++etp) {
                 const int64_t dst = em.rank_of({etp, ecp, i, em.layout.pp - 1});
-                op.sends.push_back(
-                    {{kBridgeGrad, e, mb, r, dst},
-                     dst,
-                     static_cast<double>(items) * T * H * act_ / static_cast<double>(cp)});
+                send(&op, {{kBridgeGrad, e, mb, r, dst},
+                           dst,
+                           static_cast<double>(items) * T * H * act_ / static_cast<double>(cp)});
               }
         }
       }
@@ -618,6 +641,14 @@ class Engine {
   }
 
   void build_rank(int64_t r) {
+    // (Room for its forwards and backwards, their messages, and a few more: a rank's ops are
+    // most of a simulation's work.)
+    const int64_t passes = 2 * M_ * (mod(llm_).layout.vp + llm_) + 16;
+    ops_[r].reserve(static_cast<size_t>(passes));
+    if (r == 0) {
+      waits_.reserve(static_cast<size_t>(passes * plan_.world_size));
+      sends_.reserve(static_cast<size_t>(passes * plan_.world_size));
+    }
     // The whole global batch's layout on every rank, and the media of the items this rank's
     // first encoder stages read.
     double data = static_cast<double>(plan_.global_batch) * o_.data_seconds_per_sample;
@@ -635,7 +666,7 @@ class Engine {
     if (data > 0) {
       Op op;
       op.name = "data";
-      op.category = "data";
+      op.cat = Cat::kData;
       op.seconds = data;
       ops_[r].push_back(std::move(op));
     }
@@ -694,7 +725,7 @@ class Engine {
     if (o_.optimizer_step && seconds > 0) {
       Op op;
       op.name = "optimizer";
-      op.category = "optimizer";
+      op.cat = Cat::kOptimizer;
       op.seconds = seconds;
       ops_[r].push_back(std::move(op));
     }
@@ -717,7 +748,7 @@ class Engine {
       const Holding held = rank_holding(rank_cost(static_cast<int64_t>(i), r), m.layout, true);
       Op* first_forward = nullptr;
       for (Op& op : ops_[r])
-        if (op.module == static_cast<int64_t>(i) && op.category == "forward") {
+        if (op.module == static_cast<int64_t>(i) && op.cat == Cat::kForward) {
           first_forward = &op;
           break;
         }
@@ -748,9 +779,18 @@ class Engine {
 
   // ---- the event loop ------------------------------------------------------------------------
 
-  void record(int64_t r, const std::string& name, const std::string& cat, double start,
-              double seconds) {
-    if (o_.trace && seconds > 0) result_.trace.push_back({name, cat, r, start, seconds});
+  // An op's name: a forward's or backward's made from its module, microbatch and stage.
+  std::string name_of(const Op& op) const {
+    if (op.cat != Cat::kForward && op.cat != Cat::kBackward) return op.name;
+    return mod(op.module).name + (op.cat == Cat::kForward ? " fwd mb" : " bwd mb") +
+           std::to_string(op.mb) + " s" + std::to_string(op.stage);
+  }
+
+  // A trace event (SimOptions::trace); `name` is only called then.
+  template <typename Name>
+  void record(int64_t r, const Name& name, Cat cat, double start, double seconds) {
+    if (o_.trace && seconds > 0)
+      result_.trace.push_back({name(), to_string(cat), r, start, seconds});
   }
 
   static constexpr int kContentionPasses = 3;
@@ -764,7 +804,7 @@ class Engine {
       for (size_t q = 0; q < R; ++q)
         if (q != r && cl_.node_of(static_cast<int64_t>(q)) == cl_.node_of(static_cast<int64_t>(r)))
           for (const Op& op : ops_[q])
-            if (op.category == "forward" || op.category == "backward" || op.category == "data")
+            if (op.cat == Cat::kForward || op.cat == Cat::kBackward || op.cat == Cat::kData)
               others.push_back({op.last_start, op.last_end});
       std::sort(others.begin(), others.end());
       std::vector<std::pair<double, double>> merged;
@@ -798,97 +838,141 @@ class Engine {
     llm_compute_end_ = 0;
   }
 
+  // Each wait's slot is its index in waits_. Each send finds its receiver's slot by key among
+  // that rank's waits (sorted: a few hundred keys, not a table of every message), once. A send
+  // no op waits for gets none; a wait no op sends never arrives (execute reports the deadlock).
+  // Each collective op learns its rank's place in the collective.
+  void link() {
+    using Expected = std::pair<MsgKey, int64_t>;  // key, slot
+    std::vector<std::vector<Expected>> expected(ops_.size());
+    for (size_t r = 0; r < ops_.size(); ++r) {
+      for (Op& op : ops_[r]) {
+        for (int64_t j = op.wait_begin; j < op.wait_begin + op.waits; ++j)
+          expected[r].push_back({waits_[static_cast<size_t>(j)], j});
+        if (op.collective >= 0) {
+          const std::vector<int64_t>& ranks = collectives_[op.collective].ranks;
+          op.slot = std::find(ranks.begin(), ranks.end(), static_cast<int64_t>(r)) - ranks.begin();
+          WEFT_ASSERT(op.slot < static_cast<int64_t>(ranks.size()), "rank ", r,
+                      " is not in collective ", name_of(op));
+        }
+      }
+      std::sort(expected[r].begin(), expected[r].end());
+      for (size_t i = 1; i < expected[r].size(); ++i)
+        WEFT_ASSERT(expected[r][i - 1].first != expected[r][i].first, "rank ", r,
+                    " waits for a message twice");
+    }
+    std::vector<char> sent(waits_.size(), 0);
+    for (Send& s : sends_) {
+      const std::vector<Expected>& at = expected[static_cast<size_t>(s.dst)];
+      WEFT_ASSERT(std::get<4>(s.key) == s.dst, "a message to rank ", s.dst, " keyed for another");
+      const auto it =
+          std::lower_bound(at.begin(), at.end(), s.key,
+                           [](const Expected& e, const MsgKey& k) { return e.first < k; });
+      s.id = it != at.end() && it->first == s.key ? it->second : -1;
+      if (s.id < 0) continue;
+      WEFT_ASSERT(!sent[static_cast<size_t>(s.id)], "a message to rank ", s.dst, " sent twice");
+      sent[static_cast<size_t>(s.id)] = 1;
+    }
+  }
+
+  // One pass over the ops: each rank runs its ops in order, an op once its messages are there
+  // (and a collective once every rank of it reached it). Event-driven: a rank that blocks is
+  // taken up again only when what it waits for happens (the message sent, the collective's last
+  // rank arrived), lowest rank first, so a pass costs time linear in the ops.
   void execute() {
     reset_pass();
     const size_t R = ops_.size();
     std::vector<size_t> cursor(R, 0);
     std::vector<double> free_at(R, 0), activations(R, 0);
-    std::unordered_map<MsgKey, double, MsgKeyHash> arrival;
-    size_t sends = 0;
-    for (const auto& ops : ops_)
-      for (const Op& op : ops) sends += op.sends.size();
-    arrival.reserve(sends);
+    std::vector<double> arrival(waits_.size(),
+                                -1);  // when each wait's message is there (< 0: not yet)
+    std::vector<int64_t> waiter(waits_.size(), -1);                      // the rank blocked on it
     std::vector<std::map<int64_t, std::pair<double, double>>> armed(R);  // module → [start, end)
     busy_.assign(R, {});
     window_start_.assign(R, 0);
-    bool done = false;
-    while (!done) {
-      bool progress = false;
-      done = true;
-      for (size_t r = 0; r < R; ++r) {
-        RankReport& rep = result_.ranks[r];
-        while (cursor[r] < ops_[r].size()) {
-          const Op& op = ops_[r][cursor[r]];
-          if (op.collective >= 0) {
-            Collective& c = collectives_[op.collective];
-            const size_t me = static_cast<size_t>(
-                std::find(c.ranks.begin(), c.ranks.end(), static_cast<int64_t>(r)) -
-                c.ranks.begin());
-            if (!c.arrived[me]) c.arrived[me] = true, ++c.count;
-            if (c.count < static_cast<int64_t>(c.ranks.size())) break;
-            run_collective(c, &cursor, &free_at, armed);
-            progress = true;
-            continue;
-          }
-          double start = free_at[r];
-          bool ready = true;
-          for (const MsgKey& k : op.waits) {
-            auto it = arrival.find(k);
-            if (it == arrival.end()) {
-              ready = false;
-              break;
-            }
-            start = std::max(start, it->second);
-          }
-          if (!ready) break;
-          // The exposed part of an overlapped parameter gather: before the op, and after it.
-          if (op.gather_first > start) {
-            rep.collective_seconds += op.gather_first - start;
-            record(static_cast<int64_t>(r), op.gather_name + " (wait)", "collective", start,
-                   op.gather_first - start);
-            start = op.gather_first;
-          }
-          const double compute_end = start + op.seconds;
-          const double end = std::max(compute_end, op.gather_last);
-          if (end > compute_end) {
-            rep.collective_seconds += end - compute_end;
-            record(static_cast<int64_t>(r), op.gather_name + " (wait)", "collective", compute_end,
-                   end - compute_end);
-          }
-          ops_[r][cursor[r]].last_start = start;
-          ops_[r][cursor[r]].last_end = compute_end;
-          for (const Send& s : op.sends) {
-            const bool fresh =
-                arrival.emplace(s.key, end + message(static_cast<int64_t>(r), s.dst, s.bytes))
-                    .second;
-            WEFT_ASSERT(fresh, "message sent twice: ", op.name);
-          }
-          if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, compute_end};
-          activations[r] += op.keep_bytes;
-          rep.peak_activation_bytes = std::max(rep.peak_activation_bytes, activations[r]);
-          activations[r] -= op.free_bytes;
-          if (op.category == "optimizer") {
-            rep.optimizer_seconds += op.seconds;
-          } else if (op.category == "data") {
-            rep.data_seconds += op.seconds;
-            window_start_[r] = end;
-          } else {
-            rep.busy_seconds += op.seconds;
-            rep.comm_seconds += op.comm_seconds;
-            busy_[r].push_back({start, compute_end});
-          }
-          if (op.llm) llm_compute_end_ = std::max(llm_compute_end_, end);
-          record(static_cast<int64_t>(r), op.name, op.category, start, op.seconds);
-          free_at[r] = end;
-          ++cursor[r];
-          progress = true;
+    std::priority_queue<size_t, std::vector<size_t>, std::greater<size_t>> ready;
+    std::vector<char> queued(R, 1);
+    for (size_t r = 0; r < R; ++r) ready.push(r);
+    const auto wake = [&](size_t q) {
+      if (!queued[q]) queued[q] = 1, ready.push(q);
+    };
+    while (!ready.empty()) {
+      const size_t r = ready.top();
+      ready.pop();
+      queued[r] = 0;
+      RankReport& rep = result_.ranks[r];
+      while (cursor[r] < ops_[r].size()) {
+        const Op& op = ops_[r][cursor[r]];
+        if (op.collective >= 0) {
+          Collective& c = collectives_[op.collective];
+          const size_t me = static_cast<size_t>(op.slot);
+          if (!c.arrived[me]) c.arrived[me] = true, ++c.count;
+          if (c.count < static_cast<int64_t>(c.ranks.size())) break;
+          run_collective(c, &cursor, &free_at, armed);
+          for (int64_t q : c.ranks) wake(static_cast<size_t>(q));
+          continue;
         }
-        done = done && cursor[r] == ops_[r].size();
+        double start = free_at[r];
+        bool ready_now = true;
+        for (int64_t id = op.wait_begin; id < op.wait_begin + op.waits; ++id) {
+          if (arrival[id] < 0) {
+            waiter[id] = static_cast<int64_t>(r);
+            ready_now = false;
+            break;
+          }
+          start = std::max(start, arrival[id]);
+        }
+        if (!ready_now) break;
+        // The exposed part of an overlapped parameter gather: before the op, and after it.
+        if (op.gather_first > start) {
+          rep.collective_seconds += op.gather_first - start;
+          record(
+              static_cast<int64_t>(r), [&] { return op.gather_name + " (wait)"; }, Cat::kCollective,
+              start, op.gather_first - start);
+          start = op.gather_first;
+        }
+        const double compute_end = start + op.seconds;
+        const double end = std::max(compute_end, op.gather_last);
+        if (end > compute_end) {
+          rep.collective_seconds += end - compute_end;
+          record(
+              static_cast<int64_t>(r), [&] { return op.gather_name + " (wait)"; }, Cat::kCollective,
+              compute_end, end - compute_end);
+        }
+        ops_[r][cursor[r]].last_start = start;
+        ops_[r][cursor[r]].last_end = compute_end;
+        for (int64_t j = op.send_begin; j < op.send_begin + op.sends; ++j) {
+          const Send& s = sends_[static_cast<size_t>(j)];
+          if (s.id < 0) continue;  // nobody waits for it
+          arrival[s.id] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
+          if (waiter[s.id] >= 0) wake(static_cast<size_t>(waiter[s.id]));
+        }
+        if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, compute_end};
+        activations[r] += op.keep_bytes;
+        rep.peak_activation_bytes = std::max(rep.peak_activation_bytes, activations[r]);
+        activations[r] -= op.free_bytes;
+        if (op.cat == Cat::kOptimizer) {
+          rep.optimizer_seconds += op.seconds;
+        } else if (op.cat == Cat::kData) {
+          rep.data_seconds += op.seconds;
+          window_start_[r] = end;
+        } else {
+          rep.busy_seconds += op.seconds;
+          rep.comm_seconds += op.comm_seconds;
+          busy_[r].push_back({start, compute_end});
+        }
+        if (op.llm) llm_compute_end_ = std::max(llm_compute_end_, end);
+        record(
+            static_cast<int64_t>(r), [&] { return name_of(op); }, op.cat, start, op.seconds);
+        free_at[r] = end;
+        ++cursor[r];
       }
-      WEFT_ASSERT(done || progress, "the simulated step deadlocks (no rank can proceed)");
     }
-    for (size_t r = 0; r < R; ++r)
+    for (size_t r = 0; r < R; ++r) {
+      WEFT_ASSERT(cursor[r] == ops_[r].size(), "the simulated step deadlocks: rank ", r,
+                  " cannot run ", name_of(ops_[r][cursor[r]]));
       result_.step_seconds = std::max(result_.step_seconds, free_at[r]);
+    }
   }
 
   void run_collective(Collective& c, std::vector<size_t>* cursor, std::vector<double>* free_at,
@@ -913,7 +997,8 @@ class Engine {
       if (end > f) {
         const double from = std::max(f, start);
         result_.ranks[r].collective_seconds += end - from;
-        record(r, c.name, "collective", from, end - from);
+        record(
+            r, [&] { return c.name; }, Cat::kCollective, from, end - from);
         f = end;
       }
       ++(*cursor)[r];
