@@ -197,8 +197,9 @@ int main(int argc, char** argv) {
              "least pp microbatches) as part of the space the bound covers. "
              "Colocated / separate: the best plan with that placement only (separate includes "
              "the DistTrain-style split of the GPUs). `*`: the search budget ran out before "
-             "the bound closed. `plan s` is the wall time of weft's search on this 2-core "
-             "machine. Model shapes and their sources are in `configs/scenarios/`.\n\n"
+             "the bound closed (1000 simulations or 120 s). `plan s` is the wall time of weft's "
+             "search on this 2-core machine, simulating candidates on both cores. Model shapes and "
+             "their sources are in `configs/scenarios/`.\n\n"
           << md.str() << "\n"
           << disttrain << "<!-- bench/scenarios end -->\n";
   std::printf("%s", section.str().c_str());

@@ -338,6 +338,20 @@ PendingTensor Comm::all_gather_async(const at::Tensor& t) const {
     const at::TensorOptions back = t.options();
     return PendingTensor([inner, back] { return inner->wait().to(back); });
   }
+#ifdef WEFT_CUDA
+  if (t.is_cuda()) {  // NCCL's all-gather into one buffer: no per-rank outputs to concatenate
+    at::Tensor in = t.dim() == 0 ? t.reshape({1}) : t.contiguous();
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape[0] *= size();
+    at::Tensor out = torch::empty(shape, in.options());
+    c10::intrusive_ptr<c10d::Work> work = impl_->group_for(t)._allgather_base(out, in);
+    std::shared_ptr<Impl> impl = impl_;
+    return PendingTensor([impl, work, in, out] {  // `in` lives until the collective is done
+      impl->wait(work, "all_gather");
+      return out;
+    });
+  }
+#endif
   if (needs_fp32(t)) {
     // Nothing is summed: 2-byte floats (bf16, which 1.13's Gloo does not know, and half) go as
     // rows of bytes, not through an fp32 copy of twice the size.
