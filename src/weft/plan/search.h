@@ -47,8 +47,9 @@
 // (SearchStats::complete says which); tests check on exhaustive spaces that the bound never
 // exceeds the simulated step, interleaved schedules included, and find the exact optimum with
 // gap = 0. The report
-// keeps each layout's fastest schedule (M, vp, recomputation, ZeRO). Everything runs on one
-// thread; the simulator is called with SimOptions::trace = false.
+// keeps each layout's fastest schedule (M, vp, recomputation, ZeRO). The search itself runs on
+// the calling thread; candidates are simulated in batches on several (SearchOptions::batch,
+// threads), with SimOptions::trace = false.
 //
 // Expert parallelism is priced as the simulator does (simulate.h): the experts' parameters,
 // gradients and moments over ep · etp ranks (ZeRO-1: moments over the expert-data-parallel

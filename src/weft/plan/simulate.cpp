@@ -1,12 +1,11 @@
 #include "weft/plan/simulate.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <queue>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -52,11 +51,19 @@ Spec with_vocab(Spec spec, const SimOptions& o) {
 enum MsgKind { kEncAct, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
 using MsgKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;
 
+std::string to_string(const MsgKey& k) {
+  static const char* const kinds[] = {"encoder activation", "encoder gradient", "bridge",
+                                      "bridge gradient",    "LLM activation",   "LLM gradient"};
+  return std::string(kinds[std::get<0>(k)]) + " (module/stage " + std::to_string(std::get<1>(k)) +
+         ", mb " + std::to_string(std::get<2>(k)) + ", rank " + std::to_string(std::get<3>(k)) +
+         " -> " + std::to_string(std::get<4>(k)) + ")";
+}
+
 struct Send {
   MsgKey key;
   int64_t dst = 0;
   double bytes = 0;
-  int64_t id = -1;  // the message's index (Engine::link)
+  int64_t slot = -1;  // the wait it satisfies, its index in Engine::waits_ (-1: none; link)
 };
 
 enum class Cat { kForward, kBackward, kCollective, kData, kOptimizer };
@@ -641,14 +648,12 @@ class Engine {
   }
 
   void build_rank(int64_t r) {
-    // (Room for its forwards and backwards, their messages, and a few more: a rank's ops are
-    // most of a simulation's work.)
-    const int64_t passes = 2 * M_ * (mod(llm_).layout.vp + llm_) + 16;
-    ops_[r].reserve(static_cast<size_t>(passes));
-    if (r == 0) {
-      waits_.reserve(static_cast<size_t>(passes * plan_.world_size));
-      sends_.reserve(static_cast<size_t>(passes * plan_.world_size));
-    }
+    // Room for its forwards and backwards (per microbatch: each chunk of the LLM, each encoder
+    // stage it hosts) and a few more.
+    int64_t passes = 0;
+    for (int64_t i = 0; i <= llm_; ++i)
+      if (mod(i).hosts(r)) passes += i == llm_ ? mod(i).layout.vp : 1;
+    ops_[r].reserve(static_cast<size_t>(2 * M_ * passes + 16));
     // The whole global batch's layout on every rank, and the media of the items this rank's
     // first encoder stages read.
     double data = static_cast<double>(plan_.global_batch) * o_.data_seconds_per_sample;
@@ -782,8 +787,9 @@ class Engine {
   // An op's name: a forward's or backward's made from its module, microbatch and stage.
   std::string name_of(const Op& op) const {
     if (op.cat != Cat::kForward && op.cat != Cat::kBackward) return op.name;
-    return mod(op.module).name + (op.cat == Cat::kForward ? " fwd mb" : " bwd mb") +
-           std::to_string(op.mb) + " s" + std::to_string(op.stage);
+    return (op.module == llm_ ? std::string("llm") : mod(op.module).name) +
+           (op.cat == Cat::kForward ? " fwd mb" : " bwd mb") + std::to_string(op.mb) + " s" +
+           std::to_string(op.stage);
   }
 
   // A trace event (SimOptions::trace); `name` is only called then.
@@ -859,20 +865,27 @@ class Engine {
       std::sort(expected[r].begin(), expected[r].end());
       for (size_t i = 1; i < expected[r].size(); ++i)
         WEFT_ASSERT(expected[r][i - 1].first != expected[r][i].first, "rank ", r,
-                    " waits for a message twice");
+                    " waits twice for ", to_string(expected[r][i].first));
     }
     std::vector<char> sent(waits_.size(), 0);
+    std::vector<MsgKey> unwaited;
     for (Send& s : sends_) {
       const std::vector<Expected>& at = expected[static_cast<size_t>(s.dst)];
-      WEFT_ASSERT(std::get<4>(s.key) == s.dst, "a message to rank ", s.dst, " keyed for another");
+      WEFT_ASSERT(std::get<4>(s.key) == s.dst, to_string(s.key), " sent to rank ", s.dst);
       const auto it =
           std::lower_bound(at.begin(), at.end(), s.key,
                            [](const Expected& e, const MsgKey& k) { return e.first < k; });
-      s.id = it != at.end() && it->first == s.key ? it->second : -1;
-      if (s.id < 0) continue;
-      WEFT_ASSERT(!sent[static_cast<size_t>(s.id)], "a message to rank ", s.dst, " sent twice");
-      sent[static_cast<size_t>(s.id)] = 1;
+      s.slot = it != at.end() && it->first == s.key ? it->second : -1;
+      if (s.slot < 0) {
+        unwaited.push_back(s.key);
+        continue;
+      }
+      WEFT_ASSERT(!sent[static_cast<size_t>(s.slot)], to_string(s.key), " sent twice");
+      sent[static_cast<size_t>(s.slot)] = 1;
     }
+    std::sort(unwaited.begin(), unwaited.end());
+    for (size_t i = 1; i < unwaited.size(); ++i)
+      WEFT_ASSERT(unwaited[i - 1] != unwaited[i], to_string(unwaited[i]), " sent twice");
   }
 
   // One pass over the ops: each rank runs its ops in order, an op once its messages are there
@@ -915,12 +928,12 @@ class Engine {
         double start = free_at[r];
         bool ready_now = true;
         for (int64_t id = op.wait_begin; id < op.wait_begin + op.waits; ++id) {
-          if (arrival[id] < 0) {
-            waiter[id] = static_cast<int64_t>(r);
+          if (arrival[static_cast<size_t>(id)] < 0) {
+            waiter[static_cast<size_t>(id)] = static_cast<int64_t>(r);
             ready_now = false;
             break;
           }
-          start = std::max(start, arrival[id]);
+          start = std::max(start, arrival[static_cast<size_t>(id)]);
         }
         if (!ready_now) break;
         // The exposed part of an overlapped parameter gather: before the op, and after it.
@@ -943,9 +956,10 @@ class Engine {
         ops_[r][cursor[r]].last_end = compute_end;
         for (int64_t j = op.send_begin; j < op.send_begin + op.sends; ++j) {
           const Send& s = sends_[static_cast<size_t>(j)];
-          if (s.id < 0) continue;  // nobody waits for it
-          arrival[s.id] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
-          if (waiter[s.id] >= 0) wake(static_cast<size_t>(waiter[s.id]));
+          if (s.slot < 0) continue;  // nobody waits for it
+          const size_t slot = static_cast<size_t>(s.slot);
+          arrival[slot] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
+          if (waiter[slot] >= 0) wake(static_cast<size_t>(waiter[slot]));
         }
         if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, compute_end};
         activations[r] += op.keep_bytes;
