@@ -527,8 +527,8 @@ double replay_makespan(const std::vector<std::vector<PipelineOp>>& ops,
         const double c = cost[static_cast<size_t>(op.microbatch)];
         return (op.forward ? ff : 1 - ff) * c / V;
       },
-      [](int64_t, int64_t) { return 0.0; }, [](const PipelineOp&, int64_t) { return 0.0; }, nullptr,
-      nullptr);
+      [](int64_t, int64_t) { return 0.0; }, [](const PipelineOp&, int64_t) { return 0.0; },
+      [](const PipelineOp&, int64_t) { return 0.0; }, nullptr, nullptr);
   return *std::max_element(ends.begin(), ends.end());
 }
 

@@ -116,13 +116,15 @@ std::vector<std::vector<PipelineOp>> pipeline_schedules(int64_t pp, int64_t vp, 
 // message it waits for: a forward the previous virtual stage's forward of its microbatch, a
 // backward the next virtual stage's backward (the last virtual stage: its own forward), plus
 // link(v, microbatch) for a message between virtual stages v and v + 1 (either way); ready(op,
-// v) may hold an op later still. seconds(op, v) is its duration. Fills the ends of every forward
-// and backward ((v, microbatch) at v · M + microbatch; may be null) and returns each rank's end.
-// (The layout search's bound and batch balancing's makespan; the simulator adds the rest.)
-template <class Seconds, class Link, class Ready>
+// v) may hold an op later still. seconds(op, v) is its duration; it ends no sooner than done(op,
+// v) (what it waits for while it runs: an overlapped parameter gather). Fills the ends of every
+// forward and backward ((v, microbatch) at v · M + microbatch; may be null) and returns each rank's
+// end. (The layout search's bound and batch balancing's makespan; the simulator adds the rest.)
+template <class Seconds, class Link, class Ready, class Done>
 std::vector<double> replay_schedule(const std::vector<std::vector<PipelineOp>>& ops, int64_t vp,
                                     int64_t M, std::vector<double> start, Seconds seconds,
-                                    Link link, Ready ready, std::vector<double>* forward_end,
+                                    Link link, Ready ready, Done done,
+                                    std::vector<double>* forward_end,
                                     std::vector<double>* backward_end) {
   const int64_t P = static_cast<int64_t>(ops.size()), V = P * vp;
   constexpr double kNotYet = -1;
@@ -152,7 +154,7 @@ std::vector<double> replay_schedule(const std::vector<std::vector<PipelineOp>>& 
           if (sent == kNotYet) break;
           t = std::max(t, sent + (v + 1 < V ? link(v, mb) : 0.0));
         }
-        t += seconds(op, v);
+        t = std::max(t + seconds(op, v), static_cast<double>(done(op, v)));
         (op.forward ? tf : tb)[at(v, mb)] = clock[static_cast<size_t>(s)] = t;
         progress = true;
       }

@@ -29,12 +29,13 @@
 // point-to-point hops, priced at the cheapest link the group can use):
 //   - each representative rank's own ops, then its gradient reduction (the whole all-reduce, or
 //     ZeRO-1's reduce-scatter, from the start of its last backward when overlapped, its last
-//     bucket after it) — the loss
-//     all-reduce and the optimizer follow on every rank (under ZeRO-1, then the parameter
-//     all-gathers);
+//     bucket after it) — the loss all-reduce and the optimizer follow on every rank (under
+//     ZeRO-1, then the parameter all-gathers; overlapped with the next forward, those run from
+//     the step's start and each rank's first LLM forward ends no sooner than its last);
 //   - the LLM's schedule (1F1B, or interleaved 1F1B over its pp · vp chunks) replayed on its
 //     stages with every other constraint dropped: the fill chain before each stage's first op
-//     (after the encoders' first microbatch), every op after the one it waits for (exact for a
+//     (after the encoders' first microbatch; each stage's first forward ending no sooner than
+//     its rank's overlapped parameter gathers), every op after the one it waits for (exact for a
 //     uniform pipeline; it sees the bubbles of uneven stages and microbatch sizes), the drain;
 //     separate encoders' last forward before the LLM's last microbatch and their backwards
 //     after the LLM's;

@@ -700,6 +700,16 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   // the bubbles of uneven stages and microbatch sizes, and the hops in every cycle.
   std::vector<double> tf, tb;
   const auto first = [&](int64_t mb) { return mb < big; };  // of the first microbatches' size
+  // Overlapped ZeRO-1 gathers: stage s's first forward (chunk 0, microbatch 0) ends no sooner
+  // than every gather of the stage's rank, launched before the LLM's or with it (the simulator).
+  std::vector<double> gathered(static_cast<size_t>(P), 0);
+  if (gather_overlapped)
+    for (const Rank& x : ranks) {
+      if (!x.chain) continue;
+      double g = x.llm->gather;
+      for (const auto& e : x.enc) g += e.second.gather;
+      gathered[static_cast<size_t>(x.llm_stage)] = g;
+    }
   end = replay_schedule(
       order, n.llm.vp, M, start,
       [&](const PipelineOp& op, int64_t v) {
@@ -713,6 +723,9 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
       },
       [&](const PipelineOp& op, int64_t v) {
         return op.forward && v == 0 && op.microbatch == M - 1 ? enc_done : 0.0;
+      },
+      [&](const PipelineOp& op, int64_t v) {
+        return op.forward && v < P && op.microbatch == 0 ? gathered[static_cast<size_t>(v)] : 0.0;
       },
       &tf, &tb);  // (each end includes its stage's own op time: start[s] + fwd + bwd at least)
   // Microbatch 0's gradient reaches the encoders at bwd0 (separate), at least.
