@@ -558,15 +558,17 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   else
     for (size_t k = 0; k < n.enc.size(); ++k) {
       const std::vector<Work>& ew = w[k];
-      double f = 0;
-      for (const Work& x : ew) f += x.first_fwd + x.hop_first;
-      E0 = std::max(E0, f);
+      // Microbatch 0 through the stages, in step time: each stage's first forward ends no
+      // sooner than its rank's overlapped ZeRO-1 gather (launched at the step's start).
+      const auto gate = [&](const Work& x) { return gather_overlapped ? x.gather : 0.0; };
+      std::vector<double> reach(ew.size() + 1, data_);  // reach[s]: microbatch 0 at stage s
+      for (size_t s = 0; s < ew.size(); ++s)
+        reach[s + 1] = std::max(reach[s] + ew[s].first_fwd, gate(ew[s])) + ew[s].hop_first;
+      E0 = std::max(E0, reach.back() - data_);
       for (size_t s = 0; s < ew.size(); ++s) {  // microbatch 0 up to s, all on s, the last on
-        double done = data_ + ew[s].fwd + ew[s].hop_last;
-        for (size_t j = 0; j < ew.size(); ++j)
-          done += j < s   ? ew[j].first_fwd + ew[j].hop_first
-                  : j > s ? ew[j].last_fwd + ew[j].hop_last
-                          : 0;
+        double done = std::max(reach[s] + ew[s].fwd, gate(ew[s]) + ew[s].fwd - ew[s].first_fwd) +
+                      ew[s].hop_last;
+        for (size_t j = s + 1; j < ew.size(); ++j) done += ew[j].last_fwd + ew[j].hop_last;
         enc_done = std::max(enc_done, done);
       }
     }
