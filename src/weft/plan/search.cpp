@@ -249,37 +249,29 @@ SearchResult Searcher::run() {
   };
   roots(consider);
 
-  while (!open.empty()) {
-    const auto [b, index] = open.top();
-    st.open_bound = b;
-    if (b * (1 + o_.gap) >= threshold()) break;
-    if (st.simulated >= o_.max_simulations || elapsed() > o_.time_budget_seconds) {
-      st.complete =
-          result.best.empty() ? false : b * (1 + o_.gap) >= result.best.front().sim.step_seconds;
-      break;
-    }
-    open.pop();
-    if (static_cast<int64_t>(nodes[index].enc.size()) < E_) {
-      const Node n = nodes[index];
-      children(n, consider);
-      continue;
-    }
-    // A leaf: with the next leaves the search would take, up to a batch, simulated together
-    // (interior nodes met on the way are expanded as they would be).
-    std::vector<std::pair<size_t, double>> batch{{index, b}};
-    while (static_cast<int64_t>(batch.size()) < o_.batch && !open.empty() &&
-           st.simulated + static_cast<int64_t>(batch.size()) < o_.max_simulations &&
-           elapsed() <= o_.time_budget_seconds) {
-      const auto [nb, ni] = open.top();
-      if (nb * (1 + o_.gap) >= threshold()) break;
+  bool stopped = false;  // by the simulation or time budget
+  while (!open.empty() && !stopped) {
+    // The next leaves the search would take, up to a batch, simulated together (interior nodes
+    // met on the way are expanded as they would be).
+    std::vector<std::pair<size_t, double>> batch;
+    while (!open.empty() && static_cast<int64_t>(batch.size()) < o_.batch) {
+      const auto [b, index] = open.top();
+      st.open_bound = b;
+      if (b * (1 + o_.gap) >= threshold()) break;
+      if (st.simulated + static_cast<int64_t>(batch.size()) >= o_.max_simulations ||
+          elapsed() > o_.time_budget_seconds) {
+        stopped = true;
+        break;
+      }
       open.pop();
-      if (static_cast<int64_t>(nodes[ni].enc.size()) < E_) {
-        const Node n = nodes[ni];
+      if (static_cast<int64_t>(nodes[index].enc.size()) < E_) {
+        const Node n = nodes[index];
         children(n, consider);
       } else {
-        batch.push_back({ni, nb});
+        batch.push_back({index, b});
       }
     }
+    if (batch.empty()) break;
     std::vector<Evaluation> evaluated = evaluate_all(batch, nodes);
     for (Evaluation& e : evaluated) {
       ++st.simulated;
@@ -304,6 +296,9 @@ SearchResult Searcher::run() {
         distinct[layout_key(result.best[i].candidate)] = i;
     }
   }
+  if (stopped)
+    st.complete = !result.best.empty() &&
+                  st.open_bound * (1 + o_.gap) >= result.best.front().sim.step_seconds;
   if (open.empty()) st.open_bound = kInf;
   if (result.best.empty()) {
     std::ostringstream why;

@@ -60,8 +60,7 @@ std::string to_string(const MsgKey& k) {
 }
 
 struct Send {
-  MsgKey key;
-  int64_t dst = 0;
+  MsgKey key;  // its receiver: std::get<4>(key)
   double bytes = 0;
   int64_t slot = -1;  // the wait it satisfies, its index in Engine::waits_ (-1: none; link)
 };
@@ -403,7 +402,7 @@ class Engine {
         Op op = compute(e, true, mb, s, sc, n, static_cast<double>(tp * cp), comm);
         if (!first) wait_for(&op, {kEncAct, e, mb, neighbour(s - 1), r});
         if (!last) {
-          send(&op, {{kEncAct, e, mb, r, neighbour(s + 1)}, neighbour(s + 1), bytes / seq_split});
+          send(&op, {{kEncAct, e, mb, r, neighbour(s + 1)}, bytes / seq_split});
         } else if (c.tp == 0 && c.cp == 0) {  // bridge: items to the replicas' first LLM stage
           const int64_t per = mb_samples_[mb];
           for (int64_t d = 0; d < D_; ++d) {
@@ -414,7 +413,7 @@ class Engine {
             for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
               for (int64_t ltp = 0; ltp < llm.layout.tp; ++ltp) {
                 const int64_t dst = llm.rank_of({ltp, lcp, d, 0});
-                send(&op, {{kBridge, e, mb, r, dst}, dst, bytes});
+                send(&op, {{kBridge, e, mb, r, dst}, bytes});
               }
           }
         }
@@ -446,7 +445,7 @@ class Engine {
         wait_for(&op, {kEncGrad, e, mb, neighbour(s + 1), r});
       }
       if (!first && m.weight_grads)
-        send(&op, {{kEncGrad, e, mb, r, neighbour(s - 1)}, neighbour(s - 1), bytes / seq_split});
+        send(&op, {{kEncGrad, e, mb, r, neighbour(s - 1)}, bytes / seq_split});
       backward_bytes(&op, sc, n, m.layout);
       if (mb == M_ - 1) op.arms = arm_key(e, 0);
       ops_[r].push_back(std::move(op));
@@ -554,9 +553,7 @@ class Engine {
         wait_for(&op, {kLlmAct, s, mb, neighbour(s - 1), r});
       }
       if (!last)
-        send(&op, {{kLlmAct, s + 1, mb, r, neighbour(s + 1)},
-                   neighbour(s + 1),
-                   tokens * H * act_ / seq_split});
+        send(&op, {{kLlmAct, s + 1, mb, r, neighbour(s + 1)}, tokens * H * act_ / seq_split});
       if (m.needs_backward()) op.keep_bytes = kept_activation_bytes(sc, n, m.layout);
       ops_[r].push_back(std::move(op));
     };
@@ -575,9 +572,7 @@ class Engine {
       op.llm = true;
       if (!last) wait_for(&op, {kLlmGrad, s, mb, neighbour(s + 1), r});
       if (!first) {
-        send(&op, {{kLlmGrad, s - 1, mb, r, neighbour(s - 1)},
-                   neighbour(s - 1),
-                   tokens * H * act_ / seq_split});
+        send(&op, {{kLlmGrad, s - 1, mb, r, neighbour(s - 1)}, tokens * H * act_ / seq_split});
       } else if (c.tp == 0) {  // bridge backward: feature gradients to the encoder ranks
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder || !mod(e + 1).needs_backward()) continue;
@@ -588,7 +583,6 @@ class Engine {
               for (int64_t etp = 0; etp < em.layout.tp; ++etp) {
                 const int64_t dst = em.rank_of({etp, ecp, i, em.layout.pp - 1});
                 send(&op, {{kBridgeGrad, e, mb, r, dst},
-                           dst,
                            static_cast<double>(items) * T * H * act_ / static_cast<double>(cp)});
               }
         }
@@ -870,8 +864,7 @@ class Engine {
     std::vector<char> sent(waits_.size(), 0);
     std::vector<MsgKey> unwaited;
     for (Send& s : sends_) {
-      const std::vector<Expected>& at = expected[static_cast<size_t>(s.dst)];
-      WEFT_ASSERT(std::get<4>(s.key) == s.dst, to_string(s.key), " sent to rank ", s.dst);
+      const std::vector<Expected>& at = expected[static_cast<size_t>(std::get<4>(s.key))];
       const auto it =
           std::lower_bound(at.begin(), at.end(), s.key,
                            [](const Expected& e, const MsgKey& k) { return e.first < k; });
@@ -958,7 +951,7 @@ class Engine {
           const Send& s = sends_[static_cast<size_t>(j)];
           if (s.slot < 0) continue;  // nobody waits for it
           const size_t slot = static_cast<size_t>(s.slot);
-          arrival[slot] = end + message(static_cast<int64_t>(r), s.dst, s.bytes);
+          arrival[slot] = end + message(static_cast<int64_t>(r), std::get<4>(s.key), s.bytes);
           if (waiter[slot] >= 0) wake(static_cast<size_t>(waiter[slot]));
         }
         if (op.arms >= 0 && !o_.comm_occupies_rank) armed[r][op.arms] = {start, compute_end};
