@@ -389,5 +389,37 @@ TEST(Layouts, ZeroOneCheckpointResumesIntoOtherShards) {
                  {"parallel.llm.tp=2", "parallel.vision.dp=2"});
 }
 
+// A bf16 ZeRO-1 run holds its sharded parameters in bf16 and their exact values only in each
+// rank's optimizer masters: the checkpoint saves the masters, and a resume sets them (and the
+// bf16 parameters from them), so 2 steps resumed for 2 more continue bit for bit as an
+// uninterrupted 4-step run. (A checkpoint of the rounded parameters, or masters left at their
+// initial values, would part from it at step 3.)
+TEST(Layouts, Bf16ZeroOneCheckpointResumesBitForBit) {
+  const auto spec_with = [](std::vector<std::string> sets) {
+    sets.push_back("train.precision=\"bf16\"");
+    sets.push_back("train.zero_stage=1");
+    return resume_spec(sets);
+  };
+  const auto run = [&](const std::string& steps, const fs::path& out, bool resume) {
+    std::vector<RunResult> ranks(2);
+    const Spec spec = spec_with({"train.steps=" + steps});
+    testing::run_ranks(
+        2, [&](const Comm& comm) { ranks[comm.rank()] = train(spec, comm, out, resume); });
+    return ranks[0];
+  };
+  const RunResult ref = run("4", weft::testing::temp_dir("bf16_zero1_whole"), false);
+  const fs::path out = weft::testing::temp_dir("bf16_zero1_resumed");
+  run("2", out, false);
+  const RunResult got = run("4", out, true);
+  ASSERT_EQ(ref.losses.size(), 4u);
+  ASSERT_EQ(got.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i + 1;
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  for (const auto& [name, p] : ref.params) {
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+    EXPECT_TRUE(torch::equal(got.params.at(name), p)) << name;
+  }
+}
+
 }  // namespace
 }  // namespace weft::dist

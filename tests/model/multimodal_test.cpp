@@ -376,5 +376,30 @@ TEST(Multimodal, ParameterNamesFollowModules) {
   EXPECT_EQ(MultimodalModel::module_of("audio.conv1.weight"), "audio");
 }
 
+// A trained embedding held in bf16 (ZeRO-1 under bf16; its .grad an fp32 bucket view): the
+// lookup's backward sums each row's gradients in fp32 and rounds the sum once. index_select's own
+// backward adds them up in bf16: 300 gradients of 1/3 come to 104 there, to 100.2 in fp32 (100
+// in bf16).
+TEST(Llm, Bf16TrainedEmbeddingSumsItsRowGradientsInFp32) {
+  ParamSet ps;
+  const Llm llm = Llm::make(Scope{&ps, "llm"}, testing::tiny_multimodal_spec().llm);
+  const at::Tensor& table = llm.embedding;
+  {
+    torch::NoGradGuard no_grad;
+    table.set_data(table.detach().to(at::kBFloat16));
+  }
+  table.mutable_grad() = torch::zeros(table.sizes());
+  ComputeDtypeGuard bf16(at::kBFloat16);
+  const at::Tensor e = llm.embed(torch::full({3, 100}, 1, torch::kLong));
+  ASSERT_EQ(e.scalar_type(), at::kBFloat16);
+  e.backward(torch::full_like(e, 1.0 / 3));
+  const double third = at::scalar_tensor(1.0 / 3, at::kBFloat16).item<double>();
+  const double sum = at::scalar_tensor(300 * third, at::kFloat).to(at::kBFloat16).item<double>();
+  EXPECT_EQ(sum, 100.0);
+  EXPECT_EQ(table.grad().scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(table.grad()[1], torch::full({table.size(1)}, sum))) << table.grad()[1];
+  EXPECT_TRUE(torch::equal(table.grad()[0], torch::zeros({table.size(1)})));
+}
+
 }  // namespace
 }  // namespace weft::model

@@ -273,8 +273,10 @@ TEST(MoeSim, ExpertStateIsDividedOverTheExpertParallelRanks) {
       bytes(simulate_on(4, {"parallel.llm.dp=4", "train.zero_stage=1"}));  // moments / 4
   const double z2 =
       bytes(simulate_on(4, {"parallel.llm.dp=4", "parallel.llm.ep=2", "train.zero_stage=1"}));
-  // Experts: ep1 holds 10E + 8E/4, ep2 holds 10E/2 + 8E/2/2.
-  EXPECT_NEAR(z1 - z2, (10 * E + 8 * E / 4) - (10 * E / 2 + 8 * E / 4), 1e-6 * z1);
+  // Experts under bf16 ZeRO-1 (held in bf16, fp32 masters sharded with the moments): ep1 holds
+  // 2E + 4E of gradient + 12E/4, ep2 2E/2 + 4E/2 + 12E/2/2.
+  EXPECT_NEAR(z1 - z2, (2 * E + 4 * E + 12 * E / 4) - (2 * E / 2 + 4 * E / 2 + 12 * E / 2 / 2),
+              1e-6 * z1);
   // etp = 1 under tp2: whole experts on each TP rank (dense weights halved, experts not), then
   // ep = 2 across the TP ranks halves them.
   const double tp2 = bytes(simulate_on(2, {"parallel.llm.tp=2"}));

@@ -499,6 +499,29 @@ TEST(Simulate, ZeroOneReduceScattersAndAllGathersInsteadOfAllReducing) {
   }
 }
 
+// ZeRO-1's static memory per trainable parameter of fp32 size G (its gradient's bytes), over a
+// group of n ranks: the moments 2G/n instead of 2G; under bf16 also the parameter held in bf16
+// (G/2, no cast of G/2 beside it) with its fp32 master G/n, as Megatron's distributed optimizer.
+TEST(Simulate, ZeroOneShardsMomentsAndUnderBf16HoldsParametersInBf16) {
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    Spec s = vlm_spec();
+    s.train.precision = precision;
+    const int64_t n = 4;
+    const Cluster c = ideal(n);
+    const double dp = simulate(s, make_plan(s, n), c, no_optimizer()).ranks[0].static_bytes;
+    s.train.zero_stage = 1;
+    EXPECT_EQ(zero1_bf16_params(s), precision == Precision::kBf16);
+    const double zero = simulate(s, make_plan(s, n), c, no_optimizer()).ranks[0].static_bytes;
+    double grads = 0;
+    for (const std::vector<StageCost>& module : stage_costs(s, make_plan(s, n)))
+      for (const StageCost& sc : module) grads += sc.grad_bytes;
+    ASSERT_GT(grads, 0);
+    const double moments = 2 * grads * (1 - 1.0 / n);
+    const double held = precision == Precision::kBf16 ? grads / 2 + grads / 2 - grads / n : 0;
+    EXPECT_NEAR(dp - zero, moments + held, 1e-6 * dp);
+  }
+}
+
 TEST(Simulate, FrozenEncoderRunsNoBackward) {
   Spec s = vlm_spec();
   s.parallel.placement = "separate";

@@ -21,10 +21,10 @@ TEST(AdamW, PiecesStepLikeTheWholeParameters) {
   // Where each piece's summed gradient lands (as a GradSync bucket's shard): flat buffers.
   const at::Tensor gw = torch::zeros({20}), gb = torch::zeros({7});
   AdamW b(split, opts,
-          {{0, 0, 8, gw.narrow(0, 0, 8)},
-           {0, 8, 12, gw.narrow(0, 8, 12)},
-           {1, 0, 3, gb.narrow(0, 0, 3)},
-           {1, 3, 4, gb.narrow(0, 3, 4)}});
+          {{0, 0, 8, gw.narrow(0, 0, 8), {}},
+           {0, 8, 12, gw.narrow(0, 8, 12), {}},
+           {1, 0, 3, gb.narrow(0, 0, 3), {}},
+           {1, 3, 4, gb.narrow(0, 3, 4), {}}});
   for (int step = 0; step < 3; ++step) {
     const at::Tensor g1 = torch::randn({4, 5}), g2 = torch::randn({7});
     whole[0].second.mutable_grad() = g1.clone();
@@ -45,7 +45,7 @@ TEST(AdamW, PiecesStepLikeTheWholeParameters) {
   const model::NamedTensors other = {{"w", whole[0].second.clone()},
                                      {"b", whole[1].second.clone()}};
   const at::Tensor hw = torch::zeros({20});
-  AdamW c(other, opts, {{0, 13, 7, hw.narrow(0, 13, 7)}});  // a rank holding w's tail only
+  AdamW c(other, opts, {{0, 13, 7, hw.narrow(0, 13, 7), {}}});  // a rank holding w's tail only
   model::NamedTensors state;
   for (size_t k = 0; k < 2; ++k) {
     state.emplace_back("exp_avg." + whole[k].first, a.exp_avg()[k]);
@@ -68,6 +68,34 @@ TEST(AdamW, PiecesStepLikeTheWholeParameters) {
   // Outside its piece, c left the parameter alone.
   EXPECT_FALSE(torch::allclose(other[0].second.view({-1}).narrow(0, 0, 13),
                                whole[0].second.view({-1}).narrow(0, 0, 13)));
+}
+
+// A parameter held in bf16 (ZeRO-1 under bf16): its pieces step their fp32 masters exactly as
+// fp32 parameters would be stepped, the moments come out fp32, and the bf16 parameter itself is
+// left for the gather to write.
+TEST(AdamW, PiecesWithMastersStepTheMastersNotTheParameter) {
+  torch::manual_seed(5);
+  const at::Tensor w0 = torch::randn({4, 5});
+  const model::NamedTensors whole = {{"w", w0.clone()}};
+  const model::NamedTensors held = {{"w", w0.to(at::kBFloat16)}};
+  AdamWOptions opts;
+  opts.weight_decay = 0.1;
+  AdamW a(whole, opts);
+  const at::Tensor gw = torch::zeros({20});
+  const at::Tensor m0 = w0.view({-1}).narrow(0, 0, 12).clone(),
+                   m1 = w0.view({-1}).narrow(0, 12, 8).clone();
+  AdamW b(held, opts, {{0, 0, 12, gw.narrow(0, 0, 12), m0}, {0, 12, 8, gw.narrow(0, 12, 8), m1}});
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor g = torch::randn({4, 5});
+    whole[0].second.mutable_grad() = g.clone();
+    gw.copy_(g.view({-1}));
+    a.step(1e-2, 0.5);
+    b.step(1e-2, 0.5);
+  }
+  EXPECT_TRUE(torch::equal(torch::cat({m0, m1}), whole[0].second.view({-1})));
+  EXPECT_EQ(b.exp_avg()[0].scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(b.exp_avg()[0], a.exp_avg()[0]));
+  EXPECT_TRUE(torch::equal(held[0].second, w0.to(at::kBFloat16)));
 }
 
 }  // namespace

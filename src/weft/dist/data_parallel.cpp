@@ -108,9 +108,29 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
       if (begin >= end) continue;
       b.pieces.push_back(pieces_.size());
       pieces_.push_back(
-          {k, begin - offset_of_[k], end - begin, b.buffer.narrow(0, begin, end - begin)});
+          {k, begin - offset_of_[k], end - begin, b.buffer.narrow(0, begin, end - begin), {}});
     }
   }
+  // Parameters gathered narrower than fp32 are held in that dtype: the exact values of this
+  // rank's pieces become their masters first. Before the accumulators exist (set_data drops a
+  // parameter's accumulator when its dtype changes).
+  torch::NoGradGuard no_grad;
+  for (ShardPiece& p : pieces_) {
+    const Bucket& b = buckets_[bucket_of_[p.param]];
+    if (b.wire == at::kFloat) continue;
+    p.master = params_[p.param]
+                   .second.detach()
+                   .view({-1})
+                   .narrow(0, p.begin, p.length)
+                   .to(at::kFloat)
+                   .clone();
+  }
+  for (const Bucket& b : buckets_)
+    if (b.sharded && b.wire != at::kFloat)
+      for (size_t k : b.params) {
+        const at::Tensor& p = params_[k].second;
+        if (p.scalar_type() != b.wire) p.set_data(p.detach().to(b.wire));
+      }
   for (size_t k = 0; k < params_.size(); ++k) {
     accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[k].second));
     hooks_.push_back(accumulators_.back()->add_post_hook(std::make_unique<PostHook>([this, k] {
@@ -236,24 +256,20 @@ PendingTensor GradSync::start_gather(const Bucket& b) {
   for (size_t i : b.pieces) {
     const ShardPiece& p = pieces_[i];
     mine.narrow(0, offset_of_[p.param] + p.begin - lo, p.length)
-        .copy_(params_[p.param].second.detach().view({-1}).narrow(0, p.begin, p.length));
+        .copy_(p.master.defined()
+                   ? p.master
+                   : params_[p.param].second.detach().view({-1}).narrow(0, p.begin, p.length));
   }
   return group_.all_gather_async(mine);
 }
 
 void GradSync::take_gathered(const Bucket& b, const at::Tensor& all) {
   torch::NoGradGuard no_grad;  // into leaves that require grad, maybe from inside a forward
-  // The other ranks' shards (this rank's own is exact already; in fp32 it is the same).
-  const int64_t lo = group_.rank() * b.shard, hi = lo + b.shard;
+  // Every shard, this rank's own too: in fp32 it is the parameter's value, and a parameter held
+  // in the wire dtype takes its own masters rounded.
   for (size_t k : b.params) {
     const at::Tensor flat = params_[k].second.detach().view({-1});
-    const int64_t o = offset_of_[k], m = flat.numel();
-    if (b.wire == at::kFloat || hi <= o || lo >= o + m) {
-      flat.copy_(all.narrow(0, o, m));
-      continue;
-    }
-    if (lo > o) flat.narrow(0, 0, lo - o).copy_(all.narrow(0, o, lo - o));
-    if (hi < o + m) flat.narrow(0, hi - o, o + m - hi).copy_(all.narrow(0, hi, o + m - hi));
+    flat.copy_(all.narrow(0, offset_of_[k], flat.numel()));
   }
 }
 

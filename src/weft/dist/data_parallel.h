@@ -25,6 +25,12 @@
 // contribution), and steps the parameter elements in it (pieces()). gather_params() then
 // all-gathers the stepped shards into every rank's parameters: a reduce-scatter and an
 // all-gather move the bytes of one all-reduce, and each rank keeps 1/n of the moments.
+// A parameter gathered in a dtype narrower than fp32 (bf16, the compute dtype, for parameters
+// forward only reads cast to it) is held in that dtype from construction on, as Megatron's
+// distributed optimizer holds bf16 parameters: the exact fp32 values live in this rank's
+// pieces only (ShardPiece::master, what the optimizer steps), the parameter's .grad is still
+// its fp32 bucket view (backward adds each bf16 gradient into it in fp32), and nothing casts
+// it. Per parameter that is 2 + 4/n bytes of values instead of 4, and no per-step cast.
 // gather_params(overlap = true) is Megatron's overlapped parameter gather: every bucket's
 // all-gather starts at once (in the order forward reads them), those of parameters read in fp32
 // (norms, routers: model::ParamUse::kFp32) are waited for there, and the rest are left in
@@ -65,16 +71,21 @@ struct ShardPiece {
   // [length] fp32: where finish() leaves their summed gradient. Undefined in a whole-parameter
   // piece (train::AdamW's, and the runtime's for parameters not sharded), which reads .grad.
   at::Tensor grad;
+  // [length] fp32: the exact values of these elements when the parameter is held narrower than
+  // fp32 (the optimizer steps them here, gather_params() sends them rounded); undefined when the
+  // parameter holds them itself.
+  at::Tensor master;
 };
 
 class GradSync {
  public:
   // `how`: per parameter (empty: every one kAllReduce). `wire`: per sharded parameter, the dtype
-  // gather_params() sends it in (empty: fp32); a narrower one rounds the copies other ranks keep
-  // of this rank's shard (for parameters only ever used cast to it), while every rank keeps its
-  // own shard exact. `use`: per parameter, how forward reads it (empty: every one kCast, through
-  // to_compute); an overlapped gather waits for kFp32 ones at once. A group of one rank reduces
-  // nothing and shards nothing.
+  // gather_params() sends it in (empty: fp32); a narrower one (for parameters only ever used
+  // cast to it) is the dtype the parameter is then held in, its exact values kept in this
+  // rank's pieces' masters (the parameters are converted here, in place: every holder of the
+  // tensor sees it). `use`: per parameter, how forward reads it (empty: every one kCast,
+  // through to_compute); an overlapped gather waits for kFp32 ones at once. A group of one rank
+  // reduces nothing and shards nothing.
   GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes = 4 << 20,
            std::vector<Reduce> how = {}, std::vector<at::ScalarType> wire = {},
            std::vector<model::ParamUse> use = {});
@@ -126,7 +137,7 @@ class GradSync {
   void on_accumulated(size_t k);
   void launch(Bucket& b);
   PendingTensor start_gather(const Bucket& b);
-  void take_gathered(const Bucket& b, const at::Tensor& all);  // others' shards into parameters
+  void take_gathered(const Bucket& b, const at::Tensor& all);  // every shard into the parameters
   void arrive(size_t bucket);        // waits for its gather in flight, if any, and takes it
   at::Tensor slice(size_t k) const;  // parameter k's part of its bucket, shaped as the parameter
   bool attached(size_t k) const;     // .grad is that part

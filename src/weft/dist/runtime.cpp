@@ -3,6 +3,7 @@
 #include <c10/util/accumulate.h>  // c10::multiply_integers
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -308,7 +309,7 @@ struct Runtime::Impl {
     make_sync(llm_sync);
     if (expert_parallel) make_sync(expert_sync);
     for (size_t t = 0; t < trainable.size(); ++t)
-      if (!sharded[t]) pieces.push_back({t, 0, trainable[t].second.numel(), {}});
+      if (!sharded[t]) pieces.push_back({t, 0, trainable[t].second.numel(), {}, {}});
     // The chunk of each LLM parameter: its block's; the embedding the first chunk's (a tied
     // copy on the last stage the last chunk's); the final norm and head the last chunk's.
     const std::vector<model::StageRange>& chunks = hosting.llm.chunks;
@@ -1267,15 +1268,22 @@ struct Runtime::Impl {
   }
 
   // Every parameter's value (detached), exact: under a narrow ZeRO-1 gather the sharded ones
-  // made whole from each rank's own pieces. Collective then.
+  // (held in bf16) made whole in fp32 from each rank's masters. Collective then.
   std::vector<at::Tensor> exact_parameters() const {
     finish_param_gathers();
     const model::NamedTensors& params = model->parameters();
     std::vector<at::Tensor> out;
     for (const auto& [name, p] : params) out.push_back(p.detach());
     if (!opts.zero1 || opts.param_gather_dtype == at::kFloat) return out;
-    std::vector<at::Tensor> values;
-    for (size_t t = 0; t < trainable.size(); ++t) values.push_back(out[trainable_param[t]]);
+    std::vector<at::Tensor> values(trainable.size());
+    for (const ShardPiece& p : pieces) {
+      if (!p.master.defined()) continue;
+      at::Tensor& v = values[p.param];
+      if (!v.defined()) v = torch::empty(trainable[p.param].second.sizes(), p.master.options());
+      v.view({-1}).narrow(0, p.begin, p.length).copy_(p.master);
+    }
+    for (size_t t = 0; t < trainable.size(); ++t)
+      if (!values[t].defined()) values[t] = out[trainable_param[t]];
     whole_from_pieces(values);
     for (size_t t = 0; t < trainable.size(); ++t) out[trainable_param[t]] = values[t];
     return out;
@@ -1373,6 +1381,23 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
 }
 
 size_t Runtime::param_index(size_t t) const { return impl_->trainable_param[t]; }
+
+void Runtime::set_parameter(size_t k, const at::Tensor& value) {
+  Impl& m = *impl_;
+  m.finish_param_gathers();  // nothing in flight may land on it after
+  const auto& [name, p] = m.model->parameters().at(k);
+  WEFT_CHECK(value.sizes() == p.sizes(), "parameter '", name, "': a value of shape ", value.sizes(),
+             " for a parameter of shape ", p.sizes(), " on this rank");
+  torch::NoGradGuard no_grad;
+  p.copy_(value);
+  const auto it = std::find(m.trainable_param.begin(), m.trainable_param.end(), k);
+  if (it == m.trainable_param.end()) return;
+  const auto t = static_cast<size_t>(it - m.trainable_param.begin());
+  const at::Tensor flat = value.reshape({-1});
+  for (const ShardPiece& piece : m.pieces)
+    if (piece.param == t && piece.master.defined())
+      piece.master.copy_(flat.narrow(0, piece.begin, piece.length));
+}
 
 Runtime::Runtime(const ModelSpec& model, uint64_t seed, const plan::Plan& plan, Comm world,
                  RuntimeOptions options)

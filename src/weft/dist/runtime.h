@@ -101,7 +101,8 @@ class Runtime {
   const Comm& world() const;
   // This rank's trainable parameters (the optimizer's list), and what of them this rank steps
   // (train::AdamW's pieces, indices into trainable()): under ZeRO-1 its shards of the sharded
-  // parameters (whose .grad is then valid on those pieces only), every other one whole.
+  // parameters (whose .grad is then valid on those pieces only; under bf16 the parameters
+  // themselves held in bf16, the pieces' masters exact), every other one whole.
   const model::NamedTensors& trainable() const;
   const std::vector<ShardPiece>& optimizer_pieces() const;
 
@@ -160,6 +161,10 @@ class Runtime {
   // (kind, per-trainable tensors; ZeRO-1 pieces made whole as in gather_trainable). Collective.
   std::vector<io::TensorShard> checkpoint_shards(
       const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const;
+  // Sets this rank's parameter k (model().parameters() order) to `value` (its shape, any
+  // dtype), exactly: a parameter held in bf16 under ZeRO-1 takes the rounded value and the
+  // optimizer's masters of its pieces the exact one. Local.
+  void set_parameter(size_t k, const at::Tensor& value);
   // Index into the model's parameters of trainable parameter t.
   size_t param_index(size_t t) const;
   // This rank's shard of a full tensor of parameter k.

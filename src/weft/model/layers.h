@@ -2,7 +2,8 @@
 // ParamSet; forward passes cast them to the thread's compute dtype on use (bf16 compute with
 // fp32 master weights), so gradients land on the fp32 masters in fp32. A frozen module's cast
 // parameters may instead be held in the compute dtype itself (ParamSet::hold_cast_params_in):
-// the values forward passes use, with no fp32 master to keep and nothing to cast.
+// the values forward passes use, with no fp32 master to keep and nothing to cast. ZeRO-1 under
+// bf16 holds trained parameters so too, their fp32 masters sharded (dist::GradSync).
 //
 // Tensor parallelism (Megatron): a Scope may carry a Shard (this rank's tensor- and context-
 // parallel groups). Column-parallel linears keep a slice of the output features, row-parallel
@@ -67,7 +68,8 @@ class ParamSet {
   // kCast parameters added from now on are held in `dtype` (default fp32). A frozen module's,
   // held in the compute dtype: rounded exactly as every use would cast them, so forward and
   // backward compute the same values as with fp32 masters, in half the memory and without the
-  // casts. Such parameters cannot train (they have no fp32 master).
+  // casts. Such parameters train only where something else keeps their fp32 masters (ZeRO-1
+  // under bf16 holds the parameters it shards in bf16 the same way: dist::GradSync).
   void hold_cast_params_in(at::ScalarType dtype) { cast_dtype_ = dtype; }
   const NamedTensors& all() const { return params_; }
   const Split& split(size_t k) const { return splits_[k]; }

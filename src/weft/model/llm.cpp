@@ -60,10 +60,34 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, std::vector<StageRange> chunk
 }
 
 namespace {
+// index_select of a trained table held narrower than fp32 (ZeRO-1 holds a bf16 run's embedding
+// in bf16, its .grad in fp32): backward sums each row's gradients in fp32 and rounds the sum
+// once, where index_select's backward would add them up in the table's dtype.
+struct NarrowRowsFn : torch::autograd::Function<NarrowRowsFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
+                            const at::Tensor& ids) {
+    ctx->save_for_backward({ids});
+    ctx->saved_data["rows"] = table.size(0);
+    return table.index_select(0, ids);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor ids = ctx->get_saved_variables()[0];
+    const at::Tensor& g = grad[0];
+    at::Tensor sum =
+        torch::zeros({ctx->saved_data["rows"].toInt(), g.size(1)}, g.options().dtype(at::kFloat));
+    sum.index_add_(0, ids, g.to(at::kFloat));
+    return {sum.to(g.scalar_type()), at::Tensor()};
+  }
+};
+
 // Rows of `table` for `ids` [B, S] -> [B, S, hidden]. index_select, not at::embedding: its
 // backward is an index_add into the gradient, where LibTorch's CPU embedding backward sorts.
 at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids) {
-  at::Tensor rows = table.index_select(0, ids.reshape({-1}));
+  const at::Tensor flat = ids.reshape({-1});
+  const bool narrow_trained =
+      table.scalar_type() != at::kFloat && table.requires_grad() && at::GradMode::is_enabled();
+  at::Tensor rows = narrow_trained ? NarrowRowsFn::apply(table, flat) : table.index_select(0, flat);
   return rows.view({ids.size(0), ids.size(1), table.size(1)});
 }
 }  // namespace

@@ -14,6 +14,8 @@ LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
   const double casts = (weight_grads || input_grads) && !held_as_used ? holding.casts : 0;
   c.copy_bytes = casts * c.param_bytes;
   c.expert_copy_bytes = casts * c.expert_param_bytes;
+  c.trained_cast_bytes = weight_grads ? c.copy_bytes : 0;
+  c.expert_trained_cast_bytes = weight_grads ? c.expert_copy_bytes : 0;
   if (!weight_grads) {
     c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
     c.param_bytes *= holding.frozen;
@@ -47,9 +49,11 @@ void shard_experts(LayerCost* c, const Layout& layout) {
   c->param_bytes += (f - 1) * c->expert_param_bytes;
   c->train_state_bytes += (f - 1) * c->expert_train_state_bytes;
   c->copy_bytes += (f - 1) * c->expert_copy_bytes;
+  c->trained_cast_bytes += (f - 1) * c->expert_trained_cast_bytes;
   c->expert_param_bytes *= f;
   c->expert_train_state_bytes *= f;
   c->expert_copy_bytes *= f;
+  c->expert_trained_cast_bytes *= f;
 }
 
 MicrobatchShape single_sample_microbatch(const Spec& spec) {

@@ -47,10 +47,14 @@ struct LayerCost {
   // the parameters: their compute-dtype casts (ParamHolding::casts), and the weight gradient a
   // fused head and loss makes in forward (model/cross_entropy.h).
   double copy_bytes = 0;
+  // Of copy_bytes, the casts of trainable parameters: under a bf16 run's ZeRO-1 the parameters a
+  // rank shards are held in bf16 and need none (simulate.h rank_holding).
+  double trained_cast_bytes = 0;
   // MoE blocks (flops.h llm_block_params): the part of param_bytes / train_state_bytes /
-  // copy_bytes held by the experts, which expert parallelism divides over ep · etp ranks instead
-  // of tp; 0 elsewhere.
+  // copy_bytes / trained_cast_bytes held by the experts, which expert parallelism divides over
+  // ep · etp ranks instead of tp; 0 elsewhere.
   double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_copy_bytes = 0;
+  double expert_trained_cast_bytes = 0;
 };
 
 // How the runtime holds parameters, in fractions of their fp32 bytes (param_holding(spec)):

@@ -302,6 +302,7 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
     keep_whole(&l, flop, m.layout);
     l.forward *= work, l.input_grad *= work, l.weight_grad *= work;
     l.param_bytes *= params, l.train_state_bytes *= params, l.copy_bytes *= params;
+    l.trained_cast_bytes *= params, l.expert_trained_cast_bytes *= params;
     l.expert_param_bytes *= params, l.expert_train_state_bytes *= params;
     l.expert_copy_bytes *= params;
     shard_experts(&l, m.layout);

@@ -72,6 +72,8 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
       }
       sc.copy_bytes -= l.copy_bytes;  // cast at each use, in forward and again in backward
       sc.expert_copy_bytes -= l.expert_copy_bytes;
+      sc.trained_cast_bytes -= l.trained_cast_bytes;
+      sc.expert_trained_cast_bytes -= l.expert_trained_cast_bytes;
     }
   }
 }

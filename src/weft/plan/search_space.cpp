@@ -417,7 +417,8 @@ const std::vector<std::vector<PipelineOp>>& Space::schedules(int64_t pp, int64_t
 // CP × DP group and its experts' expert-data-parallel group, as the simulator charges them.
 Holding Space::hold(Work* w, const StageCost& sc, const Choice& c, const Node& n) const {
   const Layout layout = c.layout();
-  const Holding held = rank_holding(sc, layout, n.zero == 1);
+  const Holding held =
+      rank_holding(sc, layout, n.zero == 1, n.zero == 1 && zero1_gather_fraction(spec_) < 1);
   w->static_bytes = held.total();
   w->opt_seconds = w->opt_bytes = w->gather = 0;
   if (sc.measured)

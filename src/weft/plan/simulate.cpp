@@ -31,6 +31,7 @@ void add(StageCost* s, const LayerCost& c, const Layout& layout) {
   s->whole_activation_bytes += layout.sequence_parallel() ? c.sp_whole_bytes : c.tp_whole_bytes;
   s->param_bytes += c.param_bytes;
   s->copy_bytes += c.copy_bytes;
+  s->trained_cast_bytes += c.trained_cast_bytes;
   s->train_state_bytes += c.train_state_bytes;
   // partition.h charges 12 train-state bytes per trainable parameter: the fp32 gradient (4) and
   // AdamW's two fp32 moments.
@@ -38,6 +39,7 @@ void add(StageCost* s, const LayerCost& c, const Layout& layout) {
   s->expert_param_bytes += c.expert_param_bytes;
   s->expert_train_state_bytes += c.expert_train_state_bytes;
   s->expert_copy_bytes += c.expert_copy_bytes;
+  s->expert_trained_cast_bytes += c.expert_trained_cast_bytes;
   s->expert_grad_bytes += c.expert_train_state_bytes / 3;
 }
 
@@ -606,7 +608,8 @@ class Engine {
   // Static memory and the step-end collectives of module i's stage on rank r.
   void build_module_end(int64_t r, int64_t i) {
     const ModulePlan& m = mod(i);
-    const Holding held = rank_holding(rank_cost(i, r), m.layout, spec_.train.zero_stage == 1);
+    const Holding held = rank_holding(rank_cost(i, r), m.layout, spec_.train.zero_stage == 1,
+                                      zero1_bf16_params(spec_));
     result_.ranks[r].static_bytes += held.total();
     // Gradients are summed over the CP × DP group, experts apart over their expert-data-parallel
     // group; under ZeRO-1 by a reduce-scatter (each rank gets its shard's sums: the bytes of an
@@ -1056,12 +1059,14 @@ StageCost rank_chunks(const std::vector<StageCost>& stages, int64_t pp, int64_t 
     const StageCost& x = stages[static_cast<size_t>(k * pp + s)];
     sum.param_bytes += x.param_bytes;
     sum.copy_bytes += x.copy_bytes;
+    sum.trained_cast_bytes += x.trained_cast_bytes;
     sum.train_state_bytes += x.train_state_bytes;
     sum.grad_bytes += x.grad_bytes;
     sum.expert_param_bytes += x.expert_param_bytes;
     sum.expert_train_state_bytes += x.expert_train_state_bytes;
     sum.expert_grad_bytes += x.expert_grad_bytes;
     sum.expert_copy_bytes += x.expert_copy_bytes;
+    sum.expert_trained_cast_bytes += x.expert_trained_cast_bytes;
     sum.optimizer_seconds += x.optimizer_seconds;
   }
   return sum;
@@ -1071,7 +1076,11 @@ double zero1_gather_fraction(const Spec& spec) {
   return spec.train.precision == Precision::kBf16 ? 0.5 : 1.0;
 }
 
-Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {
+bool zero1_bf16_params(const Spec& spec) {
+  return spec.train.zero_stage == 1 && zero1_gather_fraction(spec) < 1;
+}
+
+Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1, bool bf16_params) {
   const int64_t etp = l.expert_tp();
   const double tp = static_cast<double>(l.tp), experts = static_cast<double>(l.ep * etp);
   const double group = static_cast<double>(l.cp * l.dp);                    // CP × DP
@@ -1087,6 +1096,17 @@ Holding rank_holding(const StageCost& sc, const Layout& l, bool zero1) {
   h.grads = dense_grad + expert_grad;
   h.moments = dense_moments / tp * dense_share + expert_moments / experts * expert_share;
   h.expert_grads = l.ep > 1 || etp != l.tp ? expert_grad : 0;
+  if (zero1 && bf16_params) {
+    // The trainable parameters' fp32 bytes are their gradients': each sharded one held in bf16
+    // (half of them), its casts gone, and this rank's share of them as fp32 masters.
+    const auto narrow = [&](double grad, double casts, double share) {
+      h.params -= grad / 2 + casts;
+      h.moments += grad * share;
+    };
+    if (group > 1)
+      narrow(dense_grad, (sc.trained_cast_bytes - sc.expert_trained_cast_bytes) / tp, dense_share);
+    if (edp > 1) narrow(expert_grad, sc.expert_trained_cast_bytes / experts, expert_share);
+  }
   const double stepped = dense_grad * dense_share + expert_grad * expert_share;
   h.step_fraction = sc.grad_bytes > 0 ? stepped / sc.grad_bytes : 0;
   return h;

@@ -101,15 +101,16 @@ struct StageCost {
   double recompute_peak_bytes = 0;
   double recompute_peak_whole_bytes = 0;  // of which whole on each TP rank (as above)
   double param_bytes = 0;
-  double copy_bytes = 0;         // casts of the parameters and the like (partition.h LayerCost)
-  double train_state_bytes = 0;  // gradients + optimizer state of the trainable parameters
-  double grad_bytes = 0;         // fp32 gradients of the trainable parameters (what DP reduces)
-  int64_t blocks = 0;            // transformer blocks (each issues TP / CP collectives)
+  double copy_bytes = 0;          // casts of the parameters and the like (partition.h LayerCost)
+  double trained_cast_bytes = 0;  // of which casts of trainable parameters
+  double train_state_bytes = 0;   // gradients + optimizer state of the trainable parameters
+  double grad_bytes = 0;          // fp32 gradients of the trainable parameters (what DP reduces)
+  int64_t blocks = 0;             // transformer blocks (each issues TP / CP collectives)
   // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes /
   // copy_bytes, which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
   double expert_param_bytes = 0, expert_train_state_bytes = 0, expert_grad_bytes = 0;
-  double expert_copy_bytes = 0;
+  double expert_copy_bytes = 0, expert_trained_cast_bytes = 0;
   // Measured costs (plan/profile.h). When `measured`, an op on n units takes fixed + n · per-unit
   // seconds, the per-unit part divided over tp × cp, and the FLOPs above count toward MFU only;
   // the optimizer takes optimizer_seconds (divided over tp, and the CP × DP group under ZeRO-1).
@@ -169,13 +170,20 @@ CostTable stage_costs(const Spec& spec, const Plan& plan);
 // group, and for experts the expert-data-parallel group (plan.h ModulePlan::expert_groups).
 // `expert_grads` is the part of `grads` reduced over that group rather than the CP × DP group
 // (0 when the experts are replicated exactly like the dense weights: ep = 1, etp = tp).
+// bf16_params: a bf16 run's ZeRO-1 holds the trainable parameters it shards (where the group has
+// several ranks) in bf16, with fp32 masters of this rank's shard only and no casts, as Megatron's
+// distributed optimizer (dist/data_parallel.h): 2 + 4/group bytes per parameter for the 4 of an
+// fp32 parameter and the 2 of its cast.
 struct Holding {
   double params = 0, grads = 0, moments = 0;
   double expert_grads = 0;
   double step_fraction = 1;  // of the stage's whole optimizer work, what this rank steps
   double total() const { return params + grads + moments; }
 };
-Holding rank_holding(const StageCost& stage, const Layout& layout, bool zero1);
+Holding rank_holding(const StageCost& stage, const Layout& layout, bool zero1,
+                     bool bf16_params = false);
+// Whether `spec`'s ZeRO-1 holds sharded parameters in bf16 (rank_holding's bf16_params).
+bool zero1_bf16_params(const Spec& spec);
 // ZeRO-1's parameter all-gather moves the compute dtype: its bytes over the fp32 gradients'.
 double zero1_gather_fraction(const Spec& spec);
 // What pipeline rank s holds of a module whose `stages` are its pp · vp (virtual) stages: its

@@ -20,15 +20,22 @@ AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::Sh
     : params_(std::move(params)), pieces_(std::move(pieces)), opts_(opts) {
   if (pieces_.empty())
     for (size_t k = 0; k < params_.size(); ++k)
-      pieces_.push_back({k, 0, params_[k].second.numel(), {}});
+      pieces_.push_back({k, 0, params_[k].second.numel(), {}, {}});
   for (const dist::ShardPiece& p : pieces_) {
     WEFT_ASSERT(p.param < params_.size());
-    const at::Tensor& param = params_[p.param].second;
-    const bool whole = !p.grad.defined();  // as update() reads it
-    const at::Tensor like = whole ? param : param.detach().view({-1}).narrow(0, p.begin, p.length);
+    const at::Tensor like = stepped(p);
+    WEFT_ASSERT(like.scalar_type() == at::kFloat, "AdamW: '", params_[p.param].first,
+                "' is held in ", like.scalar_type(), " without an fp32 master");
     exp_avg_.push_back(torch::zeros_like(like));
     exp_avg_sq_.push_back(torch::zeros_like(like));
   }
+}
+
+at::Tensor AdamW::stepped(const dist::ShardPiece& piece) const {
+  if (piece.master.defined()) return piece.master;
+  const at::Tensor& param = params_[piece.param].second;
+  if (!piece.grad.defined()) return param;  // a whole parameter
+  return param.detach().view({-1}).narrow(0, piece.begin, piece.length);
 }
 
 void AdamW::step(double lr, double grad_scale) { update(lr, grad_scale, {}, {}); }
@@ -58,10 +65,8 @@ void AdamW::update(double lr, double grad_scale, const at::Tensor& scale_t,
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const dist::ShardPiece& piece = pieces_[i];
     const at::Tensor& param = params_[piece.param].second;
-    const bool whole = !piece.grad.defined();
-    const at::Tensor& p = ps[i] =
-        whole ? param : param.detach().view({-1}).narrow(0, piece.begin, piece.length);
-    const at::Tensor& g = gs[i] = whole ? param.grad() : piece.grad;
+    const at::Tensor& p = ps[i] = stepped(piece);
+    const at::Tensor& g = gs[i] = piece.grad.defined() ? piece.grad : param.grad();
     if (!g.defined()) continue;
     WEFT_ASSERT(exp_avg_[i].sizes() == p.sizes() && g.numel() == p.numel(), "AdamW: piece of '",
                 params_[piece.param].first, "' shaped ", p.sizes(), ", its moments ",
@@ -123,7 +128,7 @@ std::vector<at::Tensor> AdamW::whole(const std::vector<at::Tensor>& per_piece) c
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const dist::ShardPiece& p = pieces_[i];
     at::Tensor& t = out[p.param];
-    if (!t.defined()) t = torch::zeros_like(params_[p.param].second);
+    if (!t.defined()) t = torch::zeros_like(params_[p.param].second, at::kFloat);
     t.view({-1}).narrow(0, p.begin, p.length).copy_(per_piece[i].reshape({-1}));
   }
   return out;

@@ -25,7 +25,8 @@ struct AdamWOptions {
 //
 // ZeRO-1: with `pieces` given, only those ranges of the parameters have state and are stepped
 // here, each with the gradient its piece names (a whole-parameter piece without one reads
-// .grad); the other ranks of the group step the rest (dist::GradSync::pieces).
+// .grad), and in its master where it has one (a parameter held in bf16); the other ranks of the
+// group step the rest (dist::GradSync::pieces).
 class AdamW {
  public:
   AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::ShardPiece> pieces = {});
@@ -56,6 +57,9 @@ class AdamW {
                   const at::Tensor& scale_on_device, const at::Tensor& skip_on_device);
   void update(double lr, double grad_scale, const at::Tensor& scale_t, const at::Tensor& skip_t);
   std::vector<at::Tensor> whole(const std::vector<at::Tensor>& per_piece) const;
+  // The fp32 values a piece steps: its master, or the parameter's elements (flat), or the whole
+  // parameter.
+  at::Tensor stepped(const dist::ShardPiece& piece) const;
 
   model::NamedTensors params_;
   std::vector<dist::ShardPiece> pieces_;

@@ -212,7 +212,7 @@ struct Trainer::Impl {
       const at::Tensor shard = runtime->shard_of(k, hf.full(name));
       WEFT_CHECK(shard.sizes() == p.sizes(), "Hugging Face weights for '", name, "' have shape ",
                  shard.sizes(), " on this rank; the model needs ", p.sizes());
-      p.copy_(shard);
+      runtime->set_parameter(k, shard);
     }
     if (opts.comm.rank() == 0 && opts.progress)
       for (const std::string& line : hf.summary()) std::fprintf(stderr, "weft: %s\n", line.c_str());
@@ -249,7 +249,7 @@ struct Trainer::Impl {
       const at::Tensor shard = runtime->shard_of(k, it->second);
       WEFT_ASSERT(shard.sizes() == p.sizes(), dir, ": shard of '", name, "' is ", shard.sizes(),
                   ", this rank holds ", p.sizes());
-      p.copy_(shard);
+      runtime->set_parameter(k, shard);
     }
     json state = json::parse(ckpt.state_json, nullptr, false);
     WEFT_CHECK(!state.is_discarded() && state.contains("step") &&
