@@ -2,23 +2,32 @@
 # ZeRO-1's memory on this machine: small-vlm (~123M parameters, bf16) trained by 2 local ranks over
 # Gloo, plain data parallelism against ZeRO-1 (train.zero_stage = 1: moments sharded, the sharded
 # parameters held in bf16 with fp32 masters of each rank's shard only, as Megatron's distributed
-# optimizer). Each rank's peak resident memory is measured (GNU time's maximum RSS), the two
-# settings alternating, twice each; the saving is set against the one the planner's memory model
-# predicts (`weft simulate`, per-rank static bytes) for the same two configs.
+# optimizer). Measured per setting, the two alternating, twice each:
+#  - the training steps' peak: rank 0's peak resident set after the last step (metrics.jsonl
+#    peak_memory_mib, written before the final checkpoint);
+#  - the whole run's peak, the final checkpoint and evaluation included: the largest rank's
+#    maximum resident set (GNU time).
+# The steps' saving is set against the one the planner's memory model predicts (`weft simulate`,
+# per-rank static bytes) for the same two configs.
 #   usage: bench/zero_memory.sh [BUILD_DIR] [STEPS]
 set -euo pipefail
-build=${1:-build}; steps=${2:-3}
+build=${1:-build}; steps=${2:-4}
 src=$(cd "$(dirname "$0")/.." && pwd)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 config=$src/configs/small-vlm.toml
 common=(--set train.steps=$steps --set train.warmup=1 --set train.threads=1
-        --set train.checkpoint_every=0 --set data.eval_samples=0 --set train.log_every=1)
+        --set train.checkpoint_every=0 --set data.eval_samples=4 --set train.log_every=1)
 
-peak_kib() {  # zero stage, run name: the largest rank's maximum RSS in KiB
+run() {  # zero stage, run name: prints "steps-peak-MiB run-peak-MiB"
   "$build/weft" launch --nproc 2 -- /usr/bin/time -f "maxrss-kib %M" "$build/weft" train "$config" \
     "${common[@]}" --set train.zero_stage=$1 --out "$tmp/$2" --quiet > "$tmp/$2.log" 2>&1 ||
-    { cat "$tmp/$2.log"; exit 1; }
-  grep -o 'maxrss-kib [0-9]*' "$tmp/$2.log" | awk '$2 > m { m = $2 } END { print m }'
+    { cat "$tmp/$2.log" >&2; exit 1; }
+  python3 - "$tmp/$2/metrics.jsonl" "$tmp/$2.log" <<'EOF'
+import json, re, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rss = [int(k) for k in re.findall(r"maxrss-kib (\d+)", open(sys.argv[2]).read())]
+print(f"{steps[-1]['peak_memory_mib']:.1f} {max(rss) / 1024:.1f}")
+EOF
 }
 predicted_mib() {  # zero stage: the largest rank's static bytes in MiB, as the simulator holds them
   "$build/weft" simulate "$config" --cluster "$src/configs/clusters/cpu-local.toml" --world-size 2 \
@@ -26,21 +35,29 @@ predicted_mib() {  # zero stage: the largest rank's static bytes in MiB, as the 
     python3 -c 'import json, sys; print(max(r["static_bytes"] for r in json.load(sys.stdin)["ranks"]) / 2**20)'
 }
 
-dp=(); zero=()
+results=()
 for round in 1 2; do
-  dp+=("$(peak_kib 0 dp_$round)")
-  zero+=("$(peak_kib 1 zero_$round)")
+  results+=("dp $(run 0 dp_$round)" "zero $(run 1 zero_$round)")
 done
-python3 - "${dp[*]}" "${zero[*]}" "$(predicted_mib 0)" "$(predicted_mib 1)" <<'EOF'
+python3 - "$(predicted_mib 0)" "$(predicted_mib 1)" "${results[@]}" <<'EOF'
 import sys
-dp = [int(x) / 1024 for x in sys.argv[1].split()]
-zero = [int(x) / 1024 for x in sys.argv[2].split()]
-pred_dp, pred_zero = float(sys.argv[3]), float(sys.argv[4])
-m_dp, m_zero = min(dp), min(zero)
-print(f"peak RSS per rank (MiB, each round): DP2 {' '.join(f'{x:.0f}' for x in dp)}  "
-      f"ZeRO-1 {' '.join(f'{x:.0f}' for x in zero)}")
-print(f"ZeRO-1 / DP2 peak RSS per rank: {m_zero / m_dp:.3f} (saved {m_dp - m_zero:.0f} MiB)")
+runs = {"dp": [], "zero": []}
+for line in sys.argv[3:]:
+    kind, steps, whole = line.split()
+    runs[kind].append((float(steps), float(whole)))
+pred_dp, pred_zero = float(sys.argv[1]), float(sys.argv[2])
+dp_steps, zero_steps = min(s for s, _ in runs["dp"]), min(s for s, _ in runs["zero"])
+dp_whole, zero_whole = min(w for _, w in runs["dp"]), min(w for _, w in runs["zero"])
+fmt = lambda xs: " ".join(f"{x:.0f}" for x in xs)
+print("peak resident memory, MiB (each round):")
+print(f"  training steps (rank 0):          DP2 {fmt(s for s, _ in runs['dp'])}   "
+      f"ZeRO-1 {fmt(s for s, _ in runs['zero'])}")
+print(f"  whole run, checkpoint included:   DP2 {fmt(w for _, w in runs['dp'])}   "
+      f"ZeRO-1 {fmt(w for _, w in runs['zero'])}")
+print(f"ZeRO-1 / DP2, training steps: {zero_steps / dp_steps:.3f} (saved {dp_steps - zero_steps:.0f} MiB per rank)")
+print(f"ZeRO-1 / DP2, whole run: {zero_whole / dp_whole:.3f}")
 print(f"predicted static memory per rank (weft simulate): DP2 {pred_dp:.0f} MiB, ZeRO-1 "
       f"{pred_zero:.0f} MiB, saving {pred_dp - pred_zero:.0f} MiB")
-print(f"measured saving / predicted saving: {(m_dp - m_zero) / (pred_dp - pred_zero):.3f}")
+print(f"measured saving in the steps / predicted saving: "
+      f"{(dp_steps - zero_steps) / (pred_dp - pred_zero):.3f}")
 EOF

@@ -142,5 +142,53 @@ TEST(Checkpoint, KeepsTheNewest) {
   EXPECT_EQ(fs::path(latest_checkpoint(run.string())).filename(), "step_00000004");
 }
 
+// ZeRO-1 ranges: each rank writes the flat ranges of a chunk it holds (here chunk 1 of 2 of a
+// TP split along dim 0: ranks 0 and 1 hold elements [0, 5) and [5, 12) of its 3 x 4); the load
+// joins them, from whichever files, into one shard of the whole chunk. Ranges that leave a gap
+// or overlap are an error naming the tensor and the elements.
+TEST(Checkpoint, FlatRangesOfAChunkAreJoinedOnLoad) {
+  const at::Tensor chunk = torch::arange(12, torch::kFloat).view({3, 4});
+  const auto save = [&](const std::string& name,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+    const fs::path run = fresh(name);
+    const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+    int rank = 0;
+    for (const auto& [begin, length] : ranges)
+      write_checkpoint_shards(tmp, rank++,
+                              {{"optimizer/m",
+                                torch::arange(begin, begin + length, torch::kFloat),
+                                0,
+                                {},
+                                1,
+                                2,
+                                {3, 4},
+                                begin}});
+    return finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1);
+  };
+  const Checkpoint c = load_checkpoint(save("ranges", {{5, 7}, {0, 5}}));
+  ASSERT_EQ(c.shards.size(), 1u);
+  const TensorShard& s = c.shards[0];
+  EXPECT_EQ(s.name, "optimizer/m");
+  EXPECT_TRUE(s.shape.empty()) << "joined into the whole chunk";
+  EXPECT_EQ(s.rank, 1);
+  EXPECT_EQ(s.size, 2);
+  EXPECT_TRUE(torch::equal(s.value, chunk));
+  const std::string gap = error_of([&] { load_checkpoint(save("ranges_gap", {{0, 5}, {6, 6}})); });
+  EXPECT_NE(gap.find("'optimizer/m': chunk 1 has no range for its elements from 5"),
+            std::string::npos)
+      << gap;
+  const std::string overlap = error_of([&] {
+    load_checkpoint(save("ranges_overlap", {{0, 6}, {5, 7}}));
+  });
+  EXPECT_NE(overlap.find("two ranges over its elements from 5"), std::string::npos) << overlap;
+  const std::string short_end = error_of([&] { load_checkpoint(save("ranges_end", {{0, 5}})); });
+  EXPECT_NE(short_end.find("no range for its elements from 5 of 12"), std::string::npos)
+      << short_end;
+  const std::string outside = error_of([&] {
+    load_checkpoint(save("ranges_outside", {{0, 5}, {5, 7}, {10, 7}}));
+  });
+  EXPECT_NE(outside.find("bad range layout"), std::string::npos) << outside;
+}
+
 }  // namespace
 }  // namespace weft::io

@@ -1357,25 +1357,46 @@ model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_traina
 std::vector<io::TensorShard> Runtime::checkpoint_shards(
     const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const {
   Impl& m = *impl_;
+  WEFT_ASSERT(std::all_of(moments.begin(), moments.end(),
+                          [&](const auto& kind) { return kind.second.size() == m.pieces.size(); }),
+              "checkpoint_shards: moments of ", m.pieces.size(), " pieces expected");
+  m.finish_param_gathers();
   const model::NamedTensors& params = m.model->parameters();
-  auto shard = [&](const std::string& name, size_t k, const at::Tensor& value) {
+  // `value` of parameter k whole (this rank's TP chunk), or the flat range of it a ZeRO-1 piece
+  // holds.
+  auto shard = [&](const std::string& name, size_t k, const at::Tensor& value,
+                   const ShardPiece* piece = nullptr) {
     const model::Split& split = m.model->param_set().split(k);
-    return io::TensorShard{name,       value.detach().to(at::kCPU).contiguous(),
-                           split.dim,  split.segments,
-                           split.rank, split.size};
+    io::TensorShard s{name,       value.detach().to(at::kCPU).contiguous(),
+                      split.dim,  split.segments,
+                      split.rank, split.size,
+                      {},         0};
+    if (piece) {
+      s.value = s.value.view({-1});
+      s.shape = params[k].second.sizes().vec();
+      s.begin = piece->begin;
+    }
+    return s;
   };
   std::vector<io::TensorShard> out;
-  const std::vector<at::Tensor> exact = m.exact_parameters();
+  // A parameter held in bf16 under ZeRO-1 has its exact values in the pieces' masters only.
+  std::vector<uint8_t> in_masters(params.size(), 0);
+  for (size_t t = 0; t < m.trainable.size(); ++t)
+    in_masters[m.trainable_param[t]] = m.trainable[t].second.scalar_type() != at::kFloat;
   for (size_t k = 0; k < params.size(); ++k)
-    if (m.param_canonical[k]) out.push_back(shard("model/" + params[k].first, k, exact[k]));
-  for (const auto& [kind, per_trainable] : moments) {
-    std::vector<at::Tensor> values = per_trainable;
-    m.whole_from_pieces(values);
-    for (size_t t = 0; t < values.size(); ++t) {
-      const size_t k = m.trainable_param[t];
-      if (m.param_canonical[k] && values[t].defined())
-        out.push_back(shard("optimizer/" + kind + "." + params[k].first, k, values[t]));
-    }
+    if (m.param_canonical[k] && !in_masters[k])
+      out.push_back(shard("model/" + params[k].first, k, params[k].second));
+  // ZeRO-1 pieces are written by each rank of their group (one TP rank for a parameter TP
+  // replicates; not the tied copy): the optimizer state and the masters as ranges.
+  for (size_t i = 0; i < m.pieces.size(); ++i) {
+    const ShardPiece& p = m.pieces[i];
+    const size_t k = m.trainable_param[p.param];
+    const bool range = p.grad.defined();
+    if (!(range ? m.counted_pieces[p.param] : m.param_canonical[k])) continue;
+    const ShardPiece* piece = range ? &p : nullptr;
+    if (p.master.defined()) out.push_back(shard("model/" + params[k].first, k, p.master, piece));
+    for (const auto& [kind, per_piece] : moments)
+      out.push_back(shard("optimizer/" + kind + "." + params[k].first, k, per_piece[i], piece));
   }
   return out;
 }

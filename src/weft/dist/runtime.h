@@ -158,7 +158,10 @@ class Runtime {
   // This rank's part of a sharded checkpoint: "model/<name>" for every parameter whose shard
   // this rank holds canonically (each shard of each parameter is canonical on exactly one rank,
   // up to a tied embedding's copies) and "optimizer/<kind>.<name>" for each `moments` entry
-  // (kind, per-trainable tensors; ZeRO-1 pieces made whole as in gather_trainable). Collective.
+  // (kind, one tensor per optimizer_pieces() entry, shaped as the piece). Under ZeRO-1 every
+  // rank of a group writes its own pieces as flat ranges (io::TensorShard::shape), of the
+  // moments and of the masters of parameters held in bf16: nothing is gathered, and no rank
+  // holds more than its share. Local.
   std::vector<io::TensorShard> checkpoint_shards(
       const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& moments) const;
   // Sets this rank's parameter k (model().parameters() order) to `value` (its shape, any

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -25,6 +26,44 @@ namespace {
 constexpr const char* kStateFile = "state.json";
 constexpr const char* kManifestFile = "manifest.json";
 constexpr const char* kShardsKey = "weft.shards";  // safetensors metadata of a rank file
+
+// Every chunk written as flat ranges (TensorShard::shape), from whichever rank files, joined into
+// one shard of the whole chunk; the ranges must tile it exactly.
+std::vector<TensorShard> join_ranges(std::vector<TensorShard> shards, const std::string& dir) {
+  std::vector<TensorShard> out;
+  std::map<std::pair<std::string, int64_t>, std::vector<TensorShard>> ranges;
+  for (TensorShard& s : shards) {
+    if (s.shape.empty())
+      out.push_back(std::move(s));
+    else
+      ranges[{s.name, s.rank}].push_back(std::move(s));
+  }
+  for (auto& [key, parts] : ranges) {
+    const auto& [name, rank] = key;
+    std::sort(parts.begin(), parts.end(),
+              [](const TensorShard& a, const TensorShard& b) { return a.begin < b.begin; });
+    const TensorShard& first = parts.front();
+    at::Tensor chunk = torch::empty(first.shape, first.value.options());
+    const at::Tensor flat = chunk.view({-1});
+    int64_t covered = 0;
+    for (const TensorShard& p : parts) {
+      WEFT_CHECK(p.shape == first.shape && p.dim == first.dim && p.segments == first.segments &&
+                     p.size == first.size && p.value.scalar_type() == first.value.scalar_type(),
+                 dir, ": tensor '", name, "': its ranges of chunk ", rank,
+                 " disagree on the chunk's shape, split or dtype");
+      WEFT_CHECK(p.begin == covered, dir, ": tensor '", name, "': chunk ", rank, " has ",
+                 p.begin > covered ? "no range for" : "two ranges over", " its elements from ",
+                 std::min(p.begin, covered), " (a rank file missing or written twice?)");
+      flat.narrow(0, p.begin, p.value.numel()).copy_(p.value);
+      covered += p.value.numel();
+    }
+    WEFT_CHECK(covered == flat.numel(), dir, ": tensor '", name, "': chunk ", rank,
+               " has no range for its elements from ", covered, " of ", flat.numel(),
+               " (a rank file missing?)");
+    out.push_back({name, chunk, first.dim, first.segments, rank, first.size, {}, 0});
+  }
+  return out;
+}
 
 // The data files of a checkpoint directory: *.safetensors, sorted.
 std::vector<std::string> data_files(const fs::path& dir) {
@@ -197,6 +236,10 @@ void write_checkpoint_shards(const std::string& tmp_dir, int rank,
     if (layout.contains(s.name)) continue;  // a tied copy: written once
     tensors.emplace_back(s.name, s.value);
     layout[s.name] = {{"dim", s.dim}, {"segments", s.segments}, {"rank", s.rank}, {"size", s.size}};
+    if (!s.shape.empty()) {
+      layout[s.name]["shape"] = s.shape;
+      layout[s.name]["begin"] = s.begin;
+    }
   }
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
@@ -242,20 +285,36 @@ Checkpoint load_checkpoint(const std::string& dir) {
     for (auto& [name, t] : file.tensors) {
       WEFT_CHECK(layout.contains(name), path, ": tensor '", name, "' has no shard layout");
       const nlohmann::json& l = layout[name];
-      TensorShard s{name, t, 0, {}, 0, 1};
+      TensorShard s{name, t, 0, {}, 0, 1, {}, 0};
       try {
         s.dim = l.at("dim").get<int64_t>();
         s.segments = l.at("segments").get<std::vector<int64_t>>();
         s.rank = l.at("rank").get<int64_t>();
         s.size = l.at("size").get<int64_t>();
+        if (l.contains("shape")) {
+          s.shape = l.at("shape").get<std::vector<int64_t>>();
+          s.begin = l.at("begin").get<int64_t>();
+        }
       } catch (const nlohmann::json::exception&) {
         WEFT_FAIL(path, ": tensor '", name, "': bad shard layout ", l.dump());
       }
-      WEFT_CHECK(s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < t.dim(),
+      const bool range = l.contains("shape");
+      const int64_t chunk_dims = range ? static_cast<int64_t>(s.shape.size()) : t.dim();
+      int64_t chunk_numel = 1;  // -1: not a shape
+      for (int64_t d : s.shape)
+        chunk_numel = d < 0 || chunk_numel < 0 || (d > 0 && chunk_numel > (int64_t{1} << 62) / d)
+                          ? -1
+                          : chunk_numel * d;
+      WEFT_CHECK(s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < chunk_dims,
                  path, ": tensor '", name, "': bad shard layout ", l.dump());
+      WEFT_CHECK(!range || (t.dim() == 1 && chunk_numel >= 0 && s.begin >= 0 &&
+                            s.begin + t.numel() <= chunk_numel),
+                 path, ": tensor '", name, "' of shape ", t.sizes(), ": bad range layout ",
+                 l.dump(), " (expected a flat range inside a chunk of that shape)");
       c.shards.push_back(std::move(s));
     }
   }
+  c.shards = join_ranges(std::move(c.shards), dir);
   WEFT_CHECK(!c.model.empty() || !c.shards.empty(), dir, ": no model.safetensors or rank files");
   std::ifstream in(d / kStateFile);
   std::stringstream ss;

@@ -24,12 +24,18 @@ using TensorList = std::vector<std::pair<std::string, at::Tensor>>;
 // A piece of a tensor written by one rank: along `dim` the full tensor is the concatenation of
 // `segments` (empty = one), each split evenly over `size` ranks; `value` is chunk `rank` of
 // every segment (model::Split's layout). size == 1: the whole tensor.
+// With `shape` given, `value` is only a range of that chunk: its flat elements [begin, begin +
+// value.numel()) of a chunk shaped `shape` (ZeRO-1: each data-parallel rank writes the part of
+// the optimizer state and of the fp32 masters it holds, and nothing is gathered to write it).
+// load_checkpoint joins a chunk's ranges, from any rank files, back into the chunk.
 struct TensorShard {
   std::string name;
   at::Tensor value;
   int64_t dim = 0;
   std::vector<int64_t> segments;
   int64_t rank = 0, size = 1;
+  std::vector<int64_t> shape;  // empty: `value` is the whole chunk
+  int64_t begin = 0;
 };
 
 struct Checkpoint {

@@ -47,6 +47,10 @@ class AdamW {
   // it has none.
   std::vector<at::Tensor> exp_avg() const { return whole(exp_avg_); }
   std::vector<at::Tensor> exp_avg_sq() const { return whole(exp_avg_sq_); }
+  // The moments as held, one per piece (in the pieces' order): flat for a range of a parameter,
+  // shaped as the parameter for a whole one.
+  const std::vector<at::Tensor>& exp_avg_pieces() const { return exp_avg_; }
+  const std::vector<at::Tensor>& exp_avg_sq_pieces() const { return exp_avg_sq_; }
 
  private:
   struct FusedGroup {  // one device's parameters of one decay group

@@ -28,6 +28,7 @@
 #include "weft/model/fused.h"
 #include "weft/plan/balance.h"
 #include "weft/plan/flops.h"
+#include "weft/train/bench.h"
 #include "weft/train/eval.h"
 #include "weft/train/inputs.h"
 #include "weft/train/optimizer.h"
@@ -297,8 +298,8 @@ struct Trainer::Impl {
     std::string tmp;
     if (comm.rank() == 0) tmp = io::begin_sharded_checkpoint(run_dir.string(), step);
     tmp = comm.all_gather_strings(tmp)[0];
-    std::vector<std::pair<std::string, std::vector<at::Tensor>>> moments = {
-        {"exp_avg", optimizer->exp_avg()}, {"exp_avg_sq", optimizer->exp_avg_sq()}};
+    const std::vector<std::pair<std::string, std::vector<at::Tensor>>> moments = {
+        {"exp_avg", optimizer->exp_avg_pieces()}, {"exp_avg_sq", optimizer->exp_avg_sq_pieces()}};
     io::write_checkpoint_shards(tmp, comm.rank(), runtime->checkpoint_shards(moments));
     comm.all_gather_strings("written");  // every rank's file is complete
     if (comm.rank() != 0) return;
@@ -819,6 +820,11 @@ Summary Trainer::run() {
           r.routed > 0 ? static_cast<double>(r.dropped) / static_cast<double>(r.routed) : 0.0;
       line["moe_expert_load"] = r.load;
     }
+    // This process's peak memory so far: the device's peak allocated bytes, or on the CPU the
+    // peak resident set (written before this step's checkpoint, which it does not count).
+    const int64_t peak_bytes =
+        m.device.is_cuda() ? dist::device_peak_bytes(m.device) : peak_rss_bytes();
+    line["peak_memory_mib"] = static_cast<double>(peak_bytes) / (1 << 20);
     if (skipped) line["skipped"] = true;
     if (p.data_skipped > 0) line["data_skipped"] = p.data_skipped;  // bad records
     if (m.opts.restart > 0 && step == m.start_step) line["restart"] = m.opts.restart;
