@@ -105,6 +105,33 @@ TEST(DataParallel, ArmedBackwardReducesBucketsDuringBackward) {
   }
 }
 
+// Over Gloo a reduce-scatter receives its whole bucket (an all-to-all) until waited for: a
+// backward that fills six ZeRO-1 buckets one after another keeps at most two in flight, waiting
+// for the oldest as it starts another, and the sums are those of the unbounded reduction.
+TEST(DataParallel, ZeroOneKeepsTwoWholeBucketReduceScattersInFlight) {
+  testing::run_ranks(2, [](const Comm& comm) {
+    const int r = comm.rank();
+    model::ParamSet ps;
+    std::vector<at::Tensor> xs;
+    for (int i = 0; i < 6; ++i) xs.push_back(ps.add("x" + std::to_string(i), torch::ones({100})));
+    GradSync sync(comm, ps.all(), /*bucket_bytes=*/400, std::vector<Reduce>(6, Reduce::kScatter));
+    ASSERT_EQ(sync.bucket_count(), 6);
+    EXPECT_TRUE(comm.reduce_scatter_buffers_whole(torch::zeros({200})));
+    sync.attach();
+    sync.arm();
+    // x5 first in backward, x0 last: each bucket fills (and launches) in turn.
+    at::Tensor h = torch::full({100}, static_cast<double>(r + 1));
+    for (const at::Tensor& x : xs) h = h * x;
+    h.sum().backward();
+    EXPECT_EQ(sync.buckets_overlapped(), 6);
+    EXPECT_EQ(sync.scatters_in_flight(), static_cast<int64_t>(GradSync::kScatterBuffers));
+    sync.finish();
+    EXPECT_EQ(sync.scatters_in_flight(), 0);
+    for (const ShardPiece& p : sync.pieces())  // d/dx_i = rank + 1, summed: 3
+      EXPECT_TRUE(torch::equal(p.grad, torch::full({p.length}, 3.0f))) << p.grad;
+  });
+}
+
 // Attached gradients are views of their bucket: every backward adds into the bucket in place
 // (the .grad tensors keep their storage), and the sums are left there.
 TEST(DataParallel, AttachedGradientsLiveInTheirBucket) {

@@ -435,6 +435,14 @@ PendingTensor Comm::reduce_scatter_sum_async(const at::Tensor& t) const {
   });
 }
 
+bool Comm::reduce_scatter_buffers_whole(const at::Tensor& t) const {
+  if (size() == 1) return false;
+#ifdef WEFT_CUDA
+  if (t.is_cuda() && !impl_->staged(t)) return false;
+#endif
+  return true;
+}
+
 at::Tensor Comm::all_to_all(const at::Tensor& t, const std::vector<int64_t>& send_counts,
                             const std::vector<int64_t>& recv_counts) const {
   const size_t n = static_cast<size_t>(size());

@@ -97,9 +97,14 @@ class Comm {
   PendingTensor all_gather_async(const at::Tensor& t) const;
   // Every rank's string, in rank order (lengths may differ).
   std::vector<std::string> all_gather_strings(const std::string& s) const;
-  // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()).
+  // Sum over ranks, then rank r keeps chunk r of dim 0 (dim 0 divisible by size()): NCCL's own
+  // reduce-scatter for a device tensor, else (Gloo has none in LibTorch 1.13) an all-to-all that
+  // brings chunk r of every rank to rank r, summed there at wait().
   at::Tensor reduce_scatter_sum(const at::Tensor& t) const;
   PendingTensor reduce_scatter_sum_async(const at::Tensor& t) const;
+  // Whether reduce_scatter_sum_async(t) holds a receive buffer as large as t until waited for
+  // (the all-to-all's, not NCCL's).
+  bool reduce_scatter_buffers_whole(const at::Tensor& t) const;
   // All-to-all with uneven splits along dim 0: the first send_counts[0] rows of `t` go to rank 0,
   // the next send_counts[1] to rank 1, ...; returns the rows received, in source-rank order
   // (recv_counts[r] of them from rank r). Every rank's recv_counts[r] must equal rank r's

@@ -211,6 +211,15 @@ void GradSync::launch(Bucket& b) {
   auto sum = std::make_shared<PendingTensor>(group_.reduce_scatter_sum_async(b.buffer));
   const at::Tensor mine = b.buffer.narrow(0, group_.rank() * b.shard, b.shard);
   b.pending = Pending([sum, mine] { mine.copy_(sum->wait()); });
+  // A reduce-scatter that receives a whole bucket (Gloo's all-to-all) frees it when waited for:
+  // at most kScatterBuffers of them in flight, not a second copy of every gradient at the end
+  // of backward.
+  if (!group_.reduce_scatter_buffers_whole(b.buffer)) return;
+  scattering_.push_back(&b);
+  while (scattering_.size() > kScatterBuffers) {
+    scattering_.front()->pending.wait();
+    scattering_.pop_front();
+  }
 }
 
 void GradSync::finish() {
@@ -231,6 +240,7 @@ void GradSync::finish() {
     }
     launch(b);
   }
+  scattering_.clear();
   for (Bucket& b : buckets_) {
     b.pending.wait();
     for (size_t k : b.params) {

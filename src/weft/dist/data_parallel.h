@@ -43,6 +43,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -102,6 +103,10 @@ class GradSync {
   int64_t bucket_count() const { return static_cast<int64_t>(buckets_.size()); }
   // Buckets whose reduction started during backward in the last step (overlap achieved).
   int64_t buckets_overlapped() const { return overlapped_; }
+  // Reduce-scatters in flight that hold a receive buffer of their whole bucket (Gloo's
+  // all-to-all): at most kScatterBuffers.
+  int64_t scatters_in_flight() const { return static_cast<int64_t>(scattering_.size()); }
+  static constexpr size_t kScatterBuffers = 2;
   // ZeRO-1: whether parameter k is sharded, this rank's pieces (in bucket order; a parameter may
   // have none, or span two ranks' shards), and after the optimizer stepped them, every rank's
   // stepped pieces into every rank's parameters (two buckets' all-gathers in flight at a time).
@@ -157,6 +162,7 @@ class GradSync {
   bool armed_ = false;             // any parameter armed this step
   std::vector<uint8_t> armed_of_;  // per parameter: its next accumulation completes its gradient
   int64_t overlapped_ = 0;
+  std::deque<Bucket*> scattering_;  // launched, not waited for: see scatters_in_flight()
   // The overlapped gather's state: arrive() runs on whichever thread reads a parameter first.
   mutable std::mutex gather_mu_;
   double gather_wait_seconds_ = 0;
