@@ -44,6 +44,9 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
       how.size() == params_.size() && wire.size() == params_.size() && use.size() == params_.size(),
       "GradSync: ", how.size(), " reductions, ", wire.size(), " dtypes and ", use.size(),
       " uses for ", params_.size(), " parameters");
+  for (size_t k = 0; k < params_.size(); ++k)  // a narrow wire holds the parameter so: read cast
+    WEFT_ASSERT(wire[k] == at::kFloat || use[k] == model::ParamUse::kCast, "GradSync: '",
+                params_[k].first, "' is read in fp32 but gathered in ", wire[k]);
   bucket_of_.resize(params_.size());
   offset_of_.resize(params_.size());
   filled_.assign(params_.size(), 0);
@@ -115,22 +118,18 @@ GradSync::GradSync(Comm group, model::NamedTensors params, int64_t bucket_bytes,
   // rank's pieces become their masters first. Before the accumulators exist (set_data drops a
   // parameter's accumulator when its dtype changes).
   torch::NoGradGuard no_grad;
-  for (ShardPiece& p : pieces_) {
-    const Bucket& b = buckets_[bucket_of_[p.param]];
-    if (b.wire == at::kFloat) continue;
-    p.master = params_[p.param]
-                   .second.detach()
-                   .view({-1})
-                   .narrow(0, p.begin, p.length)
-                   .to(at::kFloat)
-                   .clone();
+  for (const Bucket& b : buckets_) {
+    if (!b.sharded || b.wire == at::kFloat) continue;
+    for (size_t i : b.pieces) {
+      ShardPiece& p = pieces_[i];
+      const at::Tensor values = params_[p.param].second.detach().view({-1});
+      p.master = values.narrow(0, p.begin, p.length).to(at::kFloat).clone();
+    }
+    for (size_t k : b.params) {
+      const at::Tensor& p = params_[k].second;
+      if (p.scalar_type() != b.wire) p.set_data(p.detach().to(b.wire));
+    }
   }
-  for (const Bucket& b : buckets_)
-    if (b.sharded && b.wire != at::kFloat)
-      for (size_t k : b.params) {
-        const at::Tensor& p = params_[k].second;
-        if (p.scalar_type() != b.wire) p.set_data(p.detach().to(b.wire));
-      }
   for (size_t k = 0; k < params_.size(); ++k) {
     accumulators_.push_back(torch::autograd::impl::grad_accumulator(params_[k].second));
     hooks_.push_back(accumulators_.back()->add_post_hook(std::make_unique<PostHook>([this, k] {

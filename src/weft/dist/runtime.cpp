@@ -1275,7 +1275,7 @@ struct Runtime::Impl {
     std::vector<at::Tensor> out;
     for (const auto& [name, p] : params) out.push_back(p.detach());
     if (!opts.zero1 || opts.param_gather_dtype == at::kFloat) return out;
-    std::vector<at::Tensor> values(trainable.size());
+    std::vector<at::Tensor> values(trainable.size());  // whole_from_pieces reads the pieces only
     for (const ShardPiece& p : pieces) {
       if (!p.master.defined()) continue;
       at::Tensor& v = values[p.param];

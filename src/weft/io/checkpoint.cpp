@@ -38,6 +38,9 @@ std::vector<TensorShard> join_ranges(std::vector<TensorShard> shards, const std:
     else
       ranges[{s.name, s.rank}].push_back(std::move(s));
   }
+  for (const TensorShard& s : out)
+    WEFT_CHECK(!ranges.count({s.name, s.rank}), dir, ": tensor '", s.name, "': chunk ", s.rank,
+               " is written both whole and as ranges");
   for (auto& [key, parts] : ranges) {
     const auto& [name, rank] = key;
     std::sort(parts.begin(), parts.end(),
