@@ -8,7 +8,9 @@
 #  - the whole run's peak, the final checkpoint and evaluation included: the largest rank's
 #    maximum resident set (GNU time).
 # The steps' saving is set against the one the planner's memory model predicts (`weft simulate`,
-# per-rank static bytes) for the same two configs.
+# per-rank static bytes) for the same two configs. Then each setting's last run is resumed for one
+# more step (`weft train --resume`): the resumed run's peak against the fresh run's shows what
+# loading the checkpoint costs (each rank reads its own shards and pieces, not the model).
 #   usage: bench/zero_memory.sh [BUILD_DIR] [STEPS]
 set -euo pipefail
 build=${1:-build}; steps=${2:-4}
@@ -18,10 +20,11 @@ config=$src/configs/small-vlm.toml
 common=(--set train.steps=$steps --set train.warmup=1 --set train.threads=1
         --set train.checkpoint_every=0 --set data.eval_samples=4 --set train.log_every=1)
 
-run() {  # zero stage, run name: prints "steps-peak-MiB run-peak-MiB"
-  "$build/weft" launch --nproc 2 -- /usr/bin/time -f "maxrss-kib %M" "$build/weft" train "$config" \
-    "${common[@]}" --set train.zero_stage=$1 --out "$tmp/$2" --quiet > "$tmp/$2.log" 2>&1 ||
-    { cat "$tmp/$2.log" >&2; exit 1; }
+run() {  # zero stage, run name[, resume]: prints "steps-peak-MiB run-peak-MiB"
+  local what=("$config" "${common[@]}" --set train.zero_stage=$1 --out "$tmp/$2")
+  [[ ${3:-} == resume ]] && what=(--resume "$tmp/$2" "${common[@]}" --set train.steps=$((steps + 1)))
+  "$build/weft" launch --nproc 2 -- /usr/bin/time -f "maxrss-kib %M" "$build/weft" train \
+    "${what[@]}" --quiet > "$tmp/$2.log" 2>&1 || { cat "$tmp/$2.log" >&2; exit 1; }
   python3 - "$tmp/$2/metrics.jsonl" "$tmp/$2.log" <<'EOF'
 import json, re, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -39,9 +42,10 @@ results=()
 for round in 1 2; do
   results+=("dp $(run 0 dp_$round)" "zero $(run 1 zero_$round)")
 done
+results+=("dp_resumed $(run 0 dp_2 resume)" "zero_resumed $(run 1 zero_2 resume)")
 python3 - "$(predicted_mib 0)" "$(predicted_mib 1)" "${results[@]}" <<'EOF'
 import sys
-runs = {"dp": [], "zero": []}
+runs = {"dp": [], "zero": [], "dp_resumed": [], "zero_resumed": []}
 for line in sys.argv[3:]:
     kind, steps, whole = line.split()
     runs[kind].append((float(steps), float(whole)))
@@ -60,4 +64,8 @@ print(f"predicted static memory per rank (weft simulate): DP2 {pred_dp:.0f} MiB,
       f"{pred_zero:.0f} MiB, saving {pred_dp - pred_zero:.0f} MiB")
 print(f"measured saving in the steps / predicted saving: "
       f"{(dp_steps - zero_steps) / (pred_dp - pred_zero):.3f}")
+for kind, name in (("dp", "DP2"), ("zero", "ZeRO-1")):
+    fresh, resumed = runs[kind][-1][1], runs[kind + "_resumed"][0][1]
+    print(f"{name} resumed for one step / its fresh run, whole run: {resumed / fresh:.3f} "
+          f"({resumed:.0f} MiB against {fresh:.0f})")
 EOF

@@ -157,11 +157,14 @@ int cmd_export(const std::string& run_dir, const std::string& out_dir, const std
   const weft::Spec spec = weft::load_spec(config);
   const std::string ckpt = weft::io::latest_checkpoint(run_dir);
   WEFT_CHECK(!ckpt.empty(), run_dir, ": no complete checkpoint to export");
-  const auto [model, optimizer] = weft::train::full_tensors(weft::io::load_checkpoint(ckpt));
-  std::map<std::string, at::Tensor> full(model.begin(), model.end());
+  const weft::io::CheckpointReader reader(ckpt);
   // A config.toml edited after the run would otherwise export a wrong model or fail inside
   // LibTorch.
-  weft::train::check_checkpoint_fits(model, optimizer, spec.model, ckpt, config);
+  weft::train::check_checkpoint_fits(reader.shapes("model/"), reader.shapes("optimizer/"),
+                                     spec.model, ckpt, config);
+  std::map<std::string, at::Tensor> full;  // the weights only: the moments stay on disk
+  for (const auto& [name, shape] : reader.shapes("model/"))
+    full.emplace(name, reader.read("model/" + name));
   const at::ScalarType type = dtype == "bf16"   ? at::kBFloat16
                               : dtype == "fp16" ? at::kHalf
                                                 : at::kFloat;

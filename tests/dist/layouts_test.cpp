@@ -296,8 +296,9 @@ TEST(Layouts, ZeroOneWithSequenceParallelPartialGradients) {
       "zero1_llm_tp2_sp_dp2");
 }
 
-// Each rank writes its own shards (TP halves here, ZeRO-1 moments made whole over DP); one
-// process joins them and continues exactly like an uninterrupted run.
+// Each rank writes its own shards (TP halves here, ZeRO-1 moments as the flat ranges each DP rank
+// holds, a tensor TP replicates once); one process reads them whole and continues exactly like
+// an uninterrupted run.
 // Constant learning rate after warm-up, so a 2-step run is the first half of a 4-step one.
 Spec resume_spec(std::vector<std::string> sets) {
   for (const char* s : {"train.warmup=1", "train.min_lr=3e-3", "model.llm.vocab=64"})
@@ -328,6 +329,10 @@ TEST(Layouts, ShardedCheckpointOfTp2Zero1ResumesInOneProcess) {
   EXPECT_TRUE(has(r0, "model/llm.layers.0.mlp.down.weight"));
   EXPECT_TRUE(has(r1, "model/llm.layers.0.mlp.down.weight"));
   EXPECT_TRUE(has(r0, "model/vision.patch.weight") != has(r1, "model/vision.patch.weight"));
+  // A norm both TP ranks hold whole is written by one of them, weights and moments.
+  for (const char* name :
+       {"model/llm.final_norm.weight", "optimizer/exp_avg.llm.final_norm.weight"})
+    EXPECT_TRUE(has(r0, name) != has(r1, name)) << name;
   // Its moments (ZeRO-1 over the vision DP2) are written by the two ranks as the flat ranges they
   // hold, which tile it.
   int64_t written = 0;

@@ -9,10 +9,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
+#include <tuple>
 
 #include "support/errors.h"
 #include "weft/core/error.h"
 #include "weft/io/files.h"
+#include "weft/model/layers.h"
 
 namespace fs = std::filesystem;
 
@@ -28,8 +31,7 @@ fs::path fresh(const std::string& name) {
 Checkpoint sample(float v) {
   return {{{"w", torch::full({64, 64}, v)}, {"b", torch::arange(7).to(torch::kFloat)}},
           {{"exp_avg.w", torch::full({64, 64}, v / 2)}},
-          "{\"step\": 1}",
-          {}};
+          "{\"step\": 1}"};
 }
 
 using testing::error_of;
@@ -143,16 +145,21 @@ TEST(Checkpoint, KeepsTheNewest) {
 }
 
 // ZeRO-1 ranges: each rank writes the flat ranges of a chunk it holds (here chunk 1 of 2 of a
-// TP split along dim 0: ranks 0 and 1 hold elements [0, 5) and [5, 12) of its 3 x 4); the load
-// joins them, from whichever files, into one shard of the whole chunk. Ranges that leave a gap
-// or overlap are an error naming the tensor and the elements.
+// TP split along dim 0: ranks 1 and 2 hold elements [0, 5) and [5, 12) of its 3 x 4; rank 0
+// wrote chunk 0 whole); the load joins them, from whichever files, into the whole tensor.
+// Ranges that leave a gap or overlap, and a missing chunk, are errors naming the tensor and what
+// is wrong.
 TEST(Checkpoint, FlatRangesOfAChunkAreJoinedOnLoad) {
-  const at::Tensor chunk = torch::arange(12, torch::kFloat).view({3, 4});
+  const at::Tensor chunk0 = torch::arange(100, 112, torch::kFloat).view({3, 4});
+  const at::Tensor chunk1 = torch::arange(12, torch::kFloat).view({3, 4});
   const auto save = [&](const std::string& name,
-                        const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                        int chunk0_copies = 1) {
     const fs::path run = fresh(name);
     const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
     int rank = 0;
+    for (int k = 0; k < chunk0_copies; ++k)
+      write_checkpoint_shards(tmp, rank++, {{"optimizer/m", chunk0, 0, {}, 0, 2, {}, 0}});
     for (const auto& [begin, length] : ranges)
       write_checkpoint_shards(tmp, rank++,
                               {{"optimizer/m",
@@ -166,13 +173,10 @@ TEST(Checkpoint, FlatRangesOfAChunkAreJoinedOnLoad) {
     return finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1);
   };
   const Checkpoint c = load_checkpoint(save("ranges", {{5, 7}, {0, 5}}));
-  ASSERT_EQ(c.shards.size(), 1u);
-  const TensorShard& s = c.shards[0];
-  EXPECT_EQ(s.name, "optimizer/m");
-  EXPECT_TRUE(s.shape.empty()) << "joined into the whole chunk";
-  EXPECT_EQ(s.rank, 1);
-  EXPECT_EQ(s.size, 2);
-  EXPECT_TRUE(torch::equal(s.value, chunk));
+  ASSERT_EQ(c.optimizer.size(), 1u);
+  EXPECT_TRUE(c.model.empty());
+  EXPECT_EQ(c.optimizer[0].first, "m");
+  EXPECT_TRUE(torch::equal(c.optimizer[0].second, torch::cat({chunk0, chunk1})));
   const std::string gap = error_of([&] { load_checkpoint(save("ranges_gap", {{0, 5}, {6, 6}})); });
   EXPECT_NE(gap.find("'optimizer/m': chunk 1 has no range for its elements from 5"),
             std::string::npos)
@@ -188,6 +192,150 @@ TEST(Checkpoint, FlatRangesOfAChunkAreJoinedOnLoad) {
     load_checkpoint(save("ranges_outside", {{0, 5}, {5, 7}, {10, 7}}));
   });
   EXPECT_NE(outside.find("bad range layout"), std::string::npos) << outside;
+  // A chunk written whole twice (a tensor TP replicates, as older checkpoints hold it) loads.
+  EXPECT_TRUE(torch::equal(load_checkpoint(save("chunk_twice", {{0, 12}}, 2)).optimizer[0].second,
+                           torch::cat({chunk0, chunk1})));
+  const std::string missing = error_of([&] {
+    load_checkpoint(save("chunk_missing", {{0, 12}}, 0));
+  });
+  EXPECT_NE(missing.find("tensor 'optimizer/m' has 1 of its 2 shards"), std::string::npos)
+      << missing;
+}
+
+// A random split of a dim of `extent` (a multiple of 6) over `size` (1 to 3): the whole dim, or
+// segments (a fused QKV's) that each split evenly.
+std::vector<int64_t> random_segments(std::mt19937& rng, int64_t extent) {
+  if (extent < 12 || rng() % 2 == 0) return {};
+  const int64_t first = 6 * static_cast<int64_t>(1 + rng() % (extent / 6 - 1));
+  return {first, extent - first};
+}
+
+// Any shard of any tensor from any layout that wrote it: a tensor split along any dim (in
+// segments or not) over 1 to 3 ranks, some chunks written whole and some as ZeRO-1 flat ranges
+// in two rank files, read back as any other split and as any flat range of that shard, equals
+// the same part of the whole tensor (model::take_shard). A small max_span makes reads split
+// their spans.
+TEST(CheckpointReader, ReadsAnyShardFromAnyLayout) {
+  std::mt19937 rng(7);
+  const auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int64_t> shape(static_cast<size_t>(pick(1, 3)));
+    for (int64_t& d : shape) d = 6 * pick(1, 3);
+    const at::Tensor full =
+        torch::randn(shape).to(trial % 3 == 0 ? torch::kBFloat16 : torch::kFloat);
+    const int64_t dims = static_cast<int64_t>(shape.size());
+    const model::Split wrote{pick(0, dims - 1), {}, 0, pick(1, 3)};
+    model::Split written = wrote;
+    written.segments = random_segments(rng, shape[written.dim]);
+
+    const fs::path run = fresh("any_shard");
+    const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+    for (int64_t r = 0; r < written.size; ++r) {
+      model::Split s = written;
+      s.rank = r;
+      const at::Tensor chunk = model::take_shard(full, s).contiguous();
+      const TensorShard whole{"model/t", chunk, s.dim, s.segments, r, s.size, {}, 0};
+      if (pick(0, 1) == 0) {
+        write_checkpoint_shards(tmp, static_cast<int>(r), {whole});
+        continue;
+      }
+      const int64_t cut = pick(0, chunk.numel());
+      const at::Tensor flat = chunk.view({-1});
+      for (auto [file, begin, end] : {std::tuple<int64_t, int64_t, int64_t>{r, 0, cut},
+                                      {written.size + r, cut, chunk.numel()}})
+        write_checkpoint_shards(tmp, static_cast<int>(file),
+                                {{"model/t", flat.narrow(0, begin, end - begin).clone(), s.dim,
+                                  s.segments, r, s.size, chunk.sizes().vec(), begin}});
+    }
+    const std::string dir = finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1);
+    const CheckpointReader reader(dir, pick(1, 64));
+    EXPECT_EQ(reader.shape("model/t"), shape);
+    for (int read = 0; read < 6; ++read) {
+      model::Split want{pick(0, dims - 1), {}, 0, pick(1, 3)};
+      want.rank = pick(0, want.size - 1);
+      want.segments = random_segments(rng, shape[want.dim]);
+      const ShardSplit split{want.dim, want.segments, want.rank, want.size};
+      const at::Tensor expected = model::take_shard(full, want).contiguous();
+      const std::string what = "trial " + std::to_string(trial) + " read " + std::to_string(read);
+      EXPECT_TRUE(torch::equal(reader.read("model/t", split), expected)) << what;
+      const int64_t begin = pick(0, expected.numel());
+      const int64_t length = pick(0, expected.numel() - begin);
+      EXPECT_TRUE(torch::equal(reader.read("model/t", split, begin, length),
+                               expected.view({-1}).narrow(0, begin, length)))
+          << what << " elements [" << begin << ", " << begin + length << ")";
+    }
+  }
+}
+
+// A resuming rank reads its part, not the model: a shard in whole rows of what was written reads
+// exactly its bytes, as does a ZeRO-1 piece of a chunk written as ranges in two files; a shard
+// across the rows (a row-parallel weight from a checkpoint split by rows) reads spans of at most
+// twice what they fill. A file's checksum is checked when data is first read from it.
+TEST(CheckpointReader, ReadsOnlyWhatTheShardNeeds) {
+  const at::Tensor full = torch::randn({64, 96});
+  const fs::path run = fresh("only_needed");
+  const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+  for (int64_t r = 0; r < 2; ++r) {
+    const at::Tensor chunk = full.narrow(0, 32 * r, 32).contiguous();
+    const std::vector<int64_t> shape = chunk.sizes().vec();
+    write_checkpoint_shards(tmp, static_cast<int>(r),
+                            {{"model/w", chunk, 0, {}, r, 2, {}, 0},
+                             {"optimizer/exp_avg.w",
+                              chunk.view({-1}).narrow(0, 0, 1000).clone(),
+                              0,
+                              {},
+                              r,
+                              2,
+                              shape,
+                              0}});
+    write_checkpoint_shards(tmp, static_cast<int>(2 + r),
+                            {{"optimizer/exp_avg.w",
+                              chunk.view({-1}).narrow(0, 1000, 2072).clone(),
+                              0,
+                              {},
+                              r,
+                              2,
+                              shape,
+                              1000}});
+  }
+  const std::string dir = finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1);
+  {
+    const CheckpointReader reader(dir, 64);
+    EXPECT_EQ(reader.bytes_read(), 0u) << "opening reads no tensor data";
+    EXPECT_TRUE(torch::equal(reader.read("model/w", {0, {}, 1, 4}), full.narrow(0, 16, 16)));
+    EXPECT_EQ(reader.bytes_read(), 16u * 96 * 4);
+    const at::Tensor piece = reader.read("optimizer/exp_avg.w", {0, {}, 1, 2}, 500, 700);
+    EXPECT_TRUE(torch::equal(piece, full.narrow(0, 32, 32).reshape({-1}).narrow(0, 500, 700)));
+    EXPECT_EQ(reader.bytes_read(), 16u * 96 * 4 + 700 * 4);
+    const uint64_t before = reader.bytes_read();
+    const at::Tensor columns = reader.read("model/w", {1, {}, 1, 3});
+    EXPECT_TRUE(torch::equal(columns, full.narrow(1, 32, 32)));
+    const uint64_t spans = reader.bytes_read() - before;
+    EXPECT_GE(spans, 64u * 32 * 4);
+    EXPECT_LE(spans, 2u * 64 * 32 * 4);
+  }
+  // Damage in the data of rank 1's file: opening still works (headers are whole), a read from
+  // rank 0's file too; the first read from rank 1's names it.
+  const fs::path f = fs::path(dir) / "rank-00001.safetensors";
+  {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(static_cast<std::streamoff>(fs::file_size(f) - 5));
+    io.put('\x7f');
+  }
+  const CheckpointReader reader(dir);
+  EXPECT_TRUE(torch::equal(reader.read("model/w", {0, {}, 0, 2}), full.narrow(0, 0, 32)));
+  const std::string e = error_of([&] { reader.read("model/w", {0, {}, 1, 2}); });
+  EXPECT_NE(e.find("rank-00001.safetensors: checksum"), std::string::npos) << e;
+  // A split the tensor does not have, and a range outside the shard, are named.
+  const std::string split = error_of([&] { reader.read("model/w", {1, {}, 0, 5}); });
+  EXPECT_NE(split.find("tensor 'model/w' of shape [64, 96] has no chunk 0 of 5 along dim 1"),
+            std::string::npos)
+      << split;
+  const std::string range = error_of([&] { reader.read("model/w", {0, {}, 0, 2}, 3000, 100); });
+  EXPECT_NE(range.find("elements [3000, 3100) are outside its shard of 3072"), std::string::npos)
+      << range;
 }
 
 }  // namespace

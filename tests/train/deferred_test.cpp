@@ -84,8 +84,8 @@ TEST(DeferredReads, TrainExactlyLikeStepByStep) {
   };
   EXPECT_EQ(written(a_dir), written(b_dir));
   EXPECT_FALSE(written(b_dir).empty());
-  const auto [wa, oa] = full_tensors(io::load_checkpoint(io::latest_checkpoint(a_dir.string())));
-  const auto [wb, ob] = full_tensors(io::load_checkpoint(io::latest_checkpoint(b_dir.string())));
+  const auto [wa, oa, wa_state] = io::load_checkpoint(io::latest_checkpoint(a_dir.string()));
+  const auto [wb, ob, wb_state] = io::load_checkpoint(io::latest_checkpoint(b_dir.string()));
   ASSERT_EQ(wa.size(), wb.size());
   for (size_t k = 0; k < wa.size(); ++k) EXPECT_TRUE(torch::equal(wa[k].second, wb[k].second));
   ASSERT_EQ(oa.size(), ob.size());

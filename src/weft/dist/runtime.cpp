@@ -1379,12 +1379,18 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
     return s;
   };
   std::vector<io::TensorShard> out;
+  // Whole values are written by the canonical copy's TP ranks, one of them for a parameter TP
+  // replicates.
+  const auto writes_whole = [&](size_t k) {
+    return m.param_canonical[k] &&
+           (m.model->param_set().split(k).sharded() || m.param_tp[k].rank() == 0);
+  };
   // A parameter held in bf16 under ZeRO-1 has its exact values in the pieces' masters only.
   std::vector<uint8_t> in_masters(params.size(), 0);
   for (size_t t = 0; t < m.trainable.size(); ++t)
     in_masters[m.trainable_param[t]] = m.trainable[t].second.scalar_type() != at::kFloat;
   for (size_t k = 0; k < params.size(); ++k)
-    if (m.param_canonical[k] && !in_masters[k])
+    if (writes_whole(k) && !in_masters[k])
       out.push_back(shard("model/" + params[k].first, k, params[k].second));
   // ZeRO-1 pieces are written by each rank of their group (one TP rank for a parameter TP
   // replicates; not the tied copy): the optimizer state and the masters as ranges.
@@ -1392,7 +1398,7 @@ std::vector<io::TensorShard> Runtime::checkpoint_shards(
     const ShardPiece& p = m.pieces[i];
     const size_t k = m.trainable_param[p.param];
     const bool range = p.grad.defined();
-    if (!(range ? m.counted_pieces[p.param] : m.param_canonical[k])) continue;
+    if (!(range ? m.counted_pieces[p.param] : writes_whole(k))) continue;
     const ShardPiece* piece = range ? &p : nullptr;
     if (p.master.defined()) out.push_back(shard("model/" + params[k].first, k, p.master, piece));
     for (const auto& [kind, per_piece] : moments)
@@ -1475,6 +1481,10 @@ model::NamedTensors Runtime::gather_full(const std::vector<at::Tensor>& local, i
 }
 at::Tensor Runtime::shard_of(size_t k, const at::Tensor& full) const {
   return model::take_shard(full, impl_->model->param_set().split(k));
+}
+io::ShardSplit Runtime::shard_split(size_t k) const {
+  const model::Split& s = impl_->model->param_set().split(k);
+  return {s.dim, s.segments, s.rank, s.size};
 }
 
 }  // namespace weft::dist

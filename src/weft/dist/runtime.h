@@ -172,6 +172,8 @@ class Runtime {
   size_t param_index(size_t t) const;
   // This rank's shard of a full tensor of parameter k.
   at::Tensor shard_of(size_t k, const at::Tensor& full) const;
+  // The same shard as a checkpoint reader takes it (io::CheckpointReader::read).
+  io::ShardSplit shard_split(size_t k) const;
 
  private:
   struct Impl;

@@ -27,47 +27,6 @@ constexpr const char* kStateFile = "state.json";
 constexpr const char* kManifestFile = "manifest.json";
 constexpr const char* kShardsKey = "weft.shards";  // safetensors metadata of a rank file
 
-// Every chunk written as flat ranges (TensorShard::shape), from whichever rank files, joined into
-// one shard of the whole chunk; the ranges must tile it exactly.
-std::vector<TensorShard> join_ranges(std::vector<TensorShard> shards, const std::string& dir) {
-  std::vector<TensorShard> out;
-  std::map<std::pair<std::string, int64_t>, std::vector<TensorShard>> ranges;
-  for (TensorShard& s : shards) {
-    if (s.shape.empty())
-      out.push_back(std::move(s));
-    else
-      ranges[{s.name, s.rank}].push_back(std::move(s));
-  }
-  for (const TensorShard& s : out)
-    WEFT_CHECK(!ranges.count({s.name, s.rank}), dir, ": tensor '", s.name, "': chunk ", s.rank,
-               " is written both whole and as ranges");
-  for (auto& [key, parts] : ranges) {
-    const auto& [name, rank] = key;
-    std::sort(parts.begin(), parts.end(),
-              [](const TensorShard& a, const TensorShard& b) { return a.begin < b.begin; });
-    const TensorShard& first = parts.front();
-    at::Tensor chunk = torch::empty(first.shape, first.value.options());
-    const at::Tensor flat = chunk.view({-1});
-    int64_t covered = 0;
-    for (const TensorShard& p : parts) {
-      WEFT_CHECK(p.shape == first.shape && p.dim == first.dim && p.segments == first.segments &&
-                     p.size == first.size && p.value.scalar_type() == first.value.scalar_type(),
-                 dir, ": tensor '", name, "': its ranges of chunk ", rank,
-                 " disagree on the chunk's shape, split or dtype");
-      WEFT_CHECK(p.begin == covered, dir, ": tensor '", name, "': chunk ", rank, " has ",
-                 p.begin > covered ? "no range for" : "two ranges over", " its elements from ",
-                 std::min(p.begin, covered), " (a rank file missing or written twice?)");
-      flat.narrow(0, p.begin, p.value.numel()).copy_(p.value);
-      covered += p.value.numel();
-    }
-    WEFT_CHECK(covered == flat.numel(), dir, ": tensor '", name, "': chunk ", rank,
-               " has no range for its elements from ", covered, " of ", flat.numel(),
-               " (a rank file missing?)");
-    out.push_back({name, chunk, first.dim, first.segments, rank, first.size, {}, 0});
-  }
-  return out;
-}
-
 // The data files of a checkpoint directory: *.safetensors, sorted.
 std::vector<std::string> data_files(const fs::path& dir) {
   std::vector<std::string> out;
@@ -119,7 +78,9 @@ std::string manifest_of(const fs::path& dir) {
   return j.dump(2);
 }
 
-void verify_manifest(const fs::path& dir) {
+// manifest.json's entries: file name -> (bytes, checksum). Every data file must have one, at that
+// size; the checksums are compared when a file is first read (CheckpointReader).
+std::map<std::string, std::pair<uint64_t, std::string>> read_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifestFile;
   // Every checkpoint is written with one: without it nothing proves the files whole.
   WEFT_CHECK(fs::exists(path), path.string(),
@@ -131,17 +92,23 @@ void verify_manifest(const fs::path& dir) {
              ": not a valid manifest");
   for (const std::string& f : data_files(dir))
     WEFT_CHECK(j["files"].contains(f), path.string(), ": no entry for ", f);
+  std::map<std::string, std::pair<uint64_t, std::string>> out;
   for (const auto& [f, e] : j["files"].items()) {
     WEFT_CHECK(e.is_object(), path.string(), ": bad entry for ", f);
     WEFT_CHECK(fs::exists(dir / f), (dir / f).string(), ": missing (the manifest lists it)");
-    const auto [sum, bytes] = checksum_file(dir / f);
-    WEFT_CHECK(bytes == e.value("bytes", uint64_t{0}), (dir / f).string(), ": ", bytes,
-               " bytes, the manifest says ", e.value("bytes", uint64_t{0}),
+    const uint64_t bytes = e.value("bytes", uint64_t{0});
+    const uint64_t size = fs::file_size(dir / f);
+    WEFT_CHECK(size == bytes, (dir / f).string(), ": ", size, " bytes, the manifest says ", bytes,
                " (truncated or overwritten)");
-    WEFT_CHECK(hex(sum) == e.value("checksum", std::string()), (dir / f).string(), ": checksum ",
-               hex(sum), " does not match the manifest's ", e.value("checksum", std::string()),
-               " (the file is damaged)");
+    out[f] = {bytes, e.value("checksum", std::string())};
   }
+  return out;
+}
+
+void verify_checksum(const fs::path& path, const std::string& expected) {
+  const uint64_t sum = checksum_file(path).first;
+  WEFT_CHECK(hex(sum) == expected, path.string(), ": checksum ", hex(sum),
+             " does not match the manifest's ", expected, " (the file is damaged)");
 }
 
 void fsync_path(const fs::path& p) {
@@ -268,27 +235,283 @@ std::string latest_checkpoint(const std::string& run_dir, bool warn) {
   return all.empty() ? std::string() : all.back().string();
 }
 
-Checkpoint load_checkpoint(const std::string& dir) {
-  const fs::path d(dir);
-  WEFT_CHECK(fs::exists(d / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile, ")");
-  verify_manifest(d);
-  Checkpoint c;
-  if (fs::exists(d / "model.safetensors")) {
-    c.model = load_safetensors((d / "model.safetensors").string()).tensors;
-    c.optimizer = load_safetensors((d / "optimizer.safetensors").string()).tensors;
+// ---- CheckpointReader -----------------------------------------------------------------------
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& v, size_t from = 0) {
+  int64_t n = 1;
+  for (size_t k = from; k < v.size(); ++k) n *= v[k];
+  return n;
+}
+
+// A box of a tensor: [start[d], start[d] + len[d]) along every dim d.
+struct Box {
+  std::vector<int64_t> start, len;
+};
+
+// One segment's chunk of a split along its dim: `len` entries at `full` in the whole tensor and
+// at `local` in the shard.
+struct Interval {
+  int64_t full, local, len;
+};
+
+std::vector<Interval> intervals(int64_t extent, const std::vector<int64_t>& segments, int64_t rank,
+                                int64_t size) {
+  std::vector<Interval> out;
+  int64_t full = 0, local = 0;
+  for (int64_t seg : segments.empty() ? std::vector<int64_t>{extent} : segments) {
+    const int64_t n = seg / size;
+    out.push_back({full + rank * n, local, n});
+    full += seg;
+    local += n;
   }
-  for (const std::string& f : data_files(d)) {
-    if (f.rfind("rank-", 0) != 0) continue;
-    const std::string path = (d / f).string();
-    SafetensorsFile file = load_safetensors(path);
-    auto meta = file.metadata.find(kShardsKey);
-    WEFT_CHECK(meta != file.metadata.end(), path, ": no \"", kShardsKey, "\" metadata");
+  return out;
+}
+
+// [begin, begin + length) of a tensor of `shape`, flattened, as boxes in flat order, each one
+// contiguous (a partial row, whole rows, a partial row, recursively).
+void flat_boxes(const std::vector<int64_t>& shape, size_t d, const Box& prefix, int64_t b,
+                int64_t e, std::vector<Box>& out) {
+  if (b >= e) return;
+  const auto with = [&](int64_t start, int64_t len) {
+    Box x = prefix;
+    x.start.push_back(start);
+    x.len.push_back(len);
+    return x;
+  };
+  if (d + 1 == shape.size()) {
+    out.push_back(with(b, e - b));
+    return;
+  }
+  const int64_t inner = product(shape, d + 1);
+  const int64_t first = (b + inner - 1) / inner, last = e / inner;  // whole rows [first, last)
+  if (first > last) {                                               // inside one row
+    const int64_t row = b / inner;
+    flat_boxes(shape, d + 1, with(row, 1), b - row * inner, e - row * inner, out);
+    return;
+  }
+  if (b < first * inner) flat_boxes(shape, d + 1, with(first - 1, 1), b % inner, inner, out);
+  if (last > first) {
+    Box whole = with(first, last - first);
+    for (size_t k = d + 1; k < shape.size(); ++k) {
+      whole.start.push_back(0);
+      whole.len.push_back(shape[k]);
+    }
+    out.push_back(std::move(whole));
+  }
+  if (e > last * inner) flat_boxes(shape, d + 1, with(last, 1), 0, e - last * inner, out);
+}
+
+}  // namespace
+
+struct CheckpointReader::Impl {
+  struct File {
+    std::string name;
+    std::unique_ptr<SafetensorsReader> reader;
+    std::string checksum;
+    bool verified = false;
+  };
+  // A flat range [begin, begin + numel) of one chunk, stored as tensor `key` of file `file`.
+  struct Piece {
+    size_t file;
+    std::string key;
+    int64_t begin, numel;
+    bool whole;
+  };
+  struct Stored {
+    int64_t dim = 0;
+    std::vector<int64_t> segments;
+    int64_t size = 1;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> chunk_shape;  // a 0-dim tensor as [1]
+    std::map<int64_t, std::vector<Piece>> chunks;
+    std::vector<int64_t> shape;  // the whole tensor's; a 0-dim tensor as [1]
+    bool scalar = false;
+  };
+
+  fs::path dir;
+  std::string state;
+  std::vector<File> files;
+  std::map<std::string, Stored> tensors;
+  std::vector<std::string> order;
+  uint64_t bytes_read = 0;
+  int64_t max_span = 0;
+
+  std::string where(size_t file) const { return (dir / files[file].name).string(); }
+
+  const Stored& stored(const std::string& name) const {
+    auto it = tensors.find(name);
+    WEFT_CHECK(it != tensors.end(), dir.string(), ": no tensor '", name, "'");
+    return it->second;
+  }
+
+  void add(const std::string& name, size_t file, const std::string& key, const TensorShard& s,
+           const std::vector<int64_t>& value_shape, at::ScalarType dtype) {
+    const bool whole = s.shape.empty();
+    std::vector<int64_t> chunk = whole ? value_shape : s.shape;
+    const bool scalar = chunk.empty();
+    if (scalar) chunk = {1};
+    auto [it, fresh] = tensors.try_emplace(name);
+    Stored& t = it->second;
+    if (fresh) {
+      order.push_back(name);
+      t.dim = s.dim;
+      t.segments = s.segments;
+      t.size = s.size;
+      t.dtype = dtype;
+      t.chunk_shape = chunk;
+      t.scalar = scalar;
+    }
+    WEFT_CHECK(t.dim == s.dim && t.segments == s.segments && t.size == s.size && t.dtype == dtype &&
+                   t.chunk_shape == chunk,
+               where(file), ": tensor '", name,
+               "' disagrees with its other pieces on the chunk's shape, split or dtype");
+    t.chunks[s.rank].push_back({file, key, whole ? 0 : s.begin, product(value_shape), whole});
+  }
+
+  // Every chunk present and tiled exactly by its pieces; the whole tensor's shape.
+  void finish() {
+    for (auto& [name, t] : tensors) {
+      WEFT_CHECK(static_cast<int64_t>(t.chunks.size()) == t.size, dir.string(), ": tensor '", name,
+                 "' has ", t.chunks.size(), " of its ", t.size, " shards (a rank file missing?)");
+      const int64_t numel = product(t.chunk_shape);
+      for (auto& [rank, pieces] : t.chunks) {
+        std::stable_sort(pieces.begin(), pieces.end(),
+                         [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+        bool any_whole = false, any_range = false;
+        for (const Piece& p : pieces) (p.whole ? any_whole : any_range) = true;
+        WEFT_CHECK(!(any_whole && any_range), dir.string(), ": tensor '", name, "': chunk ", rank,
+                   " is written both whole and as ranges");
+        // Copies of a whole chunk (a tensor TP replicates, in checkpoints that wrote it from
+        // every TP rank): the first file's is read.
+        if (any_whole) pieces.erase(pieces.begin() + 1, pieces.end());
+        int64_t covered = 0;
+        for (const Piece& p : pieces) {
+          WEFT_CHECK(p.begin == covered, dir.string(), ": tensor '", name, "': chunk ", rank,
+                     " has ", p.begin > covered ? "no range for" : "two ranges over",
+                     " its elements from ", std::min(p.begin, covered),
+                     " (a rank file missing or written twice?)");
+          covered += p.numel;
+        }
+        WEFT_CHECK(covered == numel, dir.string(), ": tensor '", name, "': chunk ", rank,
+                   " has no range for its elements from ", covered, " of ", numel,
+                   " (a rank file missing?)");
+      }
+      t.shape = t.chunk_shape;
+      if (t.size > 1) {
+        int64_t extent = t.chunk_shape[t.dim] * t.size, sum = 0;
+        bool even = true;
+        for (int64_t seg : t.segments) {
+          sum += seg;
+          even = even && seg > 0 && seg % t.size == 0;
+        }
+        WEFT_CHECK(t.segments.empty() || (even && sum == extent), dir.string(), ": tensor '", name,
+                   "': segments ", at::IntArrayRef(t.segments), " do not split ", extent,
+                   " entries over ", t.size, " chunks");
+        t.shape[t.dim] = extent;
+      }
+    }
+  }
+
+  void verify(size_t file) {
+    File& f = files[file];
+    if (f.verified) return;
+    verify_checksum(dir / f.name, f.checksum);
+    f.verified = true;
+  }
+
+  // Box `box` of chunk `rank` of `t` into `dst` (shaped as the box): the contiguous span of the
+  // chunk's elements that holds it, from the pieces that overlap it; in parts when that span
+  // would be much more than the box.
+  void read_chunk_box(const Stored& t, int64_t rank, const Box& box, at::Tensor dst) {
+    const size_t n = box.len.size();
+    std::vector<int64_t> strides(n, 1);
+    for (size_t k = n - 1; k > 0; --k) strides[k - 1] = strides[k] * t.chunk_shape[k];
+    int64_t volume = 1, lo = 0, span = 1;  // the span: elements [lo, lo + span) of the chunk
+    for (size_t k = 0; k < n; ++k) {
+      volume *= box.len[k];
+      lo += box.start[k] * strides[k];
+      span += (box.len[k] - 1) * strides[k];
+    }
+    if (volume == 0) return;
+    if (span > std::max(2 * volume, max_span)) {
+      size_t k = 0;
+      while (box.len[k] == 1) ++k;  // span > volume: some dim has more than one entry
+      const int64_t half = box.len[k] / 2;
+      Box a = box, b = box;
+      a.len[k] = half;
+      b.start[k] += half;
+      b.len[k] -= half;
+      read_chunk_box(t, rank, a, dst.narrow(static_cast<int64_t>(k), 0, half));
+      read_chunk_box(t, rank, b, dst.narrow(static_cast<int64_t>(k), half, b.len[k]));
+      return;
+    }
+    const int64_t hi = lo + span;
+    const at::Tensor values = at::empty({span}, at::TensorOptions().dtype(t.dtype));
+    for (const Piece& p : t.chunks.at(rank)) {
+      const int64_t from = std::max(lo, p.begin), to = std::min(hi, p.begin + p.numel);
+      if (from >= to) continue;
+      verify(p.file);
+      const int64_t count = to - from;
+      files[p.file].reader->copy_flat(p.key, from - p.begin, values.narrow(0, from - lo, count));
+      bytes_read += static_cast<uint64_t>(count) * c10::elementSize(t.dtype);
+    }
+    dst.copy_(values.as_strided(box.len, strides, 0));
+  }
+
+  // Box `box` of the whole tensor into `dst`, from the chunks that hold parts of it.
+  void read_box(const Stored& t, const Box& box, const at::Tensor& dst) {
+    const int64_t d = t.dim;
+    for (const auto& [rank, pieces] : t.chunks)
+      for (const Interval& s : intervals(t.shape[d], t.segments, rank, t.size)) {
+        const int64_t a = std::max(box.start[d], s.full);
+        const int64_t b = std::min(box.start[d] + box.len[d], s.full + s.len);
+        if (a >= b) continue;
+        Box in_chunk = box;
+        in_chunk.start[d] = s.local + a - s.full;
+        in_chunk.len[d] = b - a;
+        read_chunk_box(t, rank, in_chunk, dst.narrow(d, a - box.start[d], b - a));
+      }
+  }
+};
+
+CheckpointReader::CheckpointReader(const std::string& dir, int64_t max_span)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.dir = fs::path(dir);
+  m.max_span = std::max<int64_t>(max_span, 1);
+  WEFT_CHECK(fs::exists(m.dir / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile,
+             ")");
+  const auto manifest = read_manifest(m.dir);
+  for (const std::string& f : data_files(m.dir)) {
+    const bool whole = f == "model.safetensors" || f == "optimizer.safetensors";
+    if (!whole && f.rfind("rank-", 0) != 0) continue;
+    m.files.push_back({f, nullptr, manifest.at(f).second, false});
+    const size_t file = m.files.size() - 1;
+    const std::string path = m.where(file);
+    try {
+      m.files[file].reader = std::make_unique<SafetensorsReader>(path);
+    } catch (const Error&) {
+      m.verify(file);  // a damaged file: say so rather than what the damage broke
+      throw;
+    }
+    const SafetensorsReader& r = *m.files[file].reader;
+    if (whole) {
+      const std::string prefix = f == "model.safetensors" ? "model/" : "optimizer/";
+      for (const std::string& key : r.names())
+        m.add(prefix + key, file, key, TensorShard{key, {}, 0, {}, 0, 1, {}, 0}, r.shape(key),
+              r.dtype(key));
+      continue;
+    }
+    auto meta = r.metadata().find(kShardsKey);
+    WEFT_CHECK(meta != r.metadata().end(), path, ": no \"", kShardsKey, "\" metadata");
     const nlohmann::json layout = nlohmann::json::parse(meta->second, nullptr, false);
     WEFT_CHECK(layout.is_object(), path, ": bad \"", kShardsKey, "\" metadata");
-    for (auto& [name, t] : file.tensors) {
+    for (const std::string& name : r.names()) {
       WEFT_CHECK(layout.contains(name), path, ": tensor '", name, "' has no shard layout");
       const nlohmann::json& l = layout[name];
-      TensorShard s{name, t, 0, {}, 0, 1, {}, 0};
+      TensorShard s{name, {}, 0, {}, 0, 1, {}, 0};
       try {
         s.dim = l.at("dim").get<int64_t>();
         s.segments = l.at("segments").get<std::vector<int64_t>>();
@@ -301,8 +524,9 @@ Checkpoint load_checkpoint(const std::string& dir) {
       } catch (const nlohmann::json::exception&) {
         WEFT_FAIL(path, ": tensor '", name, "': bad shard layout ", l.dump());
       }
+      const std::vector<int64_t> shape = r.shape(name);
       const bool range = l.contains("shape");
-      const int64_t chunk_dims = range ? static_cast<int64_t>(s.shape.size()) : t.dim();
+      const int64_t chunk_dims = static_cast<int64_t>(range ? s.shape.size() : shape.size());
       int64_t chunk_numel = 1;  // -1: not a shape
       for (int64_t d : s.shape)
         chunk_numel = d < 0 || chunk_numel < 0 || (d > 0 && chunk_numel > (int64_t{1} << 62) / d)
@@ -310,19 +534,105 @@ Checkpoint load_checkpoint(const std::string& dir) {
                           : chunk_numel * d;
       WEFT_CHECK(s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < chunk_dims,
                  path, ": tensor '", name, "': bad shard layout ", l.dump());
-      WEFT_CHECK(!range || (t.dim() == 1 && chunk_numel >= 0 && s.begin >= 0 &&
-                            s.begin + t.numel() <= chunk_numel),
-                 path, ": tensor '", name, "' of shape ", t.sizes(), ": bad range layout ",
-                 l.dump(), " (expected a flat range inside a chunk of that shape)");
-      c.shards.push_back(std::move(s));
+      WEFT_CHECK(!range || (shape.size() == 1 && chunk_numel >= 0 && s.begin >= 0 &&
+                            s.begin + shape[0] <= chunk_numel),
+                 path, ": tensor '", name, "' of shape ", at::IntArrayRef(shape),
+                 ": bad range layout ", l.dump(),
+                 " (expected a flat range inside a chunk of that shape)");
+      m.add(name, file, name, s, shape, r.dtype(name));
     }
   }
-  c.shards = join_ranges(std::move(c.shards), dir);
-  WEFT_CHECK(!c.model.empty() || !c.shards.empty(), dir, ": no model.safetensors or rank files");
-  std::ifstream in(d / kStateFile);
+  m.finish();
+  WEFT_CHECK(!m.tensors.empty(), dir, ": no model.safetensors or rank files");
+  std::ifstream in(m.dir / kStateFile);
   std::stringstream ss;
   ss << in.rdbuf();
-  c.state_json = ss.str();
+  m.state = ss.str();
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+const std::string& CheckpointReader::dir() const { return impl_->dir.native(); }
+const std::string& CheckpointReader::state_json() const { return impl_->state; }
+const std::vector<std::string>& CheckpointReader::names() const { return impl_->order; }
+bool CheckpointReader::contains(const std::string& name) const {
+  return impl_->tensors.count(name) > 0;
+}
+std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
+  const Impl::Stored& t = impl_->stored(name);
+  return t.scalar ? std::vector<int64_t>{} : t.shape;
+}
+NamedShapes CheckpointReader::shapes(const std::string& prefix) const {
+  NamedShapes out;
+  for (const std::string& name : impl_->order)
+    if (name.rfind(prefix, 0) == 0) out.emplace_back(name.substr(prefix.size()), shape(name));
+  return out;
+}
+uint64_t CheckpointReader::bytes_read() const { return impl_->bytes_read; }
+
+at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& split, int64_t begin,
+                                  int64_t length) const {
+  Impl& m = *impl_;
+  const Impl::Stored& t = m.stored(name);
+  const int64_t dims = static_cast<int64_t>(t.shape.size());
+  std::vector<int64_t> shard = t.shape;  // the shard's shape
+  bool fits = split.size >= 1 && split.rank >= 0 && split.rank < split.size && split.dim >= 0 &&
+              split.dim < dims && (split.size == 1 || !t.scalar);
+  if (fits && split.size > 1) {
+    int64_t sum = 0;
+    for (int64_t seg : split.segments) {
+      sum += seg;
+      fits = fits && seg > 0 && seg % split.size == 0;
+    }
+    const int64_t extent = t.shape[split.dim];
+    fits = fits && (split.segments.empty() ? extent % split.size == 0 : sum == extent);
+    shard[split.dim] = extent / split.size;
+  }
+  WEFT_CHECK(fits, m.dir.string(), ": tensor '", name, "' of shape ", at::IntArrayRef(t.shape),
+             " has no chunk ", split.rank, " of ", split.size, " along dim ", split.dim,
+             split.segments.empty() ? "" : " in segments ", at::IntArrayRef(split.segments));
+  const int64_t numel = product(shard);
+  const bool ranged = length >= 0;
+  if (!ranged) length = numel;
+  WEFT_CHECK(begin >= 0 && begin + length <= numel, m.dir.string(), ": tensor '", name,
+             "': elements [", begin, ", ", begin + length, ") are outside its shard of ", numel);
+  at::Tensor out =
+      at::empty(ranged ? std::vector<int64_t>{length} : shard, at::TensorOptions().dtype(t.dtype));
+  const at::Tensor flat = out.view({-1});
+  std::vector<Box> boxes;
+  flat_boxes(shard, 0, Box{}, begin, begin + length, boxes);
+  const int64_t d = split.dim;
+  int64_t offset = 0;
+  for (const Box& box : boxes) {
+    const int64_t volume = product(box.len);
+    const at::Tensor dst = flat.narrow(0, offset, volume).view(box.len);
+    offset += volume;
+    const std::vector<int64_t> segments = split.size > 1 ? split.segments : std::vector<int64_t>{};
+    for (const Interval& s : intervals(t.shape[d], segments, split.rank, split.size)) {
+      const int64_t a = std::max(box.start[d], s.local);
+      const int64_t b = std::min(box.start[d] + box.len[d], s.local + s.len);
+      if (a >= b) continue;
+      Box whole = box;
+      whole.start[d] = s.full + a - s.local;
+      whole.len[d] = b - a;
+      m.read_box(t, whole, dst.narrow(d, a - box.start[d], b - a));
+    }
+  }
+  return t.scalar && !ranged ? out.view({}) : out;
+}
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  const CheckpointReader r(dir);
+  Checkpoint c;
+  for (const std::string& name : r.names()) {
+    if (name.rfind("model/", 0) == 0)
+      c.model.emplace_back(name.substr(6), r.read(name));
+    else if (name.rfind("optimizer/", 0) == 0)
+      c.optimizer.emplace_back(name.substr(10), r.read(name));
+    else
+      WEFT_FAIL(dir, ": unexpected tensor '", name, "' (expected model/... or optimizer/...)");
+  }
+  c.state_json = r.state_json();
   return c;
 }
 

@@ -379,6 +379,10 @@ std::vector<int64_t> SafetensorsReader::shape(const std::string& name) const {
   return impl_->entries[it->second].shape;
 }
 
+at::ScalarType SafetensorsReader::dtype(const std::string& name) const {
+  return impl_->entry(name, c10::nullopt).type;
+}
+
 const std::map<std::string, std::string>& SafetensorsReader::metadata() const {
   return impl_->metadata;
 }
@@ -405,6 +409,23 @@ at::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t begin, 
   shape[0] = count;
   const uint64_t row_bytes = e.shape[0] > 0 ? (e.end - e.begin) / e.shape[0] : 0;
   return Impl::tensor(e, shape, impl_->buffer + e.begin + begin * row_bytes, float_dtype);
+}
+
+void SafetensorsReader::copy_flat(const std::string& name, int64_t begin,
+                                  const at::Tensor& dst) const {
+  const Entry& e = impl_->entry(name, c10::nullopt);
+  const int64_t count = dst.numel();
+  const uint64_t elements = (e.end - e.begin) / c10::elementSize(e.type);
+  WEFT_CHECK(begin >= 0 && static_cast<uint64_t>(begin + count) <= elements,
+             where(impl_->path, name), ": elements [", begin, ", ", begin + count,
+             ") are outside its ", elements);
+  WEFT_CHECK(e.type != at::kBool && dst.scalar_type() == e.type && dst.device().is_cpu() &&
+                 dst.is_contiguous(),
+             where(impl_->path, name), ": copy_flat of a ", e.type, " tensor into a ",
+             dst.scalar_type(), " one");
+  if (count > 0)
+    std::memcpy(dst.data_ptr(), impl_->buffer + e.begin + begin * c10::elementSize(e.type),
+                static_cast<size_t>(count) * c10::elementSize(e.type));
 }
 
 SafetensorsFile load_safetensors(const std::string& path,

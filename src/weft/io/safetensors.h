@@ -48,6 +48,7 @@ class SafetensorsReader {
   std::vector<std::string> names() const;  // data-buffer order
   bool contains(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
+  at::ScalarType dtype(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const;
   // A fresh CPU copy of tensor `name`; floating tensors converted to `float_dtype` when given.
   at::Tensor read(const std::string& name,
@@ -56,6 +57,10 @@ class SafetensorsReader {
   // only those bytes; Error naming the file and tensor when out of range.
   at::Tensor read_rows(const std::string& name, int64_t begin, int64_t count,
                        c10::optional<at::ScalarType> float_dtype = c10::nullopt) const;
+  // Elements [begin, begin + dst.numel()) of tensor `name`, flattened, copied into `dst` (a
+  // contiguous CPU tensor of the tensor's dtype), reading only those bytes; Error naming the
+  // file and tensor when out of range or of another dtype.
+  void copy_flat(const std::string& name, int64_t begin, const at::Tensor& dst) const;
 
  private:
   struct Impl;

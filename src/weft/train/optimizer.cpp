@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "weft/core/error.h"
@@ -14,6 +15,7 @@ namespace weft::train {
 
 namespace {
 constexpr bool kHasFusedAdamW = TORCH_VERSION_MAJOR >= 2;
+constexpr const char* kMomentKinds[2] = {"exp_avg.", "exp_avg_sq."};  // as checkpoints name them
 }  // namespace
 
 AdamW::AdamW(model::NamedTensors params, AdamWOptions opts, std::vector<dist::ShardPiece> pieces)
@@ -135,33 +137,41 @@ std::vector<at::Tensor> AdamW::whole(const std::vector<at::Tensor>& per_piece) c
 }
 
 void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
-  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  const std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   std::vector<uint8_t> has(params_.size(), 0);
   for (const dist::ShardPiece& p : pieces_) has[p.param] = 1;
-  std::vector<at::Tensor> full[2];  // per parameter with pieces: exp_avg, exp_avg_sq
-  const char* kinds[2] = {"exp_avg.", "exp_avg_sq."};
+  std::set<std::string> known;
   for (size_t k = 0; k < params_.size(); ++k)
-    for (int j = 0; j < 2; ++j) {
-      full[j].resize(params_.size());
-      const std::string key = kinds[j] + params_[k].first;
+    for (const char* kind : kMomentKinds) {
+      const std::string key = kind + params_[k].first;
+      known.insert(key);
+      if (!has[k]) continue;  // another rank's, if given
       auto it = by_name.find(key);
-      if (has[k]) {
-        WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
-        const at::Tensor& p = params_[k].second;
-        WEFT_CHECK(it->second.sizes() == p.sizes(), "optimizer state: '", key, "' has shape ",
-                   it->second.sizes(), ", expected ", p.sizes());
-        full[j][k] = it->second;
-      }
-      if (it != by_name.end()) by_name.erase(it);  // another rank's, when no pieces here
+      WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
+      const at::Tensor& p = params_[k].second;
+      WEFT_CHECK(it->second.sizes() == p.sizes(), "optimizer state: '", key, "' has shape ",
+                 it->second.sizes(), ", expected ", p.sizes());
     }
-  WEFT_CHECK(by_name.empty(), "optimizer state: unexpected tensor '",
-             by_name.empty() ? "" : by_name.begin()->first,
-             "' (a checkpoint of another model or freezing setup?)");
+  for (const auto& [key, t] : by_name)
+    WEFT_CHECK(known.count(key), "optimizer state: unexpected tensor '", key,
+               "' (a checkpoint of another model or freezing setup?)");
+  load_state([&](size_t, const std::string& key, int64_t begin,
+                 int64_t length) { return by_name.at(key).reshape({-1}).narrow(0, begin, length); },
+             steps);
+}
+
+void AdamW::load_state(const StateReader& read, int64_t steps) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const dist::ShardPiece& p = pieces_[i];
-    exp_avg_[i].view({-1}).copy_(full[0][p.param].reshape({-1}).narrow(0, p.begin, p.length));
-    exp_avg_sq_[i].view({-1}).copy_(full[1][p.param].reshape({-1}).narrow(0, p.begin, p.length));
+    std::vector<at::Tensor>* held[2] = {&exp_avg_, &exp_avg_sq_};
+    for (int j = 0; j < 2; ++j) {
+      const std::string key = kMomentKinds[j] + params_[p.param].first;
+      const at::Tensor value = read(p.param, key, p.begin, p.length);
+      WEFT_CHECK(value.numel() == p.length, "optimizer state: '", key, "' gave ", value.numel(),
+                 " elements for a piece of ", p.length);
+      (*held[j])[i].view({-1}).copy_(value.reshape({-1}));
+    }
   }
   steps_ = steps;
 }

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "weft/core/spec.h"
@@ -43,6 +45,12 @@ class AdamW {
   // "exp_avg_sq.<param>", each shaped as its parameter); a tensor that names no parameter, or a
   // missing one of a parameter with pieces here, is an error.
   void load_state(const model::NamedTensors& state, int64_t steps);
+  // Reads the flattened elements [begin, begin + length) of moment `key` ("exp_avg.<param>" or
+  // "exp_avg_sq.<param>") of parameter `param` (this optimizer's index), as a 1-D tensor.
+  using StateReader = std::function<at::Tensor(size_t param, const std::string& key, int64_t begin,
+                                               int64_t length)>;
+  // Takes each piece's state by reading just its range (a resume reads no more than it holds).
+  void load_state(const StateReader& read, int64_t steps);
   // The moments per parameter, shaped as it: zeros outside this rank's pieces, undefined where
   // it has none.
   std::vector<at::Tensor> exp_avg() const { return whole(exp_avg_); }

@@ -231,28 +231,29 @@ struct Trainer::Impl {
     return true;
   }
 
-  // Loads the newest checkpoint: each rank takes its shards of the full tensors, so a run saved
-  // under one layout resumes under another.
+  // Loads the newest checkpoint: each rank reads its own shards of the weights, and its
+  // optimizer pieces' ranges of the moments, whatever layout wrote them (io::CheckpointReader):
+  // a run saved under one layout resumes under another, and no rank holds the whole model.
   void resume() {
     const std::string dir = io::latest_checkpoint(run_dir.string(), opts.comm.rank() == 0);
     WEFT_CHECK(!dir.empty(), run_dir.string(), ": no complete checkpoint to resume from");
-    const io::Checkpoint ckpt = io::load_checkpoint(dir);
-    const auto [full_model, full_optimizer] = full_tensors(ckpt);
-    // Every rank reads every rank file, so each checks the whole model before taking shards.
-    check_checkpoint_fits(full_model, full_optimizer, spec.model, dir, "this run's config");
-    std::map<std::string, at::Tensor> by_name(full_model.begin(), full_model.end());
+    const io::CheckpointReader ckpt(dir);
+    for (const std::string& name : ckpt.names())
+      WEFT_CHECK(name.rfind("model/", 0) == 0 || name.rfind("optimizer/", 0) == 0, dir,
+                 ": unexpected tensor '", name, "' (expected model/... or optimizer/...)");
+    // Every rank reads every header, so each checks the whole model before taking shards.
+    check_checkpoint_fits(ckpt.shapes("model/"), ckpt.shapes("optimizer/"), spec.model, dir,
+                          "this run's config");
     torch::NoGradGuard no_grad;
     const model::NamedTensors& params = model().parameters();
     for (size_t k = 0; k < params.size(); ++k) {
       const auto& [name, p] = params[k];
-      auto it = by_name.find(name);
-      WEFT_CHECK(it != by_name.end(), dir, ": no tensor '", name, "'");
-      const at::Tensor shard = runtime->shard_of(k, it->second);
+      const at::Tensor shard = ckpt.read("model/" + name, runtime->shard_split(k));
       WEFT_ASSERT(shard.sizes() == p.sizes(), dir, ": shard of '", name, "' is ", shard.sizes(),
                   ", this rank holds ", p.sizes());
       runtime->set_parameter(k, shard);
     }
-    json state = json::parse(ckpt.state_json, nullptr, false);
+    json state = json::parse(ckpt.state_json(), nullptr, false);
     WEFT_CHECK(!state.is_discarded() && state.contains("step") &&
                    state["step"].is_number_integer() && state["step"].get<int64_t>() >= 0,
                dir,
@@ -263,27 +264,30 @@ struct Trainer::Impl {
     };
     loss_first = number("loss_first", NAN);
     prior_wall_seconds = number("wall_seconds", 0.0);
-    // This rank's shards of its own parameters' moments.
-    std::map<std::string, at::Tensor> moments(full_optimizer.begin(), full_optimizer.end());
-    model::NamedTensors mine;
+    // Every moment of this rank's trainable parameters must be there; moments of parameters
+    // that no rank trains are ones checkpoints from before unused encoder blocks stopped
+    // training hold, and are passed over.
+    std::set<std::string> moments;
+    for (const auto& [key, shape] : ckpt.shapes("optimizer/")) moments.insert(key);
     const model::NamedTensors& trainable = runtime->trainable();
     for (size_t t = 0; t < trainable.size(); ++t)
       for (const char* kind : {"exp_avg.", "exp_avg_sq."}) {
         const std::string key = kind + trainable[t].first;
-        auto it = moments.find(key);
-        WEFT_CHECK(it != moments.end(), dir, ": missing optimizer tensor '", key, "'");
-        mine.emplace_back(key, runtime->shard_of(runtime->param_index(t), it->second));
-        moments.erase(it);
+        WEFT_CHECK(moments.erase(key), dir, ": missing optimizer tensor '", key, "'");
       }
-    // Checkpoints from before unused encoder blocks stopped training hold their moments.
     for (auto it = moments.begin(); it != moments.end();)
-      it = model().unused(it->first.substr(it->first.find('.') + 1)) ? moments.erase(it)
-                                                                     : std::next(it);
+      it = model().unused(it->substr(it->find('.') + 1)) ? moments.erase(it) : std::next(it);
     if (opts.comm.size() == 1)
       WEFT_CHECK(moments.empty(), dir, ": unexpected optimizer tensor '",
-                 moments.empty() ? "" : moments.begin()->first,
+                 moments.empty() ? "" : *moments.begin(),
                  "' (a checkpoint of another model or freezing setup?)");
-    optimizer->load_state(mine, state.value("optimizer_steps", start_step));
+    // This rank's pieces of its own parameters' moments, each read as the range it holds.
+    optimizer->load_state(
+        [&](size_t t, const std::string& key, int64_t begin, int64_t length) {
+          return ckpt.read("optimizer/" + key, runtime->shard_split(runtime->param_index(t)), begin,
+                           length);
+        },
+        state.value("optimizer_steps", start_step));
     WEFT_CHECK(start_step <= spec.train.steps, dir, ": checkpoint is at step ", start_step,
                ", beyond train.steps = ", spec.train.steps, " (raise it with --set train.steps=N)");
   }
@@ -371,31 +375,9 @@ struct Trainer::Impl {
   }
 };
 
-std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Checkpoint& c) {
-  model::NamedTensors full_model = c.model, full_optimizer = c.optimizer;
-  std::map<std::string, std::map<int64_t, const io::TensorShard*>> pieces;
-  for (const io::TensorShard& s : c.shards) pieces[s.name].emplace(s.rank, &s);
-  for (const auto& [name, by_rank] : pieces) {
-    const io::TensorShard& first = *by_rank.begin()->second;
-    WEFT_CHECK(static_cast<int64_t>(by_rank.size()) == first.size, "checkpoint: tensor '", name,
-               "' has ", by_rank.size(), " of its ", first.size, " shards (a rank file missing?)");
-    std::vector<at::Tensor> shards;
-    for (const auto& [rank, s] : by_rank) shards.push_back(s->value);
-    const at::Tensor full =
-        model::join_shards(shards, model::Split{first.dim, first.segments, 0, first.size});
-    if (name.rfind("model/", 0) == 0)
-      full_model.emplace_back(name.substr(6), full);
-    else if (name.rfind("optimizer/", 0) == 0)
-      full_optimizer.emplace_back(name.substr(10), full);
-    else
-      WEFT_FAIL("checkpoint: unexpected tensor '", name, "'");
-  }
-  return {full_model, full_optimizer};
-}
-
-void check_checkpoint_fits(const model::NamedTensors& full_model,
-                           const model::NamedTensors& full_optimizer, const ModelSpec& spec,
-                           const std::string& ckpt, const std::string& model_of) {
+void check_checkpoint_fits(const io::NamedShapes& full_model, const io::NamedShapes& full_optimizer,
+                           const ModelSpec& spec, const std::string& ckpt,
+                           const std::string& model_of) {
   const char* hint = " (a checkpoint of another model, or a config changed after it was written?)";
   model::Hosting shapes;
   shapes.device = c10::Device(c10::kMeta);
@@ -403,26 +385,27 @@ void check_checkpoint_fits(const model::NamedTensors& full_model,
   std::map<std::string, at::IntArrayRef> want;
   for (const auto& [name, p] : expected.parameters()) want.emplace(name, p.sizes());
   std::set<std::string> have;
-  for (const auto& [name, t] : full_model) {
+  for (const auto& [name, shape] : full_model) {
     auto it = want.find(name);
     WEFT_CHECK(it != want.end(), ckpt, ": tensor '", name, "' is not part of the model of ",
                model_of, hint);
-    WEFT_CHECK(t.sizes() == it->second, ckpt, ": tensor '", name, "' has shape ", t.sizes(),
-               ", but the model of ", model_of, " has ", it->second, hint);
+    WEFT_CHECK(at::IntArrayRef(shape) == it->second, ckpt, ": tensor '", name, "' has shape ",
+               at::IntArrayRef(shape), ", but the model of ", model_of, " has ", it->second, hint);
     have.insert(name);
   }
   for (const auto& [name, sizes] : want)
     WEFT_CHECK(have.count(name), ckpt, ": no tensor '", name, "', which the model of ", model_of,
                " has", hint);
-  for (const auto& [key, t] : full_optimizer) {
+  for (const auto& [key, shape] : full_optimizer) {
     const size_t dot = key.find('.');
     const std::string kind = key.substr(0, dot);
     auto it = dot == std::string::npos ? want.end() : want.find(key.substr(dot + 1));
     WEFT_CHECK((kind == "exp_avg" || kind == "exp_avg_sq") && it != want.end(), ckpt,
                ": optimizer tensor '", key, "' is not a moment of a parameter of the model of ",
                model_of, hint);
-    WEFT_CHECK(t.sizes() == it->second, ckpt, ": optimizer tensor '", key, "' has shape ",
-               t.sizes(), ", but its parameter has ", it->second, hint);
+    WEFT_CHECK(at::IntArrayRef(shape) == it->second, ckpt, ": optimizer tensor '", key,
+               "' has shape ", at::IntArrayRef(shape), ", but its parameter has ", it->second,
+               hint);
   }
 }
 

@@ -57,18 +57,14 @@ struct Summary {
   std::string to_json() const;
 };
 
-// The full tensors of a checkpoint, whichever way it was written (rank files' shards joined):
-// the model's parameters by name, and the optimizer moments as "exp_avg.<name>" /
-// "exp_avg_sq.<name>". Error when a shard is missing.
-std::pair<model::NamedTensors, model::NamedTensors> full_tensors(const io::Checkpoint& c);
-
-// Errors unless a checkpoint's full tensors (full_tensors) are those of the model `spec`
-// describes: every parameter, each at its full shape, nothing else, and each optimizer moment
-// at its parameter's shape. `ckpt` names the checkpoint and `model_of` the config in errors.
-// Checked on a meta-device model: nothing is allocated.
-void check_checkpoint_fits(const model::NamedTensors& full_model,
-                           const model::NamedTensors& full_optimizer, const ModelSpec& spec,
-                           const std::string& ckpt, const std::string& model_of);
+// Errors unless a checkpoint's whole tensors (io::CheckpointReader::shapes) are those of the
+// model `spec` describes: every parameter, each at its full shape, nothing else, and each
+// optimizer moment ("exp_avg.<name>" / "exp_avg_sq.<name>") at its parameter's shape. `ckpt`
+// names the checkpoint and `model_of` the config in errors. Checked on a meta-device model:
+// nothing is allocated.
+void check_checkpoint_fits(const io::NamedShapes& model, const io::NamedShapes& optimizer,
+                           const ModelSpec& spec, const std::string& ckpt,
+                           const std::string& model_of);
 
 // One step's global batch, assigned to LLM data-parallel replicas and microbatches (balanced per
 // the plan) and collated.
