@@ -107,6 +107,18 @@ class Mapping {
   Mapping& operator=(const Mapping&) = delete;
   const uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // Copies `n` bytes at `p` (inside the mapping) to `dst`, then drops the mapping's pages of
+  // them from this process (they stay in the page cache; a later read faults them in again):
+  // reading a checkpoint or a Hugging Face file a shard at a time leaves its pages resident only
+  // while they are copied, not until the file is closed.
+  void copy_out(void* dst, const uint8_t* p, size_t n) const {
+    if (n == 0) return;
+    std::memcpy(dst, p, n);
+    static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
+    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);  // best effort
+  }
 
  private:
   const uint8_t* data_ = nullptr;
@@ -286,10 +298,10 @@ struct SafetensorsReader::Impl {
     return entries[it->second];
   }
   // `bytes` as a tensor of the entry's dtype and `shape`, converted to float_dtype when floating.
-  static at::Tensor tensor(const Entry& e, std::vector<int64_t> shape, const uint8_t* bytes,
-                           c10::optional<at::ScalarType> float_dtype) {
+  at::Tensor tensor(const Entry& e, std::vector<int64_t> shape, const uint8_t* bytes,
+                    c10::optional<at::ScalarType> float_dtype) const {
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(e.type));
-    if (t.nbytes() > 0) std::memcpy(t.data_ptr(), bytes, t.nbytes());
+    map.copy_out(t.data_ptr(), bytes, t.nbytes());
     if (float_dtype && t.is_floating_point() && t.scalar_type() != *float_dtype)
       t = t.to(*float_dtype);
     return t;
@@ -395,7 +407,7 @@ at::Tensor SafetensorsReader::read(const std::string& name,
     bool ok = std::all_of(src, src + (e.end - e.begin), [](uint8_t v) { return v <= 1; });
     WEFT_CHECK(ok, where(impl_->path, e.name), ": BOOL tensor holds bytes other than 0 and 1");
   }
-  return Impl::tensor(e, e.shape, src, float_dtype);
+  return impl_->tensor(e, e.shape, src, float_dtype);
 }
 
 at::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t begin, int64_t count,
@@ -408,7 +420,7 @@ at::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t begin, 
   std::vector<int64_t> shape = e.shape;
   shape[0] = count;
   const uint64_t row_bytes = e.shape[0] > 0 ? (e.end - e.begin) / e.shape[0] : 0;
-  return Impl::tensor(e, shape, impl_->buffer + e.begin + begin * row_bytes, float_dtype);
+  return impl_->tensor(e, shape, impl_->buffer + e.begin + begin * row_bytes, float_dtype);
 }
 
 void SafetensorsReader::copy_flat(const std::string& name, int64_t begin,
@@ -423,9 +435,8 @@ void SafetensorsReader::copy_flat(const std::string& name, int64_t begin,
                  dst.is_contiguous(),
              where(impl_->path, name), ": copy_flat of a ", e.type, " tensor into a ",
              dst.scalar_type(), " one");
-  if (count > 0)
-    std::memcpy(dst.data_ptr(), impl_->buffer + e.begin + begin * c10::elementSize(e.type),
-                static_cast<size_t>(count) * c10::elementSize(e.type));
+  impl_->map.copy_out(dst.data_ptr(), impl_->buffer + e.begin + begin * c10::elementSize(e.type),
+                      static_cast<size_t>(count) * c10::elementSize(e.type));
 }
 
 SafetensorsFile load_safetensors(const std::string& path,

@@ -36,7 +36,8 @@ struct SafetensorsFile {
 
 // A safetensors file opened for reading tensor by tensor: the file is memory-mapped and the
 // whole header and every range validated on construction (weft::Error naming the file and the
-// tensor otherwise); read() copies one tensor out. Const methods are thread-safe.
+// tensor otherwise); read() copies one tensor out, and the mapping's pages of what was copied are
+// released from this process. Const methods are thread-safe.
 class SafetensorsReader {
  public:
   explicit SafetensorsReader(const std::string& path);
