@@ -502,6 +502,7 @@ TEST(Simulate, ZeroOneReduceScattersAndAllGathersInsteadOfAllReducing) {
 // ZeRO-1's static memory per trainable parameter of fp32 size G (its gradient's bytes), over a
 // group of n ranks: the moments 2G/n instead of 2G; under bf16 also the parameter held in bf16
 // (G/2, no cast of G/2 beside it) with its fp32 master G/n, as Megatron's distributed optimizer.
+// Its overlapped parameter gathers hold their buffers until forward reads them.
 TEST(Simulate, ZeroOneShardsMomentsAndUnderBf16HoldsParametersInBf16) {
   for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
     Spec s = vlm_spec();
@@ -511,14 +512,29 @@ TEST(Simulate, ZeroOneShardsMomentsAndUnderBf16HoldsParametersInBf16) {
     const double dp = simulate(s, make_plan(s, n), c, no_optimizer()).ranks[0].static_bytes;
     s.train.zero_stage = 1;
     EXPECT_EQ(zero1_bf16_params(s), precision == Precision::kBf16);
-    const double zero = simulate(s, make_plan(s, n), c, no_optimizer()).ranks[0].static_bytes;
-    double grads = 0;
-    for (const std::vector<StageCost>& module : stage_costs(s, make_plan(s, n)))
-      for (const StageCost& sc : module) grads += sc.grad_bytes;
+    const SimResult sim = simulate(s, make_plan(s, n), c, no_optimizer());
+    const double zero = sim.ranks[0].static_bytes;
+    double grads = 0, gathered = 0;  // gathered: all but the projector's, gathered with the LLM
+    const Plan plan = make_plan(s, n);
+    const CostTable costs = stage_costs(s, plan);
+    for (size_t i = 0; i < costs.size(); ++i)
+      for (const StageCost& sc : costs[i]) {
+        grads += sc.grad_bytes;
+        if (plan.modules[i].role != ModuleRole::kProjector) gathered += sc.grad_bytes;
+      }
     ASSERT_GT(grads, 0);
     const double moments = 2 * grads * (1 - 1.0 / n);
     const double held = precision == Precision::kBf16 ? grads / 2 + grads / 2 - grads / n : 0;
     EXPECT_NEAR(dp - zero, moments + held, 1e-6 * dp);
+    // Overlapped with the next forward (the default), every module's gather is in flight at the
+    // step's start: its whole parameters in the wire dtype, before activations grow (here the
+    // larger of the two).
+    const RankReport& r = sim.ranks[0];
+    EXPECT_NEAR(r.gather_buffer_bytes, zero1_gather_fraction(s) * gathered, 1e-6 * gathered);
+    EXPECT_DOUBLE_EQ(r.peak_memory_bytes,
+                     r.static_bytes + std::max(r.peak_activation_bytes, r.gather_buffer_bytes));
+    s.train.overlap_param_gather = false;  // two buckets at a time, after the optimizer
+    EXPECT_EQ(simulate(s, make_plan(s, n), c, no_optimizer()).ranks[0].gather_buffer_bytes, 0);
   }
 }
 

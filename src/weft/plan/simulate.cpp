@@ -763,6 +763,7 @@ class Engine {
           return;
         }
         launched += seconds;  // whether or not a forward here waits for it: in launch order
+        result_.ranks[r].gather_buffer_bytes += bytes;
         if (first_forward == nullptr) return;  // no items: it lands while the rank waits
         const double first =
             ring(o_.grad_curve, g, std::min(bytes, bucket), false, CollectiveAlgo::kRing);
@@ -1037,7 +1038,8 @@ class Engine {
     res.mfu_llm_only = peak > 0 ? res.llm_flops / peak : 0;
     double idle = 0, total = 0;
     for (RankReport& rep : res.ranks) {
-      rep.peak_memory_bytes = rep.static_bytes + rep.peak_activation_bytes;
+      rep.peak_memory_bytes =
+          rep.static_bytes + std::max(rep.peak_activation_bytes, rep.gather_buffer_bytes);
       res.memory_fits = res.memory_fits && rep.peak_memory_bytes <= cl_.device.memory_bytes;
       if (!mod(llm_).hosts(rep.rank) || llm_compute_end_ <= 0) continue;
       double busy = 0;  // within [start, llm_compute_end_)
@@ -1244,6 +1246,7 @@ std::string to_json(const SimResult& r) {
                      {"data_seconds", k.data_seconds},
                      {"static_bytes", k.static_bytes},
                      {"peak_activation_bytes", k.peak_activation_bytes},
+                     {"gather_buffer_bytes", k.gather_buffer_bytes},
                      {"peak_memory_bytes", k.peak_memory_bytes}});
   return j.dump(2);
 }

@@ -246,7 +246,10 @@ struct RankReport {
   double data_seconds = 0;  // laying out and collating the global batch, decoding its media
   double static_bytes = 0;  // parameters + gradients + optimizer state
   double peak_activation_bytes = 0;
-  double peak_memory_bytes = 0;  // static + peak activations
+  // ZeRO-1 with overlapped parameter gathers: every module's gathered parameters in flight at the
+  // step's start (the wire dtype's bytes), freed as forward reads them, before activations grow.
+  double gather_buffer_bytes = 0;
+  double peak_memory_bytes = 0;  // static + the larger of peak activations and gather buffers
 };
 
 struct SimResult {
