@@ -164,6 +164,20 @@ void expect_round_trip(const ModelSpec& spec, const std::string& tag, int64_t sh
       const at::Tensor t = weights.full(name);
       ASSERT_TRUE(torch::equal(t, full.at(name))) << tag << ": " << name << " differs";
       p.copy_(t);
+      // A split along dim 0 (in two uneven segments where they split evenly) reads its rows
+      // only, across the parts a fused parameter is stacked from.
+      const int64_t rows = t.dim() > 0 ? t.size(0) : 0;
+      for (const int64_t n : {2, 4}) {
+        if (rows == 0 || rows % n != 0) continue;
+        std::vector<int64_t> segments;
+        if (rows % (2 * n) == 0 && rows > 2 * n) segments = {rows / 2 - n, rows / 2 + n};
+        for (int64_t r = 0; r < n; ++r) {
+          const at::Tensor got = weights.shard(name, {0, segments, r, n});
+          if (!got.defined()) continue;  // not stored as rows (an expert of a stacked tensor)
+          EXPECT_TRUE(torch::equal(got, model::take_shard(t, model::Split{0, segments, r, n})))
+              << tag << ": " << name << " rank " << r << " of " << n;
+        }
+      }
     }
   }
   EXPECT_TRUE(torch::equal(logits_of(loaded), logits_of(native))) << tag;

@@ -248,12 +248,16 @@ at::Tensor HfCheckpoint::read(const std::string& name) const {
 }
 
 at::Tensor HfCheckpoint::read_row(const std::string& name, int64_t row) const {
+  return read_rows(name, row, 1).squeeze(0);
+}
+
+at::Tensor HfCheckpoint::read_rows(const std::string& name, int64_t begin, int64_t count) const {
   auto it = where_.find(name);
   WEFT_CHECK(it != where_.end(), dir_, ": no tensor '", name, "'");
-  at::Tensor t = files_[it->second]->read_rows(name, row, 1, at::kFloat);
+  at::Tensor t = files_[it->second]->read_rows(name, begin, count, at::kFloat);
   WEFT_CHECK(t.is_floating_point(), files_[it->second]->path(), ": tensor '", name,
              "' is not floating point");
-  return t.squeeze(0);
+  return t;
 }
 
 std::vector<std::string> HfCheckpoint::names() const {
@@ -398,6 +402,39 @@ at::Tensor HfWeights::full(const std::string& name) const {
     }
   }
   return parts.size() == 1 ? parts[0] : torch::cat(parts, r.dim);
+}
+
+at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) const {
+  auto it = rules_.find(name);
+  WEFT_CHECK(it != rules_.end(), "no Hugging Face checkpoint provides parameter ", name);
+  const Rule& r = *it->second;
+  if (split.size <= 1 || split.dim != 0 || r.dim != 0 || r.select >= 0) return {};
+  // The parts stacked along dim 0; the shard's rows of each segment, from the parts they fall in.
+  const std::vector<int64_t> sizes = r.sizes.empty() ? std::vector<int64_t>{r.shape[0]} : r.sizes;
+  std::vector<at::Tensor> rows;
+  int64_t segment = 0, count = 0;
+  for (int64_t seg : split.segments.empty() ? std::vector<int64_t>{r.shape[0]} : split.segments) {
+    const int64_t n = seg / split.size, a = segment + split.rank * n, b = a + n;
+    int64_t offset = 0;  // part k's first row
+    for (size_t k = 0; k < r.parts.size(); offset += sizes[k], ++k) {
+      const int64_t lo = std::max(a, offset), hi = std::min(b, offset + sizes[k]);
+      if (lo >= hi) continue;
+      if (r.parts[k].empty()) {
+        std::vector<int64_t> shape = r.shape;
+        shape[0] = hi - lo;
+        rows.push_back(torch::zeros(shape, torch::kFloat));
+      } else {
+        rows.push_back(r.ckpt->read_rows(r.parts[k], lo - offset, hi - lo));
+      }
+    }
+    segment += seg;
+    count += n;
+  }
+  WEFT_ASSERT(segment == r.shape[0], "HfWeights::shard: segments of ", segment, " rows for '", name,
+              "' of ", r.shape[0]);
+  const at::Tensor out = rows.size() == 1 ? rows[0] : torch::cat(rows, 0);
+  WEFT_ASSERT(out.size(0) == count, "HfWeights::shard: ", out.size(0), " rows for ", count);
+  return out;
 }
 
 std::vector<std::string> HfWeights::summary() const { return summary_; }

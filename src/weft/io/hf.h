@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "weft/core/spec.h"
+#include "weft/io/checkpoint.h"
 
 namespace weft::io {
 
@@ -54,6 +55,8 @@ class HfCheckpoint {
   // Entry `row` along dim 0 of tensor `name` (one expert of a stacked tensor), fp32; reads only
   // its bytes.
   at::Tensor read_row(const std::string& name, int64_t row) const;
+  // Entries [begin, begin + count) along dim 0 of tensor `name`, fp32; reads only their bytes.
+  at::Tensor read_rows(const std::string& name, int64_t begin, int64_t count) const;
   std::vector<std::string> names() const;
 
  private:
@@ -74,6 +77,11 @@ class HfWeights {
   // True if a checkpoint provides weft parameter `name`.
   bool provides(const std::string& name) const { return rules_.count(name) > 0; }
   at::Tensor full(const std::string& name) const;  // fp32; Error if !provides(name)
+  // `split`'s shard of parameter `name` (fp32), reading only its rows, where the shard is rows of
+  // the checkpoint's tensors (a split along dim 0 of a tensor stored along dim 0: vocabulary-
+  // and column-parallel weights, a fused QKV's or gate/up's parts); undefined where it is not
+  // (take it from full()).
+  at::Tensor shard(const std::string& name, const ShardSplit& split) const;
   // One line per checkpoint: what it provides and which of its tensors weft does not use.
   std::vector<std::string> summary() const;
 

@@ -198,8 +198,8 @@ struct Trainer::Impl {
   }
 
   // Fresh runs: parameters of modules that name a Hugging Face checkpoint (model.llm.hf,
-  // model.<encoder>.hf) start from it; each rank reads only the tensors it holds, and takes its
-  // shard of each.
+  // model.<encoder>.hf) start from it; each rank reads only the tensors it holds, and of a
+  // tensor split by rows only its rows (else the whole tensor, one at a time, to take its shard).
   void init_from_hf() {
     bool any = !spec.model.llm.hf.empty();
     for (const EncoderSpec& e : spec.model.encoders) any = any || !e.hf.empty();
@@ -210,7 +210,8 @@ struct Trainer::Impl {
     for (size_t k = 0; k < params.size(); ++k) {
       const auto& [name, p] = params[k];
       if (!hf.provides(name)) continue;
-      const at::Tensor shard = runtime->shard_of(k, hf.full(name));
+      at::Tensor shard = hf.shard(name, runtime->shard_split(k));  // its rows only, where it can
+      if (!shard.defined()) shard = runtime->shard_of(k, hf.full(name));
       WEFT_CHECK(shard.sizes() == p.sizes(), "Hugging Face weights for '", name, "' have shape ",
                  shard.sizes(), " on this rank; the model needs ", p.sizes());
       runtime->set_parameter(k, shard);
