@@ -274,7 +274,8 @@ struct Trainer::Impl {
     for (size_t t = 0; t < trainable.size(); ++t)
       for (const char* kind : {"exp_avg.", "exp_avg_sq."}) {
         const std::string key = kind + trainable[t].first;
-        WEFT_CHECK(moments.erase(key), dir, ": missing optimizer tensor '", key, "'");
+        const bool present = moments.erase(key) > 0;
+        WEFT_CHECK(present, dir, ": missing optimizer tensor '", key, "'");
       }
     for (auto it = moments.begin(); it != moments.end();)
       it = model().unused(it->substr(it->find('.') + 1)) ? moments.erase(it) : std::next(it);
