@@ -269,6 +269,24 @@ std::vector<Interval> intervals(int64_t extent, const std::vector<int64_t>& segm
   return out;
 }
 
+// The parts of `box` along dim d that fall in each of `segments` (full coordinates to the
+// shard's when to_shard, else back), each as a box in those coordinates: f(box, where it starts
+// along d in `box`).
+template <typename F>
+void each_part(const Box& box, int64_t d, const std::vector<Interval>& segments, bool to_shard,
+               const F& f) {
+  for (const Interval& s : segments) {
+    const int64_t from = to_shard ? s.full : s.local, to = to_shard ? s.local : s.full;
+    const int64_t a = std::max(box.start[d], from);
+    const int64_t b = std::min(box.start[d] + box.len[d], from + s.len);
+    if (a >= b) continue;
+    Box part = box;
+    part.start[d] = to + a - from;
+    part.len[d] = b - a;
+    f(part, a - box.start[d]);
+  }
+}
+
 // [begin, begin + length) of a tensor of `shape`, flattened, as boxes in flat order, each one
 // contiguous (a partial row, whole rows, a partial row, recursively).
 void flat_boxes(const std::vector<int64_t>& shape, size_t d, const Box& prefix, int64_t b,
@@ -464,15 +482,10 @@ struct CheckpointReader::Impl {
   void read_box(const Stored& t, const Box& box, const at::Tensor& dst) {
     const int64_t d = t.dim;
     for (const auto& [rank, pieces] : t.chunks)
-      for (const Interval& s : intervals(t.shape[d], t.segments, rank, t.size)) {
-        const int64_t a = std::max(box.start[d], s.full);
-        const int64_t b = std::min(box.start[d] + box.len[d], s.full + s.len);
-        if (a >= b) continue;
-        Box in_chunk = box;
-        in_chunk.start[d] = s.local + a - s.full;
-        in_chunk.len[d] = b - a;
-        read_chunk_box(t, rank, in_chunk, dst.narrow(d, a - box.start[d], b - a));
-      }
+      each_part(box, d, intervals(t.shape[d], t.segments, rank, t.size), true,
+                [&, r = rank](const Box& in_chunk, int64_t at) {
+                  read_chunk_box(t, r, in_chunk, dst.narrow(d, at, in_chunk.len[d]));
+                });
   }
 };
 
@@ -608,15 +621,10 @@ at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& spl
     const at::Tensor dst = flat.narrow(0, offset, volume).view(box.len);
     offset += volume;
     const std::vector<int64_t> segments = split.size > 1 ? split.segments : std::vector<int64_t>{};
-    for (const Interval& s : intervals(t.shape[d], segments, split.rank, split.size)) {
-      const int64_t a = std::max(box.start[d], s.local);
-      const int64_t b = std::min(box.start[d] + box.len[d], s.local + s.len);
-      if (a >= b) continue;
-      Box whole = box;
-      whole.start[d] = s.full + a - s.local;
-      whole.len[d] = b - a;
-      m.read_box(t, whole, dst.narrow(d, a - box.start[d], b - a));
-    }
+    each_part(box, d, intervals(t.shape[d], segments, split.rank, split.size), false,
+              [&](const Box& whole, int64_t at) {
+                m.read_box(t, whole, dst.narrow(d, at, whole.len[d]));
+              });
   }
   return t.scalar && !ranged ? out.view({}) : out;
 }
