@@ -195,6 +195,15 @@ TEST(Checkpoint, FlatRangesOfAChunkAreJoinedOnLoad) {
   // A chunk written whole twice (a tensor TP replicates, as older checkpoints hold it) loads.
   EXPECT_TRUE(torch::equal(load_checkpoint(save("chunk_twice", {{0, 12}}, 2)).optimizer[0].second,
                            torch::cat({chunk0, chunk1})));
+  // Segments that do not tile the dim, even of a tensor written whole.
+  const fs::path run = fresh("bad_segments");
+  const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+  write_checkpoint_shards(tmp, 0, {{"model/w", torch::zeros({4, 3}), 0, {2}, 0, 1, {}, 0}});
+  const std::string segments = error_of(
+      [&] { load_checkpoint(finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1)); });
+  EXPECT_NE(segments.find("tensor 'model/w': segments [2] do not split 4 entries over 1 chunks"),
+            std::string::npos)
+      << segments;
   const std::string missing = error_of([&] {
     load_checkpoint(save("chunk_missing", {{0, 12}}, 0));
   });
@@ -336,6 +345,30 @@ TEST(CheckpointReader, ReadsOnlyWhatTheShardNeeds) {
   const std::string range = error_of([&] { reader.read("model/w", {0, {}, 0, 2}, 3000, 100); });
   EXPECT_NE(range.find("elements [3000, 3100) are outside its shard of 3072"), std::string::npos)
       << range;
+}
+
+// Damage that leaves a file's header readable but changes its shard layout (here rank 1's file
+// claims chunk 0): the tensors no longer tile, and the error names the damaged file, not the
+// symptom.
+TEST(CheckpointReader, DamagedLayoutIsNamedAsDamage) {
+  const fs::path run = fresh("damaged_layout");
+  const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+  for (int64_t r = 0; r < 2; ++r)
+    write_checkpoint_shards(tmp, static_cast<int>(r),
+                            {{"model/w", torch::full({2, 3}, 1.0f * r), 0, {}, r, 2, {}, 0}});
+  const std::string dir = finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1);
+  const fs::path f = fs::path(dir) / "rank-00001.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(f, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t pos = bytes.find("\\\"rank\\\":1");
+  ASSERT_NE(pos, std::string::npos);
+  bytes[pos + std::string("\\\"rank\\\":").size()] = '0';
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << bytes;
+  const std::string e = error_of([&] { CheckpointReader r(dir); });
+  EXPECT_NE(e.find("rank-00001.safetensors: checksum"), std::string::npos) << e;
 }
 
 }  // namespace

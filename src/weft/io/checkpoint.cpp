@@ -80,7 +80,9 @@ std::string manifest_of(const fs::path& dir) {
 
 // manifest.json's entries: file name -> (bytes, checksum). Every data file must have one, at that
 // size; the checksums are compared when a file is first read (CheckpointReader).
-std::map<std::string, std::pair<uint64_t, std::string>> read_manifest(const fs::path& dir) {
+using Manifest = std::map<std::string, std::pair<uint64_t, std::string>>;
+
+Manifest read_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifestFile;
   // Every checkpoint is written with one: without it nothing proves the files whole.
   WEFT_CHECK(fs::exists(path), path.string(),
@@ -92,7 +94,7 @@ std::map<std::string, std::pair<uint64_t, std::string>> read_manifest(const fs::
              ": not a valid manifest");
   for (const std::string& f : data_files(dir))
     WEFT_CHECK(j["files"].contains(f), path.string(), ": no entry for ", f);
-  std::map<std::string, std::pair<uint64_t, std::string>> out;
+  Manifest out;
   for (const auto& [f, e] : j["files"].items()) {
     WEFT_CHECK(e.is_object(), path.string(), ": bad entry for ", f);
     WEFT_CHECK(fs::exists(dir / f), (dir / f).string(), ": missing (the manifest lists it)");
@@ -416,20 +418,79 @@ struct CheckpointReader::Impl {
                    " has no range for its elements from ", covered, " of ", numel,
                    " (a rank file missing?)");
       }
+      // Segments, whatever the split's size, must tile the dim: reads map through them.
+      const int64_t extent = t.chunk_shape[t.dim] * t.size;
+      int64_t sum = 0;
+      bool even = true;
+      for (int64_t seg : t.segments) {
+        sum += seg;
+        even = even && seg > 0 && seg % t.size == 0;
+      }
+      WEFT_CHECK(t.segments.empty() || (even && sum == extent), dir.string(), ": tensor '", name,
+                 "': segments ", at::IntArrayRef(t.segments), " do not split ", extent,
+                 " entries over ", t.size, " chunks");
       t.shape = t.chunk_shape;
-      if (t.size > 1) {
-        int64_t extent = t.chunk_shape[t.dim] * t.size, sum = 0;
-        bool even = true;
-        for (int64_t seg : t.segments) {
-          sum += seg;
-          even = even && seg > 0 && seg % t.size == 0;
+      t.shape[t.dim] = extent;
+    }
+  }
+
+  // The headers and layouts of every data file of `manifest`, and how they tile each tensor.
+  void open_files(const Manifest& manifest) {
+    for (const std::string& f : data_files(dir)) {
+      const bool whole = f == "model.safetensors" || f == "optimizer.safetensors";
+      if (!whole && f.rfind("rank-", 0) != 0) continue;
+      files.push_back({f, nullptr, manifest.at(f).second, false});
+      const size_t file = files.size() - 1;
+      const std::string path = where(file);
+      files[file].reader = std::make_unique<SafetensorsReader>(path);
+      const SafetensorsReader& r = *files[file].reader;
+      if (whole) {
+        const std::string prefix = f == "model.safetensors" ? "model/" : "optimizer/";
+        for (const std::string& key : r.names())
+          add(prefix + key, file, key, TensorShard{key, {}, 0, {}, 0, 1, {}, 0}, r.shape(key),
+              r.dtype(key));
+        continue;
+      }
+      auto meta = r.metadata().find(kShardsKey);
+      WEFT_CHECK(meta != r.metadata().end(), path, ": no \"", kShardsKey, "\" metadata");
+      const nlohmann::json layout = nlohmann::json::parse(meta->second, nullptr, false);
+      WEFT_CHECK(layout.is_object(), path, ": bad \"", kShardsKey, "\" metadata");
+      for (const std::string& name : r.names()) {
+        WEFT_CHECK(layout.contains(name), path, ": tensor '", name, "' has no shard layout");
+        const nlohmann::json& l = layout[name];
+        TensorShard s{name, {}, 0, {}, 0, 1, {}, 0};
+        try {
+          s.dim = l.at("dim").get<int64_t>();
+          s.segments = l.at("segments").get<std::vector<int64_t>>();
+          s.rank = l.at("rank").get<int64_t>();
+          s.size = l.at("size").get<int64_t>();
+          if (l.contains("shape")) {
+            s.shape = l.at("shape").get<std::vector<int64_t>>();
+            s.begin = l.at("begin").get<int64_t>();
+          }
+        } catch (const nlohmann::json::exception&) {
+          WEFT_FAIL(path, ": tensor '", name, "': bad shard layout ", l.dump());
         }
-        WEFT_CHECK(t.segments.empty() || (even && sum == extent), dir.string(), ": tensor '", name,
-                   "': segments ", at::IntArrayRef(t.segments), " do not split ", extent,
-                   " entries over ", t.size, " chunks");
-        t.shape[t.dim] = extent;
+        const std::vector<int64_t> shape = r.shape(name);
+        const bool range = l.contains("shape");
+        const int64_t chunk_dims = static_cast<int64_t>(range ? s.shape.size() : shape.size());
+        int64_t chunk_numel = 1;  // -1: not a shape
+        for (int64_t d : s.shape)
+          chunk_numel = d < 0 || chunk_numel < 0 || (d > 0 && chunk_numel > (int64_t{1} << 62) / d)
+                            ? -1
+                            : chunk_numel * d;
+        WEFT_CHECK(
+            s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < chunk_dims, path,
+            ": tensor '", name, "': bad shard layout ", l.dump());
+        WEFT_CHECK(!range || (shape.size() == 1 && chunk_numel >= 0 && s.begin >= 0 &&
+                              s.begin + shape[0] <= chunk_numel),
+                   path, ": tensor '", name, "' of shape ", at::IntArrayRef(shape),
+                   ": bad range layout ", l.dump(),
+                   " (expected a flat range inside a chunk of that shape)");
+        add(name, file, name, s, shape, r.dtype(name));
       }
     }
+    finish();
   }
 
   void verify(size_t file) {
@@ -497,65 +558,14 @@ CheckpointReader::CheckpointReader(const std::string& dir, int64_t max_span)
   WEFT_CHECK(fs::exists(m.dir / kStateFile), dir, ": not a complete checkpoint (no ", kStateFile,
              ")");
   const auto manifest = read_manifest(m.dir);
-  for (const std::string& f : data_files(m.dir)) {
-    const bool whole = f == "model.safetensors" || f == "optimizer.safetensors";
-    if (!whole && f.rfind("rank-", 0) != 0) continue;
-    m.files.push_back({f, nullptr, manifest.at(f).second, false});
-    const size_t file = m.files.size() - 1;
-    const std::string path = m.where(file);
-    try {
-      m.files[file].reader = std::make_unique<SafetensorsReader>(path);
-    } catch (const Error&) {
-      m.verify(file);  // a damaged file: say so rather than what the damage broke
-      throw;
-    }
-    const SafetensorsReader& r = *m.files[file].reader;
-    if (whole) {
-      const std::string prefix = f == "model.safetensors" ? "model/" : "optimizer/";
-      for (const std::string& key : r.names())
-        m.add(prefix + key, file, key, TensorShard{key, {}, 0, {}, 0, 1, {}, 0}, r.shape(key),
-              r.dtype(key));
-      continue;
-    }
-    auto meta = r.metadata().find(kShardsKey);
-    WEFT_CHECK(meta != r.metadata().end(), path, ": no \"", kShardsKey, "\" metadata");
-    const nlohmann::json layout = nlohmann::json::parse(meta->second, nullptr, false);
-    WEFT_CHECK(layout.is_object(), path, ": bad \"", kShardsKey, "\" metadata");
-    for (const std::string& name : r.names()) {
-      WEFT_CHECK(layout.contains(name), path, ": tensor '", name, "' has no shard layout");
-      const nlohmann::json& l = layout[name];
-      TensorShard s{name, {}, 0, {}, 0, 1, {}, 0};
-      try {
-        s.dim = l.at("dim").get<int64_t>();
-        s.segments = l.at("segments").get<std::vector<int64_t>>();
-        s.rank = l.at("rank").get<int64_t>();
-        s.size = l.at("size").get<int64_t>();
-        if (l.contains("shape")) {
-          s.shape = l.at("shape").get<std::vector<int64_t>>();
-          s.begin = l.at("begin").get<int64_t>();
-        }
-      } catch (const nlohmann::json::exception&) {
-        WEFT_FAIL(path, ": tensor '", name, "': bad shard layout ", l.dump());
-      }
-      const std::vector<int64_t> shape = r.shape(name);
-      const bool range = l.contains("shape");
-      const int64_t chunk_dims = static_cast<int64_t>(range ? s.shape.size() : shape.size());
-      int64_t chunk_numel = 1;  // -1: not a shape
-      for (int64_t d : s.shape)
-        chunk_numel = d < 0 || chunk_numel < 0 || (d > 0 && chunk_numel > (int64_t{1} << 62) / d)
-                          ? -1
-                          : chunk_numel * d;
-      WEFT_CHECK(s.size >= 1 && s.rank >= 0 && s.rank < s.size && s.dim >= 0 && s.dim < chunk_dims,
-                 path, ": tensor '", name, "': bad shard layout ", l.dump());
-      WEFT_CHECK(!range || (shape.size() == 1 && chunk_numel >= 0 && s.begin >= 0 &&
-                            s.begin + shape[0] <= chunk_numel),
-                 path, ": tensor '", name, "' of shape ", at::IntArrayRef(shape),
-                 ": bad range layout ", l.dump(),
-                 " (expected a flat range inside a chunk of that shape)");
-      m.add(name, file, name, s, shape, r.dtype(name));
-    }
+  // A file that fails to open or to fit the others is named as damaged where its checksum says
+  // so (what the damage broke would mislead), else the error stands.
+  try {
+    m.open_files(manifest);
+  } catch (const Error&) {
+    for (size_t file = 0; file < m.files.size(); ++file) m.verify(file);
+    throw;
   }
-  m.finish();
   WEFT_CHECK(!m.tensors.empty(), dir, ": no model.safetensors or rank files");
   std::ifstream in(m.dir / kStateFile);
   std::stringstream ss;

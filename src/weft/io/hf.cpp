@@ -409,11 +409,21 @@ at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) co
   WEFT_CHECK(it != rules_.end(), "no Hugging Face checkpoint provides parameter ", name);
   const Rule& r = *it->second;
   if (split.size <= 1 || split.dim != 0 || r.dim != 0 || r.select >= 0) return {};
+  // Only a split of exactly these rows into even chunks; anything else (a checkpoint whose rows
+  // differ from the model's) takes the whole tensor's path, which says what does not fit.
+  const std::vector<int64_t> segments =
+      split.segments.empty() ? std::vector<int64_t>{r.shape[0]} : split.segments;
+  int64_t total = 0;
+  for (int64_t seg : segments) {
+    if (seg <= 0 || seg % split.size != 0) return {};
+    total += seg;
+  }
+  if (total != r.shape[0]) return {};
   // The parts stacked along dim 0; the shard's rows of each segment, from the parts they fall in.
   const std::vector<int64_t> sizes = r.sizes.empty() ? std::vector<int64_t>{r.shape[0]} : r.sizes;
   std::vector<at::Tensor> rows;
   int64_t segment = 0, count = 0;
-  for (int64_t seg : split.segments.empty() ? std::vector<int64_t>{r.shape[0]} : split.segments) {
+  for (int64_t seg : segments) {
     const int64_t n = seg / split.size, a = segment + split.rank * n, b = a + n;
     int64_t offset = 0;  // part k's first row
     for (size_t k = 0; k < r.parts.size(); offset += sizes[k], ++k) {
@@ -430,8 +440,6 @@ at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) co
     segment += seg;
     count += n;
   }
-  WEFT_ASSERT(segment == r.shape[0], "HfWeights::shard: segments of ", segment, " rows for '", name,
-              "' of ", r.shape[0]);
   const at::Tensor out = rows.size() == 1 ? rows[0] : torch::cat(rows, 0);
   WEFT_ASSERT(out.size(0) == count, "HfWeights::shard: ", out.size(0), " rows for ", count);
   return out;
