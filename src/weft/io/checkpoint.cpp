@@ -544,8 +544,8 @@ struct CheckpointReader::Impl {
     const int64_t d = t.dim;
     for (const auto& [rank, pieces] : t.chunks)
       each_part(box, d, intervals(t.shape[d], t.segments, rank, t.size), true,
-                [&, r = rank](const Box& in_chunk, int64_t at) {
-                  read_chunk_box(t, r, in_chunk, dst.narrow(d, at, in_chunk.len[d]));
+                [&, r = rank](const Box& in_chunk, int64_t offset) {
+                  read_chunk_box(t, r, in_chunk, dst.narrow(d, offset, in_chunk.len[d]));
                 });
   }
 };
@@ -632,8 +632,8 @@ at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& spl
     offset += volume;
     const std::vector<int64_t> segments = split.size > 1 ? split.segments : std::vector<int64_t>{};
     each_part(box, d, intervals(t.shape[d], segments, split.rank, split.size), false,
-              [&](const Box& whole, int64_t at) {
-                m.read_box(t, whole, dst.narrow(d, at, whole.len[d]));
+              [&](const Box& whole, int64_t offset) {
+                m.read_box(t, whole, dst.narrow(d, offset, whole.len[d]));
               });
   }
   return t.scalar && !ranged ? out.view({}) : out;
