@@ -252,24 +252,7 @@ struct Box {
   std::vector<int64_t> start, len;
 };
 
-// One segment's chunk of a split along its dim: `len` entries at `full` in the whole tensor and
-// at `local` in the shard.
-struct Interval {
-  int64_t full, local, len;
-};
-
-std::vector<Interval> intervals(int64_t extent, const std::vector<int64_t>& segments, int64_t rank,
-                                int64_t size) {
-  std::vector<Interval> out;
-  int64_t full = 0, local = 0;
-  for (int64_t seg : segments.empty() ? std::vector<int64_t>{extent} : segments) {
-    const int64_t n = seg / size;
-    out.push_back({full + rank * n, local, n});
-    full += seg;
-    local += n;
-  }
-  return out;
-}
+using Interval = ShardSplit::Interval;
 
 // The parts of `box` along dim d that fall in each of `segments` (full coordinates to the
 // shard's when to_shard, else back), each as a box in those coordinates: f(box, where it starts
@@ -543,7 +526,7 @@ struct CheckpointReader::Impl {
   void read_box(const Stored& t, const Box& box, const at::Tensor& dst) {
     const int64_t d = t.dim;
     for (const auto& [rank, pieces] : t.chunks)
-      each_part(box, d, intervals(t.shape[d], t.segments, rank, t.size), true,
+      each_part(box, d, ShardSplit{d, t.segments, rank, t.size}.intervals(t.shape[d]), true,
                 [&, r = rank](const Box& in_chunk, int64_t offset) {
                   read_chunk_box(t, r, in_chunk, dst.narrow(d, offset, in_chunk.len[d]));
                 });
@@ -630,13 +613,23 @@ at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& spl
     const int64_t volume = product(box.len);
     const at::Tensor dst = flat.narrow(0, offset, volume).view(box.len);
     offset += volume;
-    const std::vector<int64_t> segments = split.size > 1 ? split.segments : std::vector<int64_t>{};
-    each_part(box, d, intervals(t.shape[d], segments, split.rank, split.size), false,
-              [&](const Box& whole, int64_t offset) {
-                m.read_box(t, whole, dst.narrow(d, offset, whole.len[d]));
-              });
+    each_part(box, d, split.intervals(t.shape[d]), false, [&](const Box& whole, int64_t start) {
+      m.read_box(t, whole, dst.narrow(d, start, whole.len[d]));
+    });
   }
   return t.scalar && !ranged ? out.view({}) : out;
+}
+
+std::vector<ShardSplit::Interval> ShardSplit::intervals(int64_t extent) const {
+  std::vector<Interval> out;
+  int64_t full = 0, local = 0;
+  for (int64_t seg : size > 1 && !segments.empty() ? segments : std::vector<int64_t>{extent}) {
+    const int64_t n = seg / size;
+    out.push_back({full + rank * n, local, n});
+    full += seg;
+    local += n;
+  }
+  return out;
 }
 
 Checkpoint load_checkpoint(const std::string& dir) {

@@ -55,6 +55,14 @@ struct ShardSplit {
   int64_t dim = 0;
   std::vector<int64_t> segments;
   int64_t rank = 0, size = 1;
+
+  // One segment's chunk along `dim`: `len` entries at `full` in the whole tensor and at `local`
+  // in the shard.
+  struct Interval {
+    int64_t full, local, len;
+  };
+  // This rank's chunks of a dim of `extent` entries, segment by segment (size 1: the whole dim).
+  std::vector<Interval> intervals(int64_t extent) const;
 };
 
 using NamedShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;

@@ -411,10 +411,8 @@ at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) co
   if (split.size <= 1 || split.dim != 0 || r.dim != 0 || r.select >= 0) return {};
   // Only a split of exactly these rows into even chunks; anything else (a checkpoint whose rows
   // differ from the model's) takes the whole tensor's path, which says what does not fit.
-  const std::vector<int64_t> segments =
-      split.segments.empty() ? std::vector<int64_t>{r.shape[0]} : split.segments;
   int64_t total = 0;
-  for (int64_t seg : segments) {
+  for (int64_t seg : split.segments.empty() ? std::vector<int64_t>{r.shape[0]} : split.segments) {
     if (seg <= 0 || seg % split.size != 0) return {};
     total += seg;
   }
@@ -422,9 +420,9 @@ at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) co
   // The parts stacked along dim 0; the shard's rows of each segment, from the parts they fall in.
   const std::vector<int64_t> sizes = r.sizes.empty() ? std::vector<int64_t>{r.shape[0]} : r.sizes;
   std::vector<at::Tensor> rows;
-  int64_t segment = 0, count = 0;
-  for (int64_t seg : segments) {
-    const int64_t n = seg / split.size, a = segment + split.rank * n, b = a + n;
+  int64_t count = 0;
+  for (const ShardSplit::Interval& chunk : split.intervals(r.shape[0])) {
+    const int64_t a = chunk.full, b = a + chunk.len;
     int64_t offset = 0;  // part k's first row
     for (size_t k = 0; k < r.parts.size(); offset += sizes[k], ++k) {
       const int64_t lo = std::max(a, offset), hi = std::min(b, offset + sizes[k]);
@@ -437,8 +435,7 @@ at::Tensor HfWeights::shard(const std::string& name, const ShardSplit& split) co
         rows.push_back(r.ckpt->read_rows(r.parts[k], lo - offset, hi - lo));
       }
     }
-    segment += seg;
-    count += n;
+    count += chunk.len;
   }
   const at::Tensor out = rows.size() == 1 ? rows[0] : torch::cat(rows, 0);
   WEFT_ASSERT(out.size(0) == count, "HfWeights::shard: ", out.size(0), " rows for ", count);
