@@ -198,8 +198,10 @@ TEST(Cuda, SumOfSquaresOfDeviceTensors) {
 // outputs and dq, dk, dv. 4 query heads over 2 K/V heads, head dim 64, blocks of 64 queries over
 // 200 positions (the last block 8); row 0 one document with two images, row 1 a second document
 // from 64, so its queries see none of the masked tile of keys 0-64 beside their unmasked and
-// causal tiles; the last block's masked tile is 8 keys wide. The same tiles through the fp32
-// reference kernels too.
+// causal tiles; the last block's masked tile is 8 keys wide. In bf16 flash attention takes the
+// third block's unmasked and causal tiles as one causal tile of keys 64-192 (lower-right aligned,
+// join_causal_tiles); fp32's memory-efficient kernel takes them apart. The same tiles through
+// the fp32 reference kernels too.
 TEST(CudaAttention, TilesMatchOneAttention) {
   const int64_t B = 2, H = 4, KV = 2, S = 200, D = 64;
   at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);

@@ -265,6 +265,32 @@ TEST(ChunkedAttention, ASecondBackwardGivesTheSameGradients) {
   EXPECT_TRUE(torch::allclose(q.grad(), first, 1e-6, 1e-6));
 }
 
+// Long causal tiles (join_causal_tiles) in the fp32 reference give softmax attention; a
+// kernel that aligns is_causal to the upper left (LibTorch's CPU flash attention) refuses them
+// rather than computing another mask.
+TEST(ChunkedAttention, LongCausalTilesOnlyWhereTheKernelTakesThem) {
+  const int64_t S = 48;
+  at::Tensor doc = torch::zeros({2, S}, torch::kInt), item = torch::full({2, S}, -1, torch::kInt);
+  item.narrow(1, 3, 9).fill_(0);
+  doc[1].narrow(0, 40, 8).fill_(1);
+  const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 8, /*most=*/1.0);
+  const std::vector<AttentionChunk> joined = join_causal_tiles(chunks);
+  ASSERT_LT(joined.size(), chunks.size());
+  const at::Tensor masks = compat::attention_mask(visible_mask(doc, item), at::kFloat);
+  torch::manual_seed(3);
+  const at::Tensor q = torch::randn({2, 4, S, 8}), k = torch::randn({2, 2, S, 8});
+  const at::Tensor v = torch::randn({2, 2, S, 8});
+  auto run = [&](const std::vector<AttentionChunk>& c, TileKernels kernels) {
+    return chunked_attention(q, k, v, c, chunk_masks(masks, c, at::kFloat), 0.4, kernels);
+  };
+  const at::Tensor want = reference(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble),
+                                    visible_mask(doc, item), 0.4);
+  EXPECT_LT(rel_diff(run(joined, TileKernels::kMath), want), 1e-5);
+#if WEFT_TORCH_AT_LEAST(2, 3)
+  EXPECT_THROW(run(joined, TileKernels::kFastest), c10::Error);
+#endif
+}
+
 TEST(BlockedAttention, RejectsAMaskOfAnotherShape) {
   at::Tensor q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 1, 6, 8});
   at::Tensor bad = torch::ones({1, 1, 4, 5}, torch::kBool);

@@ -282,5 +282,28 @@ TEST(AttentionChunks, SkipWhatTheMaskHides) {
   EXPECT_TRUE(attention_chunks(doc, item, 16).empty());
 }
 
+// For kernels that take long causal tiles: a block's unmasked keys before its diagonal join the
+// diagonal, and blocks of one causal tile from the same key join, so a causal row is one block;
+// blocks with a masked tile stay as they were (their masks are made per block); a second
+// document's blocks join among themselves.
+TEST(AttentionChunks, JoinCausalTiles) {
+  const int64_t S = 64;
+  at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
+  auto joined = [&] { return describe(join_causal_tiles(attention_chunks(doc, item, 16))); };
+  EXPECT_EQ(joined(), "0-64C | ");
+  const std::vector<AttentionChunk> one = join_causal_tiles(attention_chunks(doc, item, 16));
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].q_begin, 0);
+  EXPECT_EQ(one[0].q_end, S);
+  item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
+  EXPECT_EQ(joined(), "0-16C | 0-16A 16-48M | 0-32A 32-48M | 0-64C | ");
+  item.narrow(1, 20, 20).fill_(-1);
+  item.narrow(1, 2, 12).fill_(0);  // an image inside the first block: the rest is one block
+  EXPECT_EQ(joined(), "0-16M | 0-64C | ");
+  item.fill_(-1);
+  doc.narrow(1, 32, 32).fill_(1);  // a second document from 32
+  EXPECT_EQ(joined(), "0-32C | 32-64C | ");
+}
+
 }  // namespace
 }  // namespace weft::model

@@ -58,6 +58,14 @@ Kernel kernel_for(const at::Tensor& q, TileKind kind, TileKernels kernels) {
   return kernel_for(q.device(), q.scalar_type(), q.size(3), kind, kernels);
 }
 
+// Whether the kernel takes a causal tile longer than its queries (lower-right aligned: query i of
+// n sees keys up to i + nk - n). CUDA's flash attention does (FlashAttention-2's is_causal, as
+// PyTorch's causal_lower_right uses it); LibTorch's CPU flash and CUDA memory-efficient kernels
+// align is_causal to the upper left.
+bool lower_right_causal(Kernel kernel) {
+  return kernel == Kernel::kMath || kernel == Kernel::kCudaFlash;
+}
+
 // CUDA's flash attention maps query head h to K/V head h / (H / KV) itself (forward and
 // backward, whose dk / dv come back per K/V head); the other kernels take K/V expanded to H heads.
 bool takes_kv_heads(Kernel kernel) { return kernel == Kernel::kCudaFlash; }
@@ -99,15 +107,17 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 at::Tensor math_scores(const at::Tensor& q, const at::Tensor& k, bool causal,
                        const at::Tensor& bias, double scale) {
   at::Tensor s = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)).mul_(scale);
-  if (causal)
-    s.masked_fill_(at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu_(1),
-                   -kInf);
+  const int64_t nq = s.size(-2), nk = s.size(-1);
+  if (causal)  // lower-right aligned
+    s.masked_fill_(at::ones({nq, nk}, s.options().dtype(at::kBool)).triu_(1 + nk - nq), -kInf);
   if (bias.defined()) s.add_(bias.to(at::kFloat));
   return s;
 }
 
 TileOut tile_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      bool causal, const at::Tensor& bias, double scale) {
+  WEFT_ASSERT(!causal || q.size(2) == k.size(2) || lower_right_causal(kernel),
+              "chunked_attention: a causal tile longer than its block for a kernel without one");
   switch (kernel) {
     case Kernel::kMath: {
       const at::Tensor s = math_scores(q, k, causal, bias, scale);
@@ -379,8 +389,8 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
       WEFT_ASSERT(t.k_begin >= k_next && t.k_begin < t.k_end && t.k_end <= k.size(2),
                   "chunked_attention: tiles must be ranges of keys in order, apart");
       k_next = t.k_end;
-      WEFT_ASSERT(t.kind != TileKind::kCausal || (t.k_begin == c.q_begin && t.k_end == c.q_end),
-                  "chunked_attention: a causal tile must be the block's diagonal");
+      WEFT_ASSERT(t.kind != TileKind::kCausal || (t.k_begin <= c.q_begin && t.k_end == c.q_end),
+                  "chunked_attention: a causal tile must end with its block's diagonal");
       masked += t.kind == TileKind::kMasked;
     }
   }
@@ -392,7 +402,10 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
   WEFT_ASSERT(q.size(1) % k.size(1) == 0, "chunked_attention: ", q.size(1), " query heads over ",
               k.size(1), " K/V heads");
   auto tiles = c10::make_intrusive<Tiles>();
-  tiles->chunks = chunks;
+  // Fewer, larger tiles where the kernels of unmasked and causal tiles take long causal ones.
+  const bool joins = lower_right_causal(kernel_for(q, TileKind::kCausal, kernels)) &&
+                     lower_right_causal(kernel_for(q, TileKind::kAll, kernels));
+  tiles->chunks = joins ? join_causal_tiles(chunks) : chunks;
   tiles->masks = masks;
   tiles->kernels = kernels;
   tiles->scale = scale;

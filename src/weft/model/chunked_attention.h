@@ -4,8 +4,12 @@
 // a mask computes every score and reads the mask; here the keys before a block take an unmasked
 // kernel, the diagonal a causal one that skips its upper half, and only the tiles where an image
 // (bidirectional) or a document boundary cuts through take the mask: half the scores of the
-// square, most of them without a mask. Used from LibTorch 2.3 on (LibTorch 1.13's own path,
-// blocked_attention, skips hidden key blocks itself).
+// square, most of them without a mask. Where the kernel takes causal tiles longer than their
+// queries (CUDA's flash attention, and the fp32 reference), the tiles are joined first
+// (join_causal_tiles): a block's unmasked keys and its diagonal become one causal call, and the
+// blocks past the masked ones one block, so under a causal mask with an image near the start
+// attention is two calls with nothing to merge. Used from LibTorch 2.3 on (LibTorch 1.13's own
+// path, blocked_attention, skips hidden key blocks itself).
 //
 // Kernels per tile, by device, within LibTorch's own limits for them: on CUDA, flash attention for
 // unmasked and causal tiles (bf16 / fp16 from sm80, head dim a multiple of 8 up to 192, 256 on

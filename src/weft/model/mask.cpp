@@ -92,6 +92,43 @@ std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc_in, const at:
   return chunks;
 }
 
+std::vector<AttentionChunk> join_causal_tiles(const std::vector<AttentionChunk>& chunks) {
+  std::vector<AttentionChunk> out;
+  for (AttentionChunk c : chunks) {
+    std::vector<AttentionTile>& t = c.tiles;
+    const size_t n = t.size();
+    if (n >= 2 && t[n - 1].kind == TileKind::kCausal && t[n - 2].kind == TileKind::kAll &&
+        t[n - 2].k_end == t[n - 1].k_begin) {
+      t[n - 2] = {t[n - 2].k_begin, t[n - 1].k_end, TileKind::kCausal};
+      t.pop_back();
+    }
+    auto unmasked = [](const AttentionChunk& x) {
+      for (const AttentionTile& tile : x.tiles)
+        if (tile.kind == TileKind::kMasked) return false;
+      return true;
+    };
+    auto same_but_causal_end = [](const AttentionChunk& a, const AttentionChunk& b) {
+      if (a.tiles.size() != b.tiles.size() || a.tiles.back().kind != TileKind::kCausal ||
+          b.tiles.back().kind != TileKind::kCausal ||
+          a.tiles.back().k_begin != b.tiles.back().k_begin)
+        return false;
+      for (size_t i = 0; i + 1 < a.tiles.size(); ++i)
+        if (a.tiles[i].k_begin != b.tiles[i].k_begin || a.tiles[i].k_end != b.tiles[i].k_end ||
+            a.tiles[i].kind != b.tiles[i].kind)
+          return false;
+      return true;
+    };
+    if (!out.empty() && out.back().q_end == c.q_begin && unmasked(out.back()) && unmasked(c) &&
+        same_but_causal_end(out.back(), c)) {
+      out.back().q_end = c.q_end;
+      out.back().tiles.back().k_end = c.q_end;
+      continue;
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 std::string describe(const std::vector<AttentionChunk>& chunks) {
   std::string out;
   for (const AttentionChunk& c : chunks) {

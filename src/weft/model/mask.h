@@ -15,8 +15,10 @@ namespace weft::model {
 at::Tensor visible_mask(const at::Tensor& doc, const at::Tensor& item);
 
 // How a tile of the score matrix (a block of queries against a range of keys) is seen, in every
-// row of the batch: every key by every query; the causal triangle of a square tile on the
-// diagonal (query i sees keys <= i); or some other pattern, which needs the mask.
+// row of the batch: every key by every query; causally (query i sees the tile's keys up to i: the
+// tile ends where its block ends, so its triangle is aligned to the lower right; attention_chunks
+// makes square ones on the diagonal, join_causal_tiles longer ones); or some other pattern, which
+// needs the mask.
 enum class TileKind : uint8_t { kAll, kCausal, kMasked };
 
 struct AttentionTile {
@@ -39,6 +41,14 @@ struct AttentionChunk {
 // tile per block plus one unmasked tile of the keys before it: half the square, no mask.
 std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc, const at::Tensor& item,
                                              int64_t chunk, double most = 0.8);
+
+// The same attention in fewer, larger tiles, for kernels whose causal tiles may be longer than
+// their block (lower-right aligned, as CUDA's flash attention takes is_causal): in each block an
+// unmasked run of keys that ends where its causal diagonal begins joins the diagonal (query i
+// sees keys [k, i]: one causal tile from k), and consecutive blocks without masked tiles whose
+// tiles are the same but for a causal tile from the same key join into one block. Under a causal
+// mask every block past the masked ones becomes one: one kernel call, no log-sum-exp merge.
+std::vector<AttentionChunk> join_causal_tiles(const std::vector<AttentionChunk>& chunks);
 
 // The chunks as text: per block, each tile's keys and kind (A unmasked, C causal, M masked),
 // blocks ended by "| ": "0-16C | 0-16A 16-32C | ".
