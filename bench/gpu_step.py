@@ -3,7 +3,8 @@
 
     python3 bench/gpu_step.py [--build build-cuda] [--config configs/gpu-1b-vlm.toml]
                               [--steps 10] [--warmup 3] [--device cuda] [--set K=V]...
-                              [--ablate K=V[,K=V]]... [--no-ablate] [--write]
+                              [--ablate K=V[,K=V]]... [--no-ablate]
+                              [--compare K=V[,K=V]]... [--no-compare] [--write]
 
 Run it with the Python whose torch (2.x, CUDA) weft was built against (scripts/gpu build): the
 eager reference runs under the same interpreter (sys.executable). It runs, one after another:
@@ -21,7 +22,10 @@ is reported there). By default: `model.llm.attention_chunk=0` (attention as one 
 the mask instead of tiles); `train.batch=32,train.microbatches=4` (4 microbatches of weft's
 batch per optimizer step, as training with gradient accumulation runs: the optimizer's and the
 casts' cost spread over 4x the tokens); and the same with `train.cast_once=false` (each
-parameter cast at every use instead of once per step). It
+parameter cast at every use instead of once per step). Then weft and eager again, side by side on
+their own dump, for each comparison (--compare K=V[,K=V...], repeatable; by default
+`train.batch=32,train.microbatches=4`: the eager reference accumulates gradients over the same
+microbatches). Each comparison
 checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
 table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
 own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and
@@ -47,6 +51,9 @@ TOLERANCE = 2e-2  # relative loss difference allowed in bf16 (bench/step.py's)
 # Dense bf16 datasheet peaks (FLOP/s), the MFU denominator the field uses (../REFERENCES: H100 and
 # H200 SXM 989 TFLOP/s); other devices: weft's measured matmul peak.
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}
+# Further weft-vs-eager comparisons, each on its own dump: gradient accumulation, as a 1B model
+# trains (4 microbatches of the config's batch per optimizer step).
+DEFAULT_COMPARES = ["train.batch=32,train.microbatches=4"]
 DEFAULT_ABLATIONS = ["model.llm.attention_chunk=0",
                      "train.batch=32,train.microbatches=4",
                      "train.batch=32,train.microbatches=4,train.cast_once=false"]
@@ -88,6 +95,10 @@ def mib(b):
     return b / 2**20
 
 
+def ratio(a, b):
+    return f"{a / b:.2f}x" if b else "-"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default="build-cuda", help="weft's build directory")
@@ -107,6 +118,10 @@ def main():
                     help="also time weft with these overrides, one run, in the same run as the "
                     "rest (repeatable; default: " + "; ".join(DEFAULT_ABLATIONS) + ")")
     ap.add_argument("--no-ablate", action="store_true", help="no ablation runs")
+    ap.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also compare weft with the eager reference under these overrides, "
+                    "both on one dump (repeatable; default: " + "; ".join(DEFAULT_COMPARES) + ")")
+    ap.add_argument("--no-compare", action="store_true", help="no further comparisons")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
     build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
@@ -119,6 +134,7 @@ def main():
                  "weft's measured matmul peak on the " + ("device" if cuda else "CPU"))
 
     ablations = [] if args.no_ablate else (args.ablate or DEFAULT_ABLATIONS)
+    compares = [] if args.no_compare else (args.compare or DEFAULT_COMPARES)
 
     def weft(extra, dump=None, peak=peak_flops):
         return run_json([os.path.join(build, "weft"), "bench", "step", args.config,
@@ -128,14 +144,52 @@ def main():
                         + [a for kv in args.set + extra for a in ("--set", kv)]
                         + (["--peak-flops", str(peak)] if peak else []))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dump = os.path.join(tmp, "dump")
-        w = weft([], dump)
-        e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"), dump,
-                      "--device", args.device])
-        with open(os.path.join(dump, "bench.json")) as f:
-            bench = json.load(f)
-    check_losses(w, e, f"{args.config} weft vs eager")
+    def device_peak(r):
+        return r.get("device_peak_bytes", r["step_peak_bytes"]) if cuda else r["step_peak_bytes"]
+
+    def compare(extra):
+        """weft and the eager reference on one dump: (weft's json, eager's, its table lines)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            dump = os.path.join(tmp, "dump")
+            w = weft(extra, dump)
+            e = run_json([sys.executable, os.path.join(ROOT, "bench", "eager_reference.py"),
+                          dump, "--device", args.device])
+            with open(os.path.join(dump, "bench.json")) as f:
+                bench = json.load(f)
+        overrides = args.set + extra
+        check_losses(w, e, f"{args.config} {' '.join(overrides)} weft vs eager")
+        # Eager MFU with weft's FLOPs per step and weft's peak (the dump's bench.json).
+        timed = bench["step"][bench["warmup"]:]
+        flops, peak = sum(s["flops"] for s in timed), bench["peak_flops"]
+        eager_s = sum(e["step_seconds"])
+        eager_mfu = flops / eager_s / peak if eager_s > 0 and peak > 0 else 0.0
+        w_mem, e_mem = device_peak(w), e["step_peak_bytes"]  # eager's: the device's with cuda
+        ws, es = w["median_step_seconds"], e["median_step_seconds"]
+        lines = [
+            f"**{name}** — {w['params'] / 1e6:.1f}M parameters ({w['trainable_params'] / 1e6:.1f}M "
+            f"trainable), batch {w['batch']}"
+            + (f" in {w['microbatches']} microbatches" if w.get("microbatches", 1) > 1 else "")
+            + f", {w['tokens_per_step']:.0f} tokens/step, {w['precision']}, on "
+            f"{w.get('device', args.device)}, {args.warmup} warmup + {args.steps} timed steps"
+            + (", with " + ", ".join(f"`{kv}`" for kv in overrides) if overrides else ""),
+            "",
+            "| implementation | step s (median) | tokens/s | MFU | peak memory MiB |",
+            "|---|---|---|---|---|",
+            f"| weft | {ws:.3f} | {w['tokens_per_second']:.0f} | {100 * w['mfu']:.1f}% | "
+            f"{mib(w_mem):.0f} |",
+            f"| PyTorch eager (HF-style full-logit loss) | {es:.3f} | "
+            f"{e['tokens_per_second']:.0f} | {100 * eager_mfu:.1f}% | {mib(e_mem):.0f} |",
+            f"| eager / weft | {ratio(es, ws)} | {ratio(e['tokens_per_second'], w['tokens_per_second'])} | "
+            f"{ratio(eager_mfu, w['mfu'])} | {ratio(e_mem, w_mem)} |",
+            "",
+            f"speed-up of weft (eager step time / weft step time): **{ratio(es, ws)}**; "
+            f"memory eager/weft: {ratio(e_mem, w_mem)}",
+            "",
+        ]
+        return w, e, lines
+
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    w, e, table = compare([])
     # Ablations: MFU against weft's own denominator; an override that changes the computation
     # (its losses differ from weft's) is reported in its row, not an error.
     ablated = []
@@ -143,62 +197,28 @@ def main():
         a = weft(kv.split(","), peak=w["peak_flops"])
         ablated.append((kv, a, loss_mismatch(a, w) if a["tokens_per_step"] == w["tokens_per_step"]
                             else None))
-
-    # Eager MFU with weft's FLOPs per step and weft's peak (the dump's bench.json).
-    timed = bench["step"][bench["warmup"]:]
-    flops, peak = sum(s["flops"] for s in timed), bench["peak_flops"]
-    eager_s = sum(e["step_seconds"])
-    eager_mfu = flops / eager_s / peak if eager_s > 0 and peak > 0 else 0.0
-    w_mem = w.get("device_peak_bytes", w["step_peak_bytes"]) if cuda else w["step_peak_bytes"]
-    e_mem = e["step_peak_bytes"]  # eager_reference: the device peak with --device cuda
-
-    rows = [("weft", w["median_step_seconds"], w["tokens_per_second"], w["mfu"], w_mem),
-            ("PyTorch eager (HF-style full-logit loss)", e["median_step_seconds"],
-             e["tokens_per_second"], eager_mfu, e_mem)]
-    ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
-    (_, ws, wt, wm, wb), (_, es, et, em, eb) = rows
-    device = e.get("device_name", results_md.machine()) if cuda else results_md.machine()
-    name = os.path.splitext(os.path.basename(args.config))[0]
-    memory = ("device memory, peak allocated over the steps" if cuda else
-              "process peak RSS over the steps minus RSS before the model")
-    attention = e.get("attention", "eager")
-    table = [
-        f"**{name}** — {w['params'] / 1e6:.1f}M parameters ({w['trainable_params'] / 1e6:.1f}M "
-        f"trainable), batch {w['batch']}, {w['tokens_per_step']:.0f} tokens/step, "
-        f"{w['precision']}, on {w.get('device', args.device)}, {args.warmup} warmup + {args.steps} timed steps"
-        + (", with " + ", ".join(f"`{kv}`" for kv in args.set) if args.set else ""),
-        "",
-        "| implementation | step s (median) | tokens/s | MFU | peak memory MiB |",
-        "|---|---|---|---|---|",
-    ]
-    for label, s, t, m, b in rows:
-        table.append(f"| {label} | {s:.3f} | {t:.0f} | {100 * m:.1f}% | {mib(b):.0f} |")
-    table += [
-        f"| eager / weft | {ratio(es, ws)} | {ratio(et, wt)} | {ratio(em, wm)} | "
-        f"{ratio(eb, wb)} |",
-        "",
-    ]
+    ws = w["median_step_seconds"]
     if ablated:
         table += ["| weft with | step s (median) | step / weft's | tokens/s | MFU | "
                   "peak memory MiB | losses |",
                   "|---|---|---|---|---|---|---|"]
         for kv, a, why in ablated:
-            a_mem = (a.get("device_peak_bytes", a["step_peak_bytes"]) if cuda
-                     else a["step_peak_bytes"])
             losses = (f"another batch ({a['batch']} rows, {a['tokens_per_step']:.0f} tokens/step)"
                       if a["tokens_per_step"] != w["tokens_per_step"] else
                       f"differ: {why}" if why else "same as weft's")
             table.append(f"| `{kv}` | {a['median_step_seconds']:.3f} | "
                          f"{ratio(a['median_step_seconds'], ws)} | "
                          f"{a['tokens_per_second']:.0f} | {100 * a['mfu']:.1f}% | "
-                         f"{mib(a_mem):.0f} | {losses} |")
+                         f"{mib(device_peak(a)):.0f} | {losses} |")
         table.append("")
-    table += [
-        f"speed-up of weft (eager step time / weft step time): **{ratio(es, ws)}**; "
-        f"memory eager/weft: {ratio(eb, wb)}",
-        "",
-    ]
+    for kv in compares:
+        table += compare(kv.split(","))[2]
     print("\n".join(table), flush=True)
+    device = e.get("device_name", results_md.machine()) if cuda else results_md.machine()
+    memory = ("device memory, peak allocated over the steps" if cuda else
+              "process peak RSS over the steps minus RSS before the model")
+    attention = e.get("attention", "eager")
+    peak = w["peak_flops"]
 
     if args.write:
         repro = "python3 bench/gpu_step.py --write"
@@ -211,6 +231,8 @@ def main():
         repro += "".join(f" --set {shlex.quote(kv)}" for kv in args.set)
         repro += (" --no-ablate" if args.no_ablate else
                   "".join(f" --ablate {shlex.quote(kv)}" for kv in args.ablate))
+        repro += (" --no-compare" if args.no_compare else
+                  "".join(f" --compare {shlex.quote(kv)}" for kv in args.compare))
         lines = [BEGIN, "## Training step on one GPU: weft vs PyTorch eager", "",
                  f"Device: {device}; PyTorch (Python) {e['torch']} ({attention} attention), "
                  f"weft built against LibTorch {w['torch']}. Host: {results_md.machine()}. "
