@@ -195,13 +195,14 @@ TEST(Cuda, SumOfSquaresOfDeviceTensors) {
 // Attention in tiles on the GPU (model::chunked_attention: flash attention for unmasked and
 // causal tiles in bf16, with grouped K/V heads as they are; memory-efficient attention with the
 // mask's bias for masked tiles and for fp32) against softmax attention in double on the CPU:
-// outputs and dq, dk, dv. 4 query heads over 2 K/V heads, head dim 64, blocks of 64 queries over
-// 200 positions (the last block 8); row 0 one document with two images, row 1 a second document
-// from 64, so its queries see none of the masked tile of keys 0-64 beside their unmasked and
-// causal tiles; the last block's masked tile is 8 keys wide. In bf16 flash attention takes the
-// third block's unmasked and causal tiles as one causal tile of keys 64-192 (lower-right aligned,
-// join_causal_tiles); fp32's memory-efficient kernel takes them apart. The same tiles through
-// the fp32 reference kernels too.
+// outputs and dq, dk, dv. 4 query heads over 2 K/V heads, head dim 64, 200 positions, blocks of
+// at most 64 queries where the rows differ; row 0 one document with two images, row 1 a second
+// document from 64, so its queries see none of the masked tiles of keys 0-64 beside their
+// unmasked and causal tiles; the first 20 queries and queries 29-64 are causal in both rows
+// (blocks of their own); the last block's masked tile is 8 keys wide. In bf16 flash attention
+// takes the causal tiles after unmasked ones as one causal tile (lower-right aligned,
+// join_causal_tiles: keys 0-64 for 35 queries, 64-192 for 64); fp32's memory-efficient kernel
+// takes them apart. The same tiles through the fp32 reference kernels too.
 TEST(CudaAttention, TilesMatchOneAttention) {
   const int64_t B = 2, H = 4, KV = 2, S = 200, D = 64;
   at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
@@ -211,7 +212,11 @@ TEST(CudaAttention, TilesMatchOneAttention) {
   const std::vector<model::AttentionChunk> chunks =
       model::attention_chunks(doc, item, 64, /*most=*/1.0);
   ASSERT_EQ(model::describe(chunks),
-            "0-64M | 0-64M 64-128C | 0-64M 64-128A 128-192C | 0-64M 64-192A 192-200M | ");
+            "0-20C | 0-20A 20-64M | 0-29A 29-64C | 0-64M 64-128C | 0-64M 64-128A 128-192C | "
+            "0-64M 64-192A 192-200M | ");
+  ASSERT_EQ(model::describe(model::join_causal_tiles(chunks)),
+            "0-20C | 0-20A 20-64M | 0-64C | 0-64M 64-128C | 0-64M 64-192C | "
+            "0-64M 64-192A 192-200M | ");
   const at::Tensor visible = model::visible_mask(doc, item).to(kGpu);
   torch::manual_seed(5);
   const at::Tensor q0 = torch::randn({B, H, S, D}), k0 = torch::randn({B, KV, S, D});

@@ -209,20 +209,32 @@ std::pair<at::Tensor, at::Tensor> random_rows(int64_t B, int64_t S, uint64_t see
 
 // Chunks partition the queries; a key in no tile is hidden from all of the block's queries in
 // every row, an unmasked tile's keys are seen by all of them, a causal tile is exactly the
-// triangle; tiles are in key order, one call per run of a kind. On random packed rows.
+// triangle; tiles are in key order, one call per run of a kind; blocks with masked tiles hold
+// at most `chunk` queries (8 or 16). On random packed rows, and (every second seed) on rows all
+// laid out as the first, where blocks of one pattern run longer (half of those with row 1's items
+// removed: its image tokens see causally where the others see the whole image).
 TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
   const int64_t B = 3, S = 96;
-  int64_t kinds[3] = {0, 0, 0};
-  for (uint64_t seed = 1; seed <= 20; ++seed) {
-    const auto [doc, item] = random_rows(B, S, seed);
-    const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, 16, /*most=*/1.0);
-    ASSERT_EQ(chunks.size(), 6u) << seed;
+  int64_t kinds[3] = {0, 0, 0}, long_blocks = 0;
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    auto [doc, item] = random_rows(B, S, seed);
+    if (seed % 2 == 0) {
+      doc = doc[0].unsqueeze(0).repeat({B, 1});
+      item = item[0].unsqueeze(0).repeat({B, 1});
+      if (seed % 4 == 0) item[1].fill_(-1);  // row 1 the same documents, without items
+    }
+    const int64_t chunk = seed % 3 == 0 ? 8 : 16;
+    const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, chunk, /*most=*/1.0);
     auto D = doc.accessor<int32_t, 2>();
     auto I = item.accessor<int32_t, 2>();
     int64_t next = 0;
     for (const AttentionChunk& c : chunks) {
       EXPECT_EQ(c.q_begin, next);
       next = c.q_end;
+      bool masked = false;
+      for (const AttentionTile& t : c.tiles) masked = masked || t.kind == TileKind::kMasked;
+      if (masked) EXPECT_LE(c.q_end - c.q_begin, chunk);
+      long_blocks += c.q_end - c.q_begin > 16;
       int64_t k_next = 0;
       for (size_t i = 0; i < c.tiles.size(); ++i) {
         const AttentionTile& t = c.tiles[i];
@@ -256,6 +268,7 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
     EXPECT_EQ(next, S);
   }
   for (int kind = 0; kind < 3; ++kind) EXPECT_GT(kinds[kind], 0) << kind;  // every kind met
+  EXPECT_GT(long_blocks, 0);
 }
 
 // A causal row: each block is its causal diagonal after one unmasked tile of the keys before it;
@@ -265,16 +278,21 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
 TEST(AttentionChunks, SkipWhatTheMaskHides) {
   const int64_t S = 64;
   at::Tensor doc = torch::zeros({1, S}, torch::kInt), item = torch::full({1, S}, -1, torch::kInt);
-  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
-            "0-16C | 0-16A 16-32C | 0-32A 32-48C | 0-48A 48-64C | ");
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)), "0-64C | ");
   EXPECT_EQ(describe(attention_chunks(doc, item, 64)), "0-64C | ");
   item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
-  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
-            "0-16C | 0-16A 16-48M | 0-32A 32-48M | 0-48A 48-64C | ");
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)), "0-20C | 0-40A | 0-39A 39-64C | ");
+  {  // the image at [20, 40) in one row, [24, 44) in the other: blocks of 16 with masks there
+    at::Tensor doc2 = torch::zeros({2, S}, torch::kInt);
+    at::Tensor item2 = torch::full({2, S}, -1, torch::kInt);
+    item2[0].narrow(0, 20, 20).fill_(0);
+    item2[1].narrow(0, 24, 20).fill_(0);
+    EXPECT_EQ(describe(attention_chunks(doc2, item2, 16)),
+              "0-20C | 0-20A 20-48M | 0-36A 36-48M | 0-43A 43-64C | ");
+  }
   item.fill_(-1);
   doc.narrow(1, 32, 32).fill_(1);  // a second document from 32
-  EXPECT_EQ(describe(attention_chunks(doc, item, 16)),
-            "0-16C | 0-16A 16-32C | 32-48C | 32-48A 48-64C | ");
+  EXPECT_EQ(describe(attention_chunks(doc, item, 16)), "0-32C | 32-64C | ");
   doc.narrow(1, 48, 8).fill_(0);  // document 0 resumed after document 1
   EXPECT_TRUE(attention_chunks(doc, item, 16).empty());
   item.fill_(0);
@@ -296,7 +314,7 @@ TEST(AttentionChunks, JoinCausalTiles) {
   EXPECT_EQ(one[0].q_begin, 0);
   EXPECT_EQ(one[0].q_end, S);
   item.narrow(1, 20, 20).fill_(0);  // an image at [20, 40)
-  EXPECT_EQ(joined(), "0-16C | 0-16A 16-48M | 0-32A 32-48M | 0-64C | ");
+  EXPECT_EQ(joined(), "0-20C | 0-40A | 0-64C | ");
   item.narrow(1, 20, 20).fill_(-1);
   item.narrow(1, 2, 12).fill_(0);  // an image inside the first block: the rest is one block
   EXPECT_EQ(joined(), "0-16M | 0-64C | ");

@@ -116,8 +116,6 @@ at::Tensor math_scores(const at::Tensor& q, const at::Tensor& k, bool causal,
 
 TileOut tile_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      bool causal, const at::Tensor& bias, double scale) {
-  WEFT_ASSERT(!causal || q.size(2) == k.size(2) || lower_right_causal(kernel),
-              "chunked_attention: a causal tile longer than its block for a kernel without one");
   switch (kernel) {
     case Kernel::kMath: {
       const at::Tensor s = math_scores(q, k, causal, bias, scale);
@@ -380,6 +378,7 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
   WEFT_ASSERT(!chunks.empty(), "chunked_attention: no chunks");
   int64_t next = 0;  // the blocks tile the queries in order
   size_t masked = 0;
+  const bool long_causal = lower_right_causal(kernel_for(q, TileKind::kCausal, kernels));
   for (const AttentionChunk& c : chunks) {
     WEFT_ASSERT(c.q_begin == next && c.q_end > c.q_begin && !c.tiles.empty(),
                 "chunked_attention: blocks must tile the queries in order");
@@ -391,6 +390,9 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
       k_next = t.k_end;
       WEFT_ASSERT(t.kind != TileKind::kCausal || (t.k_begin <= c.q_begin && t.k_end == c.q_end),
                   "chunked_attention: a causal tile must end with its block's diagonal");
+      WEFT_ASSERT(t.kind != TileKind::kCausal || t.k_begin == c.q_begin || long_causal,
+                  "chunked_attention: a causal tile longer than its block, for a kernel that "
+                  "aligns causal masks to the upper left");
       masked += t.kind == TileKind::kMasked;
     }
   }
@@ -403,8 +405,7 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
               k.size(1), " K/V heads");
   auto tiles = c10::make_intrusive<Tiles>();
   // Fewer, larger tiles where the kernels of unmasked and causal tiles take long causal ones.
-  const bool joins = lower_right_causal(kernel_for(q, TileKind::kCausal, kernels)) &&
-                     lower_right_causal(kernel_for(q, TileKind::kAll, kernels));
+  const bool joins = long_causal && lower_right_causal(kernel_for(q, TileKind::kAll, kernels));
   tiles->chunks = joins ? join_causal_tiles(chunks) : chunks;
   tiles->masks = masks;
   tiles->kernels = kernels;

@@ -59,31 +59,101 @@ std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc_in, const at:
       if (it[s] >= 0) hi[at] = std::max(hi[at], items.at({d[s], it[s]}).second + 1);
     }
   }
+  // Queries whose keys are one pattern in every row: causal from one key (each query sees that
+  // key up to itself), or one span of keys for all of them. Runs of such queries become one block
+  // whatever its length (images and documents at the same places in every row: no mask at all);
+  // the rest, and runs shorter than 16 queries or than a block, go in blocks of at most `chunk`.
+  const int64_t min_run = std::min<int64_t>(16, chunk);
+  enum class Run { kCausal, kSpan, kMixed };
+  struct Group {
+    int64_t q0, q1;
+    Run run;
+    int64_t lo, hi;  // kCausal: lo; kSpan: [lo, hi)
+  };
+  std::vector<Group> groups;
+  for (int64_t s = 0; s < S; ++s) {
+    bool same_lo = true, same_hi = true, causal = true;
+    for (int64_t b = 0; b < B; ++b) {
+      const size_t at = static_cast<size_t>(b * S + s);
+      same_lo = same_lo && lo[at] == lo[static_cast<size_t>(s)];
+      same_hi = same_hi && hi[at] == hi[static_cast<size_t>(s)];
+      causal = causal && hi[at] == s + 1;
+    }
+    const int64_t l = lo[static_cast<size_t>(s)], h = hi[static_cast<size_t>(s)];
+    const Run run = same_lo && causal    ? Run::kCausal
+                    : same_lo && same_hi ? Run::kSpan
+                                         : Run::kMixed;
+    if (!groups.empty()) {
+      Group& g = groups.back();
+      const bool extends =
+          g.run == run && (run == Run::kMixed || (g.lo == l && (run == Run::kCausal || g.hi == h)));
+      if (extends) {
+        g.q1 = s + 1;
+        continue;
+      }
+    }
+    groups.push_back({s, s + 1, run, l, h});
+  }
+  // Short runs join the mixed queries; mixed queries go in blocks of `chunk`.
+  std::vector<Group> blocks;
+  for (Group g : groups) {
+    if (g.run != Run::kMixed && g.q1 - g.q0 < min_run) g.run = Run::kMixed;
+    if (g.run == Run::kMixed && !blocks.empty() && blocks.back().run == Run::kMixed) {
+      Group& last = blocks.back();
+      const int64_t room = chunk - (last.q1 - last.q0);
+      const int64_t take = std::min(room, g.q1 - g.q0);
+      last.q1 += take;
+      g.q0 += take;
+    }
+    while (g.q0 < g.q1) {
+      Group part = g;
+      if (g.run == Run::kMixed) part.q1 = std::min(g.q1, g.q0 + chunk);
+      blocks.push_back(part);
+      g.q0 = part.q1;
+    }
+  }
   std::vector<AttentionChunk> chunks;
   double work = 0;
-  for (int64_t q0 = 0; q0 < S; q0 += chunk) {
+  auto add_tile = [&](AttentionChunk& c, int64_t k0, int64_t k1, TileKind kind) {
+    const double area = static_cast<double>(c.q_end - c.q_begin) * static_cast<double>(k1 - k0);
+    work += kind == TileKind::kCausal ? area / 2 : area;
+    if (!c.tiles.empty() && c.tiles.back().k_end == k0 && c.tiles.back().kind == kind &&
+        kind != TileKind::kCausal)
+      c.tiles.back().k_end = k1;  // one call for a run of one kind
+    else
+      c.tiles.push_back({k0, k1, kind});
+  };
+  for (const Group& g : blocks) {
     AttentionChunk c;
-    c.q_begin = q0;
-    c.q_end = std::min(S, q0 + chunk);
-    for (int64_t k0 = 0; k0 < S; k0 += chunk) {
-      const int64_t k1 = std::min(S, k0 + chunk);
-      bool all = true, none = true, causal = k0 == q0;
-      for (int64_t b = 0; b < B && (all || none || causal); ++b)
-        for (int64_t s = c.q_begin; s < c.q_end; ++s) {
-          const size_t at = static_cast<size_t>(b * S + s);
-          all = all && lo[at] <= k0 && hi[at] >= k1;
-          none = none && (hi[at] <= k0 || lo[at] >= k1);
-          causal = causal && lo[at] <= k0 && hi[at] == s + 1;
-        }
-      if (none) continue;
-      const TileKind kind = all ? TileKind::kAll : causal ? TileKind::kCausal : TileKind::kMasked;
-      const double area = static_cast<double>(c.q_end - c.q_begin) * static_cast<double>(k1 - k0);
-      work += kind == TileKind::kCausal ? area / 2 : area;
-      if (!c.tiles.empty() && c.tiles.back().k_end == k0 && c.tiles.back().kind == kind &&
-          kind != TileKind::kCausal)
-        c.tiles.back().k_end = k1;  // one call for a run of one kind
-      else
-        c.tiles.push_back({k0, k1, kind});
+    c.q_begin = g.q0;
+    c.q_end = g.q1;
+    if (g.run == Run::kCausal) {
+      if (g.lo < g.q0) add_tile(c, g.lo, g.q0, TileKind::kAll);
+      add_tile(c, g.q0, g.q1, TileKind::kCausal);
+    } else if (g.run == Run::kSpan) {
+      add_tile(c, g.lo, g.hi, TileKind::kAll);
+    } else {
+      // Keys in blocks of `chunk` on the grid from 0, the block's own queries as one tile (its
+      // diagonal, causal when every row sees exactly up to itself there).
+      std::vector<int64_t> cuts = {c.q_begin, c.q_end, S};
+      for (int64_t k = 0; k < S; k += chunk)
+        if (k < c.q_begin || k > c.q_end) cuts.push_back(k);
+      std::sort(cuts.begin(), cuts.end());
+      cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+        const int64_t k0 = cuts[i], k1 = cuts[i + 1];
+        const bool diagonal = k0 == c.q_begin && k1 == c.q_end;
+        bool all = true, none = true, causal = diagonal;
+        for (int64_t b = 0; b < B && (all || none || causal); ++b)
+          for (int64_t s = c.q_begin; s < c.q_end; ++s) {
+            const size_t at = static_cast<size_t>(b * S + s);
+            all = all && lo[at] <= k0 && hi[at] >= k1;
+            none = none && (hi[at] <= k0 || lo[at] >= k1);
+            causal = causal && lo[at] <= k0 && hi[at] == s + 1;
+          }
+        if (none) continue;
+        add_tile(c, k0, k1, all ? TileKind::kAll : causal ? TileKind::kCausal : TileKind::kMasked);
+      }
     }
     WEFT_ASSERT(!c.tiles.empty(), "attention_chunks: queries ", c.q_begin, " see no key");
     chunks.push_back(std::move(c));
