@@ -67,10 +67,10 @@ struct LlmSpec {
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
   bool recompute = false;
-  // Attention in blocks of this many queries, each over tiles of as many keys that its queries
-  // can see, each tile by the fastest kernel its mask pattern allows (model/chunked_attention.h);
-  // 0 = one attention over all keys. From LibTorch 2.3 on; LibTorch 1.13's blocked attention
-  // skips hidden blocks on its own.
+  // Attention in blocks over the tiles of keys they see (model/chunked_attention.h): queries of
+  // one pattern in every row make one block, others blocks of at most this many queries over
+  // tiles of as many keys; 0 = one attention over all keys. From LibTorch 2.3 on; LibTorch
+  // 1.13's blocked attention skips hidden blocks on its own.
   int64_t attention_chunk = 512;
   std::string hf;
 
