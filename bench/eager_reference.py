@@ -68,7 +68,7 @@ previous step's finish to this one's. On the CPU the loss .item() is read inside
 CUDA, as an idiomatic loop that logs without stalling the GPU (and as weft on a GPU), the loss
 and the norm stay on the GPU: step i + 1 is queued before a CUDA event recorded after step i's
 optimizer.step() is waited on, and step i's time ends when that event completes (the GPU's
-pace). Memory: VmRSS right after the imports is the baseline; VmHWM is
+pace); the timed steps start after the warm-up is done and the GPU idle, as in weft's bench. Memory: VmRSS right after the imports is the baseline; VmHWM is
 reset (/proc/self/clear_refs) once the model and batches are in memory (torch.optim creates its
 state in the first step) and read after the last step; step_peak_bytes = VmHWM - baseline.
 On CUDA torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset
@@ -763,6 +763,16 @@ def main(argv):
         last = finished if next_in_flight else time.perf_counter()
 
     for i, (info, mbs) in enumerate(zip(bench["step"], steps)):
+        if i == bench["warmup"]:
+            # As weft's bench: the timed steps start on an idle device, the clock started once
+            # the warm-up is done (not when its last step is read after the first timed step is
+            # queued, by when the GPU has run most of that step).
+            if pending is not None:
+                finish(*pending, next_in_flight=False)
+                pending = None
+            if cuda:
+                torch.cuda.synchronize(device)
+            last = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), dtype=torch.float64, device=device) if cuda else 0.0
         for mb in mbs:

@@ -184,7 +184,10 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   // Step i's time runs from the previous step's finish to its own. Where the trainer defers its
   // reads (a GPU), step i + 1 is queued before step i is finished, as in `weft train`: the time
   // is then the device's pace, the host's launches hidden behind the device's work. Otherwise
-  // each step runs alone, bracketed by device synchronisations.
+  // each step runs alone, bracketed by device synchronisations. The timed steps start on an idle
+  // device, the clock started after the warm-up's last step is done: were it started when that
+  // step is read, after the first timed step is queued (as between timed steps), the device
+  // would have run most of that step already, and the timed total would miss it.
   dist::synchronize(device);
   double last = now_seconds();
   struct Queued {
@@ -225,8 +228,11 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
     }
     return Queued{trainer.queue_step(batches[i], i)};
   };
-  run_steps<Queued>(
-      0, total, queue, finish, [](int64_t) { return false; }, profiled);
+  const auto never = [](int64_t) { return false; };
+  run_steps<Queued>(0, o.warmup, queue, finish, never, profiled);
+  dist::synchronize(device);
+  last = now_seconds();
+  run_steps<Queued>(o.warmup, total, queue, finish, never, profiled);
   const int64_t peak_rss = peak_rss_bytes();
 
   json j;
