@@ -215,7 +215,7 @@ std::pair<at::Tensor, at::Tensor> random_rows(int64_t B, int64_t S, uint64_t see
 // removed: its image tokens see causally where the others see the whole image).
 TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
   const int64_t B = 3, S = 96;
-  int64_t kinds[3] = {0, 0, 0}, long_blocks = 0;
+  int64_t kinds[3] = {0, 0, 0}, long_blocks = 0, long_causal = 0;
   for (uint64_t seed = 1; seed <= 40; ++seed) {
     auto [doc, item] = random_rows(B, S, seed);
     if (seed % 2 == 0) {
@@ -224,51 +224,74 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
       if (seed % 4 == 0) item[1].fill_(-1);  // row 1 the same documents, without items
     }
     const int64_t chunk = seed % 3 == 0 ? 8 : 16;
-    const std::vector<AttentionChunk> chunks = attention_chunks(doc, item, chunk, /*most=*/1.0);
+    const std::vector<AttentionChunk> planned = attention_chunks(doc, item, chunk, /*most=*/1.0);
     auto D = doc.accessor<int32_t, 2>();
     auto I = item.accessor<int32_t, 2>();
-    int64_t next = 0;
-    for (const AttentionChunk& c : chunks) {
-      EXPECT_EQ(c.q_begin, next);
-      next = c.q_end;
-      bool masked = false;
-      for (const AttentionTile& t : c.tiles) masked = masked || t.kind == TileKind::kMasked;
-      if (masked) EXPECT_LE(c.q_end - c.q_begin, chunk);
-      long_blocks += c.q_end - c.q_begin > 16;
-      int64_t k_next = 0;
-      for (size_t i = 0; i < c.tiles.size(); ++i) {
-        const AttentionTile& t = c.tiles[i];
-        EXPECT_GE(t.k_begin, k_next);
-        k_next = t.k_end;
-        ++kinds[static_cast<int>(t.kind)];
-        if (i > 0 && c.tiles[i - 1].k_end == t.k_begin) {
-          EXPECT_TRUE(t.kind == TileKind::kCausal || c.tiles[i - 1].kind != t.kind);
-        }
-        if (t.kind == TileKind::kCausal) {
-          EXPECT_EQ(t.k_begin, c.q_begin);
-          EXPECT_EQ(t.k_end, c.q_end);
-        }
-      }
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t q = c.q_begin; q < c.q_end; ++q)
-          for (int64_t k = 0; k < S; ++k) {
-            const bool sees = visible({D[b][q], I[b][q]}, q, {D[b][k], I[b][k]}, k);
-            const AttentionTile* in = nullptr;
-            for (const AttentionTile& t : c.tiles)
-              if (k >= t.k_begin && k < t.k_end) in = &t;
-            if (!in) {
-              EXPECT_FALSE(sees) << seed << ": " << b << " " << q << " sees " << k;
-            } else if (in->kind == TileKind::kAll) {
-              EXPECT_TRUE(sees) << seed << ": " << b << " " << q << " misses " << k;
-            } else if (in->kind == TileKind::kCausal) {
-              EXPECT_EQ(sees, k <= q) << seed << ": " << b << " " << q << ", " << k;
-            }
+    // The plan, and the same joined for kernels with long causal tiles (query q of a causal tile
+    // sees its keys up to q, wherever the tile begins).
+    for (bool joined : {false, true}) {
+      SCOPED_TRACE(joined ? "joined" : "planned");
+      const std::vector<AttentionChunk> chunks = joined ? join_causal_tiles(planned) : planned;
+      int64_t next = 0;
+      for (const AttentionChunk& c : chunks) {
+        EXPECT_EQ(c.q_begin, next);
+        next = c.q_end;
+        bool masked = false;
+        for (const AttentionTile& t : c.tiles) masked = masked || t.kind == TileKind::kMasked;
+        if (masked) EXPECT_LE(c.q_end - c.q_begin, chunk);
+        long_blocks += c.q_end - c.q_begin > 16;
+        int64_t k_next = 0;
+        for (size_t i = 0; i < c.tiles.size(); ++i) {
+          const AttentionTile& t = c.tiles[i];
+          EXPECT_GE(t.k_begin, k_next);
+          k_next = t.k_end;
+          ++kinds[static_cast<int>(t.kind)];
+          if (i > 0 && c.tiles[i - 1].k_end == t.k_begin) {
+            EXPECT_TRUE(t.kind == TileKind::kCausal || c.tiles[i - 1].kind != t.kind);
           }
+          if (t.kind == TileKind::kCausal) {
+            EXPECT_EQ(t.k_end, c.q_end);
+            if (!joined) EXPECT_EQ(t.k_begin, c.q_begin);
+            EXPECT_LE(t.k_begin, c.q_begin);
+            long_causal += t.k_begin < c.q_begin;
+          }
+        }
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t q = c.q_begin; q < c.q_end; ++q)
+            for (int64_t k = 0; k < S; ++k) {
+              const bool sees = visible({D[b][q], I[b][q]}, q, {D[b][k], I[b][k]}, k);
+              const AttentionTile* in = nullptr;
+              for (const AttentionTile& t : c.tiles)
+                if (k >= t.k_begin && k < t.k_end) in = &t;
+              if (!in) {
+                EXPECT_FALSE(sees) << seed << ": " << b << " " << q << " sees " << k;
+              } else if (in->kind == TileKind::kAll) {
+                EXPECT_TRUE(sees) << seed << ": " << b << " " << q << " misses " << k;
+              } else if (in->kind == TileKind::kCausal) {
+                EXPECT_EQ(sees, k <= q) << seed << ": " << b << " " << q << ", " << k;
+              }
+            }
+      }
+      EXPECT_EQ(next, S);
     }
-    EXPECT_EQ(next, S);
   }
   for (int kind = 0; kind < 3; ++kind) EXPECT_GT(kinds[kind], 0) << kind;  // every kind met
   EXPECT_GT(long_blocks, 0);
+  EXPECT_GT(long_causal, 0);  // the join made some
+}
+
+// Runs of one pattern shorter than a quarter of a block stay in blocks of `chunk`: rows of
+// 24-token images every 48 tokens, alike in every row, take S / chunk blocks, not one per run.
+// An image run of 195 queries (as gpu-1b-vlm's) is a block of its own.
+TEST(AttentionChunks, ShortRunsStayInBlocks) {
+  const int64_t B = 4, S = 4096;
+  at::Tensor doc = torch::zeros({B, S}, torch::kInt), item = torch::full({B, S}, -1, torch::kInt);
+  for (int64_t s = 24, n = 0; s + 24 <= S; s += 48, ++n) item.narrow(1, s, 24).fill_(n);
+  EXPECT_EQ(attention_chunks(doc, item, 512, /*most=*/1.0).size(), 8u);
+  item.fill_(-1);
+  item.narrow(1, 1, 196).fill_(0);
+  EXPECT_EQ(describe(join_causal_tiles(attention_chunks(doc, item, 512))),
+            "0-1A | 0-197A | 0-4096C | ");
 }
 
 // A causal row: each block is its causal diagonal after one unmasked tile of the keys before it;

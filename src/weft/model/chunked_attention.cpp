@@ -400,6 +400,16 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "chunked_attention: chunks for self-attention over all ", q.size(2), " positions");
   WEFT_ASSERT(masks.bias.size() == masked && masks.sees.size() == masked,
               "chunked_attention: ", masks.bias.size(), " masks for ", masked, " masked tiles");
+  size_t m = 0;  // each mask the shape of its tile
+  for (const AttentionChunk& c : chunks)
+    for (const AttentionTile& t : c.tiles) {
+      if (t.kind != TileKind::kMasked) continue;
+      const at::Tensor& bias = masks.bias[m++];
+      WEFT_ASSERT(bias.dim() == 4 && bias.size(2) == c.q_end - c.q_begin &&
+                      bias.size(3) == t.k_end - t.k_begin,
+                  "chunked_attention: the mask of the tile of queries ", c.q_begin, "-", c.q_end,
+                  " over keys ", t.k_begin, "-", t.k_end, " is shaped ", bias.sizes());
+    }
   g_calls.fetch_add(1, std::memory_order_relaxed);
   WEFT_ASSERT(q.size(1) % k.size(1) == 0, "chunked_attention: ", q.size(1), " query heads over ",
               k.size(1), " K/V heads");

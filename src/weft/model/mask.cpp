@@ -62,8 +62,11 @@ std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc_in, const at:
   // Queries whose keys are one pattern in every row: causal from one key (each query sees that
   // key up to itself), or one span of keys for all of them. Runs of such queries become one block
   // whatever its length (images and documents at the same places in every row: no mask at all);
-  // the rest, and runs shorter than 16 queries or than a block, go in blocks of at most `chunk`.
-  const int64_t min_run = std::min<int64_t>(16, chunk);
+  // the rest go in blocks of at most `chunk`, with the runs shorter than min_run: a quarter of a
+  // block (the kernels work in tiles of 64-128 queries, and a call per short run would cost more
+  // than the masked scores it saves: 24-token images every 48 tokens stay in blocks of `chunk`),
+  // at least 16, at most `chunk`.
+  const int64_t min_run = std::min<int64_t>(chunk, std::max<int64_t>(16, chunk / 4));
   enum class Run { kCausal, kSpan, kMixed };
   struct Group {
     int64_t q0, q1;

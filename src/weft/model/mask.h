@@ -37,13 +37,13 @@ struct AttentionChunk {
 // pattern in every row make one block, however long: causal from one key (an unmasked tile of
 // the keys before the block, then its causal diagonal) or one span of keys for them all (one
 // unmasked tile), as when images and documents sit at the same places in every row. The other
-// queries (and such runs shorter than 16 queries or than `chunk`) go in blocks of at most `chunk`,
-// over key blocks of `chunk` on the grid from 0 and their own diagonal; adjacent tiles of one kind
-// are merged and hidden ones dropped. Empty when tiling saves too little: when the tiles' work (a
-// causal tile counting half) is more than `most` of the S×S square, or when the descriptors are not
-// contiguous spans (a document or an item resumed after another; such rows take the whole
-// mask). Causal text is one causal block, half the square without a mask; an image at one place
-// in every row adds an unmasked block for its tokens.
+// queries, and such runs shorter than max(16, chunk / 4) queries (at most `chunk`), go in blocks
+// of at most `chunk`, over key blocks of `chunk` on the grid from 0 and their own diagonal;
+// adjacent tiles of one kind are merged and hidden ones dropped. Empty when tiling saves too
+// little: when the tiles' work (a causal tile counting half) is more than `most` of the S×S
+// square, or when the descriptors are not contiguous spans (a document or an item resumed after
+// another; such rows take the whole mask). Causal text is one causal block, half the square
+// without a mask; an image at one place in every row adds an unmasked block for its tokens.
 std::vector<AttentionChunk> attention_chunks(const at::Tensor& doc, const at::Tensor& item,
                                              int64_t chunk, double most = 0.8);
 
