@@ -19,13 +19,13 @@ and then weft again with each ablation (--ablate K=V[,K=V...], repeatable: one r
 all its overrides), each row with its step time against weft's in the same run, MFU against the
 same denominator, and whether its losses are weft's (an override that changes the computation
 is reported there). By default: `model.llm.attention_chunk=0` (attention as one SDPA call with
-the mask instead of tiles); `train.batch=32,train.microbatches=4` (4 microbatches of weft's
-batch per optimizer step, as training with gradient accumulation runs: the optimizer's and the
-casts' cost spread over 4x the tokens); and the same with `train.cast_once=false` (each
-parameter cast at every use instead of once per step). Then weft and eager again, side by side on
+the mask instead of tiles); and `train.batch=32,train.microbatches=4,train.cast_once=false`
+(each parameter cast at every use instead of once per step, at the batch of the comparison
+below). Then weft and eager again, side by side on
 their own dump, for each comparison (--compare K=V[,K=V...], repeatable; by default
-`train.batch=32,train.microbatches=4`: the eager reference accumulates gradients over the same
-microbatches). Each comparison
+`train.batch=32,train.microbatches=4`: 4 microbatches of weft's batch per optimizer step, as
+training with gradient accumulation runs, the optimizer's and the casts' cost spread over 4x the
+tokens; the eager reference accumulates gradients over the same microbatches). Each comparison
 checks that their losses agree (bf16: 2e-2 relative, as bench/step.py) and prints a markdown
 table of the median step time, tokens/s, MFU and peak memory of both, and eager/weft. MFU: weft's
 own field; eager's is computed from the dump's bench.json with the same FLOPs per timed step and
@@ -55,7 +55,6 @@ DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}
 # trains (4 microbatches of the config's batch per optimizer step).
 DEFAULT_COMPARES = ["train.batch=32,train.microbatches=4"]
 DEFAULT_ABLATIONS = ["model.llm.attention_chunk=0",
-                     "train.batch=32,train.microbatches=4",
                      "train.batch=32,train.microbatches=4,train.cast_once=false"]
 
 
