@@ -70,9 +70,10 @@ and the norm stay on the GPU: step i + 1 is queued before a CUDA event recorded 
 optimizer.step() is waited on, and step i's time ends when that event completes (the GPU's
 pace); the timed steps start after the warm-up is done and the GPU idle, as in weft's bench.
 Memory: VmRSS right after the imports is the baseline; VmHWM is reset (/proc/self/clear_refs)
-once the model and batches are in memory (torch.optim creates its state in the first step) and read after the last step; step_peak_bytes = VmHWM - baseline.
-On CUDA torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset
-(before the first step, as weft resets its device peak) and step_peak_bytes =
+once the model and batches are in memory (torch.optim creates its state in the first step) and
+read after the last step; step_peak_bytes = VmHWM - baseline. On CUDA
+torch.cuda.reset_peak_memory_stats() is called at the same point as the RSS reset (before the
+first step, as weft resets its device peak) and step_peak_bytes =
 torch.cuda.max_memory_allocated() after the last step: the device memory of the parameters,
 batches, gradients, optimizer state and activations (weft reports the same quantity as
 device_peak_bytes; the host RSS fields are kept as they are).
