@@ -296,20 +296,58 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
     at::Tensor g = grad[0];
     if (g.stride(-1) != 1) g = g.contiguous();
     // Sums of the tiles' gradients, in fp32 for 16-bit inputs (rounded once at the end, as one
-    // kernel's would be); [B, H, S, D] laid out as [B, S, H, D].
+    // kernel's would be); [B, H, S, D] laid out as [B, S, H, D]. A block of one tile writes its
+    // dq as the kernel gave it: when every block has one, dq needs no fp32 copy.
     const at::ScalarType sum_type =
         at::elementSize(q.scalar_type()) < 4 ? at::kFloat : q.scalar_type();
-    auto like = [&](const at::Tensor& t, bool zeros = true) {
+    auto like = [&](const at::Tensor& t, at::ScalarType dtype) {
       const std::vector<int64_t> shape = {t.size(0), t.size(2), t.size(1), t.size(3)};
-      const at::TensorOptions o = t.options().dtype(sum_type);
-      return (zeros ? at::zeros(shape, o) : at::empty(shape, o)).transpose(1, 2);
+      return at::empty(shape, t.options().dtype(dtype)).transpose(1, 2);
     };
-    const int64_t H = q.size(1), KV = k.size(1);
+    bool one_tile = true;
+    for (const AttentionChunk& c : tiles.chunks) one_tile = one_tile && c.tiles.size() == 1;
+    const int64_t H = q.size(1), KV = k.size(1), S = k.size(2);
     const Heads ks(k, H, tiles.expanded), vs(v, H, tiles.expanded);
-    at::Tensor dq = like(q, false), dk = like(k), dv = like(v);  // each block's dq: its tiles
+    at::Tensor dq = like(q, one_tile ? q.scalar_type() : sum_type);  // each block's: its tiles
+    at::Tensor dk = like(k, sum_type), dv = like(v, sum_type);
     // Gradients of the K/V expanded once, per query head, summed per K/V head at the end.
-    at::Tensor dk_once = ks.once.defined() ? like(ks.once) : at::Tensor();
-    at::Tensor dv_once = ks.once.defined() ? like(vs.once) : at::Tensor();
+    at::Tensor dk_once = ks.once.defined() ? like(ks.once, sum_type) : at::Tensor();
+    at::Tensor dv_once = ks.once.defined() ? like(vs.once, sum_type) : at::Tensor();
+    // Key gradients go into uninitialised sums: the first tile to reach a key copies its
+    // gradient there, later ones add (no zeroing pass, and a copy where a key has one tile);
+    // keys no tile reached are zeroed at the end.
+    std::vector<char> written(static_cast<size_t>(S), 0), written_once;
+    if (dk_once.defined()) written_once.assign(static_cast<size_t>(S), 0);
+    auto accumulate = [](at::Tensor& sk, at::Tensor& sv, std::vector<char>& done, int64_t k0,
+                         const at::Tensor& gk, const at::Tensor& gv) {
+      const int64_t n = gk.size(2);
+      for (int64_t i = 0; i < n;) {
+        const char seen = done[static_cast<size_t>(k0 + i)];
+        int64_t j = i + 1;
+        while (j < n && done[static_cast<size_t>(k0 + j)] == seen) ++j;
+        at::Tensor pk = sk.narrow(2, k0 + i, j - i), pv = sv.narrow(2, k0 + i, j - i);
+        if (seen) {
+          pk.add_(gk.narrow(2, i, j - i));
+          pv.add_(gv.narrow(2, i, j - i));
+        } else {
+          pk.copy_(gk.narrow(2, i, j - i));
+          pv.copy_(gv.narrow(2, i, j - i));
+        }
+        std::fill(done.begin() + k0 + i, done.begin() + k0 + j, 1);
+        i = j;
+      }
+    };
+    auto zero_unwritten = [](at::Tensor& sk, at::Tensor& sv, const std::vector<char>& done) {
+      for (size_t i = 0; i < done.size();) {
+        size_t j = i;
+        while (j < done.size() && !done[j]) ++j;
+        if (j > i) {
+          sk.narrow(2, static_cast<int64_t>(i), static_cast<int64_t>(j - i)).zero_();
+          sv.narrow(2, static_cast<int64_t>(i), static_cast<int64_t>(j - i)).zero_();
+        }
+        i = j + 1;
+      }
+    };
     size_t masked = 0;
     for (size_t ci = 0; ci < tiles.chunks.size(); ++ci) {
       const AttentionChunk& c = tiles.chunks[ci];
@@ -327,22 +365,20 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
             kernel, gc, qc, ks.tile(t.k_begin, nk, kernel), vs.tile(t.k_begin, nk, kernel), oc,
             tiles.lse[ci], t.kind == TileKind::kCausal, bias, tiles.states[ci][ti], tiles.scale);
         ti == 0 ? dqc.copy_(d[0]) : dqc.add_(d[0]);
-        if (!ks.expands(kernel)) {
-          dk.narrow(2, t.k_begin, nk).add_(d[1]);
-          dv.narrow(2, t.k_begin, nk).add_(d[2]);
-        } else if (dk_once.defined()) {
-          dk_once.narrow(2, t.k_begin, nk).add_(d[1]);
-          dv_once.narrow(2, t.k_begin, nk).add_(d[2]);
-        } else {
-          dk.narrow(2, t.k_begin, nk).add_(per_kv_head(d[1].to(sum_type), KV));
-          dv.narrow(2, t.k_begin, nk).add_(per_kv_head(d[2].to(sum_type), KV));
-        }
+        if (!ks.expands(kernel))
+          accumulate(dk, dv, written, t.k_begin, d[1], d[2]);
+        else if (dk_once.defined())
+          accumulate(dk_once, dv_once, written_once, t.k_begin, d[1], d[2]);
+        else
+          accumulate(dk, dv, written, t.k_begin, per_kv_head(d[1].to(sum_type), KV),
+                     per_kv_head(d[2].to(sum_type), KV));
       }
     }
     if (dk_once.defined()) {
-      dk.add_(per_kv_head(dk_once, KV));
-      dv.add_(per_kv_head(dv_once, KV));
+      zero_unwritten(dk_once, dv_once, written_once);
+      accumulate(dk, dv, written, 0, per_kv_head(dk_once, KV), per_kv_head(dv_once, KV));
     }
+    zero_unwritten(dk, dv, written);
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor()};
   }
 };
