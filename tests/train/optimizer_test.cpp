@@ -7,6 +7,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
+#include <vector>
+
 namespace weft::train {
 namespace {
 
@@ -46,12 +50,21 @@ TEST(AdamW, PiecesStepLikeTheWholeParameters) {
                                      {"b", whole[1].second.clone()}};
   const at::Tensor hw = torch::zeros({20});
   AdamW c(other, opts, {{0, 13, 7, hw.narrow(0, 13, 7), {}}});  // a rank holding w's tail only
-  model::NamedTensors state;
+  std::map<std::string, at::Tensor> state;  // as a checkpoint holds them, read by range
   for (size_t k = 0; k < 2; ++k) {
-    state.emplace_back("exp_avg." + whole[k].first, a.exp_avg()[k]);
-    state.emplace_back("exp_avg_sq." + whole[k].first, a.exp_avg_sq()[k]);
+    state["exp_avg." + whole[k].first] = a.exp_avg()[k];
+    state["exp_avg_sq." + whole[k].first] = a.exp_avg_sq()[k];
   }
-  c.load_state(state, a.steps());
+  std::vector<std::string> reads;
+  c.load_state(
+      [&](size_t param, const std::string& key, int64_t begin, int64_t length) {
+        reads.push_back(key + "@" + std::to_string(param) + ":" + std::to_string(begin) + "+" +
+                        std::to_string(length));
+        return state.at(key).reshape({-1}).narrow(0, begin, length);
+      },
+      a.steps());
+  // Only w's piece is read, its range alone.
+  EXPECT_EQ(reads, (std::vector<std::string>{"exp_avg.w@0:13+7", "exp_avg_sq.w@0:13+7"}));
   const std::vector<at::Tensor> m = c.exp_avg();
   EXPECT_FALSE(m[1].defined());  // no piece of b here
   EXPECT_TRUE(

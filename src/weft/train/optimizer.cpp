@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <map>
-#include <set>
 #include <utility>
 
 #include "weft/core/error.h"
@@ -134,30 +133,6 @@ std::vector<at::Tensor> AdamW::whole(const std::vector<at::Tensor>& per_piece) c
     t.view({-1}).narrow(0, p.begin, p.length).copy_(per_piece[i].reshape({-1}));
   }
   return out;
-}
-
-void AdamW::load_state(const model::NamedTensors& state, int64_t steps) {
-  const std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
-  std::vector<uint8_t> has(params_.size(), 0);
-  for (const dist::ShardPiece& p : pieces_) has[p.param] = 1;
-  std::set<std::string> known;
-  for (size_t k = 0; k < params_.size(); ++k)
-    for (const char* kind : kMomentKinds) {
-      const std::string key = kind + params_[k].first;
-      known.insert(key);
-      if (!has[k]) continue;  // another rank's, if given
-      auto it = by_name.find(key);
-      WEFT_CHECK(it != by_name.end(), "optimizer state: missing tensor '", key, "'");
-      const at::Tensor& p = params_[k].second;
-      WEFT_CHECK(it->second.sizes() == p.sizes(), "optimizer state: '", key, "' has shape ",
-                 it->second.sizes(), ", expected ", p.sizes());
-    }
-  for (const auto& [key, t] : by_name)
-    WEFT_CHECK(known.count(key), "optimizer state: unexpected tensor '", key,
-               "' (a checkpoint of another model or freezing setup?)");
-  load_state([&](size_t, const std::string& key, int64_t begin,
-                 int64_t length) { return by_name.at(key).reshape({-1}).narrow(0, begin, length); },
-             steps);
 }
 
 void AdamW::load_state(const StateReader& read, int64_t steps) {

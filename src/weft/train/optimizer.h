@@ -41,10 +41,6 @@ class AdamW {
   // parameters read them on the host. steps() counts the step either way.
   void step(double lr, const at::Tensor& grad_scale, const at::Tensor& skip);
   int64_t steps() const { return steps_; }
-  // Takes the pieces' state from per-parameter tensors ("exp_avg.<param>",
-  // "exp_avg_sq.<param>", each shaped as its parameter); a tensor that names no parameter, or a
-  // missing one of a parameter with pieces here, is an error.
-  void load_state(const model::NamedTensors& state, int64_t steps);
   // Reads the flattened elements [begin, begin + length) of moment `key` ("exp_avg.<param>" or
   // "exp_avg_sq.<param>") of parameter `param` (this optimizer's index), as a 1-D tensor.
   using StateReader = std::function<at::Tensor(size_t param, const std::string& key, int64_t begin,
