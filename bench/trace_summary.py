@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Where a profiled step's time went, from the Chrome trace `weft bench step --profile FILE` writes.
 
-    python3 bench/trace_summary.py TRACE.json [--top 15]
+    python3 bench/trace_summary.py TRACE.json [--top 15] [--sources 12]
 
 A CUDA build writes a Kineto trace: its GPU kernels are grouped by kind (matmuls, attention,
 weft's own kernels, copies and casts, ...) with their summed device time, and the GPU's idle time
 (the span of the step's kernels less their summed time: the GPU waiting on the CPU). A CPU build
 writes the autograd profiler's trace of operators: they are summed by name (time includes the
-operators they call). Either way the heaviest entries follow, by name.
+operators they call). Either way the heaviest entries follow, by name. Then where the copies come
+from: for the kinds "copies and casts" and "other element-wise" (GPU), or the copying operators
+(CPU), the operator paths that ran them (the innermost operator, its callers and the backward node
+it ran under) with the innermost operator's input shapes, heaviest first.
 """
 import argparse
 import collections
@@ -39,6 +42,40 @@ def kind_of(name):
     return "other"
 
 
+# CPU operators that copy a tensor's data (a CPU trace's "copies").
+COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::contiguous",
+            "aten::index_copy", "aten::index_add"}
+
+
+def op_paths(ops):
+    """Each CPU operator's path: its own name after those of the operators it runs inside (by
+    time, on its thread), the autograd engine's wrappers left out; and its input shapes."""
+    order = sorted(range(len(ops)), key=lambda i: (ops[i]["tid"], ops[i]["ts"], -ops[i]["dur"]))
+    paths = [None] * len(ops)
+    stack = []  # indices of the operators still open on this thread
+    for i in order:
+        e = ops[i]
+        while stack and not (ops[stack[-1]]["tid"] == e["tid"] and
+                             e["ts"] < ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"]):
+            stack.pop()
+        outer = paths[stack[-1]] if stack else ()
+        name = e["name"]
+        paths[i] = outer if name.startswith("autograd::engine") else outer + (name,)
+        stack.append(i)
+    return paths
+
+
+def path_label(path, shapes, depth=4):
+    shown = " > ".join(path[-depth:]) or "(no operator)"
+    dims = [d for d in (shapes or []) if d]  # scalars and absent arguments have no dims
+    return f"{shown} {dims[:3]}" if dims else shown
+
+
+def sources(title, rows, total, top):
+    print(f"\n{title}:\n")
+    table(sorted(rows.items(), key=lambda kv: -kv[1][1])[:top], total, "the span")
+
+
 def table(rows, total, unit_total_label):
     total = max(total, 1e-9)
     print(f"| what | calls | ms | share of {unit_total_label} |")
@@ -51,6 +88,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15, help="heaviest entries listed by name")
+    ap.add_argument("--sources", type=int, default=12,
+                    help="operator paths listed for the copies and element-wise kernels (0: none)")
     a = ap.parse_args()
     try:
         with open(a.trace) as f:
@@ -85,6 +124,38 @@ def main():
         print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)\n")
     print(f"\nheaviest {'kernels' if kernels else 'operators'}:\n")
     table(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")
+    if a.sources <= 0:
+        return
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    paths = op_paths(ops)
+    if kernels:
+        # A kernel's "External id" is that of the innermost operator that launched it.
+        by_id = {}
+        for e, path in zip(ops, paths):
+            ext = e.get("args", {}).get("External id")
+            if ext is not None:
+                by_id[ext] = (path, e.get("args", {}).get("Input Dims"))
+        for kind in ("copies and casts", "other element-wise"):
+            rows = collections.defaultdict(lambda: [0, 0.0])
+            for e in kernels:
+                if kind_of(e["name"]) != kind:
+                    continue
+                path, shapes = by_id.get(e.get("args", {}).get("External id"), ((), None))
+                d = rows[path_label(path, shapes)]
+                d[0] += 1
+                d[1] += e["dur"]
+            if rows:
+                sources(f"where the {kind} kernels come from", rows, span, a.sources)
+    else:
+        rows = collections.defaultdict(lambda: [0, 0.0])
+        for e, path in zip(ops, paths):
+            if e["name"] in COPY_OPS and not any(n in COPY_OPS for n in path[:-1]):
+                d = rows[path_label(path, e.get("args", {}).get("Input Dims"))]
+                d[0] += 1
+                d[1] += e["dur"]
+        if rows:
+            sources("where the copies come from (copying operators, outermost)", rows, span,
+                    a.sources)
 
 
 if __name__ == "__main__":

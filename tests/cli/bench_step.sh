@@ -47,6 +47,26 @@ done
 "$py" "$src/bench/trace_summary.py" "$tmp/trace.json" --top 5 > "$tmp/summary" \
   || die "trace_summary.py failed on the trace"
 grep -Eq "^\| (aten::|matmuls)" "$tmp/summary" || { cat "$tmp/summary"; die "no operators or kernels in the summary"; }
+grep -Eq "^\| (aten::to > aten::_to_copy|.*aten::copy_) \[\[" "$tmp/summary" \
+  || { cat "$tmp/summary"; die "no copies with their callers and shapes in the summary"; }
+# A Kineto-style trace: each kernel is put under the operator path that launched it.
+cat > "$tmp/kineto.json" <<'JSON'
+{"traceEvents": [
+ {"ph": "X", "cat": "cpu_op", "name": "aten::to", "tid": 1, "ts": 0, "dur": 10, "args": {"External id": 1, "Input Dims": [[4, 8], []]}},
+ {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "tid": 1, "ts": 1, "dur": 8, "args": {"External id": 2, "Input Dims": [[4, 8], []]}},
+ {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 2, "dur": 6, "args": {"External id": 3, "Input Dims": [[4, 8], [4, 8]]}},
+ {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: AddBackward0", "tid": 2, "ts": 20, "dur": 10, "args": {"External id": 4}},
+ {"ph": "X", "cat": "cpu_op", "name": "AddBackward0", "tid": 2, "ts": 21, "dur": 8, "args": {"External id": 5}},
+ {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 2, "ts": 22, "dur": 6, "args": {"External id": 6, "Input Dims": [[16], [16], []]}},
+ {"ph": "X", "cat": "kernel", "name": "void at::native::unrolled_elementwise_kernel<copy>", "ts": 5, "dur": 3, "args": {"External id": 3}},
+ {"ph": "X", "cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<add>", "ts": 24, "dur": 2, "args": {"External id": 6}},
+ {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 30, "dur": 5, "args": {"External id": 99}}
+]}
+JSON
+"$py" "$src/bench/trace_summary.py" "$tmp/kineto.json" > "$tmp/summary" || die "trace_summary.py failed on a Kineto trace"
+grep -q "^| aten::to > aten::_to_copy > aten::copy_ \[\[4, 8\], \[4, 8\]\] | 1 | 0.00 |" "$tmp/summary" \
+  && grep -q "^| AddBackward0 > aten::add \[\[16\], \[16\]\] | 1 |" "$tmp/summary" \
+  || { cat "$tmp/summary"; die "kernels not put under the operators that launched them"; }
 echo '{"traceEvents": []}' > "$tmp/empty.json"
 "$py" "$src/bench/trace_summary.py" "$tmp/empty.json" > "$tmp/out" 2>&1 && die "an empty trace was summarised"
 grep -q "empty.json" "$tmp/out" || { cat "$tmp/out"; die "trace_summary error does not name the file"; }
