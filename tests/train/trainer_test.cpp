@@ -449,9 +449,22 @@ TEST(Trainer, WritesRunDirectory) {
   Summary s = Trainer(spec, plan::make_plan(spec), o).run();
   EXPECT_EQ(s.steps, 3);
   EXPECT_GE(s.eval_caption_accuracy, 0.0);
+  EXPECT_GT(s.eval_loss, 0.0);
   EXPECT_GT(s.tokens_per_second, 0.0);
-  for (const char* f : {"config.toml", "plan.json", "metrics.jsonl", "summary.json"})
+  for (const char* f : {"config.toml", "plan.json", "metrics.jsonl", "eval.jsonl", "summary.json"})
     EXPECT_TRUE(fs::exists(out / f)) << f;
+  {  // the evaluation at the end: its step, the summary's figures, what they are over
+    std::ifstream in(out / "eval.jsonl");
+    std::string text;
+    std::vector<nlohmann::json> evals;
+    while (std::getline(in, text)) evals.push_back(nlohmann::json::parse(text));
+    ASSERT_EQ(evals.size(), 1u);
+    EXPECT_EQ(evals[0]["step"], 3);
+    EXPECT_EQ(evals[0]["loss"].get<double>(), s.eval_loss);
+    EXPECT_EQ(evals[0]["caption_accuracy"].get<double>(), s.eval_caption_accuracy);
+    EXPECT_EQ(evals[0]["samples"], spec.data.eval_samples);
+    EXPECT_GT(evals[0]["targets"].get<int64_t>(), evals[0]["samples"].get<int64_t>());
+  }
   EXPECT_EQ(run_losses(out).size(), 3u);
   {  // each line splits the step's time into its phases
     std::ifstream in(out / "metrics.jsonl");

@@ -1289,7 +1289,8 @@ struct Runtime::Impl {
     return out;
   }
 
-  model::NamedTensors gather_full(const std::vector<at::Tensor>& local, int root) const {
+  void gather_full(const std::vector<at::Tensor>& local, int root,
+                   const Runtime::TensorSink& sink) const {
     const model::NamedTensors& params = model->parameters();
     WEFT_ASSERT(local.size() == params.size(), "gather_full: ", local.size(), " tensors for ",
                 params.size(), " parameters");
@@ -1316,7 +1317,6 @@ struct Runtime::Impl {
       header << '\n';
     }
     const std::vector<std::string> headers = world.all_gather_strings(header.str());
-    model::NamedTensors out;
     for (int r = 0; r < world.size(); ++r) {
       std::istringstream in(headers[r]);
       std::string name;
@@ -1326,23 +1326,35 @@ struct Runtime::Impl {
         for (auto& s : shape) in >> s;
         const int tag = static_cast<int>(i);
         if (r == rank && r == root) {
-          out.emplace_back(name, mine[i].second);
+          sink(name, std::move(mine[i].second));
         } else if (r == rank) {
           p2p.send(mine[i].second, root, tag).wait();
         } else if (rank == root) {
           at::Tensor t =
               torch::empty(shape, torch::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
           p2p.recv(t, r, tag);
-          out.emplace_back(name, t);
+          sink(name, std::move(t));
         }
       }
     }
-    return out;
   }
 };
 
+namespace {
+// A sink that keeps what it is given.
+Runtime::TensorSink into(model::NamedTensors& out) {
+  return [&out](const std::string& name, at::Tensor t) { out.emplace_back(name, std::move(t)); };
+}
+}  // namespace
+
 model::NamedTensors Runtime::gather_parameters(int root) const {
-  return impl_->gather_full(impl_->exact_parameters(), root);
+  model::NamedTensors out;
+  gather_parameters(root, into(out));
+  return out;
+}
+
+void Runtime::gather_parameters(int root, const TensorSink& sink) const {
+  impl_->gather_full(impl_->exact_parameters(), root, sink);
 }
 
 model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_trainable,
@@ -1351,7 +1363,9 @@ model::NamedTensors Runtime::gather_trainable(std::vector<at::Tensor> per_traina
   m.whole_from_pieces(per_trainable);
   std::vector<at::Tensor> local(m.model->parameters().size());
   for (size_t t = 0; t < per_trainable.size(); ++t) local[m.trainable_param[t]] = per_trainable[t];
-  return m.gather_full(local, root);
+  model::NamedTensors out;
+  m.gather_full(local, root, into(out));
+  return out;
 }
 
 std::vector<io::TensorShard> Runtime::checkpoint_shards(
@@ -1477,7 +1491,9 @@ std::string Runtime::gather_trace(int root) const {
 double Runtime::grad_norm() { return impl_->grad_norm(); }
 void Runtime::after_optimizer_step() { impl_->after_optimizer_step(); }
 model::NamedTensors Runtime::gather_full(const std::vector<at::Tensor>& local, int root) const {
-  return impl_->gather_full(local, root);
+  model::NamedTensors out;
+  impl_->gather_full(local, root, into(out));
+  return out;
 }
 at::Tensor Runtime::shard_of(size_t k, const at::Tensor& full) const {
   return model::take_shard(full, impl_->model->param_set().split(k));

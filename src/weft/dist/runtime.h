@@ -30,6 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -151,6 +152,10 @@ class Runtime {
   // Every parameter's exact value, at full shape on `root` (gather_full of the parameters, under a
   // narrow ZeRO-1 gather each shard from the rank that steps it). Collective.
   model::NamedTensors gather_parameters(int root = 0) const;
+  // The same, each tensor handed to `sink` on `root` as it arrives (a host tensor it may keep),
+  // so the root never holds more of them than `sink` keeps. Collective.
+  using TensorSink = std::function<void(const std::string& name, at::Tensor value)>;
+  void gather_parameters(int root, const TensorSink& sink) const;
   // Same for tensors shaped like the trainable parameters (gradients, optimizer moments): under
   // ZeRO-1 per_trainable[t] of a sharded parameter counts on this rank's pieces only (it may be
   // undefined where there are none); the group's pieces make the whole.

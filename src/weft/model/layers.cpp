@@ -80,6 +80,7 @@ at::Tensor Scope::normal(const std::string& name, at::IntArrayRef shape, double 
                          ParamUse use) const {
   // A meta-device model has shapes only: no values to draw.
   if (device().is_meta()) return add(name, torch::empty(shape, at::kMeta), std::move(split), use);
+  if (!params->draws()) return add(name, torch::empty(shape), std::move(split), use);
   return add(name, init_normal(prefix + "." + name, shape, std), std::move(split), use);
 }
 

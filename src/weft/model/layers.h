@@ -60,7 +60,10 @@ at::Tensor join_shards(const std::vector<at::Tensor>& shards, const Split& split
 class ParamSet {
  public:
   // Parameters live on `device`; their values are made on the CPU (the same on every device).
-  explicit ParamSet(c10::Device device = c10::kCPU) : device_(device) {}
+  // draw = false: Scope::normal draws nothing and leaves the values unset, for a set whose
+  // values are all copied in after (an evaluation copy of a model being trained).
+  explicit ParamSet(c10::Device device = c10::kCPU, bool draw = true)
+      : device_(device), draw_(draw) {}
   // Registers this rank's shard of the full `value` (made fp32, or the held dtype for a kCast
   // parameter; contiguous, requires_grad, on the set's device) under `name`; returns it.
   at::Tensor add(const std::string& name, at::Tensor value, Split split = {},
@@ -75,9 +78,11 @@ class ParamSet {
   const Split& split(size_t k) const { return splits_[k]; }
   ParamUse use(size_t k) const { return uses_[k]; }
   c10::Device device() const { return device_; }
+  bool draws() const { return draw_; }
 
  private:
   c10::Device device_;
+  bool draw_;
   at::ScalarType cast_dtype_ = at::kFloat;
   NamedTensors params_;
   std::vector<Split> splits_;

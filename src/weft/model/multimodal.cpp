@@ -31,34 +31,38 @@ Inputs to_device(const Inputs& in, c10::Device device) {
 }
 
 MultimodalModel::MultimodalModel(const ModelSpec& spec, uint64_t seed, Hosting hosting)
-    : spec_(spec), hosting_(std::move(hosting)), params_(hosting_.device) {
+    : spec_(spec), hosting_(std::move(hosting)), params_(hosting_.device, !hosting_.inference) {
   if (hosting_.encoders.empty()) hosting_.encoders.resize(spec.encoders.size());
   WEFT_ASSERT(hosting_.encoders.size() == spec.encoders.size(), "hosting covers ",
               hosting_.encoders.size(), " encoders; the model has ", spec.encoders.size());
   InitSeedGuard init(seed);
+  const bool inference = hosting_.inference;
+  const auto held_in = [&](bool frozen) {
+    return frozen || inference ? hosting_.frozen_dtype : at::kFloat;
+  };
   for (size_t i = 0; i < spec.encoders.size(); ++i) {
     const EncoderSpec& e = spec.encoders[i];
     const ModuleHosting& h = hosting_.encoders[i];
     Scope s{&params_, e.name, &h.shard};
     const bool projector = h.hosted && h.range.last_stage;
-    params_.hold_cast_params_in(e.frozen ? hosting_.frozen_dtype : at::kFloat);
+    params_.hold_cast_params_in(held_in(e.frozen));
     encoders_.push_back(h.hosted ? make_encoder(s, e, h.range) : nullptr);
-    params_.hold_cast_params_in(e.projector.frozen ? hosting_.frozen_dtype : at::kFloat);
+    params_.hold_cast_params_in(held_in(e.projector.frozen));
     const Shard whole = h.shard.without_sp();  // the encoder's last stage gathers its tokens
     const Scope ps{&params_, e.name, &whole};
     projectors_.push_back(
         projector ? Projector::make(ps.sub("projector"), e.projector, e.hidden, spec.llm.hidden)
                   : Projector{});
     has_projector_.push_back(projector);
-    if (h.hosted) set_trainable(e.name, !e.frozen);
-    if (projector) set_trainable(e.name + ".projector", !e.projector.frozen);
+    if (h.hosted) set_trainable(e.name, !e.frozen && !inference);
+    if (projector) set_trainable(e.name + ".projector", !e.projector.frozen && !inference);
   }
   if (hosting_.llm.hosted) {
-    params_.hold_cast_params_in(spec.llm.frozen ? hosting_.frozen_dtype : at::kFloat);
+    params_.hold_cast_params_in(held_in(spec.llm.frozen));
     const ModuleHosting& h = hosting_.llm;
     llm_ = Llm::make(Scope{&params_, "llm", &h.shard}, spec.llm,
                      h.chunks.empty() ? std::vector<StageRange>{h.range} : h.chunks);
-    set_trainable("llm", !spec.llm.frozen);
+    set_trainable("llm", !spec.llm.frozen && !inference);
   }
   params_.hold_cast_params_in(at::kFloat);
 }

@@ -61,6 +61,9 @@ struct Hosting {
   // What frozen modules' cast parameters (ParamUse::kCast) are held in: the compute dtype holds
   // them as forward passes use them (no fp32 masters, no casts); fp32 (default) as trained ones.
   at::ScalarType frozen_dtype = at::kFloat;
+  // An evaluation copy: every module held as a frozen one (its cast parameters in
+  // frozen_dtype, nothing trainable), and no values drawn: the caller copies them all in.
+  bool inference = false;
 };
 
 class MultimodalModel {

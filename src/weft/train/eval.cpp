@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "weft/core/error.h"
 #include "weft/data/collate.h"
@@ -12,15 +13,20 @@ namespace weft::train {
 
 namespace {
 
+// Samples collated into the model's inputs, on its device.
+model::Inputs inputs_of(const model::MultimodalModel& model, const std::vector<data::Sample>& s,
+                        const data::Dataset& tok) {
+  data::CollateOptions opts;
+  opts.num_encoders = static_cast<int>(model.spec().encoders.size());
+  opts.pad_id = tok.pad_id();
+  return model::to_device(to_inputs(data::collate(s, opts)), model.param_set().device());
+}
+
 // Greedy continuation of a group of prompts of equal length. Returns generated ids per sample.
 std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
                                            const std::vector<data::Sample>& prompts,
                                            const data::Dataset& tok, int64_t max_new) {
-  data::CollateOptions opts;
-  opts.num_encoders = static_cast<int>(model.spec().encoders.size());
-  opts.pad_id = tok.pad_id();
-  const c10::Device device = model.param_set().device();
-  model::Inputs in = model::to_device(to_inputs(data::collate(prompts, opts)), device);
+  model::Inputs in = inputs_of(model, prompts, tok);
   const int64_t B = in.tokens.size(0), P = in.tokens.size(1);
   at::Tensor x = model.embed(in);
   std::vector<std::vector<int64_t>> out(static_cast<size_t>(B));
@@ -61,14 +67,16 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
   model::ComputeDtypeGuard dtype(compute_dtype);
   EvalResult r;
   int64_t correct = 0;
+  double loss_sum = 0;
   for (size_t begin = 0; begin < samples.size();) {
     // A group: consecutive samples with the same prompt length, at most `batch`.
     const int64_t P = samples[begin].prompt_length;
-    std::vector<data::Sample> prompts;
+    std::vector<data::Sample> prompts, whole;
     size_t end = begin;
     int64_t max_new = 0;
     while (end < samples.size() && samples[end].prompt_length == P &&
            static_cast<int64_t>(prompts.size()) < batch) {
+      whole.push_back(samples[end]);
       data::Sample p = samples[end];
       WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(p.tokens.size()), "eval sample ", end,
                  ": prompt length ", P, " out of range");
@@ -82,6 +90,10 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       prompts.push_back(std::move(p));
       ++end;
     }
+    // Teacher-forced: the loss of every target of the whole samples.
+    const model::Inputs in = inputs_of(model, whole, dataset);
+    loss_sum += model.loss_sum(in).item<double>();
+    r.targets += in.targets.numel();
     std::vector<std::vector<int64_t>> gen = generate(model, prompts, dataset, max_new);
     for (size_t i = 0; i < gen.size(); ++i) {
       const std::string text = dataset.decode(gen[i]);
@@ -94,6 +106,7 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
   r.samples = static_cast<int64_t>(samples.size());
   r.caption_accuracy =
       r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples) : 0;
+  r.loss = r.targets ? loss_sum / static_cast<double>(r.targets) : NAN;
   return r;
 }
 

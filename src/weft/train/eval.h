@@ -1,5 +1,6 @@
 // Caption evaluation: greedy generation from each sample's prompt (BOS + modality
-// placeholders), exact match of the decoded text against the sample's caption.
+// placeholders), exact match of the decoded text against the sample's caption; and the
+// teacher-forced loss of the whole samples' targets (the validation loss).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,8 @@ namespace weft::train {
 struct EvalResult {
   double caption_accuracy = 0;
   int64_t samples = 0;
+  double loss = 0;      // mean cross-entropy per target token (NaN when there are none)
+  int64_t targets = 0;  // target tokens the loss is over
   std::vector<std::pair<std::string, std::string>> examples;  // (generated, reference), a few
 };
 

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -46,6 +47,7 @@ std::string Summary::to_json() const {
   j["loss_first"] = loss_first;
   j["loss_last"] = loss_last;
   j["eval_caption_accuracy"] = eval_caption_accuracy;
+  j["eval_loss"] = eval_loss;  // null when not evaluated
   j["tokens_per_second"] = tokens_per_second;
   j["mfu"] = mfu;
   j["wall_seconds"] = wall_seconds;
@@ -124,8 +126,6 @@ struct Trainer::Impl {
   std::unique_ptr<data::Dataset> dataset;
   std::unique_ptr<dist::Runtime> runtime;
   std::unique_ptr<AdamW> optimizer;
-  // Rank 0's whole model for evaluation when its own part is not the whole model.
-  std::unique_ptr<model::MultimodalModel> eval_model;
   c10::Device device = c10::kCPU;  // train.device, resolved for this rank
   at::ScalarType compute = at::kBFloat16;
   data::CollateOptions collate;
@@ -295,7 +295,6 @@ struct Trainer::Impl {
   }
 
   // Every parameter at full shape on rank 0 (collective).
-  model::NamedTensors gather_parameters() const { return runtime->gather_parameters(); }
 
   // Collective: every rank writes its shards of the weights and optimizer moments into the
   // checkpoint rank 0 opened; rank 0 then seals it (manifest, state, rename).
@@ -320,21 +319,42 @@ struct Trainer::Impl {
                                   spec.output.keep_checkpoints);
   }
 
-  // The model rank 0 evaluates (collective: gathers the parameters when they are spread).
-  const model::MultimodalModel* model_for_eval() {
-    if (whole_model()) return &model();
-    model::NamedTensors full = gather_parameters();
-    if (opts.comm.rank() != 0) return nullptr;
-    if (!eval_model) {
+  // Runs `evaluate` on rank 0 with the whole model (collective). Where every module is whole on
+  // rank 0 that is the training model itself. Otherwise it is a copy gathered onto rank 0 for
+  // this evaluation only: built without drawing values, every module held as a frozen one (its
+  // cast parameters in the compute dtype, rounded as each forward pass rounds the masters, so it
+  // generates what the training model would), filled parameter by parameter as the gather
+  // delivers them, and freed when `evaluate` returns. Rank 0 thus holds one copy of the weights
+  // in the compute dtype during an evaluation, and nothing between evaluations.
+  void evaluate_on_root(const std::function<void(const model::MultimodalModel&)>& evaluate) {
+    const bool root = opts.comm.rank() == 0;
+    if (whole_model()) {
+      if (root) evaluate(model());
+      return;
+    }
+    std::unique_ptr<model::MultimodalModel> copy;
+    std::map<std::string, at::Tensor> unfilled;
+    if (root) {
       model::Hosting whole;
       whole.device = device;
-      whole.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
-      eval_model = std::make_unique<model::MultimodalModel>(spec.model, 0, whole);
+      whole.frozen_dtype = compute;
+      whole.inference = true;
+      copy = std::make_unique<model::MultimodalModel>(spec.model, 0, whole);
+      for (const auto& [name, p] : copy->parameters()) unfilled.emplace(name, p);
     }
-    std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
     torch::NoGradGuard no_grad;
-    for (const auto& [name, p] : eval_model->parameters()) p.copy_(by_name.at(name));
-    return eval_model.get();
+    runtime->gather_parameters(0, [&](const std::string& name, at::Tensor value) {
+      const auto it = unfilled.find(name);
+      WEFT_ASSERT(it != unfilled.end(), "evaluation copy: parameter '", name,
+                  "' gathered twice or not in the model");
+      it->second.copy_(value);
+      unfilled.erase(it);
+    });
+    if (!root) return;
+    WEFT_ASSERT(unfilled.empty(), "evaluation copy: ", unfilled.size(),
+                " parameters not gathered (", unfilled.empty() ? "" : unfilled.begin()->first,
+                " first)");
+    evaluate(*copy);
   }
 
   // FLOPs of one step, all modules and LLM only (Megatron accounting, frozen-aware).
@@ -679,7 +699,7 @@ Summary Trainer::run() {
   WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
              " ranks but the job has ", comm.size());
   const bool writer = comm.rank() == 0;
-  std::ofstream metrics;
+  std::ofstream metrics, evals;  // a line per step; a line per evaluation
   if (writer) {
     fs::create_directories(m.run_dir);
     write_text(m.run_dir / "config.toml", spec_to_toml(spec));
@@ -691,6 +711,13 @@ Summary Trainer::run() {
       std::ofstream(metrics_path, std::ios::trunc);
     metrics.open(metrics_path, std::ios::app);
     WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
+    const fs::path evals_path = m.run_dir / "eval.jsonl";
+    if (m.start_step > 0)
+      truncate_metrics(evals_path, m.start_step);
+    else
+      std::ofstream(evals_path, std::ios::trunc);
+    evals.open(evals_path, std::ios::app);
+    WEFT_CHECK(evals, "cannot write ", evals_path.string());
   }
 
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops
@@ -705,7 +732,7 @@ Summary Trainer::run() {
   std::map<std::string, double> time_parts;  // summed over this session's steps (summary.json)
   int64_t total_tokens = 0;
   double loss_last = NAN;
-  double accuracy = -1;
+  double accuracy = -1, eval_loss = NAN;
   std::vector<std::pair<std::string, std::string>> examples;
   int64_t eval_step = 0;
   bool last_eval = false;
@@ -714,21 +741,29 @@ Summary Trainer::run() {
 
   // Collective: the model may need gathering; rank 0 evaluates.
   auto run_eval = [&]() {
-    const model::MultimodalModel* eval_model = m.model_for_eval();
-    if (!writer) return;
-    // The weights cast once for the whole evaluation, not again for every generated token, when
-    // it runs on the training model itself (whose step had room for its casts), not on a
-    // gathered copy beside this rank's training state.
-    std::optional<model::CastOnce> casts;
-    if (m.whole_model())
-      casts.emplace(eval_model->parameters(), model::CastOnce::Keep::kEverything);
-    EvalResult r = evaluate_captions(*eval_model, m.dataset->eval_set(), *m.dataset,
-                                     std::max<int64_t>(ts.batch, 64), m.compute);
-    accuracy = r.caption_accuracy;
-    examples = r.examples;
-    if (show && !last_eval)
-      progress.message("step " + std::to_string(eval_step) + ": eval caption accuracy " +
-                       std::to_string(r.caption_accuracy));
+    m.evaluate_on_root([&](const model::MultimodalModel& eval_model) {
+      // The weights cast once for the whole evaluation, not again for every generated token
+      // (a copy gathered for it holds them in the compute dtype already).
+      std::optional<model::CastOnce> casts;
+      if (m.whole_model())
+        casts.emplace(eval_model.parameters(), model::CastOnce::Keep::kEverything);
+      EvalResult r = evaluate_captions(eval_model, m.dataset->eval_set(), *m.dataset,
+                                       std::max<int64_t>(ts.batch, 64), m.compute);
+      accuracy = r.caption_accuracy;
+      eval_loss = r.loss;
+      examples = r.examples;
+      json line;
+      line["step"] = eval_step;
+      line["caption_accuracy"] = r.caption_accuracy;
+      line["loss"] = r.loss;
+      line["samples"] = r.samples;
+      line["targets"] = r.targets;
+      evals << line.dump() << "\n";
+      evals.flush();
+      if (show && !last_eval)
+        progress.message("step " + std::to_string(eval_step) + ": eval caption accuracy " +
+                         std::to_string(r.caption_accuracy) + ", loss " + std::to_string(r.loss));
+    });
   };
 
   // A step is finished (its loss read, its metrics written) after the next one is queued when
@@ -866,6 +901,7 @@ Summary Trainer::run() {
                      [](int64_t) { return false; });
   progress.finish();
   last_eval = true;
+  eval_step = ts.steps;
   if (m.opts.eval) run_eval();
 
   Summary s;
@@ -874,6 +910,7 @@ Summary Trainer::run() {
   s.loss_first = m.loss_first;
   s.loss_last = loss_last;
   s.eval_caption_accuracy = accuracy;
+  s.eval_loss = eval_loss;
   s.tokens_per_second = train_seconds > 0 ? static_cast<double>(total_tokens) / train_seconds : 0;
   s.mfu = train_seconds > 0 ? total_flops / train_seconds / peak : 0;
   s.wall_seconds = m.prior_wall_seconds + now_seconds() - wall_start;

@@ -3,6 +3,7 @@
 // A single-process run is the Plan with every size 1; the distributed runtime plugs in here.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -42,7 +43,9 @@ struct TrainerOptions {
   int local_rank = 0;      // this rank's GPU under train.device = "cuda" (LOCAL_RANK)
   DeferReads defer = DeferReads::kAuto;
   // The job's ranks (default: this process alone). Its size must equal the plan's world size.
-  // Rank 0 writes the run directory and evaluates; every rank trains.
+  // Rank 0 writes the run directory and evaluates (where the layout spreads the model, on a copy
+  // gathered onto it for the evaluation, in the compute dtype, and freed after); every rank
+  // trains.
   dist::Comm comm;
 };
 
@@ -51,6 +54,7 @@ struct Summary {
   int64_t steps = 0;
   double loss_first = 0, loss_last = 0;
   double eval_caption_accuracy = -1;  // -1 when not evaluated
+  double eval_loss = NAN;             // validation loss per target token; NaN when not evaluated
   double tokens_per_second = 0;
   double mfu = 0;
   double wall_seconds = 0;  // training wall time of this and earlier (resumed) sessions
