@@ -397,9 +397,9 @@ TEST(Layouts, GatheredEvaluationCopyGeneratesWhatTheWholeModelDoes) {
     const std::string tag = std::string("eval_copy_") + precision;
     // A learning rate that leaves the weights near their random start, where greedy decoding
     // gives each sample its own tokens (trained 3 steps, every caption decodes alike).
-    const std::vector<std::string> sets = {
-        "train.steps=3", "train.warmup=1", "train.lr=1e-6", "train.min_lr=1e-6",
-        "train.precision=\"" + std::string(precision) + "\""};
+    const std::vector<std::string> sets = {"train.steps=3", "train.warmup=1", "train.lr=1e-6",
+                                           "train.min_lr=1e-6",
+                                           "train.precision=\"" + std::string(precision) + "\""};
     const fs::path single = weft::testing::temp_dir(tag + "_single");
     const Spec spec = parse_spec(weft::testing::kTinyVlm, "tiny", sets);
     train::TrainerOptions o = testing::run_options(single, Comm());

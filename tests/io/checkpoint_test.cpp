@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <tuple>
 
@@ -345,6 +346,118 @@ TEST(CheckpointReader, ReadsOnlyWhatTheShardNeeds) {
   const std::string range = error_of([&] { reader.read("model/w", {0, {}, 0, 2}, 3000, 100); });
   EXPECT_NE(range.find("elements [3000, 3100) are outside its shard of 3072"), std::string::npos)
       << range;
+}
+
+// A rank reading its shard of a large file proves what it reads, not the whole file: the
+// manifest has, beside the whole file's checksum, one for the header and one for each 4 MiB
+// block of data. Opening proves the headers; a read, the blocks it lies in, each once. Damage in
+// a block a rank does not read costs it nothing; its first read from a damaged block names the
+// file and the block's bytes. The manifest's entries are the writers' own (finish reads no data
+// file), and what summing the written files gives.
+TEST(CheckpointReader, VerifiesTheBlocksItReads) {
+  const fs::path run = fresh("blocks");
+  const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+  // Three tensors of 4 MiB + 4 KiB each, one file: each lies in two blocks or three.
+  std::vector<at::Tensor> t;
+  std::vector<TensorShard> shards;
+  for (int i = 0; i < 3; ++i) {
+    t.push_back(torch::randn({1025, 1024}));
+    shards.push_back({"model/t" + std::to_string(i), t.back(), 0, {}, 0, 1, {}, 0});
+  }
+  const std::string sums = write_checkpoint_shards(tmp, 0, shards);
+  const std::string dir = finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1, {sums});
+  const fs::path f = fs::path(dir) / "rank-00000.safetensors";
+  const uint64_t size = fs::file_size(f), block = 4u << 20;
+  uint64_t header = 0;
+  {
+    std::ifstream in(fs::path(dir) / "manifest.json");
+    const nlohmann::json m = nlohmann::json::parse(in);
+    const nlohmann::json& e = m["files"]["rank-00000.safetensors"];
+    header = e["header_bytes"].get<uint64_t>();
+    EXPECT_GT(header, 8u);
+    EXPECT_LT(header, 4096u);
+    EXPECT_EQ(e["bytes"], size);
+    EXPECT_EQ(e["block_bytes"], block);
+    EXPECT_EQ(e["blocks"].size(), 1 + (size - header + block - 1) / block);
+    EXPECT_EQ(e, nlohmann::json::parse(sums)["rank-00000.safetensors"]);
+  }
+  {
+    const CheckpointReader reader(dir);
+    EXPECT_EQ(reader.bytes_verified(), header) << "opening proves the header alone";
+    // Rows 0-9 of t0: the first block of data.
+    EXPECT_TRUE(torch::equal(reader.read("model/t0", {0, {}, 0, 1}, 0, 10 * 1024),
+                             t[0].view({-1}).narrow(0, 0, 10 * 1024)));
+    EXPECT_EQ(reader.bytes_verified(), header + block);
+    // All of t1 (bytes [4 MiB + 4 KiB, 8 MiB + 8 KiB) of the data): blocks 1 and 2 of it.
+    EXPECT_TRUE(torch::equal(reader.read("model/t1"), t[1]));
+    EXPECT_EQ(reader.bytes_verified(), header + 3 * block);
+    EXPECT_LT(reader.bytes_verified(), size);
+  }
+  // Damage in the last tensor's last bytes: t0 still reads, t2 is named damaged.
+  {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(static_cast<std::streamoff>(size - 5));
+    io.put('\x7f');
+  }
+  const CheckpointReader reader(dir);
+  EXPECT_TRUE(torch::equal(reader.read("model/t0"), t[0]));
+  const std::string e = error_of([&] { reader.read("model/t2"); });
+  const uint64_t last = header + (size - 1 - header) / block * block;
+  EXPECT_NE(e.find("rank-00000.safetensors: checksum"), std::string::npos) << e;
+  EXPECT_NE(e.find("of bytes [" + std::to_string(last) + ", " + std::to_string(size) + ")"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("damaged"), std::string::npos) << e;
+  // load_checkpoint reads every tensor: it stops there too.
+  EXPECT_NE(error_of([&] { load_checkpoint(dir); }).find("rank-00000.safetensors: checksum"),
+            std::string::npos);
+}
+
+// A manifest from before block checksums (a size and one checksum per file) still proves the
+// files: each whole, when the checkpoint is opened, and a flipped byte is named.
+TEST(CheckpointReader, ManifestWithoutBlocksVerifiesWholeFiles) {
+  const fs::path run = fresh("no_blocks");
+  const std::string dir = save_checkpoint(run.string(), 1, sample(2.0f), 2);
+  const fs::path manifest = fs::path(dir) / "manifest.json";
+  nlohmann::json m;
+  {
+    std::ifstream in(manifest);
+    m = nlohmann::json::parse(in);
+  }
+  for (auto& [name, e] : m["files"].items()) {
+    ASSERT_TRUE(e.contains("blocks")) << name;
+    e = {{"bytes", e["bytes"]}, {"checksum", e["checksum"]}};
+  }
+  std::ofstream(manifest, std::ios::trunc) << m.dump();
+  const fs::path f = fs::path(dir) / "model.safetensors";
+  {
+    const CheckpointReader reader(dir);
+    EXPECT_EQ(reader.bytes_verified(),
+              fs::file_size(f) + fs::file_size(fs::path(dir) / "optimizer.safetensors"))
+        << "opening proves each file whole";
+    EXPECT_TRUE(torch::equal(reader.read("model/w"), torch::full({64, 64}, 2.0f)));
+  }
+  {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(static_cast<std::streamoff>(fs::file_size(f) - 3));
+    io.put('\x7f');
+  }
+  const std::string e = error_of([&] { CheckpointReader reader(dir); });
+  EXPECT_NE(e.find("model.safetensors: checksum"), std::string::npos) << e;
+}
+
+// A writer's entry that no longer fits its file (the file written again after it was summed) is
+// refused at finish, naming the file.
+TEST(Checkpoint, StaleWriterSumsAreRefused) {
+  const fs::path run = fresh("stale_sums");
+  const std::string tmp = begin_sharded_checkpoint(run.string(), 1);
+  const std::string sums =
+      write_checkpoint_shards(tmp, 0, {{"model/w", torch::zeros({4, 3}), 0, {}, 0, 1, {}, 0}});
+  write_checkpoint_shards(tmp, 0, {{"model/w", torch::zeros({8, 3}), 0, {}, 0, 1, {}, 0}});
+  const std::string e =
+      error_of([&] { finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 1, {sums}); });
+  EXPECT_NE(e.find("rank-00000.safetensors: "), std::string::npos) << e;
+  EXPECT_NE(e.find("but its writer summed"), std::string::npos) << e;
 }
 
 // Damage that leaves a file's header readable but changes its shard layout (here rank 1's file

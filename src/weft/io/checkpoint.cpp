@@ -25,7 +25,8 @@ namespace {
 
 constexpr const char* kStateFile = "state.json";
 constexpr const char* kManifestFile = "manifest.json";
-constexpr const char* kShardsKey = "weft.shards";  // safetensors metadata of a rank file
+constexpr const char* kShardsKey = "weft.shards";    // safetensors metadata of a rank file
+constexpr uint64_t kBlockBytes = uint64_t{4} << 20;  // the manifest's checksum blocks
 
 // The data files of a checkpoint directory: *.safetensors, sorted.
 std::vector<std::string> data_files(const fs::path& dir) {
@@ -37,30 +38,32 @@ std::vector<std::string> data_files(const fs::path& dir) {
   return out;
 }
 
-// A 64-bit checksum of a file's bytes (8 bytes per step, multiply-xorshift mixing): detects
-// truncation and corruption; not a cryptographic hash.
-std::pair<uint64_t, uint64_t> checksum_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  WEFT_CHECK(in, "cannot read ", path.string());
-  std::vector<char> buf(1 << 20);
-  uint64_t h = 0x9e3779b97f4a7c15ull, bytes = 0;
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const size_t n = static_cast<size_t>(in.gcount());
+// The 64-bit checksum of a run of bytes (8 bytes per step, multiply-xorshift mixing): detects
+// truncation and corruption; not a cryptographic hash. Fed in pieces, every piece but the last
+// a multiple of 8 bytes.
+class Checksum {
+ public:
+  void add(const char* p, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
       uint64_t w;
-      std::memcpy(&w, buf.data() + i, 8);
-      h = (h ^ w) * 0xff51afd7ed558ccdull;
-      h ^= h >> 32;
+      std::memcpy(&w, p + i, 8);
+      h_ = (h_ ^ w) * 0xff51afd7ed558ccdull;
+      h_ ^= h_ >> 32;
     }
-    for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(buf[i])) * 0x100000001b3ull;
-    bytes += n;
+    for (; i < n; ++i) h_ = (h_ ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
+    bytes_ += n;
   }
-  h ^= bytes;
-  h = (h ^ (h >> 33)) * 0xc4ceb9fe1a85ec53ull;
-  return {h ^ (h >> 33), bytes};
-}
+  uint64_t value() const {
+    uint64_t h = h_ ^ bytes_;
+    h = (h ^ (h >> 33)) * 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 33);
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  uint64_t h_ = 0x9e3779b97f4a7c15ull, bytes_ = 0;
+};
 
 std::string hex(uint64_t v) {
   char buf[17];
@@ -68,19 +71,120 @@ std::string hex(uint64_t v) {
   return buf;
 }
 
-// manifest.json: every data file's size and checksum, so a load can prove the files whole.
-std::string manifest_of(const fs::path& dir) {
+constexpr uint64_t kReadBytes = uint64_t{1} << 20;  // a multiple of 8, dividing kBlockBytes
+
+// What manifest.json says of one data file: its size, the checksum of all of it, and the
+// checksum of each block, so that a reader can prove the bytes it reads without reading the rest
+// of the file. Block 0 is the header (the 8-byte header size and the JSON it counts); the data
+// follow in blocks of block_bytes, the last one shorter. Older manifests have no blocks.
+struct FileSums {
+  uint64_t bytes = 0;
+  std::string checksum;
+  uint64_t header_bytes = 0, block_bytes = 0;
+  std::vector<std::string> blocks;
+
+  size_t block_count() const {
+    return bytes <= header_bytes ? 1 : 1 + (bytes - header_bytes + block_bytes - 1) / block_bytes;
+  }
+  size_t block_of(uint64_t byte) const {
+    return byte < header_bytes ? 0 : 1 + (byte - header_bytes) / block_bytes;
+  }
+  uint64_t block_begin(size_t b) const { return b == 0 ? 0 : header_bytes + (b - 1) * block_bytes; }
+  uint64_t block_end(size_t b) const {
+    return std::min(bytes, b == 0 ? header_bytes : header_bytes + b * block_bytes);
+  }
+};
+
+// A file's sums, in one pass.
+FileSums sum_file(const fs::path& path, uint64_t block_bytes = kBlockBytes) {
+  FileSums out;
+  out.bytes = fs::file_size(path);
+  std::ifstream in(path, std::ios::binary);
+  WEFT_CHECK(in, "cannot read ", path.string());
+  unsigned char size[8] = {};
+  in.read(reinterpret_cast<char*>(size), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t{size[i]} << (8 * i);
+  out.header_bytes = out.bytes < 8 || n > out.bytes - 8 ? out.bytes : 8 + n;
+  out.block_bytes = block_bytes;
+  in.clear();
+  in.seekg(0);
+  std::vector<char> buf(kReadBytes);
+  Checksum whole, block;
+  uint64_t block_end = out.block_end(0);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const size_t got = static_cast<size_t>(in.gcount());
+    for (size_t pos = 0; pos < got;) {  // the part of the buffer in the current block
+      const uint64_t offset = whole.bytes() + pos;
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(got - pos, block_end - offset));
+      block.add(buf.data() + pos, take);
+      pos += take;
+      if (offset + take == block_end) {
+        out.blocks.push_back(hex(block.value()));
+        block = Checksum();
+        block_end = out.block_end(out.blocks.size());
+      }
+    }
+    whole.add(buf.data(), got);
+  }
+  WEFT_CHECK(whole.bytes() == out.bytes, path.string(), ": read ", whole.bytes(), " of its ",
+             out.bytes, " bytes (changed while being read?)");
+  if (out.blocks.empty()) out.blocks.push_back(hex(block.value()));  // an empty file
+  out.checksum = hex(whole.value());
+  return out;
+}
+
+// The checksum of bytes [offset, offset + n) of a file.
+uint64_t sum_range(const fs::path& path, uint64_t offset, uint64_t n) {
+  std::ifstream in(path, std::ios::binary);
+  WEFT_CHECK(in, "cannot read ", path.string());
+  in.seekg(static_cast<std::streamoff>(offset));
+  std::vector<char> buf(static_cast<size_t>(std::min(n, kReadBytes)));
+  Checksum sum;
+  while (sum.bytes() < n) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(n - sum.bytes(), buf.size()));
+    in.read(buf.data(), static_cast<std::streamsize>(want));
+    WEFT_CHECK(static_cast<size_t>(in.gcount()) == want, path.string(), ": cannot read bytes [",
+               offset, ", ", offset + n, ") (truncated?)");
+    sum.add(buf.data(), want);
+  }
+  return sum.value();
+}
+
+nlohmann::ordered_json to_json(const FileSums& f) {
+  return {{"bytes", f.bytes},
+          {"checksum", f.checksum},
+          {"header_bytes", f.header_bytes},
+          {"block_bytes", f.block_bytes},
+          {"blocks", f.blocks}};
+}
+
+// manifest.json: every data file's size and checksums, so a load can prove the files whole.
+// `known`: entries the writers made as they wrote (file name -> entry); the other files are read
+// here.
+std::string manifest_of(const fs::path& dir,
+                        const nlohmann::json& known = nlohmann::json::object()) {
   nlohmann::ordered_json j;
+  j["files"] = nlohmann::ordered_json::object();
   for (const std::string& f : data_files(dir)) {
-    const auto [sum, bytes] = checksum_file(dir / f);
-    j["files"][f] = {{"bytes", bytes}, {"checksum", hex(sum)}};
+    if (!known.contains(f)) {
+      j["files"][f] = to_json(sum_file(dir / f));
+      continue;
+    }
+    const nlohmann::json& e = known[f];
+    const uint64_t size = fs::file_size(dir / f);
+    WEFT_CHECK(e.value("bytes", uint64_t{0}) == size, (dir / f).string(), ": ", size,
+               " bytes, but its writer summed ", e.value("bytes", uint64_t{0}),
+               " (written again since?)");
+    j["files"][f] = e;
   }
   return j.dump(2);
 }
 
-// manifest.json's entries: file name -> (bytes, checksum). Every data file must have one, at that
-// size; the checksums are compared when a file is first read (CheckpointReader).
-using Manifest = std::map<std::string, std::pair<uint64_t, std::string>>;
+// manifest.json's entries by file name. Every data file must have one, at its size; the
+// checksums are compared as the file's bytes are first read (CheckpointReader).
+using Manifest = std::map<std::string, FileSums>;
 
 Manifest read_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifestFile;
@@ -98,19 +202,33 @@ Manifest read_manifest(const fs::path& dir) {
   for (const auto& [f, e] : j["files"].items()) {
     WEFT_CHECK(e.is_object(), path.string(), ": bad entry for ", f);
     WEFT_CHECK(fs::exists(dir / f), (dir / f).string(), ": missing (the manifest lists it)");
-    const uint64_t bytes = e.value("bytes", uint64_t{0});
+    FileSums sums;
+    try {
+      sums.bytes = e.value("bytes", uint64_t{0});
+      sums.checksum = e.value("checksum", std::string());
+      sums.header_bytes = e.value("header_bytes", uint64_t{0});
+      sums.block_bytes = e.value("block_bytes", uint64_t{0});
+      sums.blocks = e.value("blocks", std::vector<std::string>());
+    } catch (const nlohmann::json::exception&) {
+      WEFT_FAIL(path.string(), ": bad entry for ", f, ": ", e.dump());
+    }
     const uint64_t size = fs::file_size(dir / f);
-    WEFT_CHECK(size == bytes, (dir / f).string(), ": ", size, " bytes, the manifest says ", bytes,
-               " (truncated or overwritten)");
-    out[f] = {bytes, e.value("checksum", std::string())};
+    WEFT_CHECK(size == sums.bytes, (dir / f).string(), ": ", size, " bytes, the manifest says ",
+               sums.bytes, " (truncated or overwritten)");
+    WEFT_CHECK(sums.blocks.empty() || (sums.block_bytes > 0 && sums.header_bytes <= sums.bytes &&
+                                       sums.blocks.size() == sums.block_count()),
+               path.string(), ": the entry for ", f, " has ", sums.blocks.size(),
+               " block checksums, which do not fit ", sums.bytes, " bytes as a header of ",
+               sums.header_bytes, " and blocks of ", sums.block_bytes);
+    out[f] = std::move(sums);
   }
   return out;
 }
 
 void verify_checksum(const fs::path& path, const std::string& expected) {
-  const uint64_t sum = checksum_file(path).first;
-  WEFT_CHECK(hex(sum) == expected, path.string(), ": checksum ", hex(sum),
-             " does not match the manifest's ", expected, " (the file is damaged)");
+  const std::string sum = sum_file(path).checksum;
+  WEFT_CHECK(sum == expected, path.string(), ": checksum ", sum, " does not match the manifest's ",
+             expected, " (the file is damaged)");
 }
 
 void fsync_path(const fs::path& p) {
@@ -159,9 +277,10 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root,
 
 // Manifest, state.json (last: marks completeness), rename into place, keep the newest.
 std::string commit(const fs::path& root, const fs::path& tmp, int64_t step,
-                   const std::string& state_json, int64_t keep_last) {
+                   const std::string& state_json, int64_t keep_last,
+                   const nlohmann::json& known_sums = nlohmann::json::object()) {
   const fs::path final_dir = root / step_name(step);
-  write_file_synced(tmp / kManifestFile, manifest_of(tmp));
+  write_file_synced(tmp / kManifestFile, manifest_of(tmp, known_sums));
   write_file_synced(tmp / kStateFile, state_json);
   fsync_path(tmp);
   if (fs::exists(final_dir)) {  // re-saving a step (after a resume): swap atomically-ish
@@ -200,8 +319,8 @@ std::string begin_sharded_checkpoint(const std::string& run_dir, int64_t step) {
   return tmp.string();
 }
 
-void write_checkpoint_shards(const std::string& tmp_dir, int rank,
-                             const std::vector<TensorShard>& shards) {
+std::string write_checkpoint_shards(const std::string& tmp_dir, int rank,
+                                    const std::vector<TensorShard>& shards) {
   TensorMap tensors;
   nlohmann::json layout = nlohmann::json::object();
   for (const TensorShard& s : shards) {
@@ -215,13 +334,27 @@ void write_checkpoint_shards(const std::string& tmp_dir, int rank,
   }
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
-  save_safetensors((fs::path(tmp_dir) / name).string(), tensors, {{kShardsKey, layout.dump()}});
+  const fs::path path = fs::path(tmp_dir) / name;
+  save_safetensors(path.string(), tensors, {{kShardsKey, layout.dump()}});
+  // Summed here, from what reached the file, so that no rank reads another's.
+  nlohmann::ordered_json entry;
+  entry[name] = to_json(sum_file(path));
+  return entry.dump();
 }
 
 std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
-                                      const std::string& state_json, int64_t keep_last) {
+                                      const std::string& state_json, int64_t keep_last,
+                                      const std::vector<std::string>& sums) {
   const fs::path root = fs::path(run_dir) / "checkpoints";
-  return commit(root, root / (".tmp-" + step_name(step)), step, state_json, keep_last);
+  const fs::path tmp = root / (".tmp-" + step_name(step));
+  nlohmann::json known = nlohmann::json::object();
+  for (const std::string& text : sums) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    WEFT_CHECK(j.is_object() && j.size() == 1 && j.begin().value().is_object(), tmp.string(),
+               ": a writer's checksums are not one file's entry: ", text);
+    known[j.begin().key()] = j.begin().value();
+  }
+  return commit(root, tmp, step, state_json, keep_last, known);
 }
 
 std::string latest_checkpoint(const std::string& run_dir, bool warn) {
@@ -312,8 +445,9 @@ struct CheckpointReader::Impl {
   struct File {
     std::string name;
     std::unique_ptr<SafetensorsReader> reader;
-    std::string checksum;
-    bool verified = false;
+    FileSums sums;
+    bool verified = false;       // all of it
+    std::vector<char> block_ok;  // per block of sums.block_bytes
   };
   // A flat range [begin, begin + numel) of one chunk, stored as tensor `key` of file `file`.
   struct Piece {
@@ -338,7 +472,7 @@ struct CheckpointReader::Impl {
   std::vector<File> files;
   std::map<std::string, Stored> tensors;
   std::vector<std::string> order;
-  uint64_t bytes_read = 0;
+  uint64_t bytes_read = 0, bytes_verified = 0;
   int64_t max_span = 0;
 
   std::string where(size_t file) const { return (dir / files[file].name).string(); }
@@ -422,11 +556,13 @@ struct CheckpointReader::Impl {
     for (const std::string& f : data_files(dir)) {
       const bool whole = f == "model.safetensors" || f == "optimizer.safetensors";
       if (!whole && f.rfind("rank-", 0) != 0) continue;
-      files.push_back({f, nullptr, manifest.at(f).second, false});
+      files.push_back({f, nullptr, manifest.at(f), false, {}});
       const size_t file = files.size() - 1;
       const std::string path = where(file);
+      files[file].block_ok.assign(files[file].sums.blocks.size(), 0);
       files[file].reader = std::make_unique<SafetensorsReader>(path);
       const SafetensorsReader& r = *files[file].reader;
+      verify(file, 0, r.header_bytes());  // what the layout is read from
       if (whole) {
         const std::string prefix = f == "model.safetensors" ? "model/" : "optimizer/";
         for (const std::string& key : r.names())
@@ -476,11 +612,35 @@ struct CheckpointReader::Impl {
     finish();
   }
 
+  // The whole file proved against the manifest.
   void verify(size_t file) {
     File& f = files[file];
     if (f.verified) return;
-    verify_checksum(dir / f.name, f.checksum);
+    if (f.sums.blocks.empty()) {
+      verify_checksum(dir / f.name, f.sums.checksum);
+      bytes_verified += f.sums.bytes;
+    } else {
+      verify(file, 0, f.sums.bytes);
+    }
     f.verified = true;
+  }
+  // Bytes [lo, hi) of the file proved: the blocks they lie in, each once (the whole file where
+  // the manifest has no blocks).
+  void verify(size_t file, uint64_t lo, uint64_t hi) {
+    File& f = files[file];
+    if (f.verified || lo >= hi) return;
+    if (f.sums.blocks.empty()) return verify(file);
+    for (size_t b = f.sums.block_of(lo); b <= f.sums.block_of(hi - 1) && b < f.block_ok.size();
+         ++b) {
+      if (f.block_ok[b]) continue;
+      const uint64_t begin = f.sums.block_begin(b), end = f.sums.block_end(b);
+      const std::string sum = hex(sum_range(dir / f.name, begin, end - begin));
+      WEFT_CHECK(sum == f.sums.blocks[b], where(file), ": checksum ", sum, " of bytes [", begin,
+                 ", ", end, ") does not match the manifest's ", f.sums.blocks[b],
+                 " (the file is damaged)");
+      f.block_ok[b] = 1;
+      bytes_verified += end - begin;
+    }
   }
 
   // Box `box` of chunk `rank` of `t` into `dst` (shaped as the box): the contiguous span of the
@@ -514,9 +674,10 @@ struct CheckpointReader::Impl {
     for (const Piece& p : t.chunks.at(rank)) {
       const int64_t from = std::max(lo, p.begin), to = std::min(hi, p.begin + p.numel);
       if (from >= to) continue;
-      verify(p.file);
       const int64_t count = to - from;
-      files[p.file].reader->copy_flat(p.key, from - p.begin, values.narrow(0, from - lo, count));
+      const SafetensorsReader& r = *files[p.file].reader;
+      verify(p.file, r.file_offset(p.key, from - p.begin), r.file_offset(p.key, to - p.begin));
+      r.copy_flat(p.key, from - p.begin, values.narrow(0, from - lo, count));
       bytes_read += static_cast<uint64_t>(count) * c10::elementSize(t.dtype);
     }
     dst.copy_(values.as_strided(box.len, strides, 0));
@@ -575,6 +736,7 @@ NamedShapes CheckpointReader::shapes(const std::string& prefix) const {
   return out;
 }
 uint64_t CheckpointReader::bytes_read() const { return impl_->bytes_read; }
+uint64_t CheckpointReader::bytes_verified() const { return impl_->bytes_verified; }
 
 at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& split, int64_t begin,
                                   int64_t length) const {

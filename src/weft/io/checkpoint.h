@@ -4,12 +4,13 @@
 // them — one rank-NNNNN.safetensors per rank with that rank's shards of the weights and
 // optimizer moments (each shard of each tensor written once, by the rank holding its canonical
 // copy, one TP rank for a tensor TP replicates); plus manifest.json (every data file's size and
-// 64-bit checksum, verified on load) and state.json (trainer state: step, data position, ...). A
-// checkpoint is written under a temporary name and renamed only when complete, so a crash mid-save
-// leaves the previous checkpoints intact; only complete checkpoints are ever found or loaded, and a
-// damaged or truncated file is an error naming it. CheckpointReader reads any shard of any tensor
-// from either form, copying only the bytes that shard needs: a rank that resumes holds its own
-// shards and never the whole model.
+// 64-bit checksums, of the whole file and of each 4 MiB block of it, verified on load) and
+// state.json (trainer state: step, data position, ...). A checkpoint is written under a temporary
+// name and renamed only when complete, so a crash mid-save leaves the previous checkpoints intact;
+// only complete checkpoints are ever found or loaded, and a damaged or truncated file is an error
+// naming it. CheckpointReader reads any shard of any tensor from either form, copying only the
+// bytes that shard needs and verifying only the blocks they lie in: a rank that resumes holds its
+// own shards and never the whole model, and reads little more than its share.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -98,6 +99,9 @@ class CheckpointReader {
                   int64_t length = -1) const;
   // Tensor data bytes copied out of the files so far (checksums not counted).
   uint64_t bytes_read() const;
+  // Bytes read to verify checksums so far: the blocks of the headers and of the data read (the
+  // whole file, for a checkpoint whose manifest has no blocks).
+  uint64_t bytes_verified() const;
 
  private:
   struct Impl;
@@ -111,12 +115,15 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const Chec
 // whose path it shares), every rank writes its shards there, then — after all have written —
 // rank 0 calls finish, which writes manifest.json and state.json and renames the directory
 // into place (keeping the newest `keep_last`). A crash before finish leaves only a temporary
-// directory, which is never loaded.
+// directory, which is never loaded. write_checkpoint_shards returns its file's manifest entry
+// (size, checksums of the whole and of every 4 MiB block, summed from the written file); given
+// every rank's to finish, rank 0 reads no data file (a file without one is read and summed).
 std::string begin_sharded_checkpoint(const std::string& run_dir, int64_t step);
-void write_checkpoint_shards(const std::string& tmp_dir, int rank,
-                             const std::vector<TensorShard>& shards);
+std::string write_checkpoint_shards(const std::string& tmp_dir, int rank,
+                                    const std::vector<TensorShard>& shards);
 std::string finish_sharded_checkpoint(const std::string& run_dir, int64_t step,
-                                      const std::string& state_json, int64_t keep_last);
+                                      const std::string& state_json, int64_t keep_last,
+                                      const std::vector<std::string>& sums = {});
 
 // Newest complete checkpoint directory of a run, or "" when there is none. With `warn`, says on
 // stderr which newer step directories it passed over as damaged (one rank of a job says it).

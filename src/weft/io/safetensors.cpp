@@ -439,6 +439,19 @@ void SafetensorsReader::copy_flat(const std::string& name, int64_t begin,
                       static_cast<size_t>(count) * c10::elementSize(e.type));
 }
 
+uint64_t SafetensorsReader::file_offset(const std::string& name, int64_t element) const {
+  const Entry& e = impl_->entry(name, c10::nullopt);
+  const uint64_t size = c10::elementSize(e.type);
+  WEFT_CHECK(element >= 0 && static_cast<uint64_t>(element) * size <= e.end - e.begin,
+             where(impl_->path, name), ": element ", element, " is outside its ",
+             (e.end - e.begin) / size);
+  return header_bytes() + e.begin + static_cast<uint64_t>(element) * size;
+}
+
+uint64_t SafetensorsReader::header_bytes() const {
+  return static_cast<uint64_t>(impl_->buffer - impl_->map.data());
+}
+
 SafetensorsFile load_safetensors(const std::string& path,
                                  c10::optional<at::ScalarType> float_dtype) {
   WEFT_CHECK(!float_dtype || at::isFloatingType(*float_dtype), where(path),

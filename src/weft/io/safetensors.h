@@ -62,6 +62,11 @@ class SafetensorsReader {
   // contiguous CPU tensor of the tensor's dtype), reading only those bytes; Error naming the
   // file and tensor when out of range or of another dtype.
   void copy_flat(const std::string& name, int64_t begin, const at::Tensor& dst) const;
+  // Where element `element` of tensor `name` (flattened; its element count for the end) lies in
+  // the file: a byte offset from the file's start.
+  uint64_t file_offset(const std::string& name, int64_t element) const;
+  // The bytes before the data: the 8-byte header size and the JSON header.
+  uint64_t header_bytes() const;
 
  private:
   struct Impl;

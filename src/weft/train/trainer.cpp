@@ -305,8 +305,9 @@ struct Trainer::Impl {
     tmp = comm.all_gather_strings(tmp)[0];
     const std::vector<std::pair<std::string, std::vector<at::Tensor>>> moments = {
         {"exp_avg", optimizer->exp_avg_pieces()}, {"exp_avg_sq", optimizer->exp_avg_sq_pieces()}};
-    io::write_checkpoint_shards(tmp, comm.rank(), runtime->checkpoint_shards(moments));
-    comm.all_gather_strings("written");  // every rank's file is complete
+    // Every rank's file complete, with its checksums (each rank sums its own file).
+    const std::vector<std::string> sums = comm.all_gather_strings(
+        io::write_checkpoint_shards(tmp, comm.rank(), runtime->checkpoint_shards(moments)));
     if (comm.rank() != 0) return;
     json state;
     state["step"] = step;
@@ -316,7 +317,7 @@ struct Trainer::Impl {
     state["next_sample"] = step * spec.train.batch;  // data position: the stream is indexed
     state["world_size"] = comm.size();
     io::finish_sharded_checkpoint(run_dir.string(), step, state.dump(2),
-                                  spec.output.keep_checkpoints);
+                                  spec.output.keep_checkpoints, sums);
   }
 
   // Runs `evaluate` on rank 0 with the whole model (collective). Where every module is whole on
