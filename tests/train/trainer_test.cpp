@@ -126,6 +126,17 @@ TEST(Trainer, ResumeIsBitwiseExact) {
   ASSERT_EQ(la.size(), 20u);
   ASSERT_EQ(lc.size(), 20u);  // metrics after the checkpoint were rewritten, not duplicated
   for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
+  // summary.json says what the resume read: one process reads every tensor of the checkpoint
+  // (moments of parameters it does not train aside) and proves every byte it read.
+  std::ifstream in(resumed / "summary.json");
+  const nlohmann::json summary = nlohmann::json::parse(in);
+  EXPECT_EQ(summary["resumed_from_step"], 10);
+  const nlohmann::json& r = summary.at("resume_read");
+  EXPECT_NE(r["checkpoint"].get<std::string>().find("step_00000010"), std::string::npos) << r;
+  const uint64_t files = r["checkpoint_bytes"].get<uint64_t>();
+  EXPECT_GT(r["bytes_read"].get<uint64_t>(), files / 2) << r;
+  EXPECT_LT(r["bytes_read"].get<uint64_t>(), files) << r;
+  EXPECT_EQ(r["bytes_verified"].get<uint64_t>(), files) << r;
 }
 
 TEST(Trainer, NanLossIsAClearError) {

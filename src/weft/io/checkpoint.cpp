@@ -737,6 +737,11 @@ NamedShapes CheckpointReader::shapes(const std::string& prefix) const {
 }
 uint64_t CheckpointReader::bytes_read() const { return impl_->bytes_read; }
 uint64_t CheckpointReader::bytes_verified() const { return impl_->bytes_verified; }
+uint64_t CheckpointReader::file_bytes() const {
+  uint64_t n = 0;
+  for (const Impl::File& f : impl_->files) n += f.sums.bytes;
+  return n;
+}
 
 at::Tensor CheckpointReader::read(const std::string& name, const ShardSplit& split, int64_t begin,
                                   int64_t length) const {

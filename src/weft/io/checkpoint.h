@@ -102,6 +102,8 @@ class CheckpointReader {
   // Bytes read to verify checksums so far: the blocks of the headers and of the data read (the
   // whole file, for a checkpoint whose manifest has no blocks).
   uint64_t bytes_verified() const;
+  // The data files' size, all together.
+  uint64_t file_bytes() const;
 
  private:
   struct Impl;

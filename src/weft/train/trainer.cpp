@@ -149,6 +149,9 @@ struct Trainer::Impl {
   double loss_first = NAN;
   bool defer = false;  // steps leave their loss and norm on the device (queue_step)
   double prior_wall_seconds = 0;
+  // What this rank's resume read: tensor data copied out, bytes proved against the manifest,
+  // and the checkpoint's data files in all (summary.json, rank 0's).
+  json resume_read;
 
   Impl(Spec s, plan::Plan p, TrainerOptions o)
       : spec(std::move(s)), plan(std::move(p)), opts(std::move(o)) {
@@ -292,9 +295,11 @@ struct Trainer::Impl {
         state.value("optimizer_steps", start_step));
     WEFT_CHECK(start_step <= spec.train.steps, dir, ": checkpoint is at step ", start_step,
                ", beyond train.steps = ", spec.train.steps, " (raise it with --set train.steps=N)");
+    resume_read = {{"checkpoint", dir},
+                   {"bytes_read", ckpt.bytes_read()},
+                   {"bytes_verified", ckpt.bytes_verified()},
+                   {"checkpoint_bytes", ckpt.file_bytes()}};
   }
-
-  // Every parameter at full shape on rank 0 (collective).
 
   // Collective: every rank writes its shards of the weights and optimizer moments into the
   // checkpoint rank 0 opened; rank 0 then seals it (manifest, state, rename).
@@ -728,6 +733,18 @@ Summary Trainer::run() {
   if (show)
     progress.message("weft: training " + std::to_string(ts.steps) + " steps, run directory " +
                      m.run_dir.string());
+  if (show && m.start_step > 0) {
+    const auto mib = [&](const char* key) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.1f MiB",
+                    static_cast<double>(m.resume_read[key].get<uint64_t>()) / (1 << 20));
+      return std::string(buf);
+    };
+    progress.message("weft: resumed at step " + std::to_string(m.start_step) + " from " +
+                     m.resume_read["checkpoint"].get<std::string>() + ": this rank read " +
+                     mib("bytes_read") + " of tensor data and proved " + mib("bytes_verified") +
+                     " against the manifest, of its " + mib("checkpoint_bytes"));
+  }
 
   double train_seconds = 0, total_flops = 0, total_llm_flops = 0;
   std::map<std::string, double> time_parts;  // summed over this session's steps (summary.json)
@@ -923,6 +940,7 @@ Summary Trainer::run() {
   j["train_seconds"] = train_seconds;
   j["time_seconds"] = time_parts;  // rank 0's parts of train_seconds (metrics.jsonl's, summed)
   j["resumed_from_step"] = m.start_step;
+  if (m.start_step > 0) j["resume_read"] = m.resume_read;  // rank 0's
   j["skipped_steps"] = skipped_steps;
   j["restarts"] = m.opts.restart;
   j["eval_examples"] = json::array();
