@@ -710,20 +710,18 @@ Summary Trainer::run() {
     fs::create_directories(m.run_dir);
     write_text(m.run_dir / "config.toml", spec_to_toml(spec));
     write_text(m.run_dir / "plan.json", plan::to_json(m.plan));
-    const fs::path metrics_path = m.run_dir / "metrics.jsonl";
-    if (m.start_step > 0)
-      truncate_metrics(metrics_path, m.start_step);
-    else
-      std::ofstream(metrics_path, std::ios::trunc);
-    metrics.open(metrics_path, std::ios::app);
-    WEFT_CHECK(metrics, "cannot write ", metrics_path.string());
-    const fs::path evals_path = m.run_dir / "eval.jsonl";
-    if (m.start_step > 0)
-      truncate_metrics(evals_path, m.start_step);
-    else
-      std::ofstream(evals_path, std::ios::trunc);
-    evals.open(evals_path, std::ios::app);
-    WEFT_CHECK(evals, "cannot write ", evals_path.string());
+    // A resumed run keeps the lines of the steps up to its checkpoint; a fresh one starts empty.
+    const auto open_log = [&](const char* name, std::ofstream& out) {
+      const fs::path path = m.run_dir / name;
+      if (m.start_step > 0)
+        truncate_metrics(path, m.start_step);
+      else
+        std::ofstream(path, std::ios::trunc);
+      out.open(path, std::ios::app);
+      WEFT_CHECK(out, "cannot write ", path.string());
+    };
+    open_log("metrics.jsonl", metrics);
+    open_log("eval.jsonl", evals);
   }
 
   const double peak = m.opts.peak_flops > 0 ? m.opts.peak_flops
