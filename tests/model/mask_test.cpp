@@ -251,7 +251,9 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
           }
           if (t.kind == TileKind::kCausal) {
             EXPECT_EQ(t.k_end, c.q_end);
-            if (!joined) EXPECT_EQ(t.k_begin, c.q_begin);
+            if (!joined) {
+              EXPECT_EQ(t.k_begin, c.q_begin);
+            }
             EXPECT_LE(t.k_begin, c.q_begin);
             long_causal += t.k_begin < c.q_begin;
           }
