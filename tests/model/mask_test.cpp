@@ -238,7 +238,9 @@ TEST(AttentionChunks, TilesSayExactlyWhatEveryRowSees) {
         next = c.q_end;
         bool masked = false;
         for (const AttentionTile& t : c.tiles) masked = masked || t.kind == TileKind::kMasked;
-        if (masked) EXPECT_LE(c.q_end - c.q_begin, chunk);
+        if (masked) {
+          EXPECT_LE(c.q_end - c.q_begin, chunk);
+        }
         long_blocks += c.q_end - c.q_begin > 16;
         int64_t k_next = 0;
         for (size_t i = 0; i < c.tiles.size(); ++i) {
