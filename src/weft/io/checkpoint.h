@@ -72,8 +72,10 @@ using NamedShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // manifest (every data file listed, at its size) and every data file's header and shard layout,
 // and checks that each tensor's pieces tile it exactly (a chunk written whole by several files,
 // as older checkpoints wrote tensors TP replicates, is read from the first); it reads no tensor
-// data. A file's checksum is verified the first time data is read from it. Tensors are named
-// "model/<parameter>" and "optimizer/exp_avg[_sq].<parameter>" whichever form wrote them.
+// data. Checksums are verified as bytes are first read: each file's header as it is opened,
+// then each 4 MiB block of data a read lies in (a whole file, under a manifest from before block
+// checksums). Tensors are named "model/<parameter>" and "optimizer/exp_avg[_sq].<parameter>"
+// whichever form wrote them.
 // Errors name the file (or the directory) and what is wrong. Not thread-safe.
 class CheckpointReader {
  public:
