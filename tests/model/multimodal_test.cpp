@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -399,6 +400,52 @@ TEST(Llm, Bf16TrainedEmbeddingSumsItsRowGradientsInFp32) {
   EXPECT_EQ(table.grad().scalar_type(), at::kFloat);
   EXPECT_TRUE(torch::equal(table.grad()[1], torch::full({table.size(1)}, sum))) << table.grad()[1];
   EXPECT_TRUE(torch::equal(table.grad()[0], torch::zeros({table.size(1)})));
+}
+
+// A tied table that the lookup and the head read in one graph (Llm::TiedHeadInGraph): the
+// lookup's gradient reaches autograd sparse and is summed into the head's dense one, so the
+// table's .grad is dense and that of the dense path (in fp32, up to the order of the sums).
+// Without the guard the lookup's gradient stays dense: a lookup alone never leaves a sparse .grad.
+TEST(Llm, TiedTableTakesTheLookupGradientIntoTheHeads) {
+  ParamSet ps;
+  const Llm llm = Llm::make(Scope{&ps, "llm"}, testing::tiny_multimodal_spec().llm);
+  ASSERT_FALSE(llm.head.defined());
+  const at::Tensor& table = llm.embedding;
+  torch::manual_seed(3);
+  const at::Tensor tokens = torch::randint(0, 8, {2, 30});  // ids repeat
+  const at::Tensor rows = torch::arange(0, 60, 3);
+  const at::Tensor targets = torch::randint(0, table.size(0), {rows.size(0)});
+  // Whether the graph below `t` has the sparse lookup in it.
+  std::function<bool(const torch::autograd::Node*, int)> sparse_below =
+      [&](const torch::autograd::Node* f, int depth) {
+        if (f == nullptr || depth > 4) return false;
+        if (f->name().find("SparseRowsFn") != std::string::npos) return true;
+        for (const auto& edge : f->next_edges())
+          if (sparse_below(edge.function.get(), depth + 1)) return true;
+        return false;
+      };
+  const auto grad_of = [&](bool tied, bool head) {
+    table.mutable_grad().reset();
+    at::Tensor x;
+    {
+      std::optional<Llm::TiedHeadInGraph> guard;
+      if (tied) guard.emplace();
+      x = llm.embed(tokens);
+    }
+    EXPECT_EQ(sparse_below(x.grad_fn().get(), 0), tied);
+    at::Tensor loss = x.pow(2).sum() * 0.01;  // every row looked up gets a gradient
+    if (head) {
+      const at::Tensor h = x.tanh().reshape({-1, x.size(-1)}).index_select(0, rows);
+      loss = loss + llm.loss_sum(h, targets);
+    }
+    loss.backward();
+    EXPECT_FALSE(table.grad().is_sparse());
+    return table.grad().clone();
+  };
+  const at::Tensor dense = grad_of(false, true), tied = grad_of(true, true);
+  EXPECT_LT((tied - dense).norm().item<double>(), 1e-6 * dense.norm().item<double>());
+  EXPECT_GT(dense.abs().sum().item<double>(), 0.0);
+  grad_of(false, false);  // the lookup alone, unguarded: dense
 }
 
 }  // namespace

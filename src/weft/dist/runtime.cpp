@@ -891,7 +891,12 @@ struct Runtime::Impl {
         if (proj_plan[e]->needs_backward()) f = f.detach().set_requires_grad(true);
         saved.features.back() = f;
       }
-      x = model->embed_with(in.tokens, saved.features, rows);
+      {
+        // One stage: the loss below reads a tied table through the head in this same graph.
+        std::optional<model::Llm::TiedHeadInGraph> tied;
+        if (last) tied.emplace();
+        x = model->embed_with(in.tokens, saved.features, rows);
+      }
       if (own.defined()) x = x.index_select(1, own);
       if (seq_split > 1) x = dist::split_replicated(x, model->llm().tp, 1);
     } else {

@@ -81,27 +81,66 @@ struct NarrowRowsFn : torch::autograd::Function<NarrowRowsFn> {
   }
 };
 
+// index_select of a trained fp32 table whose tied head is in the same graph (TiedHeadInGraph):
+// backward returns the rows' gradients as a sparse [rows, hidden] tensor at their ids (summed
+// where an id repeats), which autograd adds into the head's dense gradient, in place where it
+// holds that one alone: no zero-filled table, no second pass over it.
+struct SparseRowsFn : torch::autograd::Function<SparseRowsFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
+                            const at::Tensor& ids) {
+    ctx->save_for_backward({ids});
+    ctx->saved_data["rows"] = table.size(0);
+    return table.index_select(0, ids);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor ids = ctx->get_saved_variables()[0];
+    const at::Tensor& g = grad[0];
+    // Unchecked: the forward's index_select proved the ids in range (a check would read them on
+    // the host, a device sync on a GPU).
+    return {at::_sparse_coo_tensor_unsafe(ids.unsqueeze(0), g.contiguous(),
+                                          {ctx->saved_data["rows"].toInt(), g.size(1)}),
+            at::Tensor()};
+  }
+};
+
+thread_local bool t_tied_head_in_graph = false;
+
 // Rows of `table` for `ids` [B, S] -> [B, S, hidden]. index_select, not at::embedding: its
 // backward is an index_add into the gradient, where LibTorch's CPU embedding backward sorts.
-at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids) {
+at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids, bool tied_head) {
   const at::Tensor flat = ids.reshape({-1});
-  const bool narrow_trained =
-      table.scalar_type() != at::kFloat && table.requires_grad() && at::GradMode::is_enabled();
-  at::Tensor rows = narrow_trained ? NarrowRowsFn::apply(table, flat) : table.index_select(0, flat);
+  at::Tensor rows;
+  if (!table.requires_grad() || !at::GradMode::is_enabled())
+    rows = table.index_select(0, flat);
+  else if (table.scalar_type() != at::kFloat)
+    rows = NarrowRowsFn::apply(table, flat);
+  else if (tied_head && t_tied_head_in_graph)
+    rows = SparseRowsFn::apply(table, flat);
+  else
+    rows = table.index_select(0, flat);
   return rows.view({ids.size(0), ids.size(1), table.size(1)});
 }
 }  // namespace
 
+Llm::TiedHeadInGraph::TiedHeadInGraph() : saved_(t_tied_head_in_graph) {
+  t_tied_head_in_graph = true;
+}
+Llm::TiedHeadInGraph::~TiedHeadInGraph() { t_tied_head_in_graph = saved_; }
+
 at::Tensor Llm::embed(const at::Tensor& tokens) const {
   // The rows are read from the parameter itself (and cast): not through to_compute.
   arrived(embedding);
-  if (tp.size() == 1) return to_compute(lookup(embedding, tokens));
+  // The head reads this very table: the whole LLM here, tied.
+  const bool tied_head = spec.tie_embeddings && !head.defined() && chunks.size() == 1 &&
+                         chunks[0].first_stage && chunks[0].last_stage;
+  if (tp.size() == 1) return to_compute(lookup(embedding, tokens, tied_head));
   // Vocab-parallel: each rank looks up the tokens of its vocabulary slice, zeros elsewhere,
   // and the sum over TP assembles every embedding.
   const int64_t per = embedding.size(0), first = tp.rank() * per;
   at::Tensor outside = (tokens < first).logical_or(tokens >= first + per);
   at::Tensor local = (tokens - first).masked_fill(outside, 0);
-  at::Tensor e = lookup(embedding, local).masked_fill(outside.unsqueeze(-1), 0);
+  at::Tensor e = lookup(embedding, local, tied_head).masked_fill(outside.unsqueeze(-1), 0);
   return dist::reduce_from(to_compute(e), tp);
 }
 

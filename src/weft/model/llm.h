@@ -59,6 +59,22 @@ struct Llm {
   RmsNorm final_norm;
   at::Tensor head;  // [vocab/tp, hidden]; undefined when tied to the embedding
 
+  // While alive on this thread, embed() is called in a graph whose loss also reads the table
+  // through the tied head (one rank running the whole LLM, or the model whole): the lookup's
+  // backward then gives autograd a sparse gradient (its rows' gradients at their ids), which
+  // autograd adds into the head's dense one in place, instead of a zero-filled dense table
+  // summed with it. Nowhere else: alone, a sparse gradient would become the table's .grad.
+  class TiedHeadInGraph {
+   public:
+    TiedHeadInGraph();
+    ~TiedHeadInGraph();
+    TiedHeadInGraph(const TiedHeadInGraph&) = delete;
+    TiedHeadInGraph& operator=(const TiedHeadInGraph&) = delete;
+
+   private:
+    bool saved_;
+  };
+
   static Llm make(const Scope& s, const LlmSpec& spec, StageRange range = {});
   static Llm make(const Scope& s, const LlmSpec& spec, std::vector<StageRange> chunks);
   // tokens [B, S] → embeddings [B, S, hidden] in the compute dtype (first stage).

@@ -151,7 +151,12 @@ at::Tensor MultimodalModel::hidden(const at::Tensor& x, const Inputs& in) const 
 }
 
 at::Tensor MultimodalModel::loss_sum(const Inputs& in) const {
-  at::Tensor h = hidden(embed(in), in);
+  at::Tensor x;
+  {
+    const Llm::TiedHeadInGraph tied;  // the loss below reads a tied table through the head
+    x = embed(in);
+  }
+  at::Tensor h = hidden(x, in);
   at::Tensor rows = h.reshape({-1, h.size(-1)}).index_select(0, in.target_rows);
   return llm_.loss_sum(rows, in.targets);
 }
