@@ -415,11 +415,11 @@ TEST(Llm, TiedTableTakesTheLookupGradientIntoTheHeads) {
   const at::Tensor tokens = torch::randint(0, 8, {2, 30});  // ids repeat
   const at::Tensor rows = torch::arange(0, 60, 3);
   const at::Tensor targets = torch::randint(0, table.size(0), {rows.size(0)});
-  // Whether the graph below `t` has the sparse lookup in it.
+  // Whether the graph below `f` has the lookup of our own (the sparse one, for an fp32 table).
   std::function<bool(const torch::autograd::Node*, int)> sparse_below =
       [&](const torch::autograd::Node* f, int depth) {
         if (f == nullptr || depth > 4) return false;
-        if (f->name().find("SparseRowsFn") != std::string::npos) return true;
+        if (f->name().find("::RowsFn>") != std::string::npos) return true;
         for (const auto& edge : f->next_edges())
           if (sparse_below(edge.function.get(), depth + 1)) return true;
         return false;

@@ -60,47 +60,37 @@ Llm Llm::make(const Scope& s, const LlmSpec& spec, std::vector<StageRange> chunk
 }
 
 namespace {
-// index_select of a trained table held narrower than fp32 (ZeRO-1 holds a bf16 run's embedding
-// in bf16, its .grad in fp32): backward sums each row's gradients in fp32 and rounds the sum
-// once, where index_select's backward would add them up in the table's dtype.
-struct NarrowRowsFn : torch::autograd::Function<NarrowRowsFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
-                            const at::Tensor& ids) {
-    ctx->save_for_backward({ids});
-    ctx->saved_data["rows"] = table.size(0);
-    return table.index_select(0, ids);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad) {
-    const at::Tensor ids = ctx->get_saved_variables()[0];
-    const at::Tensor& g = grad[0];
-    at::Tensor sum =
-        torch::zeros({ctx->saved_data["rows"].toInt(), g.size(1)}, g.options().dtype(at::kFloat));
-    sum.index_add_(0, ids, g.to(at::kFloat));
-    return {sum.to(g.scalar_type()), at::Tensor()};
-  }
-};
+// index_select of a trained table, with a backward of its own for the table's gradient:
+//  - kFp32Sum, a table held narrower than fp32 (ZeRO-1 holds a bf16 run's embedding in bf16, its
+//    .grad in fp32): each row's gradients summed in fp32 and the sum rounded once, where
+//    index_select's backward would add them up in the table's dtype;
+//  - kSparse, an fp32 table whose tied head is in the same graph (TiedHeadInGraph): the rows'
+//    gradients as a sparse [rows, hidden] tensor at their ids (summed where an id repeats), which
+//    autograd adds into the head's dense gradient, in place where it holds that one alone: no
+//    zero-filled table, no second pass over it.
+enum class RowsGrad : int64_t { kFp32Sum, kSparse };
 
-// index_select of a trained fp32 table whose tied head is in the same graph (TiedHeadInGraph):
-// backward returns the rows' gradients as a sparse [rows, hidden] tensor at their ids (summed
-// where an id repeats), which autograd adds into the head's dense gradient, in place where it
-// holds that one alone: no zero-filled table, no second pass over it.
-struct SparseRowsFn : torch::autograd::Function<SparseRowsFn> {
+struct RowsFn : torch::autograd::Function<RowsFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
-                            const at::Tensor& ids) {
+                            const at::Tensor& ids, RowsGrad how) {
     ctx->save_for_backward({ids});
     ctx->saved_data["rows"] = table.size(0);
+    ctx->saved_data["how"] = static_cast<int64_t>(how);
     return table.index_select(0, ids);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad) {
     const at::Tensor ids = ctx->get_saved_variables()[0];
     const at::Tensor& g = grad[0];
-    // Unchecked: the forward's index_select proved the ids in range (a check would read them on
-    // the host, a device sync on a GPU).
-    return {at::_sparse_coo_tensor_unsafe(ids.unsqueeze(0), g.contiguous(),
-                                          {ctx->saved_data["rows"].toInt(), g.size(1)}),
-            at::Tensor()};
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    if (static_cast<RowsGrad>(ctx->saved_data["how"].toInt()) == RowsGrad::kSparse)
+      // Unchecked: the forward's index_select proved the ids in range (a check would read them
+      // on the host, a device sync on a GPU).
+      return {at::_sparse_coo_tensor_unsafe(ids.unsqueeze(0), g.contiguous(), {rows, g.size(1)}),
+              at::Tensor(), at::Tensor()};
+    at::Tensor sum = torch::zeros({rows, g.size(1)}, g.options().dtype(at::kFloat));
+    sum.index_add_(0, ids, g.to(at::kFloat));
+    return {sum.to(g.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -114,9 +104,9 @@ at::Tensor lookup(const at::Tensor& table, const at::Tensor& ids, bool tied_head
   if (!table.requires_grad() || !at::GradMode::is_enabled())
     rows = table.index_select(0, flat);
   else if (table.scalar_type() != at::kFloat)
-    rows = NarrowRowsFn::apply(table, flat);
+    rows = RowsFn::apply(table, flat, RowsGrad::kFp32Sum);
   else if (tied_head && t_tied_head_in_graph)
-    rows = SparseRowsFn::apply(table, flat);
+    rows = RowsFn::apply(table, flat, RowsGrad::kSparse);
   else
     rows = table.index_select(0, flat);
   return rows.view({ids.size(0), ids.size(1), table.size(1)});
