@@ -24,6 +24,16 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  double v = bytes;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
 bool Progress::stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
 
 Progress::Progress(int64_t first_step, int64_t total_steps, int64_t log_every, bool tty)

@@ -28,5 +28,7 @@ class Progress {
 double now_seconds();
 // "1:02:03" / "2:03".
 std::string format_duration(double seconds);
+// "512 B" / "1.50 MiB": binary units, two decimals above bytes.
+std::string format_bytes(double bytes);
 
 }  // namespace weft

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "weft/core/error.h"
+#include "weft/core/progress.h"
 
 namespace weft::plan {
 
@@ -251,16 +252,6 @@ std::vector<std::vector<double>> suffix_minmax(const ModuleCosts& c, int64_t sta
       });
     }
   return best;
-}
-
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  double v = bytes;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[64];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
-  return buf;
 }
 
 }  // namespace

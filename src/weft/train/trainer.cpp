@@ -732,16 +732,13 @@ Summary Trainer::run() {
     progress.message("weft: training " + std::to_string(ts.steps) + " steps, run directory " +
                      m.run_dir.string());
   if (show && m.start_step > 0) {
-    const auto mib = [&](const char* key) {
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "%.1f MiB",
-                    static_cast<double>(m.resume_read[key].get<uint64_t>()) / (1 << 20));
-      return std::string(buf);
+    const auto bytes = [&](const char* key) {
+      return format_bytes(static_cast<double>(m.resume_read[key].get<uint64_t>()));
     };
     progress.message("weft: resumed at step " + std::to_string(m.start_step) + " from " +
                      m.resume_read["checkpoint"].get<std::string>() + ": this rank read " +
-                     mib("bytes_read") + " of tensor data and proved " + mib("bytes_verified") +
-                     " against the manifest, of its " + mib("checkpoint_bytes"));
+                     bytes("bytes_read") + " of tensor data and proved " + bytes("bytes_verified") +
+                     " against the manifest, of its " + bytes("checkpoint_bytes"));
   }
 
   double train_seconds = 0, total_flops = 0, total_llm_flops = 0;
