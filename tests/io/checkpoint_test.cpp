@@ -413,6 +413,39 @@ TEST(CheckpointReader, VerifiesTheBlocksItReads) {
             std::string::npos);
 }
 
+// A writer sums its file as it writes it, in the pieces it writes, whose sizes need not be
+// multiples of the checksum's 8-byte word nor line up with the 4 MiB blocks: the entry it returns
+// equals the one summed from the file read back (finish, given no entry, reads it), and loads.
+TEST(Checkpoint, SumsTakenWhileWritingEqualTheFilesReadBack) {
+  const fs::path run = fresh("sums_while_writing");
+  std::vector<TensorShard> shards;
+  const std::vector<at::Tensor> t = {
+      torch::randn({3}).to(torch::kBFloat16),                    // 6 bytes
+      torch::randn({1025 * 1024 + 3}),                           // 4 MiB + 4 KiB + 12 bytes
+      torch::randint(0, 255, {5}, torch::kUInt8),                // 5 bytes
+      torch::randn({2 * 1024 * 1024 + 7}).to(torch::kBFloat16),  // two 4 MiB pieces, and more
+      torch::randn({11}).to(torch::kBFloat16)};
+  for (size_t i = 0; i < t.size(); ++i)
+    shards.push_back({"model/t" + std::to_string(i), t[i], 0, {}, 0, 1, {}, 0});
+  auto entry = [](const std::string& dir) {
+    std::ifstream in(fs::path(dir) / "manifest.json");
+    return nlohmann::json::parse(in)["files"]["rank-00000.safetensors"];
+  };
+  const std::string written =
+      write_checkpoint_shards(begin_sharded_checkpoint(run.string(), 1), 0, shards);
+  const std::string with_sums =
+      finish_sharded_checkpoint(run.string(), 1, "{\"step\": 1}", 2, {written});
+  write_checkpoint_shards(begin_sharded_checkpoint(run.string(), 2), 0, shards);
+  const std::string read_back = finish_sharded_checkpoint(run.string(), 2, "{\"step\": 2}", 2);
+  EXPECT_EQ(nlohmann::json::parse(written)["rank-00000.safetensors"], entry(read_back));
+  EXPECT_EQ(entry(with_sums), entry(read_back));
+  EXPECT_EQ(entry(with_sums)["blocks"].size(), 4u);  // the header and three blocks of data
+  const CheckpointReader reader(with_sums);
+  for (size_t i = 0; i < t.size(); ++i)
+    EXPECT_TRUE(torch::equal(reader.read("model/t" + std::to_string(i)), t[i])) << i;
+  EXPECT_EQ(reader.bytes_verified(), reader.file_bytes());
+}
+
 // A manifest from before block checksums (a size and one checksum per file) still proves the
 // files: each whole, when the checkpoint is opened, and a flipped byte is named.
 TEST(CheckpointReader, ManifestWithoutBlocksVerifiesWholeFiles) {

@@ -38,31 +38,45 @@ std::vector<std::string> data_files(const fs::path& dir) {
   return out;
 }
 
-// The 64-bit checksum of a run of bytes (8 bytes per step, multiply-xorshift mixing): detects
-// truncation and corruption; not a cryptographic hash. Fed in pieces, every piece but the last
-// a multiple of 8 bytes.
+// The 64-bit checksum of a run of bytes (8 bytes per step, multiply-xorshift mixing, the bytes
+// after the last whole word one at a time): detects truncation and corruption; not a
+// cryptographic hash. Fed in pieces of any size.
 class Checksum {
  public:
-  void add(const char* p, size_t n) {
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t w;
-      std::memcpy(&w, p + i, 8);
-      h_ = (h_ ^ w) * 0xff51afd7ed558ccdull;
-      h_ ^= h_ >> 32;
-    }
-    for (; i < n; ++i) h_ = (h_ ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
+  void add(const uint8_t* p, size_t n) {
     bytes_ += n;
+    if (tail_n_ > 0) {  // complete the word a previous piece began
+      const size_t take = std::min(n, 8 - tail_n_);
+      std::memcpy(tail_ + tail_n_, p, take);
+      tail_n_ += take, p += take, n -= take;
+      if (tail_n_ < 8) return;
+      mix(tail_);
+      tail_n_ = 0;
+    }
+    for (; n >= 8; p += 8, n -= 8) mix(p);
+    std::memcpy(tail_, p, n);
+    tail_n_ = n;
   }
+  void add(const char* p, size_t n) { add(reinterpret_cast<const uint8_t*>(p), n); }
   uint64_t value() const {
-    uint64_t h = h_ ^ bytes_;
+    uint64_t h = h_;
+    for (size_t i = 0; i < tail_n_; ++i) h = (h ^ tail_[i]) * 0x100000001b3ull;
+    h ^= bytes_;
     h = (h ^ (h >> 33)) * 0xc4ceb9fe1a85ec53ull;
     return h ^ (h >> 33);
   }
   uint64_t bytes() const { return bytes_; }
 
  private:
+  void mix(const uint8_t* p) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    h_ = (h_ ^ w) * 0xff51afd7ed558ccdull;
+    h_ ^= h_ >> 32;
+  }
   uint64_t h_ = 0x9e3779b97f4a7c15ull, bytes_ = 0;
+  uint8_t tail_[8] = {};
+  size_t tail_n_ = 0;
 };
 
 std::string hex(uint64_t v) {
@@ -95,44 +109,72 @@ struct FileSums {
   }
 };
 
-// A file's sums, in one pass.
+// A file's sums, from its bytes fed in order in pieces of any size: the header's extent comes
+// from its first 8 bytes, as a reader finds it.
+class FileSummer {
+ public:
+  FileSummer(uint64_t file_bytes, uint64_t block_bytes) {
+    out_.bytes = file_bytes;
+    out_.block_bytes = block_bytes;
+    out_.header_bytes = file_bytes;  // until the header size is known: every byte is block 0's
+  }
+  void add(const uint8_t* p, size_t n) {
+    WEFT_CHECK(n <= out_.bytes - fed_, "checksums: fed more than the file's ", out_.bytes,
+               " bytes");
+    whole_.add(p, n);
+    while (n > 0) {    // the part of the piece in the current block
+      if (fed_ < 8) {  // the header size: always block 0
+        const size_t take = static_cast<size_t>(std::min<uint64_t>(n, 8 - fed_));
+        std::memcpy(size_ + fed_, p, take);
+        if (fed_ + take == 8) {
+          uint64_t h = 0;
+          for (int i = 0; i < 8; ++i) h |= uint64_t{size_[i]} << (8 * i);
+          if (h <= out_.bytes - 8) out_.header_bytes = 8 + h;  // else the whole file, damaged
+        }
+        feed_block(p, take);
+        p += take, n -= take;
+        continue;
+      }
+      const size_t take =
+          static_cast<size_t>(std::min<uint64_t>(n, out_.block_end(out_.blocks.size()) - fed_));
+      feed_block(p, take);
+      p += take, n -= take;
+    }
+  }
+  FileSums finish(const std::string& path) {
+    WEFT_CHECK(whole_.bytes() == out_.bytes, path, ": summed ", whole_.bytes(), " of its ",
+               out_.bytes, " bytes (changed while being read?)");
+    if (out_.blocks.empty()) out_.blocks.push_back(hex(block_.value()));  // an empty file
+    out_.checksum = hex(whole_.value());
+    return std::move(out_);
+  }
+
+ private:
+  void feed_block(const uint8_t* p, size_t n) {
+    block_.add(p, n);
+    fed_ += n;
+    if (fed_ >= 8 && fed_ == out_.block_end(out_.blocks.size())) {
+      out_.blocks.push_back(hex(block_.value()));
+      block_ = Checksum();
+    }
+  }
+  FileSums out_;
+  Checksum whole_, block_;
+  uint64_t fed_ = 0;
+  uint8_t size_[8] = {};
+};
+
+// A file's sums, read in one pass.
 FileSums sum_file(const fs::path& path, uint64_t block_bytes = kBlockBytes) {
-  FileSums out;
-  out.bytes = fs::file_size(path);
+  FileSummer summer(fs::file_size(path), block_bytes);
   std::ifstream in(path, std::ios::binary);
   WEFT_CHECK(in, "cannot read ", path.string());
-  unsigned char size[8] = {};
-  in.read(reinterpret_cast<char*>(size), 8);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t{size[i]} << (8 * i);
-  out.header_bytes = out.bytes < 8 || n > out.bytes - 8 ? out.bytes : 8 + n;
-  out.block_bytes = block_bytes;
-  in.clear();
-  in.seekg(0);
   std::vector<char> buf(kReadBytes);
-  Checksum whole, block;
-  uint64_t block_end = out.block_end(0);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const size_t got = static_cast<size_t>(in.gcount());
-    for (size_t pos = 0; pos < got;) {  // the part of the buffer in the current block
-      const uint64_t offset = whole.bytes() + pos;
-      const size_t take = static_cast<size_t>(std::min<uint64_t>(got - pos, block_end - offset));
-      block.add(buf.data() + pos, take);
-      pos += take;
-      if (offset + take == block_end) {
-        out.blocks.push_back(hex(block.value()));
-        block = Checksum();
-        block_end = out.block_end(out.blocks.size());
-      }
-    }
-    whole.add(buf.data(), got);
+    summer.add(reinterpret_cast<const uint8_t*>(buf.data()), static_cast<size_t>(in.gcount()));
   }
-  WEFT_CHECK(whole.bytes() == out.bytes, path.string(), ": read ", whole.bytes(), " of its ",
-             out.bytes, " bytes (changed while being read?)");
-  if (out.blocks.empty()) out.blocks.push_back(hex(block.value()));  // an empty file
-  out.checksum = hex(whole.value());
-  return out;
+  return summer.finish(path.string());
 }
 
 // The checksum of bytes [offset, offset + n) of a file.
@@ -223,12 +265,6 @@ Manifest read_manifest(const fs::path& dir) {
     out[f] = std::move(sums);
   }
   return out;
-}
-
-void verify_checksum(const fs::path& path, const std::string& expected) {
-  const std::string sum = sum_file(path).checksum;
-  WEFT_CHECK(sum == expected, path.string(), ": checksum ", sum, " does not match the manifest's ",
-             expected, " (the file is damaged)");
 }
 
 void fsync_path(const fs::path& p) {
@@ -335,10 +371,15 @@ std::string write_checkpoint_shards(const std::string& tmp_dir, int rank,
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
   const fs::path path = fs::path(tmp_dir) / name;
-  save_safetensors(path.string(), tensors, {{kShardsKey, layout.dump()}});
-  // Summed here, from what reached the file, so that no rank reads another's.
+  // Summed as written, so that no rank reads its file back, nor another's.
+  std::unique_ptr<FileSummer> summer;
+  save_safetensors(path.string(), tensors, {{kShardsKey, layout.dump()}},
+                   [&](const uint8_t* p, size_t n, uint64_t file_bytes) {
+                     if (!summer) summer = std::make_unique<FileSummer>(file_bytes, kBlockBytes);
+                     summer->add(p, n);
+                   });
   nlohmann::ordered_json entry;
-  entry[name] = to_json(sum_file(path));
+  entry[name] = to_json(summer->finish(path.string()));
   return entry.dump();
 }
 
@@ -612,12 +653,23 @@ struct CheckpointReader::Impl {
     finish();
   }
 
+  // The checksum of bytes [begin, end) of the file: from its mapping, where it opened, else
+  // read through a stream.
+  uint64_t sum_of(size_t file, uint64_t begin, uint64_t end) const {
+    const File& f = files[file];
+    if (!f.reader) return sum_range(dir / f.name, begin, end - begin);
+    Checksum sum;
+    f.reader->visit_bytes(begin, end - begin, [&](const uint8_t* p, size_t n) { sum.add(p, n); });
+    return sum.value();
+  }
   // The whole file proved against the manifest.
   void verify(size_t file) {
     File& f = files[file];
     if (f.verified) return;
     if (f.sums.blocks.empty()) {
-      verify_checksum(dir / f.name, f.sums.checksum);
+      const std::string sum = hex(sum_of(file, 0, f.sums.bytes));
+      WEFT_CHECK(sum == f.sums.checksum, where(file), ": checksum ", sum,
+                 " does not match the manifest's ", f.sums.checksum, " (the file is damaged)");
       bytes_verified += f.sums.bytes;
     } else {
       verify(file, 0, f.sums.bytes);
@@ -634,7 +686,7 @@ struct CheckpointReader::Impl {
          ++b) {
       if (f.block_ok[b]) continue;
       const uint64_t begin = f.sums.block_begin(b), end = f.sums.block_end(b);
-      const std::string sum = hex(sum_range(dir / f.name, begin, end - begin));
+      const std::string sum = hex(sum_of(file, begin, end));
       WEFT_CHECK(sum == f.sums.blocks[b], where(file), ": checksum ", sum, " of bytes [", begin,
                  ", ", end, ") does not match the manifest's ", f.sums.blocks[b],
                  " (the file is damaged)");

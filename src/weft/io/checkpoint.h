@@ -120,8 +120,9 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const Chec
 // rank 0 calls finish, which writes manifest.json and state.json and renames the directory
 // into place (keeping the newest `keep_last`). A crash before finish leaves only a temporary
 // directory, which is never loaded. write_checkpoint_shards returns its file's manifest entry
-// (size, checksums of the whole and of every 4 MiB block, summed from the written file); given
-// every rank's to finish, rank 0 reads no data file (a file without one is read and summed).
+// (size, checksums of the whole and of every 4 MiB block, summed from the bytes as they are
+// written: no file is read back); given every rank's to finish, rank 0 reads no data file (a
+// file without one is read and summed).
 std::string begin_sharded_checkpoint(const std::string& run_dir, int64_t step);
 std::string write_checkpoint_shards(const std::string& tmp_dir, int rank,
                                     const std::vector<TensorShard>& shards);

@@ -114,6 +114,11 @@ class Mapping {
   void copy_out(void* dst, const uint8_t* p, size_t n) const {
     if (n == 0) return;
     std::memcpy(dst, p, n);
+    release(p, n);
+  }
+  // Drops the mapping's pages of `n` bytes at `p` from this process (best effort).
+  void release(const uint8_t* p, size_t n) const {
+    if (n == 0) return;
     static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
     const uintptr_t begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
     const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
@@ -218,7 +223,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
 }  // namespace
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata, const WriteTap& tap) {
   WEFT_CHECK(!path.empty(), "save_safetensors: empty path");
   // Validate everything and build the header before touching the file system.
   Json header = Json::object();
@@ -263,12 +268,22 @@ void save_safetensors(const std::string& path, const TensorMap& tensors,
   const std::string tmp = path + ".tmp";
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   WEFT_CHECK(fd.get() >= 0, where(tmp), ": cannot create: ", errno_text());
-  try {
-    write_all(fd.get(), prefix, sizeof(prefix), tmp);
-    write_all(fd.get(), text.data(), text.size(), tmp);
-    for (const at::Tensor& c : data) {
-      if (c.nbytes() > 0) write_all(fd.get(), c.data_ptr(), c.nbytes(), tmp);
+  const uint64_t file_bytes = sizeof(prefix) + text.size() + offset;
+  // Shown to the tap a piece at a time, each just before it is written (still in cache).
+  auto write = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    constexpr size_t kPiece = size_t{4} << 20;
+    for (size_t done = 0; done < n;) {
+      const size_t take = tap ? std::min(kPiece, n - done) : n - done;
+      if (tap) tap(b + done, take, file_bytes);
+      write_all(fd.get(), b + done, take, tmp);
+      done += take;
     }
+  };
+  try {
+    write(prefix, sizeof(prefix));
+    write(text.data(), text.size());
+    for (const at::Tensor& c : data) write(c.data_ptr(), c.nbytes());
     WEFT_CHECK(::fsync(fd.get()) == 0, where(tmp), ": fsync failed: ", errno_text());
     WEFT_CHECK(fd.close(), where(tmp), ": close failed: ", errno_text());
     WEFT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, where(path), ": cannot rename ", tmp,
@@ -450,6 +465,23 @@ uint64_t SafetensorsReader::file_offset(const std::string& name, int64_t element
 
 uint64_t SafetensorsReader::header_bytes() const {
   return static_cast<uint64_t>(impl_->buffer - impl_->map.data());
+}
+
+uint64_t SafetensorsReader::file_bytes() const { return impl_->map.size(); }
+
+void SafetensorsReader::visit_bytes(uint64_t offset, uint64_t n,
+                                    const std::function<void(const uint8_t*, size_t)>& f) const {
+  const Mapping& map = impl_->map;
+  WEFT_CHECK(offset <= map.size() && n <= map.size() - offset, where(impl_->path), ": bytes [",
+             offset, ", ", offset + n, ") are outside its ", map.size());
+  constexpr uint64_t kPiece = uint64_t{4} << 20;
+  for (uint64_t done = 0; done < n;) {
+    const size_t take = static_cast<size_t>(std::min(kPiece, n - done));
+    const uint8_t* p = map.data() + offset + done;
+    f(p, take);
+    map.release(p, take);
+    done += take;
+  }
 }
 
 SafetensorsFile load_safetensors(const std::string& path,

@@ -9,6 +9,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -25,8 +26,13 @@ using TensorMap = std::vector<std::pair<std::string, at::Tensor>>;
 // it over `path`, then fsyncs the directory. `metadata` goes to "__metadata__". Names must be
 // non-empty, unique and not "__metadata__". Throws weft::Error (naming the tensor where one is to
 // blame) before touching the file system for bad input, and on any I/O failure (no .tmp is left).
+// `tap`, when given, sees every byte in file order just before it is written (in pieces of at
+// most 4 MiB, with the file's final size): what a checksum of the file needs, without reading
+// it back.
+using WriteTap = std::function<void(const uint8_t* p, size_t n, uint64_t file_bytes)>;
 void save_safetensors(const std::string& path, const TensorMap& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      const WriteTap& tap = {});
 
 // Everything a safetensors file holds.
 struct SafetensorsFile {
@@ -67,6 +73,13 @@ class SafetensorsReader {
   uint64_t file_offset(const std::string& name, int64_t element) const;
   // The bytes before the data: the 8-byte header size and the JSON header.
   uint64_t header_bytes() const;
+  // The file's size.
+  uint64_t file_bytes() const;
+  // Calls `f` with the file's bytes [offset, offset + n), straight from the mapping, in pieces,
+  // then releases the mapping's pages of them as read() does; Error naming the file when the
+  // range is out of it.
+  void visit_bytes(uint64_t offset, uint64_t n,
+                   const std::function<void(const uint8_t* p, size_t n)>& f) const;
 
  private:
   struct Impl;

@@ -301,9 +301,16 @@ struct Trainer::Impl {
                    {"checkpoint_bytes", ckpt.file_bytes()}};
   }
 
+  // What a save wrote (rank 0's view; zeros elsewhere).
+  struct Saved {
+    std::string dir;
+    uint64_t bytes = 0;  // every rank's data files together
+    double seconds = 0;  // from opening the checkpoint to sealing it
+  };
   // Collective: every rank writes its shards of the weights and optimizer moments into the
   // checkpoint rank 0 opened; rank 0 then seals it (manifest, state, rename).
-  void save(int64_t step, double wall_seconds) {
+  Saved save(int64_t step, double wall_seconds) {
+    const double t0 = now_seconds();
     const dist::Comm& comm = opts.comm;
     std::string tmp;
     if (comm.rank() == 0) tmp = io::begin_sharded_checkpoint(run_dir.string(), step);
@@ -313,7 +320,7 @@ struct Trainer::Impl {
     // Every rank's file complete, with its checksums (each rank sums its own file).
     const std::vector<std::string> sums = comm.all_gather_strings(
         io::write_checkpoint_shards(tmp, comm.rank(), runtime->checkpoint_shards(moments)));
-    if (comm.rank() != 0) return;
+    if (comm.rank() != 0) return {};
     json state;
     state["step"] = step;
     state["optimizer_steps"] = optimizer->steps();
@@ -321,8 +328,13 @@ struct Trainer::Impl {
     state["wall_seconds"] = wall_seconds;
     state["next_sample"] = step * spec.train.batch;  // data position: the stream is indexed
     state["world_size"] = comm.size();
-    io::finish_sharded_checkpoint(run_dir.string(), step, state.dump(2),
-                                  spec.output.keep_checkpoints, sums);
+    Saved out;
+    out.dir = io::finish_sharded_checkpoint(run_dir.string(), step, state.dump(2),
+                                            spec.output.keep_checkpoints, sums);
+    for (const std::string& text : sums)  // one file's entry each, checked by finish
+      out.bytes += json::parse(text).begin().value().at("bytes").get<uint64_t>();
+    out.seconds = now_seconds() - t0;
+    return out;
   }
 
   // Runs `evaluate` on rank 0 with the whole model (collective). Where every module is whole on
@@ -743,6 +755,7 @@ Summary Trainer::run() {
 
   double train_seconds = 0, total_flops = 0, total_llm_flops = 0;
   std::map<std::string, double> time_parts;  // summed over this session's steps (summary.json)
+  json saves = json::array();  // this session's checkpoints: step, bytes, seconds (rank 0's)
   int64_t total_tokens = 0;
   double loss_last = NAN;
   double accuracy = -1, eval_loss = NAN;
@@ -885,8 +898,18 @@ Summary Trainer::run() {
       eval_step = step + 1;
       run_eval();
     }
-    if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0))
-      m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
+    if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0)) {
+      const Impl::Saved saved = m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
+      saves.push_back({{"step", step + 1}, {"bytes", saved.bytes}, {"seconds", saved.seconds}});
+      if (show) {
+        char took[64];
+        std::snprintf(took, sizeof took, " in %.2f s", saved.seconds);
+        progress.message("weft: checkpoint " + saved.dir + ": " +
+                         format_bytes(static_cast<double>(saved.bytes)) + " from " +
+                         std::to_string(comm.size()) + (comm.size() == 1 ? " rank" : " ranks") +
+                         took);
+      }
+    }
     last_done = next_in_flight ? finished : now_seconds();
   };
 
@@ -934,6 +957,7 @@ Summary Trainer::run() {
   j["precision"] = to_string(ts.precision);
   j["train_seconds"] = train_seconds;
   j["time_seconds"] = time_parts;  // rank 0's parts of train_seconds (metrics.jsonl's, summed)
+  j["checkpoints_written"] = saves;
   j["resumed_from_step"] = m.start_step;
   if (m.start_step > 0) j["resume_read"] = m.resume_read;  // rank 0's
   j["skipped_steps"] = skipped_steps;
