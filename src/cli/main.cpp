@@ -100,9 +100,11 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);
   weft::train::Summary s = trainer.run();
   if (world.rank != 0) return 0;
-  std::printf("steps %lld  loss %.4f -> %.4f  eval caption accuracy %.3f  eval loss %.4f\n",
-              static_cast<long long>(s.steps), s.loss_first, s.loss_last, s.eval_caption_accuracy,
-              s.eval_loss);
+  std::printf("steps %lld  loss %.4f -> %.4f", static_cast<long long>(s.steps), s.loss_first,
+              s.loss_last);
+  if (s.eval_caption_accuracy >= 0)
+    std::printf("  eval caption accuracy %.3f", s.eval_caption_accuracy);
+  std::printf("  eval loss %.4f\n", s.eval_loss);
   std::printf("%.0f tokens/s  MFU %.1f%%  wall %.1f s\n", s.tokens_per_second, 100.0 * s.mfu,
               s.wall_seconds);
   std::printf("run directory: %s\n", s.run_dir.c_str());

@@ -96,6 +96,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "seed",
                                            "log_every",
                                            "eval_every",
+                                           "eval_captions",
                                            "checkpoint_every",
                                            "device",
                                            "threads",
@@ -728,6 +729,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.read("seed", &t->seed);
   s.count("log_every", &t->log_every);
   s.count("eval_every", &t->eval_every, /*positive=*/false);
+  s.read("eval_captions", &t->eval_captions);
   s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
   s.choice("device", {Device::kCpu, Device::kCuda}, &t->device);
   s.count("threads", &t->threads, /*positive=*/false);
@@ -1017,6 +1019,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("seed", t.seed);
   w.put("log_every", t.log_every);
   w.put("eval_every", t.eval_every);
+  w.put("eval_captions", t.eval_captions);
   w.put("checkpoint_every", t.checkpoint_every);
   w.put("device", std::string(to_string(t.device)));
   w.put("threads", t.threads);

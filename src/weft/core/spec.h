@@ -196,7 +196,11 @@ struct TrainSpec {
   NonFinite nonfinite = NonFinite::kStop;
   uint64_t seed = 0;  // parameter init seed
   int64_t log_every = 10;
-  int64_t eval_every = 0;        // 0 = only at the end
+  int64_t eval_every = 0;  // 0 = only at the end
+  // Evaluations generate captions (caption accuracy) besides the validation loss. Generation
+  // runs on rank 0 with the whole model (where the layout spreads it, a copy gathered for each
+  // evaluation); false: the loss alone, computed in the layout.
+  bool eval_captions = true;
   int64_t checkpoint_every = 0;  // 0 = only at the end
   Device device = Device::kCpu;
   int64_t threads = 0;              // 0 = all cores

@@ -127,6 +127,9 @@ struct Runtime::Impl {
   std::vector<bool> param_canonical;
 
   StepTimes times;
+  // An evaluation pass (eval_loss_sum): forwards only, nothing kept for a backward, no gradient.
+  bool forward_only = false;
+  bool grads(bool wanted) const { return wanted && !forward_only; }
   // Timeline of the step (when tracing): compute intervals exclude the time blocked in receives.
   bool tracing = false;
   double step_t0 = 0;
@@ -685,15 +688,15 @@ struct Runtime::Impl {
       x = model::to_device(parts.size() == 1 ? parts[0] : torch::cat(parts, 0), opts.device);
     } else {
       x = recv(encoder_input_msg(e, m, batch));
-      if (mp.weight_grads) x.set_requires_grad(true);
+      if (grads(mp.weight_grads)) x.set_requires_grad(true);
     }
     at::Tensor y;
     {
-      torch::AutoGradMode grad(mp.weight_grads);
+      torch::AutoGradMode grad(grads(mp.weight_grads));
       y = (*model->encoder(e))(x);
     }
     if (role.last) {  // projector per token, then every item's tokens from the CP ranks
-      torch::AutoGradMode grad(pp.needs_backward());
+      torch::AutoGradMode grad(grads(pp.needs_backward()));
       y = gather_replicated((*model->projector(e))(y), model->hosting().encoders[e].shard.cp, 1);
     }
     saved.input = x;
@@ -872,7 +875,7 @@ struct Runtime::Impl {
     const at::Tensor& own = mb.own;
     const int64_t S = mb.S, Sl = mb.Sl, B = in.tokens.size(0), H = spec.llm.hidden;
     const model::TokenInfo& tokens = mb.tokens;
-    torch::AutoGradMode grad(lp.needs_backward());
+    torch::AutoGradMode grad(grads(lp.needs_backward()));
     LlmSaved saved;
     at::Tensor x;
     if (first) {
@@ -888,7 +891,7 @@ struct Runtime::Impl {
         }
         rows[e] = torch::cat(part_rows, 0);
         at::Tensor f = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
-        if (proj_plan[e]->needs_backward()) f = f.detach().set_requires_grad(true);
+        if (grads(proj_plan[e]->needs_backward())) f = f.detach().set_requires_grad(true);
         saved.features.back() = f;
       }
       {
@@ -902,7 +905,7 @@ struct Runtime::Impl {
     } else {
       x = recv(llm_input_msg(m, chunk, batch));
       WEFT_ASSERT(x.size(0) == B && x.size(1) == Sl / seq_split, "llm input of microbatch ", m);
-      if (lp.needs_backward()) x.set_requires_grad(true);
+      if (grads(lp.needs_backward())) x.set_requires_grad(true);
       saved.input = x;
     }
     at::Tensor h = model->llm().forward(x, mb.context, tokens, static_cast<size_t>(chunk));
@@ -1003,13 +1006,15 @@ struct Runtime::Impl {
     // reductions). One microbatch has nothing to share: without a scope each cast goes as soon
     // as its backward has passed, while the gradients are being allocated.
     std::optional<model::CastOnce> casts;
-    if (opts.cast_once && M > 1)
+    if (opts.cast_once && M > 1 && !forward_only)
       casts.emplace(model->parameters(), model::CastOnce::Keep::kForBackward);
     // Data-parallel gradients accumulate straight into their all-reduce buckets.
-    for (size_t e = 0; e < enc_sync.size(); ++e)
-      if (enc_role[e].hosted) enc_sync[e].sync->attach();
-    if (llm_role.hosted) llm_sync.sync->attach();
-    if (llm_role.hosted && expert_parallel) expert_sync.sync->attach();
+    if (!forward_only) {
+      for (size_t e = 0; e < enc_sync.size(); ++e)
+        if (enc_role[e].hosted) enc_sync[e].sync->attach();
+      if (llm_role.hosted) llm_sync.sync->attach();
+      if (llm_role.hosted && expert_parallel) expert_sync.sync->attach();
+    }
     const size_t E = spec.encoders.size();
     int64_t rows = 0;  // of the global batch (MoE auxiliary losses are a mean over rows)
     for (const auto& replica : batch)
@@ -1026,7 +1031,7 @@ struct Runtime::Impl {
     // Whether encoder e's stage here runs backward: the last stage gets gradients when the
     // projector needs backward; earlier stages only when the encoder itself trains.
     auto encoder_backward_runs = [&](size_t e) {
-      return enc_role[e].hosted &&
+      return enc_role[e].hosted && !forward_only &&
              (enc_role[e].last ? proj_plan[e]->needs_backward() : enc_plan[e]->weight_grads);
     };
     auto post_encoder_grad = [&](size_t e, int64_t m) {
@@ -1054,7 +1059,7 @@ struct Runtime::Impl {
     if (llm_role.hosted) {
       const plan::Layout& l = llm_plan->layout;
       const std::vector<plan::PipelineOp> ops =
-          plan::pipeline_schedule(l.pp, l.vp, M, llm_role.c.pp, llm_plan->needs_backward());
+          plan::pipeline_schedule(l.pp, l.vp, M, llm_role.c.pp, grads(llm_plan->needs_backward()));
       llm_microbatches.clear();  // nothing left from a step that failed part-way
       std::vector<LlmSaved> saved(static_cast<size_t>(M * l.vp));  // [chunk · M + microbatch]
       const auto saved_of = [&](const plan::PipelineOp& op) -> LlmSaved& {
@@ -1111,6 +1116,7 @@ struct Runtime::Impl {
         std::max(0.0, blocked_seconds() - blocked0 - times.param_wait_seconds);
     // 4. Gradients: data x context parallel sums per module (ZeRO-1: reduce-scatters), then tied
     // embedding copies.
+    if (forward_only) return loss_sum_of(loss);
     const double t0 = now();
     const std::string reduction = opts.zero1 ? " grad reduce-scatter" : " grad all-reduce";
     for (size_t e = 0; e < enc_sync.size(); ++e) {
@@ -1197,6 +1203,19 @@ struct Runtime::Impl {
     if (!loss.defined())
       return torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opts.device));
     return loss.detach().to(torch::kDouble);
+  }
+
+  // The loss sums of this rank's microbatches (defined on the LLM's last-stage TP-rank-0 ranks
+  // only) summed over every rank, as a 0-dim double tensor: on the device with one rank.
+  at::Tensor loss_sum_of(const at::Tensor& loss) const {
+    if (world.size() == 1)
+      return loss.defined()
+                 ? loss.detach().to(torch::kDouble)
+                 : torch::zeros({},
+                                torch::TensorOptions().dtype(torch::kDouble).device(opts.device));
+    at::Tensor total = torch::tensor({loss.defined() ? loss.item<double>() : 0.0}, torch::kDouble);
+    world.all_reduce_sum(total);
+    return total[0];
   }
 
   at::Tensor grad_squares() const {
@@ -1471,6 +1490,25 @@ double Runtime::step(const std::vector<std::vector<model::Inputs>>& batch, int64
 at::Tensor Runtime::queue_step(const std::vector<std::vector<model::Inputs>>& batch,
                                int64_t targets) {
   return impl_->step(batch, targets);
+}
+double Runtime::eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch) {
+  Impl& m = *impl_;
+  // The training step's times and trace stay as they were (the trainer reports them).
+  struct Restore {
+    Impl& m;
+    StepTimes times;
+    std::vector<plan::TraceEvent> trace;
+    bool tracing;
+    ~Restore() {
+      m.forward_only = false;
+      m.tracing = tracing;
+      m.times = times;
+      m.trace = std::move(trace);
+    }
+  } restore{m, m.times, std::move(m.trace), m.tracing};
+  m.forward_only = true;
+  m.tracing = false;
+  return m.step(batch, /*targets=*/1).item<double>();
 }
 at::Tensor Runtime::grad_squares() const {
   WEFT_CHECK(impl_->world.size() == 1, "Runtime::grad_squares: one rank only (",

@@ -117,6 +117,11 @@ class Runtime {
   // needs it (a GPU keeps busy while the host prepares the next step). With several ranks it is
   // the ranks' sum, on the CPU.
   at::Tensor queue_step(const std::vector<std::vector<model::Inputs>>& batch, int64_t targets);
+  // Forward only, each module in its layout: Σ loss over the targets of `batch` (arranged as for
+  // step), the same on every rank. Nothing is kept for a backward and no gradient is touched;
+  // times(), routing() and tracing stay as the last training step left them. Collective: every
+  // rank calls it with the same batch. An evaluation, without gathering the model anywhere.
+  double eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch);
   // The items of encoder e in one microbatch whose inputs this rank reads (its first stage of
   // e): [begin, end) of the microbatch's items of e over all LLM replicas in order, when
   // replica d has counts[d] of them; {0, 0} when it reads none. Only these need loading: every

@@ -62,7 +62,8 @@ std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
 
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
-                             int64_t batch, at::ScalarType compute_dtype) {
+                             int64_t batch, at::ScalarType compute_dtype, bool loss,
+                             bool captions) {
   torch::NoGradGuard no_grad;
   model::ComputeDtypeGuard dtype(compute_dtype);
   EvalResult r;
@@ -90,11 +91,13 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       prompts.push_back(std::move(p));
       ++end;
     }
-    // Teacher-forced: the loss of every target of the whole samples.
-    const model::Inputs in = inputs_of(model, whole, dataset);
-    loss_sum += model.loss_sum(in).item<double>();
-    r.targets += in.targets.numel();
-    std::vector<std::vector<int64_t>> gen = generate(model, prompts, dataset, max_new);
+    if (loss) {  // teacher-forced: the loss of every target of the whole samples
+      const model::Inputs in = inputs_of(model, whole, dataset);
+      loss_sum += model.loss_sum(in).item<double>();
+      r.targets += in.targets.numel();
+    }
+    std::vector<std::vector<int64_t>> gen;
+    if (captions) gen = generate(model, prompts, dataset, max_new);
     for (size_t i = 0; i < gen.size(); ++i) {
       const std::string text = dataset.decode(gen[i]);
       const std::string& ref = samples[begin + i].caption;
@@ -104,8 +107,9 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
     begin = end;
   }
   r.samples = static_cast<int64_t>(samples.size());
-  r.caption_accuracy =
-      r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples) : 0;
+  r.caption_accuracy = !captions   ? -1
+                       : r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples)
+                                   : 0;
   r.loss = r.targets ? loss_sum / static_cast<double>(r.targets) : NAN;
   return r;
 }

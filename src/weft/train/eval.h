@@ -22,8 +22,11 @@ struct EvalResult {
   std::vector<std::pair<std::string, std::string>> examples;  // (generated, reference), a few
 };
 
+// Either part may be left out: without `loss` the result's loss is NaN over 0 targets, without
+// `captions` its caption accuracy is -1 with no examples.
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
-                             int64_t batch, at::ScalarType compute_dtype);
+                             int64_t batch, at::ScalarType compute_dtype, bool loss = true,
+                             bool captions = true);
 
 }  // namespace weft::train

@@ -56,6 +56,13 @@ std::string Summary::to_json() const {
 
 namespace {
 
+// `v` with `digits` decimals.
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
 std::string fresh_run_dir() {
   std::time_t t = std::time(nullptr);
   char buf[32];
@@ -373,6 +380,44 @@ struct Trainer::Impl {
                 " parameters not gathered (", unfilled.empty() ? "" : unfilled.begin()->first,
                 " first)");
     evaluate(*copy);
+  }
+
+  // The validation loss of `samples` in the training layout (collective): Σ loss over their
+  // targets and the targets' count, on every rank, with nothing gathered. The samples go in
+  // global batches of train.batch, each split over the LLM's data-parallel replicas, then over
+  // up to train.microbatches microbatches, as evenly as they go; a last batch with fewer samples
+  // than replicas is topped up with copies of its last sample whose tokens are not targets.
+  std::pair<double, int64_t> layout_eval_loss(const std::vector<data::Sample>& samples) {
+    model::ComputeDtypeGuard dtype(compute);  // as training computes
+    const int64_t n = static_cast<int64_t>(samples.size());
+    const int64_t replicas = plan.module("llm").layout.dp;
+    const int64_t per_batch = std::max<int64_t>(spec.train.batch, replicas);
+    double sum = 0;
+    int64_t targets = 0;
+    for (int64_t b0 = 0; b0 < n; b0 += per_batch) {
+      std::vector<data::Sample> part(samples.begin() + b0,
+                                     samples.begin() + std::min(n, b0 + per_batch));
+      while (static_cast<int64_t>(part.size()) < replicas) {
+        data::Sample pad = part.back();
+        pad.is_target.assign(pad.is_target.size(), 0);
+        part.push_back(std::move(pad));
+      }
+      const int64_t count = static_cast<int64_t>(part.size());
+      const int64_t micro = std::min(spec.train.microbatches, count / replicas);
+      std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
+      for (int64_t d = 0; d < replicas; ++d) {
+        const int64_t r0 = count * d / replicas, r1 = count * (d + 1) / replicas;
+        for (int64_t k = 0; k < micro; ++k) {
+          const int64_t a = r0 + (r1 - r0) * k / micro, z = r0 + (r1 - r0) * (k + 1) / micro;
+          const data::Microbatch mb =
+              data::collate(std::vector<data::Sample>(part.begin() + a, part.begin() + z), collate);
+          targets += mb.targets.numel();
+          batch[static_cast<size_t>(d)].push_back(to_inputs(mb));
+        }
+      }
+      sum += runtime->eval_loss_sum(batch);
+    }
+    return {sum, targets};
   }
 
   // FLOPs of one step, all modules and LLM only (Megatron accounting, frozen-aware).
@@ -765,31 +810,51 @@ Summary Trainer::run() {
   int64_t skipped_steps = 0;
   const double wall_start = now_seconds();
 
-  // Collective: the model may need gathering; rank 0 evaluates.
+  // Collective. Where the layout spreads the model, the validation loss is computed in it
+  // (every rank its part, nothing gathered) and, unless train.eval_captions is off, rank 0
+  // generates the captions on a copy gathered for it; where rank 0 holds the model whole, it
+  // evaluates both there.
   auto run_eval = [&]() {
-    m.evaluate_on_root([&](const model::MultimodalModel& eval_model) {
-      // The weights cast once for the whole evaluation, not again for every generated token
-      // (a copy gathered for it holds them in the compute dtype already).
-      std::optional<model::CastOnce> casts;
-      if (m.whole_model())
-        casts.emplace(eval_model.parameters(), model::CastOnce::Keep::kEverything);
-      EvalResult r = evaluate_captions(eval_model, m.dataset->eval_set(), *m.dataset,
-                                       std::max<int64_t>(ts.batch, 64), m.compute);
-      accuracy = r.caption_accuracy;
-      eval_loss = r.loss;
-      examples = r.examples;
-      json line;
-      line["step"] = eval_step;
-      line["caption_accuracy"] = r.caption_accuracy;
-      line["loss"] = r.loss;
-      line["samples"] = r.samples;
-      line["targets"] = r.targets;
-      evals << line.dump() << "\n";
-      evals.flush();
-      if (show && !last_eval)
-        progress.message("step " + std::to_string(eval_step) + ": eval caption accuracy " +
-                         std::to_string(r.caption_accuracy) + ", loss " + std::to_string(r.loss));
-    });
+    const std::vector<data::Sample> eval_set = m.dataset->eval_set();
+    const bool spread = !m.whole_model();
+    EvalResult r;
+    r.samples = static_cast<int64_t>(eval_set.size());
+    r.caption_accuracy = -1;
+    if (spread) {
+      const auto [sum, targets] = m.layout_eval_loss(eval_set);
+      r.targets = targets;
+      r.loss = targets > 0 ? sum / static_cast<double>(targets) : NAN;
+    }
+    if (ts.eval_captions || !spread)
+      m.evaluate_on_root([&](const model::MultimodalModel& eval_model) {
+        // The weights cast once for the whole evaluation, not again for every generated token
+        // (a copy gathered for it holds them in the compute dtype already).
+        std::optional<model::CastOnce> casts;
+        if (!spread) casts.emplace(eval_model.parameters(), model::CastOnce::Keep::kEverything);
+        const EvalResult got =
+            evaluate_captions(eval_model, eval_set, *m.dataset, std::max<int64_t>(ts.batch, 64),
+                              m.compute, /*loss=*/!spread, /*captions=*/ts.eval_captions);
+        r.caption_accuracy = got.caption_accuracy;
+        r.examples = got.examples;
+        if (!spread) r.loss = got.loss, r.targets = got.targets;
+      });
+    if (comm.rank() != 0) return;
+    accuracy = r.caption_accuracy;
+    eval_loss = r.loss;
+    examples = r.examples;
+    json line;
+    line["step"] = eval_step;
+    line["caption_accuracy"] = r.caption_accuracy >= 0 ? json(r.caption_accuracy) : json();
+    line["loss"] = r.loss;
+    line["samples"] = r.samples;
+    line["targets"] = r.targets;
+    evals << line.dump() << "\n";
+    evals.flush();
+    if (show && !last_eval) {
+      std::string text = "step " + std::to_string(eval_step) + ": eval loss " + fixed(r.loss, 4);
+      if (r.caption_accuracy >= 0) text += ", caption accuracy " + fixed(r.caption_accuracy, 3);
+      progress.message(text);
+    }
   };
 
   // A step is finished (its loss read, its metrics written) after the next one is queued when
@@ -901,14 +966,11 @@ Summary Trainer::run() {
     if (last || (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0)) {
       const Impl::Saved saved = m.save(step + 1, m.prior_wall_seconds + now_seconds() - wall_start);
       saves.push_back({{"step", step + 1}, {"bytes", saved.bytes}, {"seconds", saved.seconds}});
-      if (show) {
-        char took[64];
-        std::snprintf(took, sizeof took, " in %.2f s", saved.seconds);
+      if (show)
         progress.message("weft: checkpoint " + saved.dir + ": " +
                          format_bytes(static_cast<double>(saved.bytes)) + " from " +
                          std::to_string(comm.size()) + (comm.size() == 1 ? " rank" : " ranks") +
-                         took);
-      }
+                         " in " + fixed(saved.seconds, 2) + " s");
     }
     last_done = next_in_flight ? finished : now_seconds();
   };
