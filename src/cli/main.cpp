@@ -265,6 +265,16 @@ int main(int argc, char** argv) {
                    "write a Chrome trace of the last step's operators to this file (that step is "
                    "then slower; time without it)");
 
+  CLI::App* gen = bench->add_subcommand(
+      "generate",
+      "time greedy captioning of a config's eval samples with the KV cache against rerunning "
+      "the whole sequence for every token, in one run (JSON)");
+  int64_t gen_samples = 64, gen_rounds = 1;
+  gen->add_option("config", config, "config file (TOML)")->required();
+  gen->add_option("--set", sets, "override a config key: section.key=value (repeatable)");
+  gen->add_option("--samples", gen_samples, "eval samples captioned")->check(weft::cli::kPositive);
+  gen->add_option("--rounds", gen_rounds, "times each way (median)")->check(weft::cli::kPositive);
+
   CLI::App* prof = bench->add_subcommand(
       "profile",
       "measure each layer's forward, input- and weight-gradient seconds, activation bytes and "
@@ -339,6 +349,12 @@ int main(int argc, char** argv) {
     if (*launch) return weft::dist::launch(launch_opts);
     if (*peak) return cmd_bench_peak(peak_seconds, peak_size, peak_threads);
     if (*step) return cmd_bench_step(config, sets, step_opts, step_json);
+    if (*gen) {
+      const std::string result =
+          weft::train::bench_generate(weft::load_spec(config, sets), gen_samples, gen_rounds);
+      std::printf("%s\n", result.c_str());
+      return 0;
+    }
     if (*comm_peer) {
       weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype);
       return 0;

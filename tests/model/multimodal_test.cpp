@@ -14,9 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include "support/errors.h"
 #include "support/model_specs.h"
 #include "weft/core/error.h"
 #include "weft/data/collate.h"
+#include "weft/model/mask.h"
 #include "weft/train/inputs.h"
 
 namespace weft::model {
@@ -446,6 +448,51 @@ TEST(Llm, TiedTableTakesTheLookupGradientIntoTheHeads) {
   EXPECT_LT((tied - dense).norm().item<double>(), 1e-6 * dense.norm().item<double>());
   EXPECT_GT(dense.abs().sum().item<double>(), 0.0);
   grad_of(false, false);  // the lookup alone, unguarded: dense
+}
+
+// Decoding with the cache (Llm::decode): a prompt whose image block sees itself both ways, then
+// tokens one at a time, then three at once under their causal mask, gives what forward() gives
+// over the whole sequence at those positions; dense and MoE blocks. Past its capacity the cache
+// refuses, naming it.
+TEST(Llm, DecodingWithTheCacheEqualsTheWholeSequence) {
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "moe" : "dense");
+    LlmSpec spec = testing::tiny_multimodal_spec().llm;
+    if (moe) {
+      spec.moe.experts = 4;
+      spec.moe.top_k = 2;
+      spec.moe.ffn = 32;
+    }
+    ParamSet ps;
+    const Llm llm = Llm::make(Scope{&ps, "llm"}, spec);
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(5);
+    const int64_t B = 2, S = 15;
+    const at::Tensor tokens = torch::randint(0, spec.vocab, {B, S});
+    const at::Tensor positions = torch::arange(S).unsqueeze(0).expand({B, S}).contiguous();
+    const at::Tensor doc = torch::zeros({B, S}, torch::kLong);
+    at::Tensor item = torch::full({B, S}, -1, torch::kLong);
+    item.narrow(1, 1, 4).fill_(0);  // an image at positions 1-4
+    const at::Tensor x = llm.embed(tokens);
+    const at::Tensor whole = llm.forward(x, positions, {visible_mask(doc, item)});
+    KvCache cache;
+    cache.capacity = S;
+    const auto part = [](const at::Tensor& t, int64_t a, int64_t n) { return t.narrow(1, a, n); };
+    std::vector<at::Tensor> got;
+    got.push_back(llm.decode(part(x, 0, 8), part(positions, 0, 8),
+                             visible_mask(part(doc, 0, 8), part(item, 0, 8)), cache));
+    for (int64_t t = 8; t < 12; ++t)
+      got.push_back(llm.decode(part(x, t, 1), part(positions, t, 1), at::Tensor(), cache));
+    got.push_back(llm.decode(part(x, 12, 3), part(positions, 12, 3),
+                             visible_mask(doc, item).narrow(2, 12, 3), cache));
+    EXPECT_EQ(cache.length, S);
+    const at::Tensor joined = torch::cat(got, 1);
+    EXPECT_LT((joined - whole).abs().max().item<double>(), 1e-5)
+        << (joined - whole).abs().amax({0, 2});
+    const std::string e = testing::error_of(
+        [&] { llm.decode(part(x, 0, 1), part(positions, 0, 1), at::Tensor(), cache); });
+    EXPECT_NE(e.find("exceed the cache's capacity of 15"), std::string::npos) << e;
+  }
 }
 
 }  // namespace

@@ -9,17 +9,20 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "support/errors.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
+#include "weft/data/dataset.h"
 #include "weft/io/checkpoint.h"
 #include "weft/model/chunked_attention.h"
 #include "weft/model/layers.h"
 #include "weft/model/mask.h"
 #include "weft/model/torch_compat.h"
 #include "weft/plan/plan.h"
+#include "weft/train/eval.h"
 
 namespace fs = std::filesystem;
 
@@ -408,6 +411,31 @@ TEST(Trainer, ResumeIgnoresMomentsOfUnusedBlocks) {
                    "parameter of the model of this run's config"),
             std::string::npos)
       << e;
+}
+
+// Greedy decoding with the KV cache generates exactly what rerunning the whole sequence for
+// every token does (fp32), from the tiny VLM's eval prompts (an image, then text), at random
+// weights whose continuations differ from prompt to prompt.
+TEST(Eval, CachedGreedyDecodingGeneratesWhatTheWholeSequenceDoes) {
+  Spec spec = tiny_spec({});
+  const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&spec);
+  const model::MultimodalModel m(spec.model, 7);
+  std::vector<data::Sample> prompts;
+  for (data::Sample s : dataset->eval_set()) {
+    if (!prompts.empty() && s.prompt_length != prompts[0].prompt_length) continue;
+    s.tokens.resize(static_cast<size_t>(s.prompt_length));
+    s.is_target.assign(s.tokens.size(), 0);
+    prompts.push_back(std::move(s));
+  }
+  ASSERT_GE(prompts.size(), 2u);
+  torch::NoGradGuard no_grad;
+  const model::ComputeDtypeGuard fp32(at::kFloat);
+  const auto cached = generate_greedy(m, prompts, *dataset, 10, true);
+  const auto whole = generate_greedy(m, prompts, *dataset, 10, false);
+  EXPECT_EQ(cached, whole);
+  std::set<std::vector<int64_t>> distinct(cached.begin(), cached.end());
+  EXPECT_GT(distinct.size(), 1u);
+  EXPECT_GT(cached[0].size(), 2u);
 }
 
 // A checkpoint is checked against the whole model it should hold, before any rank takes its

@@ -417,6 +417,25 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
   return out(o.transpose(1, 2).reshape({B, S, heads * D}));
 }
 
+at::Tensor Attention::cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             int64_t length) const {
+  WEFT_ASSERT(cp.size() <= 1, "Attention::cached under context parallelism");
+  const at::Tensor qkv = this->qkv(x);
+  const int64_t B = qkv.size(0), n = qkv.size(1), D = head_dim;
+  WEFT_ASSERT(length + n <= k_cache.size(2), "Attention::cached: ", length + n,
+              " positions in a cache of ", k_cache.size(2));
+  const std::vector<at::Tensor> parts =
+      qkv.view({B, n, heads + 2 * kv_heads, D}).split_with_sizes({heads, kv_heads, kv_heads}, 2);
+  const at::Tensor q = apply_rope(parts[0], rope).transpose(1, 2);  // [B, H, n, D]
+  k_cache.narrow(2, length, n).copy_(apply_rope(parts[1], rope).transpose(1, 2));
+  v_cache.narrow(2, length, n).copy_(parts[2].transpose(1, 2));
+  const at::Tensor o =
+      compat::attention(q, k_cache.narrow(2, 0, length + n), v_cache.narrow(2, 0, length + n),
+                        visible, 1.0 / std::sqrt(static_cast<double>(D)));
+  return out(o.transpose(1, 2).reshape({B, n, heads * D}));
+}
+
 SwiGlu SwiGlu::make(const Scope& s, int64_t hidden, int64_t ffn, double out_std) {
   return {Linear::make(s.sub("gate_up"), hidden, 2 * ffn, false, 0.02, Par::kColumn, {ffn, ffn}),
           Linear::make(s.sub("down"), ffn, hidden, false, out_std, Par::kRow)};

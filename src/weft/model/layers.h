@@ -317,6 +317,12 @@ struct Attention {
                         bool qkv_bias, bool out_bias, double out_std);
   // rope may be null.
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope* rope) const;
+  // Incremental decoding (all heads on this rank, no CP): x [B, n, hidden] holds the positions
+  // after the `length` ones whose keys and values `k` and `v` ([B, kv_heads, capacity, D], RoPE
+  // applied) already hold; theirs are written after them, and x's queries attend over all
+  // length + n. `visible`: [B, 1, n, length + n] as attention takes it, or undefined (all).
+  at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
+                    const at::Tensor& k, const at::Tensor& v, int64_t length) const;
 };
 
 // SwiGLU MLP (fused gate/up, column-parallel; down row-parallel): down(silu(gate(x)) * up(x)).

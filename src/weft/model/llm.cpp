@@ -187,6 +187,39 @@ at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mas
   return x + dist::split_replicated(moe(dist::gather_replicated(norm2(x), tp, 1), tokens), tp, 1);
 }
 
+at::Tensor LlmBlock::cached(const at::Tensor& x_in, const at::Tensor& visible, const Rope& rope,
+                            const at::Tensor& k, const at::Tensor& v, int64_t length) const {
+  WEFT_ASSERT(!attn.qkv.sp, "LlmBlock::cached under sequence parallelism");
+  at::Tensor x = x_in + attn.cached(norm1(x_in), visible, rope, k, v, length);
+  return x + (moe.enabled() ? moe(norm2(x), {}) : mlp(norm2(x)));
+}
+
+at::Tensor Llm::decode(const at::Tensor& x_in, const at::Tensor& positions,
+                       const at::Tensor& visible, KvCache& cache) const {
+  WEFT_CHECK(tp.size() == 1 && chunks.size() == 1 && chunks[0].first_stage &&
+                 chunks[0].last_stage && chunk_begin.back() == blocks.size(),
+             "Llm::decode needs the whole LLM on one rank");
+  const int64_t B = x_in.size(0), n = x_in.size(1);
+  WEFT_CHECK(cache.length + n <= cache.capacity, "Llm::decode: ", cache.length, " + ", n,
+             " positions exceed the cache's capacity of ", cache.capacity);
+  if (cache.k.empty())
+    for (const LlmBlock& b : blocks) {
+      const at::TensorOptions o = x_in.options();
+      cache.k.push_back(at::empty({B, b.attn.kv_heads, cache.capacity, b.attn.head_dim}, o));
+      cache.v.push_back(at::empty_like(cache.k.back()));
+    }
+  WEFT_CHECK(cache.k[0].size(0) == B, "Llm::decode: a batch of ", B, " rows on a cache of ",
+             cache.k[0].size(0));
+  const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
+  const at::Tensor mask = compat::attention_mask(visible.defined() ? visible.contiguous() : visible,
+                                                 x_in.scalar_type());
+  at::Tensor x = x_in;
+  for (size_t i = 0; i < blocks.size(); ++i)
+    x = blocks[i].cached(x, mask, rope, cache.k[i], cache.v[i], cache.length);
+  cache.length += n;
+  return final_norm(x);
+}
+
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
                         const TokenInfo& tokens, size_t chunk) const {
   return forward(x, context(positions, mask, x), tokens, chunk);

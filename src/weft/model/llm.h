@@ -34,6 +34,17 @@ struct LlmBlock {
   MoeMlp moe;  // MoE blocks
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope,
                         const TokenInfo& tokens = {}) const;
+  // Incremental decoding (Attention::cached; whole on this rank, no sequence parallelism).
+  at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
+                    const at::Tensor& k, const at::Tensor& v, int64_t length) const;
+};
+
+// Keys and values of the positions decoded so far, per block, for greedy or sampled decoding
+// one token at a time (Llm::decode): buffers of `capacity` positions made at the first call.
+struct KvCache {
+  int64_t capacity = 0;
+  int64_t length = 0;            // positions held
+  std::vector<at::Tensor> k, v;  // per block: [B, kv_heads, capacity, head_dim]
 };
 
 // Which part of the LLM a rank builds.
@@ -96,6 +107,14 @@ struct Llm {
                      const TokenInfo& tokens = {}, size_t chunk = 0) const;
   at::Tensor forward(const at::Tensor& x, const LlmContext& context, const TokenInfo& tokens = {},
                      size_t chunk = 0) const;
+  // The whole LLM on this rank (one stage, no TP / CP): x [B, n, hidden] (embedded) for the n
+  // positions after the cache's, at `positions` [B, n], through every block and the final norm,
+  // each block's attention over the cached keys and values and x's own, which join the cache.
+  // `visible` [B, 1, n, length + n] (bool), or undefined: every cached and earlier position.
+  // Equal to forward() over the whole sequence at these positions, without recomputing the
+  // earlier ones: a prompt goes in once, then one token per step.
+  at::Tensor decode(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& visible,
+                    KvCache& cache) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head

@@ -23,10 +23,12 @@
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/core/progress.h"
+#include "weft/data/dataset.h"
 #include "weft/dist/device.h"
 #include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
+#include "weft/train/eval.h"
 #include "weft/train/live_bytes.h"
 #include "weft/train/peak.h"
 #include "weft/train/trainer.h"
@@ -312,6 +314,56 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
     b["peak_flops"] = peak;
     io::write_text_file((dump / "bench.json").string(), b.dump(2) + "\n");
   }
+  return j.dump(2);
+}
+
+std::string bench_generate(Spec spec, int64_t samples, int64_t rounds) {
+  WEFT_CHECK(samples >= 1, "weft bench generate: --samples must be at least 1");
+  WEFT_CHECK(rounds >= 1, "weft bench generate: --rounds must be at least 1");
+  const TrainSpec& ts = spec.train;
+  at::set_num_threads(ts.threads > 0 ? static_cast<int>(ts.threads)
+                                     : static_cast<int>(std::thread::hardware_concurrency()));
+  const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&spec);
+  TrainerOptions to;
+  to.progress = false;
+  to.eval = false;
+  Trainer trainer(spec, plan::make_plan(spec, 1), to);
+  std::vector<data::Sample> set = dataset->eval_set();
+  if (static_cast<int64_t>(set.size()) > samples) set.resize(static_cast<size_t>(samples));
+  EvalOptions eo;
+  eo.compute_dtype = ts.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
+  eo.loss = false;
+  const c10::Device device = trainer.device();
+  // A few prompts first (kernel selection, allocator), then the two ways in turn each round.
+  {
+    std::vector<data::Sample> few(set.begin(), set.begin() + std::min<size_t>(set.size(), 4));
+    evaluate_captions(trainer.model(), few, *dataset, eo);
+  }
+  std::vector<double> cached, whole;
+  EvalResult with, without;
+  for (int64_t r = 0; r < rounds; ++r)
+    for (const bool kv : {true, false}) {
+      eo.kv_cache = kv;
+      dist::synchronize(device);
+      const double t0 = now_seconds();
+      EvalResult got = evaluate_captions(trainer.model(), set, *dataset, eo);
+      dist::synchronize(device);
+      (kv ? cached : whole).push_back(now_seconds() - t0);
+      (kv ? with : without) = std::move(got);
+    }
+  int64_t differing = 0;
+  for (size_t i = 0; i < with.captions.size(); ++i)
+    differing += with.captions[i] != without.captions[i] ? 1 : 0;
+  json j;
+  j["samples"] = static_cast<int64_t>(set.size());
+  j["rounds"] = rounds;
+  j["precision"] = to_string(ts.precision);
+  j["device"] = device.str();
+  j["seconds_kv_cache"] = median(cached);
+  j["seconds_whole_sequence"] = median(whole);
+  j["speedup"] = median(whole) / median(cached);
+  j["captions_differing"] = differing;  // near-ties in bf16 may part greedy decoding
+  j["caption_accuracy"] = with.caption_accuracy;
   return j.dump(2);
 }
 

@@ -24,6 +24,12 @@ struct BenchOptions {
 // losses, per-step seconds, median, tokens/s, MFU (all modules and LLM only), peak memory.
 std::string bench_step(Spec spec, const BenchOptions& options);
 
+// Greedy captions of the first `samples` eval samples of `spec`'s data from its model at its
+// initial weights, generated with the KV cache and by rerunning the whole sequence for every
+// token, alternately `rounds` times: the median seconds of each and their ratio, and how many
+// captions differ between the two (JSON).
+std::string bench_generate(Spec spec, int64_t samples, int64_t rounds);
+
 // Resident memory of this process (Linux /proc/self/status): now, and the peak since start or
 // since the last reset_peak_rss().
 int64_t rss_bytes();

@@ -7,6 +7,7 @@
 
 #include "weft/core/error.h"
 #include "weft/data/collate.h"
+#include "weft/model/mask.h"
 #include "weft/train/inputs.h"
 
 namespace weft::train {
@@ -22,26 +23,38 @@ model::Inputs inputs_of(const model::MultimodalModel& model, const std::vector<d
   return model::to_device(to_inputs(data::collate(s, opts)), model.param_set().device());
 }
 
-// Greedy continuation of a group of prompts of equal length. Returns generated ids per sample.
-std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
-                                           const std::vector<data::Sample>& prompts,
-                                           const data::Dataset& tok, int64_t max_new) {
+}  // namespace
+
+std::vector<std::vector<int64_t>> generate_greedy(const model::MultimodalModel& model,
+                                                  const std::vector<data::Sample>& prompts,
+                                                  const data::Dataset& tok, int64_t max_new,
+                                                  bool kv_cache) {
   model::Inputs in = inputs_of(model, prompts, tok);
   const int64_t B = in.tokens.size(0), P = in.tokens.size(1);
   at::Tensor x = model.embed(in);
   std::vector<std::vector<int64_t>> out(static_cast<size_t>(B));
   std::vector<bool> done(static_cast<size_t>(B), false);
   const int64_t max_len = std::min(P + max_new, model.spec().llm.max_seq);
+  model::KvCache cache;
+  cache.capacity = max_len;
   for (int64_t len = P; len < max_len; ++len) {
-    in.positions = torch::arange(len, in.tokens.options()).unsqueeze(0).expand({B, len});
-    in.doc = torch::zeros({B, len}, in.item.options());
-    if (in.item.size(1) < len)
-      in.item =
-          torch::cat({in.item, torch::full({B, len - in.item.size(1)}, -1, in.item.options())}, 1);
-    at::Tensor h = model.hidden(x, in);
+    at::Tensor h;                // final-normed hidden state of position len - 1
+    if (kv_cache && len == P) {  // the prompt, once
+      h = model.llm().decode(x, in.positions, model::visible_mask(in.doc, in.item), cache);
+      h = h.select(1, len - 1);
+    } else if (kv_cache) {  // the token generated last, at position len - 1
+      const at::Tensor pos = torch::full({B, 1}, len - 1, in.tokens.options());
+      h = model.llm().decode(x, pos, at::Tensor(), cache).select(1, 0);
+    } else {  // the whole sequence again
+      in.positions = torch::arange(len, in.tokens.options()).unsqueeze(0).expand({B, len});
+      in.doc = torch::zeros({B, len}, in.item.options());
+      if (in.item.size(1) < len)
+        in.item = torch::cat(
+            {in.item, torch::full({B, len - in.item.size(1)}, -1, in.item.options())}, 1);
+      h = model.hidden(x, in).select(1, len - 1);
+    }
     // Only the tokenizer's ids: the vocabulary may be padded past them.
-    at::Tensor next =
-        model.llm().logits(h.select(1, len - 1)).narrow(-1, 0, tok.vocab_size()).argmax(-1);  // [B]
+    at::Tensor next = model.llm().logits(h).narrow(-1, 0, tok.vocab_size()).argmax(-1);  // [B]
     bool all_done = true;
     const at::Tensor host = next.to(at::kCPU);
     auto acc = host.accessor<int64_t, 1>();
@@ -53,19 +66,19 @@ std::vector<std::vector<int64_t>> generate(const model::MultimodalModel& model,
       all_done = all_done && done[b];
     }
     if (all_done) break;
-    x = torch::cat({x, model.llm().embed(next.unsqueeze(1))}, 1);
+    const at::Tensor e = model.llm().embed(next.unsqueeze(1));
+    x = kv_cache ? e : torch::cat({x, e}, 1);
   }
   return out;
 }
 
-}  // namespace
-
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
-                             int64_t batch, at::ScalarType compute_dtype, bool loss,
-                             bool captions) {
+                             const EvalOptions& o) {
   torch::NoGradGuard no_grad;
-  model::ComputeDtypeGuard dtype(compute_dtype);
+  model::ComputeDtypeGuard dtype(o.compute_dtype);
+  const int64_t batch = o.batch;
+  const bool loss = o.loss, captions = o.captions;
   EvalResult r;
   int64_t correct = 0;
   double loss_sum = 0;
@@ -97,12 +110,13 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       r.targets += in.targets.numel();
     }
     std::vector<std::vector<int64_t>> gen;
-    if (captions) gen = generate(model, prompts, dataset, max_new);
+    if (captions) gen = generate_greedy(model, prompts, dataset, max_new, o.kv_cache);
     for (size_t i = 0; i < gen.size(); ++i) {
       const std::string text = dataset.decode(gen[i]);
       const std::string& ref = samples[begin + i].caption;
       correct += text == ref ? 1 : 0;
       if (r.examples.size() < 4) r.examples.emplace_back(text, ref);
+      r.captions.push_back(text);
     }
     begin = end;
   }

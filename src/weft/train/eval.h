@@ -20,13 +20,28 @@ struct EvalResult {
   double loss = 0;      // mean cross-entropy per target token (NaN when there are none)
   int64_t targets = 0;  // target tokens the loss is over
   std::vector<std::pair<std::string, std::string>> examples;  // (generated, reference), a few
+  std::vector<std::string> captions;  // every sample's generated caption, in order
 };
 
-// Either part may be left out: without `loss` the result's loss is NaN over 0 targets, without
-// `captions` its caption accuracy is -1 with no examples.
+// Greedy continuation of prompts of equal length (no padding), up to `max_new` tokens each or
+// their EOS: the ids generated per prompt. With `kv_cache` the prompt goes through the LLM once
+// and each step runs the last token alone over the cached keys and values (model::KvCache);
+// without, each step runs the whole sequence again (the reference it must equal).
+std::vector<std::vector<int64_t>> generate_greedy(const model::MultimodalModel& model,
+                                                  const std::vector<data::Sample>& prompts,
+                                                  const data::Dataset& dataset, int64_t max_new,
+                                                  bool kv_cache = true);
+
+struct EvalOptions {
+  int64_t batch = 64;  // prompts generated together (of one prompt length)
+  at::ScalarType compute_dtype = at::kFloat;
+  bool loss = true;      // false: the result's loss is NaN over 0 targets
+  bool captions = true;  // false: caption accuracy -1, no captions
+  bool kv_cache = true;  // generate_greedy's
+};
+
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
-                             int64_t batch, at::ScalarType compute_dtype, bool loss = true,
-                             bool captions = true);
+                             const EvalOptions& options = {});
 
 }  // namespace weft::train

@@ -831,9 +831,12 @@ Summary Trainer::run() {
         // (a copy gathered for it holds them in the compute dtype already).
         std::optional<model::CastOnce> casts;
         if (!spread) casts.emplace(eval_model.parameters(), model::CastOnce::Keep::kEverything);
-        const EvalResult got =
-            evaluate_captions(eval_model, eval_set, *m.dataset, std::max<int64_t>(ts.batch, 64),
-                              m.compute, /*loss=*/!spread, /*captions=*/ts.eval_captions);
+        EvalOptions eo;
+        eo.batch = std::max<int64_t>(ts.batch, 64);
+        eo.compute_dtype = m.compute;
+        eo.loss = !spread;  // else computed in the layout
+        eo.captions = ts.eval_captions;
+        const EvalResult got = evaluate_captions(eval_model, eval_set, *m.dataset, eo);
         r.caption_accuracy = got.caption_accuracy;
         r.examples = got.examples;
         if (!spread) r.loss = got.loss, r.targets = got.targets;
