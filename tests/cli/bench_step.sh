@@ -3,7 +3,8 @@
 # eager reference the step benchmark compares against — computes the same thing: fed weft's
 # dumped weights and batches, in fp32 its losses and gradient norms match weft's within 1e-5
 # relative, with the full-logit and the target-only head, for the vision-only and the
-# vision + audio configs. Bad flags are clear errors.
+# vision + audio configs. `weft bench generate` times cached decoding against the whole
+# sequence and they caption alike. Bad flags are clear errors.
 set -u
 weft=$1; src=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -75,6 +76,19 @@ grep -q "empty.json" "$tmp/out" || { cat "$tmp/out"; die "trace_summary error do
 grep -q -- "--steps" "$tmp/out" || { cat "$tmp/out"; die "unclear error for --steps 0"; }
 "$weft" bench step "$tmp/none.toml" > "$tmp/out" 2>&1 && die "a missing config was accepted"
 grep -q "none.toml" "$tmp/out" || { cat "$tmp/out"; die "error does not name the config"; }
+# `weft bench generate`: both ways timed, the same captions in fp32.
+"$weft" bench generate "$src/configs/tiny-vlm.toml" --set train.precision=fp32 --samples 12 \
+  > "$tmp/gen.json" || die "weft bench generate failed"
+"$py" - "$tmp/gen.json" <<'PY' || { cat "$tmp/gen.json"; die "weft bench generate's JSON"; }
+import json, sys
+g = json.load(open(sys.argv[1]))
+assert g["samples"] == 12 and g["captions_differing"] == 0, g
+assert g["seconds_kv_cache"] > 0 and g["seconds_whole_sequence"] > 0, g
+assert abs(g["speedup"] - g["seconds_whole_sequence"] / g["seconds_kv_cache"]) < 1e-9, g
+PY
+"$weft" bench generate "$src/configs/tiny-vlm.toml" --samples 0 > "$tmp/out" 2>&1 \
+  && die "--samples 0 accepted"
+grep -q -- "--samples" "$tmp/out" || { cat "$tmp/out"; die "unclear error for --samples 0"; }
 "$py" "$src/bench/eager_reference.py" "$tmp/nothing" > "$tmp/out" 2>&1 \
   && die "the reference accepted a missing dump"
 grep -q "nothing" "$tmp/out" || { cat "$tmp/out"; die "reference error does not name the dump"; }
