@@ -815,8 +815,10 @@ Summary Trainer::run() {
   // generates the captions on a copy gathered for it; where rank 0 holds the model whole, it
   // evaluates both there.
   auto run_eval = [&]() {
-    const std::vector<data::Sample> eval_set = m.dataset->eval_set();
     const bool spread = !m.whole_model();
+    // Every rank runs its part of the layout's loss; only rank 0 evaluates a whole model.
+    const std::vector<data::Sample> eval_set =
+        spread || comm.rank() == 0 ? m.dataset->eval_set() : std::vector<data::Sample>();
     EvalResult r;
     r.samples = static_cast<int64_t>(eval_set.size());
     r.caption_accuracy = -1;
