@@ -334,6 +334,8 @@ std::string bench_generate(Spec spec, int64_t samples, int64_t rounds) {
   eo.compute_dtype = ts.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
   eo.loss = false;
   const c10::Device device = trainer.device();
+  // The weights cast once for all of it, as the trainer's evaluation holds them.
+  const model::CastOnce casts(trainer.model().parameters(), model::CastOnce::Keep::kEverything);
   // A few prompts first (kernel selection, allocator), then the two ways in turn each round.
   {
     std::vector<data::Sample> few(set.begin(), set.begin() + std::min<size_t>(set.size(), 4));
