@@ -113,14 +113,14 @@ struct FileSums {
 // from its first 8 bytes, as a reader finds it.
 class FileSummer {
  public:
-  FileSummer(uint64_t file_bytes, uint64_t block_bytes) {
+  FileSummer(std::string path, uint64_t file_bytes, uint64_t block_bytes) : path_(std::move(path)) {
     out_.bytes = file_bytes;
     out_.block_bytes = block_bytes;
     out_.header_bytes = file_bytes;  // until the header size is known: every byte is block 0's
   }
   void add(const uint8_t* p, size_t n) {
-    WEFT_CHECK(n <= out_.bytes - fed_, "checksums: fed more than the file's ", out_.bytes,
-               " bytes");
+    WEFT_CHECK(n <= out_.bytes - fed_, path_, ": more than its ", out_.bytes,
+               " bytes (changed while being read?)");
     whole_.add(p, n);
     while (n > 0) {    // the part of the piece in the current block
       if (fed_ < 8) {  // the header size: always block 0
@@ -141,8 +141,8 @@ class FileSummer {
       p += take, n -= take;
     }
   }
-  FileSums finish(const std::string& path) {
-    WEFT_CHECK(whole_.bytes() == out_.bytes, path, ": summed ", whole_.bytes(), " of its ",
+  FileSums finish() {
+    WEFT_CHECK(whole_.bytes() == out_.bytes, path_, ": summed ", whole_.bytes(), " of its ",
                out_.bytes, " bytes (changed while being read?)");
     if (out_.blocks.empty()) out_.blocks.push_back(hex(block_.value()));  // an empty file
     out_.checksum = hex(whole_.value());
@@ -158,6 +158,7 @@ class FileSummer {
       block_ = Checksum();
     }
   }
+  std::string path_;
   FileSums out_;
   Checksum whole_, block_;
   uint64_t fed_ = 0;
@@ -166,7 +167,7 @@ class FileSummer {
 
 // A file's sums, read in one pass.
 FileSums sum_file(const fs::path& path, uint64_t block_bytes = kBlockBytes) {
-  FileSummer summer(fs::file_size(path), block_bytes);
+  FileSummer summer(path.string(), fs::file_size(path), block_bytes);
   std::ifstream in(path, std::ios::binary);
   WEFT_CHECK(in, "cannot read ", path.string());
   std::vector<char> buf(kReadBytes);
@@ -174,7 +175,7 @@ FileSums sum_file(const fs::path& path, uint64_t block_bytes = kBlockBytes) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     summer.add(reinterpret_cast<const uint8_t*>(buf.data()), static_cast<size_t>(in.gcount()));
   }
-  return summer.finish(path.string());
+  return summer.finish();
 }
 
 // The checksum of bytes [offset, offset + n) of a file.
@@ -375,11 +376,13 @@ std::string write_checkpoint_shards(const std::string& tmp_dir, int rank,
   std::unique_ptr<FileSummer> summer;
   save_safetensors(path.string(), tensors, {{kShardsKey, layout.dump()}},
                    [&](const uint8_t* p, size_t n, uint64_t file_bytes) {
-                     if (!summer) summer = std::make_unique<FileSummer>(file_bytes, kBlockBytes);
+                     if (!summer)
+                       summer =
+                           std::make_unique<FileSummer>(path.string(), file_bytes, kBlockBytes);
                      summer->add(p, n);
                    });
   nlohmann::ordered_json entry;
-  entry[name] = to_json(summer->finish(path.string()));
+  entry[name] = to_json(summer->finish());
   return entry.dump();
 }
 
