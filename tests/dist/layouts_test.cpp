@@ -471,8 +471,8 @@ TEST(Layouts, ValidationLossInTheLayoutMatchesOneProcess) {
     std::vector<std::string> sets = {"train.steps=2", "train.warmup=1", "data.eval_samples=17",
                                      "train.eval_captions=false"};
     sets.insert(sets.end(), cases[i].model.begin(), cases[i].model.end());
-    const auto [a, b] = evaluate_both("eval_layout_" + std::to_string(i), sets, cases[i].layout,
-                                      cases[i].ranks);
+    const auto [a, b] =
+        evaluate_both("eval_layout_" + std::to_string(i), sets, cases[i].layout, cases[i].ranks);
     ASSERT_TRUE(a["eval_loss"].is_number()) << a.dump();
     ASSERT_TRUE(b["eval_loss"].is_number()) << b.dump();
     EXPECT_NEAR(b["eval_loss"].get<double>(), a["eval_loss"].get<double>(),

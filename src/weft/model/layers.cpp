@@ -386,18 +386,20 @@ Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t
   return a;
 }
 
+std::array<at::Tensor, 3> Attention::project(const at::Tensor& x, const Rope* rope) const {
+  const at::Tensor qkv = this->qkv(x);  // under sequence parallelism: every position of x
+  const int64_t B = qkv.size(0), S = qkv.size(1);
+  // split, not narrow: the backward is one concatenation, not a zero-filled tensor per part.
+  const std::vector<at::Tensor> parts = qkv.view({B, S, heads + 2 * kv_heads, head_dim})
+                                            .split_with_sizes({heads, kv_heads, kv_heads}, 2);
+  if (!rope) return {parts[0], parts[1], parts[2]};
+  return {apply_rope(parts[0], *rope), apply_rope(parts[1], *rope), parts[2]};
+}
+
 at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
                                  const Rope* rope) const {
-  const at::Tensor qkv = this->qkv(x);  // under sequence parallelism: every position of x
-  const int64_t B = qkv.size(0), S = qkv.size(1), D = head_dim;
-  // split, not narrow: the backward is one concatenation, not a zero-filled tensor per part.
-  const std::vector<at::Tensor> parts =
-      qkv.view({B, S, heads + 2 * kv_heads, D}).split_with_sizes({heads, kv_heads, kv_heads}, 2);
-  at::Tensor q = parts[0], k = parts[1], v = parts[2];
-  if (rope) {
-    q = apply_rope(q, *rope);
-    k = apply_rope(k, *rope);
-  }
+  auto [q, k, v] = project(x, rope);
+  const int64_t B = q.size(0), S = q.size(1), D = head_dim;
   if (cp.size() > 1) {  // every rank's keys, in original token order: K and V in one gather
     at::Tensor kv = dist::gather_along(at::cat({k, v}, 2), cp, 1);
     if (mask.kv_order.defined())  // undefined: the ranks hold contiguous chunks in order
@@ -421,18 +423,15 @@ at::Tensor Attention::cached(const at::Tensor& x, const at::Tensor& visible, con
                              const at::Tensor& k_cache, const at::Tensor& v_cache,
                              int64_t length) const {
   WEFT_ASSERT(cp.size() <= 1, "Attention::cached under context parallelism");
-  const at::Tensor qkv = this->qkv(x);
-  const int64_t B = qkv.size(0), n = qkv.size(1), D = head_dim;
+  const auto [q, k, v] = project(x, &rope);
+  const int64_t B = q.size(0), n = q.size(1), D = head_dim;
   WEFT_ASSERT(length + n <= k_cache.size(2), "Attention::cached: ", length + n,
               " positions in a cache of ", k_cache.size(2));
-  const std::vector<at::Tensor> parts =
-      qkv.view({B, n, heads + 2 * kv_heads, D}).split_with_sizes({heads, kv_heads, kv_heads}, 2);
-  const at::Tensor q = apply_rope(parts[0], rope).transpose(1, 2);  // [B, H, n, D]
-  k_cache.narrow(2, length, n).copy_(apply_rope(parts[1], rope).transpose(1, 2));
-  v_cache.narrow(2, length, n).copy_(parts[2].transpose(1, 2));
-  const at::Tensor o =
-      compat::attention(q, k_cache.narrow(2, 0, length + n), v_cache.narrow(2, 0, length + n),
-                        visible, 1.0 / std::sqrt(static_cast<double>(D)));
+  k_cache.narrow(2, length, n).copy_(k.transpose(1, 2));
+  v_cache.narrow(2, length, n).copy_(v.transpose(1, 2));
+  const at::Tensor o = compat::attention(q.transpose(1, 2), k_cache.narrow(2, 0, length + n),
+                                         v_cache.narrow(2, 0, length + n), visible,
+                                         1.0 / std::sqrt(static_cast<double>(D)));
   return out(o.transpose(1, 2).reshape({B, n, heads * D}));
 }
 

@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -323,6 +324,8 @@ struct Attention {
   // length + n. `visible`: [B, 1, n, length + n] as attention takes it, or undefined (all).
   at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
                     const at::Tensor& k, const at::Tensor& v, int64_t length) const;
+  // q, k, v [B, S, heads | kv_heads, D] of x, RoPE applied to q and k when given.
+  std::array<at::Tensor, 3> project(const at::Tensor& x, const Rope* rope) const;
 };
 
 // SwiGLU MLP (fused gate/up, column-parallel; down row-parallel): down(silu(gate(x)) * up(x)).

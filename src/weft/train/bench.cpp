@@ -149,6 +149,14 @@ void dump_step(const std::string& path, const StepBatch& b) {
   io::save_safetensors(path, t);
 }
 
+// Sets and returns the intra-op threads of `ts` (0: one per core).
+int use_threads(const TrainSpec& ts) {
+  const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
+                                     : static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(threads);
+  return threads;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -174,9 +182,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   ts.warmup = std::min(ts.warmup, ts.steps);
   ts.checkpoint_every = 0;
   ts.eval_every = 0;
-  const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency());
-  at::set_num_threads(threads);
+  const int threads = use_threads(ts);
 
   const int64_t baseline = rss_bytes();  // the process before the model exists
   // Tensor bytes from before the model exists (parameters, optimizer state, the prepared batches
@@ -321,8 +327,7 @@ std::string bench_generate(Spec spec, int64_t samples, int64_t rounds) {
   WEFT_CHECK(samples >= 1, "weft bench generate: --samples must be at least 1");
   WEFT_CHECK(rounds >= 1, "weft bench generate: --rounds must be at least 1");
   const TrainSpec& ts = spec.train;
-  at::set_num_threads(ts.threads > 0 ? static_cast<int>(ts.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency()));
+  use_threads(ts);
   const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&spec);
   TrainerOptions to;
   to.progress = false;
