@@ -407,6 +407,17 @@ TEST(Config, DeviceIsCpuUnlessSetAndRoundTrips) {
   EXPECT_TRUE(set_fails_with("train.device=gpu", {"train.device = \"gpu\"", "\"cpu\", \"cuda\""}));
 }
 
+// train.eval_generation: "gather" by default; "layout" survives the run directory's config.toml.
+TEST(Config, EvalGenerationIsGatherUnlessSetAndRoundTrips) {
+  EXPECT_EQ(parse_spec(kMinimal, "cfg.toml").train.eval_generation, EvalGeneration::kGather);
+  const Spec a = parse_spec(kMinimal, "cfg.toml", {"train.eval_generation=layout"});
+  EXPECT_EQ(a.train.eval_generation, EvalGeneration::kLayout);
+  EXPECT_EQ(parse_spec(spec_to_toml(a), "dump.toml").train.eval_generation,
+            EvalGeneration::kLayout);
+  EXPECT_TRUE(set_fails_with("train.eval_generation=rank0",
+                             {"train.eval_generation = \"rank0\"", "\"gather\", \"layout\""}));
+}
+
 TEST(Config, RoundTripParallel) {
   Spec a = parse_spec(kFull, "cfg.toml");
   a.parallel.placement = "colocated";

@@ -12,15 +12,18 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "support/equivalence.h"
 #include "support/ranks.h"
 #include "support/tiny_run.h"
 #include "weft/core/config.h"
+#include "weft/data/dataset.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
+#include "weft/train/inputs.h"
 #include "weft/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -492,6 +495,135 @@ TEST(Layouts, ValidationLossInTheLayoutMatchesOneProcess) {
     EXPECT_EQ(ea["targets"], eb["targets"]);
     EXPECT_EQ(eb["samples"], 17);
     EXPECT_TRUE(eb["caption_accuracy"].is_null()) << eb.dump();
+  }
+}
+
+// Layouts for generation in the layout: a pipeline of interleaved stages; the head's vocabulary
+// split over TP, tied and untied; CP with the vision encoder pipelined; TP x DP; an MoE LLM's
+// experts over EP ranks. The model's vocabulary is 24 (the tokenizer's 22 and 2 unused ids), so
+// that under TP2 each rank holds ids the tokenizer has (0-11 and 12-21) and the second some it
+// does not (22, 23).
+struct GenerationCase {
+  std::vector<std::string> model, layout;
+  int ranks;
+};
+const std::vector<GenerationCase>& generation_cases() {
+  static const std::vector<GenerationCase> cases = [] {
+    std::vector<GenerationCase> c = {
+        {{"model.llm.layers=4"}, {"parallel.llm.pp=2", "parallel.llm.vp=2"}, 2},
+        {{}, {"parallel.llm.tp=2", "parallel.vision.tp=2"}, 2},
+        {{"model.llm.tie_embeddings=false"}, {"parallel.llm.tp=2", "parallel.vision.tp=2"}, 2},
+        {{}, {"parallel.llm.cp=2", "parallel.vision.pp=2"}, 2},
+        {{}, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.vision.dp=4"}, 4},
+        {{"model.llm.moe.experts=4", "model.llm.moe.top_k=2", "model.llm.moe.ffn=32"},
+         {"parallel.llm.dp=2", "parallel.llm.ep=2", "parallel.vision.dp=2"},
+         2}};
+    for (GenerationCase& one : c) one.model.push_back("model.llm.vocab=24");
+    return c;
+  }();
+  return cases;
+}
+
+// Runtime::eval_next_tokens, one step of generation in the layout: at every position of the eval
+// samples (teacher-forced, so that the contexts, and the ids, vary), the greedy id agrees with the
+// argmax of the whole model's logits on one process from the same initial weights, in the
+// batch's order of targets (replicas, then microbatches).
+TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
+  for (size_t i = 0; i < generation_cases().size(); ++i) {
+    SCOPED_TRACE(i);
+    const GenerationCase& c = generation_cases()[i];
+    const std::string tag = "greedy_ids_" + std::to_string(i);
+    const Spec one = parse_spec(weft::testing::kTinyVlm, "tiny", c.model);
+    std::vector<std::string> all = c.model;
+    all.insert(all.end(), c.layout.begin(), c.layout.end());
+    const Spec spread = parse_spec(weft::testing::kTinyVlm, "tiny", all);
+    const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
+    train::Trainer whole(one, plan::make_plan(one),
+                         testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
+    Spec data_spec = one;
+    const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&data_spec);
+    std::vector<data::Sample> samples = dataset->eval_set();
+    const int64_t vocab = dataset->vocab_size();
+    ASSERT_EQ(vocab, 22);
+    // Every token but the first a target: rows on every CP rank, in every context.
+    for (data::Sample& s : samples) s.is_target.assign(s.tokens.size(), 1);
+    // 16 samples over the LLM's replicas, two microbatches each, a sample per row.
+    data::CollateOptions how;
+    how.num_encoders = 1;
+    how.pad_id = dataset->pad_id();
+    const int64_t replicas = spread_plan.module("llm").layout.dp, n = samples.size();
+    std::vector<std::vector<model::Inputs>> batch(replicas);
+    for (int64_t d = 0; d < replicas; ++d)
+      for (int64_t k = 0; k < 2; ++k) {
+        const int64_t a = n * (2 * d + k) / (2 * replicas),
+                      z = n * (2 * d + k + 1) / (2 * replicas);
+        batch[d].push_back(train::to_inputs(data::collate(
+            std::vector<data::Sample>(samples.begin() + a, samples.begin() + z), how)));
+      }
+    std::vector<int64_t> want;
+    {
+      torch::NoGradGuard no_grad;
+      const model::MultimodalModel& m = whole.model();
+      for (const auto& replica : batch)
+        for (const model::Inputs& in : replica) {
+          const at::Tensor h = m.hidden(m.embed(in), in);
+          const at::Tensor rows = h.reshape({-1, h.size(2)}).index_select(0, in.target_rows);
+          const at::Tensor ids = m.llm().logits(rows).narrow(-1, 0, vocab).argmax(-1);
+          want.insert(want.end(), ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+        }
+    }
+    ASSERT_GT(want.size(), 200u);
+    const std::set<int64_t> ids(want.begin(), want.end());
+    EXPECT_GT(ids.size(), 5u);
+    EXPECT_TRUE(*ids.begin() < 12 && *ids.rbegin() >= 12);  // on both TP ranks' halves
+    std::vector<std::vector<int64_t>> got(c.ranks);
+    testing::run_ranks(c.ranks, [&](const Comm& comm) {
+      train::Trainer t(spread, spread_plan,
+                       testing::run_options(
+                           weft::testing::temp_dir(tag + "_" + std::to_string(comm.rank())), comm));
+      got[comm.rank()] = t.runtime().eval_next_tokens(batch, vocab);
+    });
+    for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(got[r], want) << "rank " << r;
+  }
+}
+
+// The trainer's generation in the layout (train.eval_generation = "layout": nothing gathered,
+// each token a forward pass through the layout) gives every sample the single process's caption
+// and accuracy; under TP x DP its 5 eval samples, in batches of 4, leave a last batch topped up
+// with a copy that has no target.
+TEST(Layouts, CaptionsGeneratedInTheLayoutMatchOneProcess) {
+  const auto captions = [](const std::string& tag) {
+    std::ifstream in(fs::temp_directory_path() /
+                     ("weft_test_" + std::to_string(::getpid()) + "_" + tag) / "captions.jsonl");
+    std::vector<nlohmann::json> lines;
+    for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+    return lines;
+  };
+  for (size_t i = 0; i < generation_cases().size(); ++i) {
+    SCOPED_TRACE(i);
+    const GenerationCase& c = generation_cases()[i];
+    // A learning rate that leaves the weights near their random start, where greedy decoding
+    // gives samples tokens of their own.
+    std::vector<std::string> sets = {"train.steps=2",
+                                     "train.warmup=1",
+                                     "train.lr=1e-6",
+                                     "train.min_lr=1e-6",
+                                     "data.eval_samples=5",
+                                     "train.batch=4",
+                                     "train.eval_generation=\"layout\""};
+    sets.insert(sets.end(), c.model.begin(), c.model.end());
+    const std::string tag = "gen_layout_" + std::to_string(i);
+    const auto [a, b] = evaluate_both(tag, sets, c.layout, c.ranks);
+    EXPECT_EQ(b["resumed_from_step"], 2);
+    EXPECT_EQ(a["eval_caption_accuracy"], b["eval_caption_accuracy"]);
+    EXPECT_EQ(a["eval_examples"], b["eval_examples"]);
+    const std::vector<nlohmann::json> ca = captions(tag + "_single"), cb = captions(tag);
+    ASSERT_EQ(ca.size(), 5u);
+    ASSERT_EQ(cb.size(), 5u);
+    for (size_t k = 0; k < ca.size(); ++k) {
+      EXPECT_EQ(cb[k]["generated"], ca[k]["generated"]) << "sample " << k;
+      EXPECT_EQ(cb[k]["reference"], ca[k]["reference"]) << "sample " << k;
+    }
   }
 }
 

@@ -97,6 +97,7 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "log_every",
                                            "eval_every",
                                            "eval_captions",
+                                           "eval_generation",
                                            "checkpoint_every",
                                            "device",
                                            "threads",
@@ -730,6 +731,8 @@ void read_train(const Section& s, TrainSpec* t) {
   s.count("log_every", &t->log_every);
   s.count("eval_every", &t->eval_every, /*positive=*/false);
   s.read("eval_captions", &t->eval_captions);
+  s.choice("eval_generation", {EvalGeneration::kGather, EvalGeneration::kLayout},
+           &t->eval_generation);
   s.count("checkpoint_every", &t->checkpoint_every, /*positive=*/false);
   s.choice("device", {Device::kCpu, Device::kCuda}, &t->device);
   s.count("threads", &t->threads, /*positive=*/false);
@@ -1020,6 +1023,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("log_every", t.log_every);
   w.put("eval_every", t.eval_every);
   w.put("eval_captions", t.eval_captions);
+  w.put("eval_generation", std::string(to_string(t.eval_generation)));
   w.put("checkpoint_every", t.checkpoint_every);
   w.put("device", std::string(to_string(t.device)));
   w.put("threads", t.threads);

@@ -37,6 +37,9 @@ const char* to_string(ProjectorKind k) {
 
 const char* to_string(NonFinite n) { return n == NonFinite::kStop ? "stop" : "skip"; }
 const char* to_string(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+const char* to_string(EvalGeneration g) {
+  return g == EvalGeneration::kGather ? "gather" : "layout";
+}
 
 const char* to_string(Precision p) {
   switch (p) {

@@ -179,6 +179,10 @@ enum class NonFinite { kStop, kSkip };
 // Where parameters, activations and optimizer state live. kCuda: rank r uses GPU LOCAL_RANK (needs
 // a build against CUDA LibTorch, WEFT_CUDA); collectives of device tensors go over NCCL.
 enum class Device { kCpu, kCuda };
+// Where evaluation's captions are generated when the layout spreads the model: on a copy
+// gathered onto rank 0 (the KV cache, one token per step), or through the training layout
+// itself (every rank its part, nothing gathered; each new token reruns the sequence).
+enum class EvalGeneration { kGather, kLayout };
 
 struct TrainSpec {
   int64_t steps = 600;
@@ -198,9 +202,10 @@ struct TrainSpec {
   int64_t log_every = 10;
   int64_t eval_every = 0;  // 0 = only at the end
   // Evaluations generate captions (caption accuracy) besides the validation loss. Generation
-  // runs on rank 0 with the whole model (where the layout spreads it, a copy gathered for each
-  // evaluation); false: the loss alone, computed in the layout.
+  // runs on rank 0 with the whole model where it is whole there; where the layout spreads it,
+  // as eval_generation says. false: the loss alone, computed in the layout.
   bool eval_captions = true;
+  EvalGeneration eval_generation = EvalGeneration::kGather;
   int64_t checkpoint_every = 0;  // 0 = only at the end
   Device device = Device::kCpu;
   int64_t threads = 0;              // 0 = all cores
@@ -290,5 +295,6 @@ const char* to_string(ProjectorKind k);
 const char* to_string(Precision p);
 const char* to_string(NonFinite n);
 const char* to_string(Device d);
+const char* to_string(EvalGeneration g);
 
 }  // namespace weft

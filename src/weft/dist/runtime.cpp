@@ -129,6 +129,14 @@ struct Runtime::Impl {
   StepTimes times;
   // An evaluation pass (eval_loss_sum): forwards only, nothing kept for a backward, no gradient.
   bool forward_only = false;
+  // eval_next_tokens: the LLM's last stage takes greedy ids (over [0, predict_vocab)) at the
+  // target rows instead of the loss, as (index among the batch's targets, id) pairs; each
+  // microbatch's first target's index is target_offsets[d][m].
+  int64_t predict_vocab = 0;
+  std::vector<std::vector<int64_t>> target_offsets;
+  std::vector<std::pair<at::Tensor, at::Tensor>> predictions;
+  // A forward-only step (predict > 0: eval_next_tokens's), leaving times and trace as they were.
+  at::Tensor evaluate(const std::vector<std::vector<model::Inputs>>& batch, int64_t predict);
   bool grads(bool wanted) const { return wanted && !forward_only; }
   // Timeline of the step (when tracing): compute intervals exclude the time blocked in receives.
   bool tracing = false;
@@ -916,16 +924,25 @@ struct Runtime::Impl {
     }
     // Loss on this rank's own target rows (every TP rank's: the loss is vocab-parallel).
     if (seq_split > 1) h = dist::gather_replicated(h, model->llm().tp, 1);
-    at::Tensor rows = in.target_rows, tgt = in.targets;
+    at::Tensor rows = in.target_rows, tgt = in.targets, keep;
     if (own.defined()) {
       at::Tensor local = torch::full({S}, -1, own.options());
       local.index_put_({own}, torch::arange(Sl, own.options()));
       at::Tensor pos = local.index_select(0, rows.remainder(S));
-      at::Tensor keep = pos >= 0;
+      keep = pos >= 0;
       rows = (rows.div(S, "floor") * Sl + pos).masked_select(keep);
       tgt = tgt.masked_select(keep);
     }
     at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
+    if (predict_vocab > 0) {  // eval_next_tokens: every TP rank takes part in the vocabulary's
+      const at::Tensor ids = model->llm().greedy(flat, predict_vocab);
+      if (role.c.tp == 0) {
+        at::Tensor index = torch::arange(in.targets.numel(), in.targets.options().dtype(at::kLong));
+        if (keep.defined()) index = index.masked_select(keep);
+        predictions.emplace_back(index + target_offsets[d][m], ids);
+      }
+      return saved;
+    }
     at::Tensor loss = model->llm().loss_sum(flat, tgt) / static_cast<double>(targets);
     if (role.c.tp ==
         0) {  // summed in double where it is: one host read per step, not per microbatch
@@ -1491,9 +1508,10 @@ at::Tensor Runtime::queue_step(const std::vector<std::vector<model::Inputs>>& ba
                                int64_t targets) {
   return impl_->step(batch, targets);
 }
-double Runtime::eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch) {
-  Impl& m = *impl_;
-  // The training step's times and trace stay as they were (the trainer reports them).
+// A forward-only pass of `batch` through the layout (eval_loss_sum, eval_next_tokens): the
+// training step's times and trace stay as they were (the trainer reports them).
+at::Tensor Runtime::Impl::evaluate(const std::vector<std::vector<model::Inputs>>& batch,
+                                   int64_t predict) {
   struct Restore {
     Impl& m;
     StepTimes times;
@@ -1501,14 +1519,41 @@ double Runtime::eval_loss_sum(const std::vector<std::vector<model::Inputs>>& bat
     bool tracing;
     ~Restore() {
       m.forward_only = false;
+      m.predict_vocab = 0;
       m.tracing = tracing;
       m.times = times;
       m.trace = std::move(trace);
     }
-  } restore{m, m.times, std::move(m.trace), m.tracing};
-  m.forward_only = true;
-  m.tracing = false;
-  return m.step(batch, /*targets=*/1).item<double>();
+  } restore{*this, times, std::move(trace), tracing};
+  forward_only = true;
+  predict_vocab = predict;
+  tracing = false;
+  return step(batch, /*targets=*/1);
+}
+
+double Runtime::eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch) {
+  return impl_->evaluate(batch, /*predict=*/0).item<double>();
+}
+
+std::vector<int64_t> Runtime::eval_next_tokens(const std::vector<std::vector<model::Inputs>>& batch,
+                                               int64_t vocab) {
+  WEFT_CHECK(vocab > 0, "eval_next_tokens: vocab ", vocab, " (expected at least 1)");
+  Impl& m = *impl_;
+  int64_t total = 0;
+  m.target_offsets.assign(batch.size(), {});
+  for (size_t d = 0; d < batch.size(); ++d)
+    for (const model::Inputs& in : batch[d]) {
+      m.target_offsets[d].push_back(total);
+      total += in.targets.numel();
+    }
+  m.predictions.clear();
+  m.evaluate(batch, vocab);
+  // Each target's id comes from one rank (its last-stage, TP-rank-0 holder): a sum gathers them.
+  at::Tensor ids = torch::zeros({total}, torch::kLong);
+  for (const auto& [index, id] : m.predictions) ids.index_put_({index.cpu()}, id.cpu());
+  m.predictions.clear();
+  if (m.world.size() > 1) m.world.all_reduce_sum(ids);
+  return std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + total);
 }
 at::Tensor Runtime::grad_squares() const {
   WEFT_CHECK(impl_->world.size() == 1, "Runtime::grad_squares: one rank only (",

@@ -122,6 +122,13 @@ class Runtime {
   // times(), routing() and tracing stay as the last training step left them. Collective: every
   // rank calls it with the same batch. An evaluation, without gathering the model anywhere.
   double eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch);
+  // Forward only, as eval_loss_sum: greedy decoding's next token at every target of `batch`, the
+  // id in [0, vocab) whose logit is largest at the target's row (Llm::greedy), in the batch's
+  // order of targets (replica, microbatch, then each microbatch's), the same on every rank.
+  // Collective. With one target after each sample's last token, a step of generation through
+  // the layout.
+  std::vector<int64_t> eval_next_tokens(const std::vector<std::vector<model::Inputs>>& batch,
+                                        int64_t vocab);
   // The items of encoder e in one microbatch whose inputs this rank reads (its first stage of
   // e): [begin, end) of the microbatch's items of e over all LLM replicas in order, when
   // replica d has counts[d] of them; {0, 0} when it reads none. Only these need loading: every

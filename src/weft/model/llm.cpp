@@ -2,7 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "weft/core/error.h"
@@ -235,6 +237,32 @@ at::Tensor Llm::logits(const at::Tensor& rows) const {
   WEFT_ASSERT(tp.size() == 1, "Llm::logits needs the whole vocabulary on one rank");
   const at::Tensor& w = head.defined() ? head : embedding;
   return at::linear(rows, to_compute(w)).to(at::kFloat);
+}
+
+at::Tensor Llm::greedy(const at::Tensor& rows, int64_t vocab) const {
+  const at::Tensor& w = head.defined() ? head : embedding;
+  const int64_t per = w.size(0), first = tp.rank() * per, N = rows.size(0);
+  WEFT_ASSERT(vocab > 0 && vocab <= per * tp.size(), "Llm::greedy: vocab ", vocab, " for ",
+              per * tp.size(), " logits");
+  if (tp.size() == 1) return logits(rows).narrow(-1, 0, vocab).argmax(-1);
+  // TP ranks hold the same rows: all of them skip an empty set (a CP rank without targets).
+  if (N == 0) return at::empty({0}, rows.options().dtype(at::kLong));
+  // This rank's ids below `vocab`, then the largest logit over TP and the smallest id holding it.
+  const int64_t own = std::clamp<int64_t>(vocab - first, 0, per);
+  const at::TensorOptions f32 = rows.options().dtype(at::kFloat);
+  at::Tensor best = at::full({N}, -std::numeric_limits<float>::infinity(), f32);
+  at::Tensor id = at::full({N}, vocab, f32.dtype(at::kLong));
+  if (own > 0) {
+    const at::Tensor l = at::linear(rows, to_compute(w)).to(at::kFloat).narrow(-1, 0, own);
+    const at::Tensor arg = l.argmax(-1);
+    best = l.gather(1, arg.unsqueeze(1)).squeeze(1);
+    id = arg + first;
+  }
+  at::Tensor top = best.clone();
+  tp.all_reduce_max(top);
+  at::Tensor neg = id.masked_fill(best != top, vocab).neg();  // the smallest id: max of -id
+  tp.all_reduce_max(neg);
+  return neg.neg();
 }
 
 at::Tensor Llm::loss_sum(const at::Tensor& rows, const at::Tensor& targets, bool fused) const {

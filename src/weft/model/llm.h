@@ -117,6 +117,11 @@ struct Llm {
                     KvCache& cache) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
+  // Greedy decoding's choice for each of rows [N, hidden]: the id in [0, vocab) with the largest
+  // logit, the first where several tie (argmax's), as int64 [N]. Vocab-parallel under TP: each
+  // rank's best of its ids, the winner agreed over TP (collective; every TP rank passes the same
+  // rows), so no rank sees the whole vocabulary.
+  at::Tensor greedy(const at::Tensor& rows, int64_t vocab) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head
   // and the loss fused a chunk of rows at a time (cross_entropy.h), or with `fused` false as
   // linear then cross-entropy (the profiler's pricing); vocab-parallel under TP, fused or not.

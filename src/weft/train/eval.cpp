@@ -72,6 +72,37 @@ std::vector<std::vector<int64_t>> generate_greedy(const model::MultimodalModel& 
   return out;
 }
 
+data::Sample prompt_of(const data::Sample& sample) {
+  const int64_t P = sample.prompt_length;
+  WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(sample.tokens.size()), "eval sample (record ",
+             sample.record, "): prompt length ", P, " out of range for ", sample.tokens.size(),
+             " tokens");
+  data::Sample p = sample;
+  p.tokens.resize(P);
+  p.is_target.assign(P, 0);
+  p.items.erase(std::remove_if(p.items.begin(), p.items.end(),
+                               [P](const data::ModalityItem& it) { return it.start >= P; }),
+                p.items.end());
+  return p;
+}
+
+int64_t generation_budget(const data::Sample& sample) {
+  return static_cast<int64_t>(sample.tokens.size()) - sample.prompt_length + 2;
+}
+
+void add_captions(EvalResult& r, const std::vector<std::vector<int64_t>>& generated,
+                  const std::vector<data::Sample>& samples, const data::Dataset& dataset) {
+  for (const std::vector<int64_t>& ids : generated) {
+    const std::string text = dataset.decode(ids);
+    const std::string& ref = samples.at(r.captions.size()).caption;
+    if (r.examples.size() < 4) r.examples.emplace_back(text, ref);
+    r.captions.push_back(text);
+  }
+  int64_t correct = 0;
+  for (size_t i = 0; i < r.captions.size(); ++i) correct += r.captions[i] == samples[i].caption;
+  r.caption_accuracy = static_cast<double>(correct) / static_cast<double>(r.captions.size());
+}
+
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
                              const EvalOptions& o) {
@@ -80,7 +111,6 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
   const int64_t batch = o.batch;
   const bool loss = o.loss, captions = o.captions;
   EvalResult r;
-  int64_t correct = 0;
   double loss_sum = 0;
   for (size_t begin = 0; begin < samples.size();) {
     // A group: consecutive samples with the same prompt length, at most `batch`.
@@ -91,17 +121,8 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
     while (end < samples.size() && samples[end].prompt_length == P &&
            static_cast<int64_t>(prompts.size()) < batch) {
       whole.push_back(samples[end]);
-      data::Sample p = samples[end];
-      WEFT_CHECK(P > 0 && P <= static_cast<int64_t>(p.tokens.size()), "eval sample ", end,
-                 ": prompt length ", P, " out of range");
-      max_new = std::max<int64_t>(max_new, static_cast<int64_t>(p.tokens.size()) - P + 2);
-      p.tokens.resize(P);
-      p.is_target.assign(P, 0);
-      // Items after the prompt (a later image of an interleaved sample) are not part of it.
-      p.items.erase(std::remove_if(p.items.begin(), p.items.end(),
-                                   [P](const data::ModalityItem& it) { return it.start >= P; }),
-                    p.items.end());
-      prompts.push_back(std::move(p));
+      prompts.push_back(prompt_of(samples[end]));
+      max_new = std::max(max_new, generation_budget(samples[end]));
       ++end;
     }
     if (loss) {  // teacher-forced: the loss of every target of the whole samples
@@ -109,21 +130,21 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
       loss_sum += model.loss_sum(in).item<double>();
       r.targets += in.targets.numel();
     }
-    std::vector<std::vector<int64_t>> gen;
-    if (captions) gen = generate_greedy(model, prompts, dataset, max_new, o.kv_cache);
-    for (size_t i = 0; i < gen.size(); ++i) {
-      const std::string text = dataset.decode(gen[i]);
-      const std::string& ref = samples[begin + i].caption;
-      correct += text == ref ? 1 : 0;
-      if (r.examples.size() < 4) r.examples.emplace_back(text, ref);
-      r.captions.push_back(text);
+    if (captions) {
+      std::vector<std::vector<int64_t>> gen =
+          generate_greedy(model, prompts, dataset, max_new, o.kv_cache);
+      // Each sample its own budget (greedy rows do not depend on each other): what generating
+      // it alone, or in another group, gives.
+      for (size_t i = 0; i < gen.size(); ++i) {
+        const auto budget = static_cast<size_t>(generation_budget(whole[i]));
+        if (gen[i].size() > budget) gen[i].resize(budget);
+      }
+      add_captions(r, gen, samples, dataset);
     }
     begin = end;
   }
   r.samples = static_cast<int64_t>(samples.size());
-  r.caption_accuracy = !captions   ? -1
-                       : r.samples ? static_cast<double>(correct) / static_cast<double>(r.samples)
-                                   : 0;
+  if (!captions || samples.empty()) r.caption_accuracy = captions ? 0 : -1;
   r.loss = r.targets ? loss_sum / static_cast<double>(r.targets) : NAN;
   return r;
 }

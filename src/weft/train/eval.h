@@ -40,6 +40,17 @@ struct EvalOptions {
   bool kv_cache = true;  // generate_greedy's
 };
 
+// What generation is given of `sample`: its first prompt_length tokens, none of them a target,
+// with the items inside them (a later image of an interleaved sample is not part of it).
+data::Sample prompt_of(const data::Sample& sample);
+// How many tokens generation may add after `sample`'s prompt: its targets' span and 2 more.
+int64_t generation_budget(const data::Sample& sample);
+// Appends the captions decoded from `generated` (the ids generated for the samples after the
+// r.captions.size() already there, in order) to r.captions, the first few to r.examples, and
+// sets r.caption_accuracy: the share of r.captions equal to their sample's caption.
+void add_captions(EvalResult& r, const std::vector<std::vector<int64_t>>& generated,
+                  const std::vector<data::Sample>& samples, const data::Dataset& dataset);
+
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,
                              const EvalOptions& options = {});

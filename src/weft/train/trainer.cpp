@@ -382,42 +382,102 @@ struct Trainer::Impl {
     evaluate(*copy);
   }
 
+  // Samples arranged as a global batch for the layout: split over the LLM's data-parallel
+  // replicas, then over up to train.microbatches microbatches, as evenly as they go; with fewer
+  // samples than replicas, topped up with copies of the last whose tokens are not targets.
+  // Collated as training collates, or with `pack` false a sample per row, so that the batch's
+  // targets come in the samples' order.
+  std::vector<std::vector<model::Inputs>> layout_batch(std::vector<data::Sample> part,
+                                                       bool pack = true) const {
+    data::CollateOptions how = collate;
+    how.packing = how.packing && pack;
+    const int64_t replicas = plan.module("llm").layout.dp;
+    while (static_cast<int64_t>(part.size()) < replicas) {
+      data::Sample pad = part.back();
+      pad.is_target.assign(pad.is_target.size(), 0);
+      part.push_back(std::move(pad));
+    }
+    const int64_t count = static_cast<int64_t>(part.size());
+    const int64_t micro = std::min(spec.train.microbatches, count / replicas);
+    std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
+    for (int64_t d = 0; d < replicas; ++d) {
+      const int64_t r0 = count * d / replicas, r1 = count * (d + 1) / replicas;
+      for (int64_t k = 0; k < micro; ++k) {
+        const int64_t a = r0 + (r1 - r0) * k / micro, z = r0 + (r1 - r0) * (k + 1) / micro;
+        batch[static_cast<size_t>(d)].push_back(to_inputs(
+            data::collate(std::vector<data::Sample>(part.begin() + a, part.begin() + z), how)));
+      }
+    }
+    return batch;
+  }
+  // How many samples the layout evaluates at a time: a training batch, at least one per replica.
+  int64_t layout_eval_batch() const {
+    return std::max<int64_t>(spec.train.batch, plan.module("llm").layout.dp);
+  }
+
   // The validation loss of `samples` in the training layout (collective): Σ loss over their
-  // targets and the targets' count, on every rank, with nothing gathered. The samples go in
-  // global batches of train.batch, each split over the LLM's data-parallel replicas, then over
-  // up to train.microbatches microbatches, as evenly as they go; a last batch with fewer samples
-  // than replicas is topped up with copies of its last sample whose tokens are not targets.
+  // targets and the targets' count, on every rank, with nothing gathered; layout_batch's batches
+  // of layout_eval_batch() samples.
   std::pair<double, int64_t> layout_eval_loss(const std::vector<data::Sample>& samples) {
     model::ComputeDtypeGuard dtype(compute);  // as training computes
-    const int64_t n = static_cast<int64_t>(samples.size());
-    const int64_t replicas = plan.module("llm").layout.dp;
-    const int64_t per_batch = std::max<int64_t>(spec.train.batch, replicas);
+    const int64_t n = static_cast<int64_t>(samples.size()), per_batch = layout_eval_batch();
     double sum = 0;
     int64_t targets = 0;
     for (int64_t b0 = 0; b0 < n; b0 += per_batch) {
-      std::vector<data::Sample> part(samples.begin() + b0,
-                                     samples.begin() + std::min(n, b0 + per_batch));
-      while (static_cast<int64_t>(part.size()) < replicas) {
-        data::Sample pad = part.back();
-        pad.is_target.assign(pad.is_target.size(), 0);
-        part.push_back(std::move(pad));
-      }
-      const int64_t count = static_cast<int64_t>(part.size());
-      const int64_t micro = std::min(spec.train.microbatches, count / replicas);
-      std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
-      for (int64_t d = 0; d < replicas; ++d) {
-        const int64_t r0 = count * d / replicas, r1 = count * (d + 1) / replicas;
-        for (int64_t k = 0; k < micro; ++k) {
-          const int64_t a = r0 + (r1 - r0) * k / micro, z = r0 + (r1 - r0) * (k + 1) / micro;
-          const data::Microbatch mb =
-              data::collate(std::vector<data::Sample>(part.begin() + a, part.begin() + z), collate);
-          targets += mb.targets.numel();
-          batch[static_cast<size_t>(d)].push_back(to_inputs(mb));
-        }
-      }
+      const std::vector<std::vector<model::Inputs>> batch = layout_batch(std::vector<data::Sample>(
+          samples.begin() + b0, samples.begin() + std::min(n, b0 + per_batch)));
+      for (const auto& replica : batch)
+        for (const model::Inputs& in : replica) targets += in.targets.numel();
       sum += runtime->eval_loss_sum(batch);
     }
     return {sum, targets};
+  }
+
+  // Greedy generation from each sample's prompt in the training layout (collective; every rank
+  // gets every sample's ids): each new token is Runtime::eval_next_tokens at a target placed
+  // after the sequence so far (a placeholder token the causal mask keeps from every earlier
+  // position), for layout_eval_batch() samples at a time, until each has its EOS, its
+  // generation_budget() or max_seq. No KV cache: every token reruns the whole sequence, the
+  // encoders included; what this buys is that no rank holds more than its part of the model.
+  std::vector<std::vector<int64_t>> layout_generate(const std::vector<data::Sample>& samples) {
+    model::ComputeDtypeGuard dtype(compute);
+    const size_t n = samples.size(), per_batch = static_cast<size_t>(layout_eval_batch());
+    const int64_t max_seq = spec.model.llm.max_seq, eos = dataset->eos_id();
+    std::vector<std::vector<int64_t>> out(n);
+    for (size_t b0 = 0; b0 < n; b0 += per_batch) {
+      std::vector<size_t> active;
+      std::vector<data::Sample> prompts(n);
+      for (size_t i = b0; i < std::min(n, b0 + per_batch); ++i) {
+        prompts[i] = prompt_of(samples[i]);
+        const int64_t P = samples[i].prompt_length;
+        if (std::min(P + generation_budget(samples[i]), max_seq) > P) active.push_back(i);
+      }
+      while (!active.empty()) {
+        std::vector<data::Sample> part;
+        for (const size_t i : active) {
+          data::Sample s = prompts[i];
+          s.tokens.insert(s.tokens.end(), out[i].begin(), out[i].end());
+          s.tokens.push_back(eos);  // the target: its row is the last generated position's
+          s.is_target.assign(s.tokens.size(), 0);
+          s.is_target.back() = 1;
+          part.push_back(std::move(s));
+        }
+        const std::vector<int64_t> next = runtime->eval_next_tokens(
+            layout_batch(std::move(part), /*pack=*/false), dataset->vocab_size());
+        WEFT_ASSERT(next.size() == active.size(), "layout generation: ", next.size(), " ids for ",
+                    active.size(), " samples");
+        std::vector<size_t> still;
+        for (size_t k = 0; k < active.size(); ++k) {
+          const size_t i = active[k];
+          out[i].push_back(next[k]);
+          const int64_t P = samples[i].prompt_length, len = P + static_cast<int64_t>(out[i].size());
+          if (next[k] != eos && len < std::min(P + generation_budget(samples[i]), max_seq))
+            still.push_back(i);
+        }
+        active = std::move(still);
+      }
+    }
+    return out;
   }
 
   // FLOPs of one step, all modules and LLM only (Megatron accounting, frozen-aware).
@@ -811,9 +871,9 @@ Summary Trainer::run() {
   const double wall_start = now_seconds();
 
   // Collective. Where the layout spreads the model, the validation loss is computed in it
-  // (every rank its part, nothing gathered) and, unless train.eval_captions is off, rank 0
-  // generates the captions on a copy gathered for it; where rank 0 holds the model whole, it
-  // evaluates both there.
+  // (every rank its part, nothing gathered) and, unless train.eval_captions is off, the captions
+  // are generated by rank 0 on a copy gathered for it (train.eval_generation = "gather") or in
+  // the layout ("layout"); where rank 0 holds the model whole, it evaluates both there.
   auto run_eval = [&]() {
     const bool spread = !m.whole_model();
     // Every rank runs its part of the layout's loss; only rank 0 evaluates a whole model.
@@ -827,7 +887,17 @@ Summary Trainer::run() {
       r.targets = targets;
       r.loss = targets > 0 ? sum / static_cast<double>(targets) : NAN;
     }
-    if (ts.eval_captions || !spread)
+    const bool in_layout = spread && ts.eval_generation == EvalGeneration::kLayout;
+    if (ts.eval_captions && in_layout) {
+      const std::vector<std::vector<int64_t>> ids = m.layout_generate(eval_set);
+      if (comm.rank() == 0) {
+        EvalResult got;
+        add_captions(got, ids, eval_set, *m.dataset);
+        r.caption_accuracy = eval_set.empty() ? 0 : got.caption_accuracy;
+        r.examples = got.examples;
+        r.captions = got.captions;
+      }
+    } else if (ts.eval_captions || !spread) {
       m.evaluate_on_root([&](const model::MultimodalModel& eval_model) {
         // The weights cast once for the whole evaluation, not again for every generated token
         // (a copy gathered for it holds them in the compute dtype already).
@@ -841,8 +911,10 @@ Summary Trainer::run() {
         const EvalResult got = evaluate_captions(eval_model, eval_set, *m.dataset, eo);
         r.caption_accuracy = got.caption_accuracy;
         r.examples = got.examples;
+        r.captions = got.captions;
         if (!spread) r.loss = got.loss, r.targets = got.targets;
       });
+    }
     if (comm.rank() != 0) return;
     accuracy = r.caption_accuracy;
     eval_loss = r.loss;
@@ -853,6 +925,17 @@ Summary Trainer::run() {
     line["loss"] = r.loss;
     line["samples"] = r.samples;
     line["targets"] = r.targets;
+    if (!r.captions.empty()) {  // the latest evaluation's captions, every sample's
+      std::string text;
+      for (size_t i = 0; i < r.captions.size(); ++i)
+        text += json{{"step", eval_step},
+                     {"sample", i},
+                     {"generated", r.captions[i]},
+                     {"reference", eval_set[i].caption}}
+                    .dump(-1, ' ', false, json::error_handler_t::replace) +
+                (i + 1 < r.captions.size() ? "\n" : "");
+      write_text(m.run_dir / "captions.jsonl", text);
+    }
     evals << line.dump() << "\n";
     evals.flush();
     if (show && !last_eval) {
