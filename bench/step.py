@@ -11,7 +11,8 @@ and reports per-step medians and the ratios eager/weft measured in the same roun
 over rounds); the runs' losses must agree (bf16: 2e-2 relative) or the benchmark fails. Then:
 activation recomputation on vs off (peak memory and step time), parameters cast to bf16 once
 per step vs at every use (4 microbatches; identical losses checked), frozen modules held in bf16
-vs fp32 (identical losses checked), and how the step grows with
+vs fp32 (identical losses checked), evaluation's caption generation with and without the KV
+cache (`weft bench generate`), and how the step grows with
 sequence length and with images per sample (data.kind = "synthetic"), written as a table and an
 SVG plot (bench/step_scaling.svg). --write replaces the "Training step" section of
 bench/RESULTS.md with the result.
@@ -192,6 +193,24 @@ def frozen_table(args, rounds):
         identical=True)
 
 
+def generate_table(args, rounds, samples=64):
+    """Evaluation's greedy captioning (`weft bench generate`): with the KV cache against the
+    whole sequence rerun for every token, timed in turn in each of `rounds`."""
+    rows = []
+    for name in ("tiny-vlm", "small-vlm"):
+        r = run_json([os.path.join(args.build, "weft"), "bench", "generate",
+                      f"configs/{name}.toml", "--samples", str(samples), "--rounds", str(rounds)])
+        rows.append(f"| {name} | {r['samples']} | {r['precision']} | {r['seconds_kv_cache']:.2f} | "
+                    f"{r['seconds_whole_sequence']:.2f} | **{r['speedup']:.1f}x** | "
+                    f"{r['captions_differing']} |")
+    return ["**Evaluation's caption generation** (`weft bench generate CONFIG --samples "
+            f"{samples} --rounds {rounds}`: the eval samples' greedy captions at the model's "
+            "initial weights, with the KV cache and by rerunning the whole sequence for every "
+            "token, in turn; medians)", "",
+            "| config | samples | precision | KV cache s | whole sequence s | speed-up | "
+            "captions differing |", "|---|---|---|---|---|---|---|"] + rows + [""]
+
+
 def sweep(args, label, points, sets_of):
     out = []
     for x in points:
@@ -303,6 +322,9 @@ def main():
     held = frozen_table(args, args.rounds)
     lines += held
     print("\n".join(held), flush=True)
+    gen = generate_table(args, args.rounds)
+    lines += gen
+    print("\n".join(gen), flush=True)
     if not args.no_sweeps:
         sc = scaling_tables(args)
         lines += sc

@@ -181,7 +181,10 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const LlmContext& context
 
 at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mask, const Rope& rope,
                                 const TokenInfo& tokens) const {
-  at::Tensor x = x_in + attn(norm1(x_in), mask, &rope);
+  return feed_forward(x_in + attn(norm1(x_in), mask, &rope), tokens);
+}
+
+at::Tensor LlmBlock::feed_forward(const at::Tensor& x, const TokenInfo& tokens) const {
   if (!moe.enabled()) return x + mlp(norm2(x));
   const Linear& column = attn.qkv;  // its TP group, and whether the sequence is split over it
   if (!column.sp) return x + moe(norm2(x), tokens);
@@ -192,8 +195,7 @@ at::Tensor LlmBlock::operator()(const at::Tensor& x_in, const AttentionMask& mas
 at::Tensor LlmBlock::cached(const at::Tensor& x_in, const at::Tensor& visible, const Rope& rope,
                             const at::Tensor& k, const at::Tensor& v, int64_t length) const {
   WEFT_ASSERT(!attn.qkv.sp, "LlmBlock::cached under sequence parallelism");
-  at::Tensor x = x_in + attn.cached(norm1(x_in), visible, rope, k, v, length);
-  return x + (moe.enabled() ? moe(norm2(x), {}) : mlp(norm2(x)));
+  return feed_forward(x_in + attn.cached(norm1(x_in), visible, rope, k, v, length), {});
 }
 
 at::Tensor Llm::decode(const at::Tensor& x_in, const at::Tensor& positions,

@@ -37,6 +37,9 @@ struct LlmBlock {
   // Incremental decoding (Attention::cached; whole on this rank, no sequence parallelism).
   at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
                     const at::Tensor& k, const at::Tensor& v, int64_t length) const;
+  // The block's second half: x + MLP (or MoE) of norm2(x); under SP the MoE routes the gathered
+  // sequence.
+  at::Tensor feed_forward(const at::Tensor& x, const TokenInfo& tokens) const;
 };
 
 // Keys and values of the positions decoded so far, per block, for greedy or sampled decoding
