@@ -934,7 +934,7 @@ struct Runtime::Impl {
       tgt = tgt.masked_select(keep);
     }
     at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
-    if (predict_vocab > 0) {  // eval_next_tokens: every TP rank takes part in the vocabulary's
+    if (predict_vocab > 0) {  // eval_next_tokens (every TP rank: the vocabulary is split)
       const at::Tensor ids = model->llm().greedy(flat, predict_vocab);
       if (role.c.tp == 0) {
         at::Tensor index = torch::arange(in.targets.numel(), in.targets.options().dtype(at::kLong));

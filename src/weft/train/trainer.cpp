@@ -446,16 +446,16 @@ struct Trainer::Impl {
     std::vector<std::vector<int64_t>> out(n);
     for (size_t b0 = 0; b0 < n; b0 += per_batch) {
       std::vector<size_t> active;
-      std::vector<data::Sample> prompts(n);
+      std::vector<data::Sample> prompts;  // of samples b0, b0 + 1, ...
       for (size_t i = b0; i < std::min(n, b0 + per_batch); ++i) {
-        prompts[i] = prompt_of(samples[i]);
+        prompts.push_back(prompt_of(samples[i]));
         const int64_t P = samples[i].prompt_length;
         if (std::min(P + generation_budget(samples[i]), max_seq) > P) active.push_back(i);
       }
       while (!active.empty()) {
         std::vector<data::Sample> part;
         for (const size_t i : active) {
-          data::Sample s = prompts[i];
+          data::Sample s = prompts[i - b0];
           s.tokens.insert(s.tokens.end(), out[i].begin(), out[i].end());
           s.tokens.push_back(eos);  // the target: its row is the last generated position's
           s.is_target.assign(s.tokens.size(), 0);
