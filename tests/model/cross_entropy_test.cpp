@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/ranks.h"
+#include "weft/model/fused.h"
 
 namespace weft::model {
 namespace {
@@ -62,6 +63,41 @@ TEST(LinearCrossEntropy, MatchesTheUnfusedLossAndGradients) {
       EXPECT_LT(rel_diff(got.grad_weight, ref.grad_weight), tol);
     }
   }
+}
+
+// model::cross_entropy_rows (fused.h), the CPU pass linear_cross_entropy_sum's chunks take:
+// each row's loss and, in place, softmax − one-hot rounded to the logits' dtype, as the ATen
+// sequence (fp32 log-sum-exp, exp, scatter, rounding) gives them, on rows wider than the vector
+// lanes with a partial tail; the loss alone, logits untouched, without `grad`; a target outside
+// the vocabulary an error; strided logits left to the caller.
+TEST(LinearCrossEntropy, FusedRowsMatchTheAtenSequence) {
+  torch::manual_seed(3);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const int64_t n = 6, V = 1013;
+    const at::Tensor logits = (torch::randn({n, V}) * 4).to(dtype);
+    const at::Tensor targets = torch::randint(V, {n}, torch::kLong);
+    const at::Tensor f = logits.to(at::kFloat), t = targets.unsqueeze(1);
+    const at::Tensor lse = at::logsumexp(f, {1}, /*keepdim=*/true);
+    const at::Tensor want_loss = (lse - f.gather(1, t)).squeeze(1);
+    const at::Tensor want_grad =
+        (f - lse).exp().scatter_add(1, t, at::full({n, 1}, -1.0)).to(dtype).to(at::kFloat);
+    at::Tensor got = logits.clone();
+    const at::Tensor loss = cross_entropy_rows(got, targets, /*grad=*/true);
+    ASSERT_TRUE(loss.defined());
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);
+    EXPECT_LT(rel_diff(loss, want_loss), 1e-6);
+    // fp32: the sums' order; bf16: a last bit where the fp32 values round apart.
+    EXPECT_LT(rel_diff(got.to(at::kFloat), want_grad), dtype == at::kFloat ? 1e-6 : 1e-2);
+    EXPECT_LT(got.to(at::kFloat).sum(1).abs().max().item<double>(), 0.05);  // Σ softmax − 1
+    at::Tensor untouched = logits.clone();
+    EXPECT_TRUE(cross_entropy_rows(untouched, targets, /*grad=*/false).equal(loss));
+    EXPECT_TRUE(untouched.equal(logits));
+  }
+  at::Tensor small = torch::randn({2, 7});
+  EXPECT_THROW(cross_entropy_rows(small, torch::tensor({0, 7}, torch::kLong), true), c10::Error);
+  at::Tensor strided = torch::randn({7, 2}).t();
+  EXPECT_FALSE(cross_entropy_rows(strided, torch::tensor({0, 1}, torch::kLong), true).defined());
 }
 
 TEST(LinearCrossEntropy, OnlyWhatRequiresGradGetsAGradient) {

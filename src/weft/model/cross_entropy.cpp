@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "weft/core/error.h"
+#include "weft/model/fused.h"
 
 namespace weft::model {
 
@@ -20,6 +21,35 @@ constexpr int64_t kChunkLogits = int64_t{32} << 20;  // logits per chunk: 128 Mi
 struct Needs {
   bool rows = false, weight = false;
 };
+
+// A chunk's loss and logit gradient by ATen ops (vocab-parallel, or tensors cross_entropy_rows
+// does not take): adds the loss of fp32 logits [n, V] against targets t [n, 1] into `loss` and,
+// with `grad`, returns softmax − one-hot over the logits in place. With `tp` the logits are this
+// rank's block of the vocabulary from id `first`, combined over tp (two fp32 all-reduces).
+at::Tensor loss_and_logit_grad(at::Tensor logits, const at::Tensor& t, at::Tensor& loss, bool grad,
+                               const dist::Comm* tp, int64_t first) {
+  const int64_t n = logits.size(0), V = logits.size(1);
+  at::Tensor lse, local = t, hit;  // hit: 1 where this rank holds the target (vocab-parallel)
+  if (!tp) {
+    lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
+    loss.add_((lse - logits.gather(1, t)).sum());
+  } else {
+    at::Tensor max = std::get<0>(logits.max(1, /*keepdim=*/true));
+    tp->all_reduce_max(max);
+    hit = (t >= first).logical_and(t < first + V).to(at::kFloat);
+    local = (t - first).clamp(0, V - 1);
+    // Σ exp(l − max) and the target's logit (0 where another rank holds it), summed over tp.
+    at::Tensor sums = at::cat(
+        {(logits - max).exp().sum(1, /*keepdim=*/true), logits.gather(1, local).mul_(hit)}, 1);
+    tp->all_reduce_sum(sums);
+    lse = sums.narrow(1, 0, 1).log().add_(max);
+    loss.add_((lse - sums.narrow(1, 1, 1)).sum());
+  }
+  if (!grad) return {};
+  at::Tensor d = logits.sub_(lse).exp_();
+  d.scatter_add_(1, local, tp ? hit.neg() : at::full({n, 1}, -1.0, d.options()));
+  return d;
+}
 
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weight,
@@ -39,31 +69,24 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       const int64_t n = std::min(chunk, N - r0);
       const at::Tensor x = rows.narrow(0, r0, n);
       const at::Tensor t = targets.narrow(0, r0, n).unsqueeze(1);
-      at::Tensor logits = at::mm(x, wt).to(at::kFloat);  // [n, V]
-      at::Tensor lse, local = t, hit;  // hit: 1 where this rank holds the target (vocab-parallel)
-      if (!split) {
-        lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
-        loss.add_((lse - logits.gather(1, t)).sum());
+      at::Tensor logits = at::mm(x, wt);  // [n, V] in the compute dtype
+      const bool grads = need.rows || need.weight;
+      // d(loss)/d(logits) = softmax − one-hot, rounded as the unfused backward rounds it into
+      // the matmuls: on the CPU in one pass over the logits, in place (fused.h).
+      at::Tensor dc;
+      const at::Tensor fused =
+          split ? at::Tensor() : cross_entropy_rows(logits, t.squeeze(1), grads);
+      if (fused.defined()) {
+        loss.add_(fused.sum());
+        if (!grads) continue;
+        dc = logits;
       } else {
-        at::Tensor max = std::get<0>(logits.max(1, /*keepdim=*/true));
-        tp->all_reduce_max(max);
-        hit = (t >= first).logical_and(t < first + V).to(at::kFloat);
-        local = (t - first).clamp(0, V - 1);
-        // Σ exp(l − max) and the target's logit (0 where another rank holds it), summed over tp.
-        at::Tensor sums = at::cat(
-            {(logits - max).exp().sum(1, /*keepdim=*/true), logits.gather(1, local).mul_(hit)}, 1);
-        tp->all_reduce_sum(sums);
-        lse = sums.narrow(1, 0, 1).log().add_(max);
-        loss.add_((lse - sums.narrow(1, 1, 1)).sum());
+        const at::Tensor d =
+            loss_and_logit_grad(logits.to(at::kFloat), t, loss, grads, split ? tp : nullptr, first);
+        logits.reset();
+        if (!grads) continue;
+        dc = d.to(rows.scalar_type());  // the fp32 logits go before the matmuls' outputs come
       }
-      if (!need.rows && !need.weight) continue;
-      // d(loss)/d(logits) = softmax − one-hot, over the logits in place, then rounded as the
-      // unfused backward rounds it into the matmuls.
-      at::Tensor d = logits.sub_(lse).exp_();
-      d.scatter_add_(1, local, split ? hit.neg() : at::full({n, 1}, -1.0, d.options()));
-      const at::Tensor dc = d.to(rows.scalar_type());
-      d.reset();  // the fp32 logits go before the matmuls' outputs come
-      logits.reset();
       if (need.rows) {
         at::Tensor out = grad_rows.narrow(0, r0, n);
         at::mm_out(out, dc, weight);

@@ -253,6 +253,22 @@ at::Tensor softmax_backward(const at::Tensor& p, const at::Tensor& grad_in, doub
   return ds;
 }
 
+// One row of cross_entropy_rows: its loss, and with `grad` softmax − one-hot over the logits.
+// `e` is fp32 scratch of n.
+template <typename T>
+WEFT_VECTOR_CLONES float cross_entropy_row(T* l, int64_t target, float* e, int64_t n, bool grad) {
+  for (int64_t k = 0; k < n; ++k) e[k] = load(l, k);
+  const float max = lane_max(e, n), picked = e[target];
+  for (int64_t k = 0; k < n; ++k) e[k] = exp_nonpositive(e[k] - max);
+  const float sum = lane_sum(e, n);
+  if (grad) {
+    const float inv = 1.0f / sum;
+    for (int64_t k = 0; k < n; ++k) store(l, k, e[k] * inv);
+    store(l, target, e[target] * inv - 1.0f);
+  }
+  return max + std::log(sum) - picked;
+}
+
 struct MaskedSoftmax : torch::autograd::Function<MaskedSoftmax> {
   // The mask comes by pointer: it is not differentiable, and may be undefined.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
@@ -271,6 +287,32 @@ struct MaskedSoftmax : torch::autograd::Function<MaskedSoftmax> {
 };
 
 }  // namespace
+
+at::Tensor cross_entropy_rows(at::Tensor& logits, const at::Tensor& targets, bool grad) {
+  if (!logits.device().is_cpu() || logits.dim() != 2 || !logits.is_contiguous() ||
+      (logits.scalar_type() != at::kFloat && logits.scalar_type() != at::kBFloat16))
+    return {};
+  const int64_t n = logits.size(0), V = logits.size(1);
+  const at::Tensor t = targets.to(at::kCPU, at::kLong).contiguous();
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "cross_entropy_rows: targets ", t.sizes(),
+              " for logits ", logits.sizes());
+  const int64_t* tp = t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "cross_entropy_rows: target ", tp[r], " of row ", r,
+                " outside the vocabulary [0, ", V, ")");
+  at::Tensor loss = at::empty({n}, logits.options().dtype(at::kFloat));
+  float* out = loss.data_ptr<float>();
+  dispatch_float_bf16(logits.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* l = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> e(static_cast<size_t>(V));
+      for (int64_t r = begin; r < end; ++r)
+        out[r] = cross_entropy_row(l + r * V, tp[r], e.data(), V, grad);
+    });
+  });
+  return loss;
+}
 
 at::Tensor masked_softmax(const at::Tensor& scores, const at::Tensor& visible, double scale) {
   if (softmax_fusable(scores)) return MaskedSoftmax::apply(scores, &visible, scale);

@@ -51,6 +51,15 @@ namespace weft::model {
 // row must see at least one key. Non-CPU tensors take the equivalent ATen ops.
 at::Tensor masked_softmax(const at::Tensor& scores, const at::Tensor& visible, double scale);
 
+// Cross-entropy of each row of logits [n, V] against targets [n] (int64, in [0, V)), a row at a
+// time in fp32 (linear_cross_entropy_sum's chunks): returns fp32 [n] of log Σ_v exp(l_v) − l_target
+// and, with `grad`, overwrites the logits with softmax − one-hot(target), rounded to their dtype
+// (the loss's gradient for an incoming 1). One pass over the logits, where the ATen sequence
+// makes an fp32 copy, a log-sum-exp temporary and a rounded copy of the gradient. CPU tensors,
+// fp32 or bf16, contiguous; for anything else it returns an undefined tensor and does nothing
+// (the caller takes the ATen ops).
+at::Tensor cross_entropy_rows(at::Tensor& logits, const at::Tensor& targets, bool grad);
+
 }  // namespace weft::model
 
 namespace weft::model {
