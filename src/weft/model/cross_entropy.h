@@ -18,13 +18,14 @@ namespace weft::model {
 // linear(...).to(float) would), its loss (log-sum-exp less the target's logit), and, where
 // autograd will want them (grad mode on, rows or weight requiring grad), its gradients
 // (softmax − one-hot, rounded to the compute dtype, times the weight and times the rows) — in
-// forward, since they need the logits. Backward scales what forward kept by the incoming
-// gradient: [N, H] for the rows and [V, H] for the weight, in their dtypes, where the unfused
-// loss keeps [N, V] fp32. The weight's gradient sums its chunks in fp32. Results equal
-// cross_entropy(linear(rows, weight).float(), targets, sum) to rounding: the incoming gradient
-// scales the rounded chunk gradients, not the fp32 logit gradients. No rows: a zero loss and
-// zero gradients. Not twice differentiable. The per-layer profiler prices the head unfused
-// (Llm::loss_sum's `fused`): the classic forward / backward split.
+// forward, since they need the logits. On the CPU the loss and softmax − one-hot take one pass
+// per row over the logits, in place (fused.h cross_entropy_rows); elsewhere ATen ops. Backward
+// scales what forward kept by the incoming gradient: [N, H] for the rows and [V, H] for the weight,
+// in their dtypes, where the unfused loss keeps [N, V] fp32. The weight's gradient sums its chunks
+// in fp32. Results equal cross_entropy(linear(rows, weight).float(), targets, sum) to rounding: the
+// incoming gradient scales the rounded chunk gradients, not the fp32 logit gradients. No rows: a
+// zero loss and zero gradients. Not twice differentiable. The per-layer profiler prices the head
+// unfused (Llm::loss_sum's `fused`): the classic forward / backward split.
 //
 // Vocab-parallel (`tp` of more than one rank): weight is this rank's rows of the vocabulary,
 // [V/tp, H], the tp.rank()-th block of them; targets stay global ids. Each chunk's max, sum of
