@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "weft/core/error.h"
 #include "weft/model/fused.h"
@@ -81,9 +82,10 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
         if (!grads) continue;
         dc = logits;
       } else {
+        at::Tensor f = logits.to(at::kFloat);
+        logits.reset();  // the compute-dtype logits go before the fp32 work
         const at::Tensor d =
-            loss_and_logit_grad(logits.to(at::kFloat), t, loss, grads, split ? tp : nullptr, first);
-        logits.reset();
+            loss_and_logit_grad(std::move(f), t, loss, grads, split ? tp : nullptr, first);
         if (!grads) continue;
         dc = d.to(rows.scalar_type());  // the fp32 logits go before the matmuls' outputs come
       }
