@@ -555,8 +555,7 @@ TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
     std::vector<std::vector<model::Inputs>> batch(replicas);
     for (int64_t d = 0; d < replicas; ++d)
       for (int64_t k = 0; k < 2; ++k) {
-        const int64_t a = n * (2 * d + k) / (2 * replicas),
-                      z = n * (2 * d + k + 1) / (2 * replicas);
+        const auto [a, z] = data::part_range(n, 2 * replicas, 2 * d + k);
         batch[d].push_back(train::to_inputs(data::collate(
             std::vector<data::Sample>(samples.begin() + a, samples.begin() + z), how)));
       }

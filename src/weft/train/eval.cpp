@@ -98,9 +98,14 @@ void add_captions(EvalResult& r, const std::vector<std::vector<int64_t>>& genera
     if (r.examples.size() < 4) r.examples.emplace_back(text, ref);
     r.captions.push_back(text);
   }
+}
+
+double caption_accuracy(const std::vector<std::string>& captions,
+                        const std::vector<data::Sample>& samples) {
+  if (captions.empty()) return 0;
   int64_t correct = 0;
-  for (size_t i = 0; i < r.captions.size(); ++i) correct += r.captions[i] == samples[i].caption;
-  r.caption_accuracy = static_cast<double>(correct) / static_cast<double>(r.captions.size());
+  for (size_t i = 0; i < captions.size(); ++i) correct += captions[i] == samples.at(i).caption;
+  return static_cast<double>(correct) / static_cast<double>(captions.size());
 }
 
 EvalResult evaluate_captions(const model::MultimodalModel& model,
@@ -144,7 +149,7 @@ EvalResult evaluate_captions(const model::MultimodalModel& model,
     begin = end;
   }
   r.samples = static_cast<int64_t>(samples.size());
-  if (!captions || samples.empty()) r.caption_accuracy = captions ? 0 : -1;
+  r.caption_accuracy = captions ? caption_accuracy(r.captions, samples) : -1;
   r.loss = r.targets ? loss_sum / static_cast<double>(r.targets) : NAN;
   return r;
 }

@@ -46,10 +46,12 @@ data::Sample prompt_of(const data::Sample& sample);
 // How many tokens generation may add after `sample`'s prompt: its targets' span and 2 more.
 int64_t generation_budget(const data::Sample& sample);
 // Appends the captions decoded from `generated` (the ids generated for the samples after the
-// r.captions.size() already there, in order) to r.captions, the first few to r.examples, and
-// sets r.caption_accuracy: the share of r.captions equal to their sample's caption.
+// r.captions.size() already there, in order) to r.captions and the first few to r.examples.
 void add_captions(EvalResult& r, const std::vector<std::vector<int64_t>>& generated,
                   const std::vector<data::Sample>& samples, const data::Dataset& dataset);
+// The share of `captions` equal to their sample's caption (0 for none).
+double caption_accuracy(const std::vector<std::string>& captions,
+                        const std::vector<data::Sample>& samples);
 
 EvalResult evaluate_captions(const model::MultimodalModel& model,
                              const std::vector<data::Sample>& samples, const data::Dataset& dataset,

@@ -893,7 +893,7 @@ Summary Trainer::run() {
       if (comm.rank() == 0) {
         EvalResult got;
         add_captions(got, ids, eval_set, *m.dataset);
-        r.caption_accuracy = eval_set.empty() ? 0 : got.caption_accuracy;
+        r.caption_accuracy = caption_accuracy(got.captions, eval_set);
         r.examples = got.examples;
         r.captions = got.captions;
       }
