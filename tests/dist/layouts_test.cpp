@@ -23,6 +23,7 @@
 #include "weft/io/checkpoint.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
+#include "weft/train/eval.h"
 #include "weft/train/inputs.h"
 #include "weft/train/trainer.h"
 
@@ -500,7 +501,11 @@ TEST(Layouts, ValidationLossInTheLayoutMatchesOneProcess) {
 
 // Layouts for generation in the layout: a pipeline of interleaved stages; the head's vocabulary
 // split over TP, tied and untied; CP with the vision encoder pipelined; TP x DP; an MoE LLM's
-// experts over EP ranks. The model's vocabulary is 24 (the tokenizer's 22 and 2 unused ids), so
+// experts over EP ranks; TP with sequence parallelism (decoding one token per row runs the
+// blocks without it); an MoE LLM under CP whose experts drop choices over capacity (a prefill's
+// over each whole row, gathered from the CP ranks; a decoded token's over itself alone); PP x
+// TP with the vision encoder on separate ranks (not every rank holds the LLM). The model's
+// vocabulary is 24 (the tokenizer's 22 and 2 unused ids), so
 // that under TP2 each rank holds ids the tokenizer has (0-11 and 12-21) and the second some it
 // does not (22, 23).
 struct GenerationCase {
@@ -517,7 +522,13 @@ const std::vector<GenerationCase>& generation_cases() {
         {{}, {"parallel.llm.tp=2", "parallel.llm.dp=2", "parallel.vision.dp=4"}, 4},
         {{"model.llm.moe.experts=4", "model.llm.moe.top_k=2", "model.llm.moe.ffn=32"},
          {"parallel.llm.dp=2", "parallel.llm.ep=2", "parallel.vision.dp=2"},
-         2}};
+         2},
+        {{}, {"parallel.llm.tp=2", "parallel.llm.sp=true"}, 2},
+        {{"model.llm.moe.experts=4", "model.llm.moe.top_k=2", "model.llm.moe.ffn=32",
+          "model.llm.moe.capacity_factor=1"},
+         {"parallel.llm.cp=2"},
+         2},
+        {{}, {"parallel.placement=\"separate\"", "parallel.llm.pp=2", "parallel.llm.tp=2"}, 5}};
     for (GenerationCase& one : c) one.model.push_back("model.llm.vocab=24");
     return c;
   }();
@@ -583,6 +594,147 @@ TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
       got[comm.rank()] = t.runtime().eval_next_tokens(batch, vocab);
     });
     for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(got[r], want) << "rank " << r;
+  }
+}
+
+// Runtime::eval_prefill and eval_decode, generation with a KV cache in the layout. Prompts of
+// different lengths (some run into their caption, so a microbatch's rows are padded to its
+// longest and continue from different positions) are prefilled, then each decode appends the
+// sample's own next token (teacher-forced: contexts and ids vary, as with a trained model):
+// every id equals the argmax of the whole model's logits at that position of the whole sample
+// on one process (each position the whole sequence, no cache), and its log-probability that
+// model's within 1e-4: at the initial weights greedy ids seldom move when a token is decoded at
+// a wrong position or over keys it should not see, its log-probability does. The last row
+// has no target. One decode past the room the prefill left is refused on every rank, as is a
+// prefill whose target is not at its row's last token.
+TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
+  for (size_t i = 0; i < generation_cases().size(); ++i) {
+    SCOPED_TRACE(i);
+    const GenerationCase& c = generation_cases()[i];
+    const std::string tag = "decode_" + std::to_string(i);
+    // No expert drops tokens: capacity depends on the tokens one forward holds, and a prefill
+    // and one-token decodes drop other choices than a forward over the whole sample does.
+    // (CaptionsGeneratedInTheLayoutMatchOneProcess compares them with the whole model's own
+    // cached decoding, which drops as the layout's does.)
+    std::vector<std::string> model_sets = c.model;
+    for (std::string& set : model_sets)
+      if (set.rfind("model.llm.moe.capacity_factor=", 0) == 0)
+        set = "model.llm.moe.capacity_factor=0";
+    const Spec one = parse_spec(weft::testing::kTinyVlm, "tiny", model_sets);
+    std::vector<std::string> all = model_sets;
+    all.insert(all.end(), c.layout.begin(), c.layout.end());
+    const Spec spread = parse_spec(weft::testing::kTinyVlm, "tiny", all);
+    const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
+    train::Trainer whole(one, plan::make_plan(one),
+                         testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
+    Spec data_spec = one;
+    const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&data_spec);
+    const std::vector<data::Sample> samples = dataset->eval_set();
+    const int64_t vocab = dataset->vocab_size(), n = static_cast<int64_t>(samples.size());
+    std::vector<data::Sample> prompts;
+    int64_t steps = 8;  // ids per sample: the prefill's, then decodes
+    for (int64_t k = 0; k < n; ++k) {
+      data::Sample s = samples[k];
+      s.prompt_length += k % 3;
+      steps = std::min<int64_t>(steps, s.tokens.size() - s.prompt_length + 1);
+      prompts.push_back(train::prompt_of(s));
+    }
+    ASSERT_GE(steps, 4);
+    // want[k][t]: the whole model's argmax after the first P_k + t tokens of sample k, and its
+    // log-probability.
+    std::vector<std::vector<int64_t>> want;
+    std::vector<std::vector<double>> want_lp;
+    {
+      torch::NoGradGuard no_grad;
+      model::ComputeDtypeGuard dtype(at::kFloat);
+      data::CollateOptions how;
+      how.num_encoders = 1;
+      how.pad_id = dataset->pad_id();
+      const model::MultimodalModel& m = whole.model();
+      for (int64_t k = 0; k < n; ++k) {
+        const model::Inputs in = train::to_inputs(data::collate({samples[k]}, how));
+        const at::Tensor h = m.hidden(m.embed(in), in)[0].narrow(
+            0, static_cast<int64_t>(prompts[k].tokens.size()) - 1, steps);
+        const at::Tensor lp = m.llm().logits(h).narrow(-1, 0, vocab).log_softmax(-1);
+        const auto [top, ids] = lp.to(at::kDouble).max(-1);
+        want.emplace_back(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + steps);
+        want_lp.emplace_back(top.data_ptr<double>(), top.data_ptr<double>() + steps);
+      }
+    }
+    std::set<int64_t> distinct;
+    for (const auto& w : want) distinct.insert(w.begin(), w.end());
+    EXPECT_GT(distinct.size(), 4u);
+    // The prompts over the replicas, two microbatches each, a prompt per row, a target at each
+    // row's last token; the last row of all a prompt's copy without one.
+    data::CollateOptions how;
+    how.num_encoders = 1;
+    how.pad_id = dataset->pad_id();
+    const int64_t replicas = spread_plan.module("llm").layout.dp;
+    std::vector<std::vector<model::Inputs>> batch(replicas);
+    for (int64_t d = 0; d < replicas; ++d)
+      for (int64_t k = 0; k < 2; ++k) {
+        auto [a, z] = data::part_range(n + 1, 2 * replicas, 2 * d + k);
+        std::vector<data::Sample> rows(prompts.begin() + a, prompts.begin() + std::min(z, n));
+        if (z > n) rows.push_back(prompts[0]);
+        model::Inputs in = train::to_inputs(data::collate(rows, how));
+        const int64_t S = in.tokens.size(1), own = std::min(z, n) - a;
+        const at::Tensor last = (in.doc >= 0).sum(1).to(at::kLong).narrow(0, 0, own) - 1;
+        in.target_rows = torch::arange(own, torch::kLong) * S + last;
+        in.targets = torch::zeros({own}, torch::kLong);
+        batch[d].push_back(std::move(in));
+      }
+    std::vector<std::vector<std::vector<int64_t>>> got(c.ranks);  // [rank][step][sample]
+    std::vector<std::vector<std::vector<double>>> got_lp(c.ranks);
+    std::vector<std::string> refused(c.ranks);
+    testing::run_ranks(c.ranks, [&](const Comm& comm) {
+      train::Trainer t(spread, spread_plan,
+                       testing::run_options(
+                           weft::testing::temp_dir(tag + "_" + std::to_string(comm.rank())), comm));
+      model::ComputeDtypeGuard dtype(at::kFloat);
+      dist::Runtime& rt = t.runtime();
+      std::vector<std::vector<int64_t>>& out = got[comm.rank()];
+      std::vector<std::vector<double>>& out_lp = got_lp[comm.rank()];
+      out_lp.emplace_back();
+      out.push_back(rt.eval_prefill(batch, vocab, steps - 1, &out_lp.back()));
+      std::vector<int64_t> next(n);
+      while (static_cast<int64_t>(out.size()) < steps) {
+        for (int64_t k = 0; k < n; ++k)  // each sample's own next token
+          next[k] = samples[k].tokens.at(prompts[k].tokens.size() + out.size() - 1);
+        out_lp.emplace_back();
+        out.push_back(rt.eval_decode(next, &out_lp.back()));
+      }
+      try {
+        rt.eval_decode(next);
+      } catch (const std::exception& e) {
+        refused[comm.rank()] = e.what();
+      }
+      std::vector<std::vector<model::Inputs>> wrong = batch;
+      wrong[0][0].target_rows = wrong[0][0].target_rows - 1;
+      try {
+        rt.eval_prefill(wrong, vocab, 1);
+        refused[comm.rank()] += " | prefill accepted";
+      } catch (const std::exception& e) {
+        refused[comm.rank()] += std::string(" | ") + e.what();
+      }
+    });
+    for (int r = 0; r < c.ranks; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_EQ(got[r].size(), static_cast<size_t>(steps));
+      for (int64_t k = 0; k < n; ++k) {
+        std::vector<int64_t> ids;
+        for (int64_t t = 0; t < steps; ++t) {
+          ASSERT_EQ(got[r][t].size(), static_cast<size_t>(n));
+          ASSERT_EQ(got_lp[r][t].size(), static_cast<size_t>(n));
+          ids.push_back(got[r][t][k]);
+          EXPECT_NEAR(got_lp[r][t][k], want_lp[k][t], 2e-6) << "sample " << k << ", id " << t;
+        }
+        EXPECT_EQ(ids, want[k]) << "sample " << k;
+      }
+      const std::string room = "room for " + std::to_string(steps - 1) + " new positions";
+      EXPECT_NE(refused[r].find(room), std::string::npos) << refused[r];
+      EXPECT_NE(refused[r].find("at the last token of its document"), std::string::npos)
+          << refused[r];
+    }
   }
 }
 

@@ -181,7 +181,8 @@ enum class NonFinite { kStop, kSkip };
 enum class Device { kCpu, kCuda };
 // Where evaluation's captions are generated when the layout spreads the model: on a copy
 // gathered onto rank 0 (the KV cache, one token per step), or through the training layout
-// itself (every rank its part, nothing gathered; each new token reruns the sequence).
+// itself (every rank its part, nothing gathered; the prompts once through the layout, then one
+// token per step over each LLM rank's own KV cache).
 enum class EvalGeneration { kGather, kLayout };
 
 struct TrainSpec {

@@ -134,9 +134,29 @@ struct Runtime::Impl {
   // microbatch's first target's index is target_offsets[d][m].
   int64_t predict_vocab = 0;
   std::vector<std::vector<int64_t>> target_offsets;
-  std::vector<std::pair<at::Tensor, at::Tensor>> predictions;
+  struct Prediction {
+    at::Tensor index, id, logprob;  // [n] each: target indices, greedy ids, their log-probabilities
+  };
+  std::vector<Prediction> predictions;
   // A forward-only step (predict > 0: eval_next_tokens's), leaving times and trace as they were.
   at::Tensor evaluate(const std::vector<std::vector<model::Inputs>>& batch, int64_t predict);
+  // The ids `predictions` hold, in target order (each target's from the one rank that holds it),
+  // on every rank (collective), and into `logprob` (when given) their log-probabilities;
+  // `predictions` cleared.
+  std::vector<int64_t> shared_predictions(int64_t targets, std::vector<double>* logprob);
+  // Generation with a KV cache in the layout (eval_prefill, eval_decode): what this rank keeps
+  // of each microbatch of its LLM replica.
+  struct Decoding {
+    model::KvCache cache;  // this rank's blocks, every chunk's
+    at::Tensor visible;    // bool [B, 1, 1, S]: the prefill's positions each row's new tokens see
+    at::Tensor position;   // int64 [B, 1]: each row's first new position
+    std::vector<int64_t> target;  // per row: its target's index among the batch's, or -1
+  };
+  std::map<int64_t, Decoding> decoding;
+  bool prefilling = false;  // eval_prefill's step: microbatches start their Decoding
+  int64_t decode_room = 0, decode_vocab = 0, decode_targets = 0, decode_steps = 0;
+  model::KvCache& start_decoding(int64_t m, const model::Inputs& host, int64_t S);
+  void decode_step(const std::vector<int64_t>& ids);
   bool grads(bool wanted) const { return wanted && !forward_only; }
   // Timeline of the step (when tracing): compute intervals exclude the time blocked in receives.
   bool tracing = false;
@@ -854,6 +874,7 @@ struct Runtime::Impl {
       mb.tokens.aux_scale = 1.0 / static_cast<double>(batch_rows);
       mb.tokens.stats = &moe_stats;
     }
+    if (prefilling) mask.keep_kv = &start_decoding(m, host, mb.S);
     const at::Tensor like =
         at::empty({0}, at::TensorOptions().dtype(model::compute_dtype()).device(opts.device));
     mb.context = model->llm().context(positions, mask, like);
@@ -935,11 +956,12 @@ struct Runtime::Impl {
     }
     at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
     if (predict_vocab > 0) {  // eval_next_tokens (every TP rank: the vocabulary is split)
-      const at::Tensor ids = model->llm().greedy(flat, predict_vocab);
+      at::Tensor logprob;
+      const at::Tensor ids = model->llm().greedy(flat, predict_vocab, &logprob);
       if (role.c.tp == 0) {
         at::Tensor index = torch::arange(in.targets.numel(), in.targets.options().dtype(at::kLong));
         if (keep.defined()) index = index.masked_select(keep);
-        predictions.emplace_back(index + target_offsets[d][m], ids);
+        predictions.push_back({index + target_offsets[d][m], ids, logprob});
       }
       return saved;
     }
@@ -1531,12 +1553,128 @@ at::Tensor Runtime::Impl::evaluate(const std::vector<std::vector<model::Inputs>>
   return step(batch, /*targets=*/1);
 }
 
+namespace {
+// Per row of `in` (host tensors): the index among its targets of the row's target, or -1. Every
+// row may hold one target at most, at the last token of its document.
+std::vector<int64_t> row_targets(const model::Inputs& in, size_t replica, size_t microbatch) {
+  const int64_t B = in.tokens.size(0), S = in.tokens.size(1);
+  const at::Tensor doc = in.doc.to(at::kInt).contiguous();
+  const at::Tensor rows = in.target_rows.to(at::kLong).contiguous();
+  const auto da = doc.accessor<int32_t, 2>();
+  std::vector<int64_t> target(static_cast<size_t>(B), -1);
+  for (int64_t k = 0; k < rows.numel(); ++k) {
+    const int64_t r = rows.data_ptr<int64_t>()[k], b = r / S, j = r % S;
+    WEFT_CHECK(r >= 0 && b < B && target[b] < 0 && da[b][j] >= 0 &&
+                   (j + 1 == S || da[b][j + 1] != da[b][j]),
+               "generation in the layout: replica ", replica, ", microbatch ", microbatch,
+               ": a target at row ", r, " (expected at most one per row of ", S,
+               " positions, at the last token of its document)");
+    target[b] = k;
+  }
+  return target;
+}
+}  // namespace
+
+// Microbatch m's decoding, from its padded host inputs (S positions per row): each row's target
+// is where its new tokens continue, seeing the positions of the target's document.
+model::KvCache& Runtime::Impl::start_decoding(int64_t m, const model::Inputs& host, int64_t S) {
+  const int64_t d = llm_role.c.dp, B = host.tokens.size(0);
+  Decoding& dec = decoding[m];
+  dec = {};
+  dec.cache.capacity = S + decode_room;
+  dec.target = row_targets(host, static_cast<size_t>(d), static_cast<size_t>(m));
+  const at::Tensor doc = host.doc.to(at::kInt).contiguous();
+  const at::Tensor pos = host.positions.to(at::kLong).contiguous();
+  const at::Tensor rows = host.target_rows.to(at::kLong).contiguous();
+  at::Tensor visible = torch::zeros({B, S}, torch::kBool);
+  at::Tensor position = torch::zeros({B}, torch::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    if (dec.target[b] < 0) continue;
+    const int64_t j = rows.data_ptr<int64_t>()[dec.target[b]] % S;
+    visible[b] = doc[b] == doc[b][j];
+    position[b] = pos[b][j] + 1;
+    dec.target[b] += target_offsets[d][m];
+  }
+  dec.visible = visible.view({B, 1, 1, S}).to(opts.device);
+  dec.position = position.view({B, 1}).to(opts.device);
+  return dec.cache;
+}
+
+// One new token of every row of every microbatch through this rank's LLM chunks, in microbatch
+// then virtual-stage order on every rank (each stage's output sent on as in a forward); the
+// last stage's greedy ids of rows with a target go to `predictions` (from TP and CP rank 0).
+void Runtime::Impl::decode_step(const std::vector<int64_t>& ids) {
+  if (!llm_role.hosted) return;
+  const model::Llm& llm = model->llm();
+  for (auto& [m, dec] : decoding) {
+    const int64_t B = static_cast<int64_t>(dec.target.size());
+    const at::Tensor visible = torch::cat(
+        {dec.visible, torch::ones({B, 1, 1, decode_steps + 1}, dec.visible.options())}, 3);
+    const at::Tensor positions = dec.position + decode_steps;
+    for (size_t chunk = 0; chunk < llm.chunks.size(); ++chunk) {
+      const int64_t stage = llm_stage(static_cast<int64_t>(chunk));
+      at::Tensor x;
+      if (stage == 0) {
+        std::vector<int64_t> next(static_cast<size_t>(B), 0);  // a row without target: any id
+        for (int64_t b = 0; b < B; ++b)
+          if (dec.target[b] >= 0) next[b] = ids.at(static_cast<size_t>(dec.target[b]));
+        x = llm.embed(torch::tensor(next, torch::kLong).view({B, 1}).to(opts.device));
+      } else {
+        x = recv({{B, 1, spec.llm.hidden},
+                  model::compute_dtype(),
+                  llm_rank_of_stage(stage - 1),
+                  tag_of(kLlmAct, 0, m, stage)});
+      }
+      const at::Tensor h = llm.decode(x, positions, visible, dec.cache, chunk);
+      if (!llm_last_stage(stage)) {
+        send(h, llm_rank_of_stage(stage + 1), tag_of(kLlmAct, 0, m, stage + 1));
+        continue;
+      }
+      at::Tensor logprob;
+      const at::Tensor next = llm.greedy(h.select(1, 0), decode_vocab, &logprob);  // TP collective
+      if (llm_role.c.tp != 0 || llm_role.c.cp != 0) continue;
+      std::vector<int64_t> rows, index;
+      for (int64_t b = 0; b < B; ++b)
+        if (dec.target[b] >= 0) {
+          rows.push_back(b);
+          index.push_back(dec.target[b]);
+        }
+      const at::Tensor own = torch::tensor(rows, torch::kLong).to(next.device());
+      predictions.push_back({torch::tensor(index, torch::kLong), next.index_select(0, own),
+                             logprob.index_select(0, own)});
+    }
+  }
+  for (Pending& p : sends) p.wait();
+  sends.clear();
+  WEFT_ASSERT(mailbox.empty(), "undelivered self messages");
+}
+
+std::vector<int64_t> Runtime::Impl::shared_predictions(int64_t targets,
+                                                       std::vector<double>* logprob) {
+  // Each target's id and log-probability come from one rank (its last-stage, TP-rank-0 holder):
+  // one sum gathers them (ids are exact in double).
+  at::Tensor all = torch::zeros({2, targets}, torch::kDouble);
+  for (const Prediction& p : predictions) {
+    const at::Tensor index = p.index.cpu();
+    all[0].index_put_({index}, p.id.cpu().to(torch::kDouble));
+    all[1].index_put_({index}, p.logprob.cpu().to(torch::kDouble));
+  }
+  predictions.clear();
+  if (world.size() > 1) world.all_reduce_sum(all);
+  const at::Tensor ids = all[0].to(torch::kLong).contiguous();
+  if (logprob) {
+    const at::Tensor lp = all[1].contiguous();
+    logprob->assign(lp.data_ptr<double>(), lp.data_ptr<double>() + targets);
+  }
+  return std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + targets);
+}
+
 double Runtime::eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch) {
   return impl_->evaluate(batch, /*predict=*/0).item<double>();
 }
 
 std::vector<int64_t> Runtime::eval_next_tokens(const std::vector<std::vector<model::Inputs>>& batch,
-                                               int64_t vocab) {
+                                               int64_t vocab, std::vector<double>* logprob) {
   WEFT_CHECK(vocab > 0, "eval_next_tokens: vocab ", vocab, " (expected at least 1)");
   Impl& m = *impl_;
   int64_t total = 0;
@@ -1548,12 +1686,50 @@ std::vector<int64_t> Runtime::eval_next_tokens(const std::vector<std::vector<mod
     }
   m.predictions.clear();
   m.evaluate(batch, vocab);
-  // Each target's id comes from one rank (its last-stage, TP-rank-0 holder): a sum gathers them.
-  at::Tensor ids = torch::zeros({total}, torch::kLong);
-  for (const auto& [index, id] : m.predictions) ids.index_put_({index.cpu()}, id.cpu());
+  return m.shared_predictions(total, logprob);
+}
+
+std::vector<int64_t> Runtime::eval_prefill(const std::vector<std::vector<model::Inputs>>& batch,
+                                           int64_t vocab, int64_t room,
+                                           std::vector<double>* logprob) {
+  WEFT_CHECK(room >= 0, "eval_prefill: room for ", room, " positions (expected at least 0)");
+  for (size_t d = 0; d < batch.size(); ++d)  // on every rank, before any collective
+    for (size_t k = 0; k < batch[d].size(); ++k) row_targets(batch[d][k], d, k);
+  Impl& m = *impl_;
+  eval_release();
+  struct Reset {
+    bool& prefilling;
+    ~Reset() { prefilling = false; }
+  } reset{m.prefilling};
+  m.prefilling = true;
+  m.decode_room = room;
+  std::vector<int64_t> ids = eval_next_tokens(batch, vocab, logprob);
+  m.decode_vocab = vocab;
+  m.decode_targets = static_cast<int64_t>(ids.size());
+  return ids;
+}
+
+std::vector<int64_t> Runtime::eval_decode(const std::vector<int64_t>& ids,
+                                          std::vector<double>* logprob) {
+  Impl& m = *impl_;
+  WEFT_CHECK(m.decode_targets > 0,
+             "eval_decode: nothing to continue (no eval_prefill since the "
+             "last eval_release)");
+  WEFT_CHECK(static_cast<int64_t>(ids.size()) == m.decode_targets, "eval_decode: ", ids.size(),
+             " ids for the prefill's ", m.decode_targets, " targets");
+  WEFT_CHECK(m.decode_steps < m.decode_room, "eval_decode: the caches hold room for ",
+             m.decode_room, " new positions, all used");
+  torch::NoGradGuard no_grad;
   m.predictions.clear();
-  if (m.world.size() > 1) m.world.all_reduce_sum(ids);
-  return std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + total);
+  m.decode_step(ids);
+  ++m.decode_steps;
+  return m.shared_predictions(m.decode_targets, logprob);
+}
+
+void Runtime::eval_release() {
+  Impl& m = *impl_;
+  m.decoding.clear();
+  m.decode_targets = m.decode_steps = 0;
 }
 at::Tensor Runtime::grad_squares() const {
   WEFT_CHECK(impl_->world.size() == 1, "Runtime::grad_squares: one rank only (",

@@ -124,11 +124,28 @@ class Runtime {
   double eval_loss_sum(const std::vector<std::vector<model::Inputs>>& batch);
   // Forward only, as eval_loss_sum: greedy decoding's next token at every target of `batch`, the
   // id in [0, vocab) whose logit is largest at the target's row (Llm::greedy), in the batch's
-  // order of targets (replica, microbatch, then each microbatch's), the same on every rank.
+  // order of targets (replica, microbatch, then each microbatch's), the same on every rank;
+  // with `logprob`, also each id's log-probability (the softmax over [0, vocab)) into it.
   // Collective. With one target after each sample's last token, a step of generation through
   // the layout.
   std::vector<int64_t> eval_next_tokens(const std::vector<std::vector<model::Inputs>>& batch,
-                                        int64_t vocab);
+                                        int64_t vocab, std::vector<double>* logprob = nullptr);
+  // Generation through the layout with a KV cache. eval_prefill is eval_next_tokens over a batch
+  // whose every row holds at most one target, at its last token (the sequence's end, whose next
+  // token it predicts), and every LLM rank also keeps its blocks' keys and values of each
+  // microbatch, with room for `room` more positions (under TP its heads', under CP every rank
+  // the whole sequence's). Each eval_decode then appends ids[k] to the k-th target's sequence
+  // (ids in the order returned, one per target) and returns the greedy id after it, the same on
+  // every rank: one forward of one token per row through the LLM's stages, with no encoder and
+  // no earlier position recomputed. Rows without a target decode an unused id. `logprob` as
+  // for eval_next_tokens. Collective; at most `room` decodes per prefill. eval_release (or the
+  // next prefill) frees the caches.
+  std::vector<int64_t> eval_prefill(const std::vector<std::vector<model::Inputs>>& batch,
+                                    int64_t vocab, int64_t room,
+                                    std::vector<double>* logprob = nullptr);
+  std::vector<int64_t> eval_decode(const std::vector<int64_t>& ids,
+                                   std::vector<double>* logprob = nullptr);
+  void eval_release();
   // The items of encoder e in one microbatch whose inputs this rank reads (its first stage of
   // e): [begin, end) of the microbatch's items of e over all LLM replicas in order, when
   // replica d has counts[d] of them; {0, 0} when it reads none. Only these need loading: every

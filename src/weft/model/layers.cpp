@@ -369,6 +369,19 @@ at::Tensor apply_rope(const at::Tensor& x, const Rope& rope) {
   return model::rope(x, rope.cos, rope.rot_sin);  // fused.h
 }
 
+void KvCache::keep(const at::Tensor& k_in, const at::Tensor& v_in) {
+  const int64_t B = k_in.size(0), S = k_in.size(1), heads = k_in.size(2), D = k_in.size(3);
+  WEFT_ASSERT(S <= capacity, "KvCache::keep: ", S, " positions in a cache of ", capacity);
+  WEFT_ASSERT(k.empty() || length == S, "KvCache::keep: ", S, " positions after layers of ",
+              length);
+  for (auto [from, to] : {std::make_pair(&k_in, &k), std::make_pair(&v_in, &v)}) {
+    at::Tensor buffer = at::empty({B, heads, capacity, D}, from->options());
+    buffer.narrow(2, 0, S).copy_(from->transpose(1, 2));
+    to->push_back(std::move(buffer));
+  }
+  length = S;
+}
+
 Attention Attention::make(const Scope& s, int64_t hidden, int64_t heads, int64_t kv_heads,
                           bool qkv_bias, bool out_bias, double out_std) {
   const int64_t tp = s.groups().tp.size();
@@ -408,6 +421,7 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
     k = halves[0];
     v = halves[1];
   }
+  if (mask.keep_kv) mask.keep_kv->keep(k, v);
   q = q.transpose(1, 2);  // [B, H, S, D]
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
@@ -422,7 +436,6 @@ at::Tensor Attention::operator()(const at::Tensor& x, const AttentionMask& mask,
 at::Tensor Attention::cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
                              const at::Tensor& k_cache, const at::Tensor& v_cache,
                              int64_t length) const {
-  WEFT_ASSERT(cp.size() <= 1, "Attention::cached under context parallelism");
   const auto [q, k, v] = project(x, &rope);
   const int64_t B = q.size(0), n = q.size(1), D = head_dim;
   WEFT_ASSERT(length + n <= k_cache.size(2), "Attention::cached: ", length + n,

@@ -286,6 +286,18 @@ struct Rope {
 // x: [B, S, H, D].
 at::Tensor apply_rope(const at::Tensor& x, const Rope& rope);
 
+// Keys and values of the positions decoded so far, per attention layer, for greedy or sampled
+// decoding one token at a time (Llm::decode): buffers of `capacity` positions, RoPE applied.
+// Filled by the first Llm::decode call, or by a forward whose mask has `keep_kv` (a prefill in
+// the training layout: each of a rank's attention layers in turn, under CP every rank's keys).
+struct KvCache {
+  int64_t capacity = 0;
+  int64_t length = 0;            // positions held
+  std::vector<at::Tensor> k, v;  // per layer: [B, kv_heads, capacity, head_dim]
+  // Keeps the next layer's keys and values k, v [B, S, kv_heads, head_dim] (then length = S).
+  void keep(const at::Tensor& k, const at::Tensor& v);
+};
+
 // Context parallelism: this rank holds S_local of the sequence's S tokens. Attention gathers
 // K/V from every CP rank (dK/dV return to their owners) and reorders them with `kv_order`
 // (int64 [S]: for each original position, its index in the rank-order concatenation of every
@@ -305,6 +317,9 @@ struct AttentionMask {
   // (Llm::blocks_forward) where LibTorch has the tile kernels (model::chunked_attention).
   std::vector<AttentionChunk> chunks;
   ChunkMasks chunk_masks;
+  // Where each attention run with this mask keeps its keys and values (KvCache::keep, in the
+  // order the layers run); null = nowhere.
+  KvCache* keep_kv = nullptr;
 };
 
 // Multi-head self-attention with grouped K/V heads and one fused QKV projection (column-
@@ -318,10 +333,11 @@ struct Attention {
                         bool qkv_bias, bool out_bias, double out_std);
   // rope may be null.
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope* rope) const;
-  // Incremental decoding (all heads on this rank, no CP): x [B, n, hidden] holds the positions
-  // after the `length` ones whose keys and values `k` and `v` ([B, kv_heads, capacity, D], RoPE
-  // applied) already hold; theirs are written after them, and x's queries attend over all
-  // length + n. `visible`: [B, 1, n, length + n] as attention takes it, or undefined (all).
+  // Incremental decoding (this rank's heads): x [B, n, hidden] holds the positions after the
+  // `length` ones whose keys and values `k` and `v` ([B, kv_heads, capacity, D], RoPE applied)
+  // already hold; theirs are written after them, and x's queries attend over all length + n.
+  // `visible`: [B, 1, n, length + n] as attention takes it, or undefined (all). No CP
+  // collective: under CP the cache holds every rank's keys, and every rank decodes the same x.
   at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
                     const at::Tensor& k, const at::Tensor& v, int64_t length) const;
   // q, k, v [B, S, heads | kv_heads, D] of x, RoPE applied to q and k when given.

@@ -194,15 +194,18 @@ at::Tensor LlmBlock::feed_forward(const at::Tensor& x, const TokenInfo& tokens) 
 
 at::Tensor LlmBlock::cached(const at::Tensor& x_in, const at::Tensor& visible, const Rope& rope,
                             const at::Tensor& k, const at::Tensor& v, int64_t length) const {
-  WEFT_ASSERT(!attn.qkv.sp, "LlmBlock::cached under sequence parallelism");
+  if (attn.qkv.sp || moe.cp.size() > 1) {  // the same block without them (shares the weights)
+    LlmBlock b = *this;
+    for (Linear* l : {&b.attn.qkv, &b.attn.out, &b.mlp.gate_up, &b.mlp.down}) l->sp = false;
+    b.moe.cp = dist::Comm();
+    return b.cached(x_in, visible, rope, k, v, length);
+  }
   return feed_forward(x_in + attn.cached(norm1(x_in), visible, rope, k, v, length), {});
 }
 
 at::Tensor Llm::decode(const at::Tensor& x_in, const at::Tensor& positions,
-                       const at::Tensor& visible, KvCache& cache) const {
-  WEFT_CHECK(tp.size() == 1 && chunks.size() == 1 && chunks[0].first_stage &&
-                 chunks[0].last_stage && chunk_begin.back() == blocks.size(),
-             "Llm::decode needs the whole LLM on one rank");
+                       const at::Tensor& visible, KvCache& cache, size_t chunk) const {
+  WEFT_ASSERT(chunk + 1 < chunk_begin.size(), "Llm::decode: chunk ", chunk, " of ", chunks.size());
   const int64_t B = x_in.size(0), n = x_in.size(1);
   WEFT_CHECK(cache.length + n <= cache.capacity, "Llm::decode: ", cache.length, " + ", n,
              " positions exceed the cache's capacity of ", cache.capacity);
@@ -212,16 +215,17 @@ at::Tensor Llm::decode(const at::Tensor& x_in, const at::Tensor& positions,
       cache.k.push_back(at::empty({B, b.attn.kv_heads, cache.capacity, b.attn.head_dim}, o));
       cache.v.push_back(at::empty_like(cache.k.back()));
     }
-  WEFT_CHECK(cache.k[0].size(0) == B, "Llm::decode: a batch of ", B, " rows on a cache of ",
-             cache.k[0].size(0));
+  WEFT_CHECK(cache.k.size() == blocks.size() && cache.k[0].size(0) == B, "Llm::decode: a batch of ",
+             B, " rows on a cache of ", cache.k[0].size(0), " rows and ", cache.k.size(),
+             " layers (", blocks.size(), " here)");
   const Rope rope = Rope::make(positions, spec.head_dim(), spec.rope_theta, spec.rope_scaling);
   const at::Tensor mask = compat::attention_mask(visible.defined() ? visible.contiguous() : visible,
                                                  x_in.scalar_type());
   at::Tensor x = x_in;
-  for (size_t i = 0; i < blocks.size(); ++i)
+  for (size_t i = chunk_begin[chunk]; i < chunk_begin[chunk + 1]; ++i)
     x = blocks[i].cached(x, mask, rope, cache.k[i], cache.v[i], cache.length);
-  cache.length += n;
-  return final_norm(x);
+  if (chunk + 1 == chunks.size()) cache.length += n;
+  return chunks[chunk].last_stage ? final_norm(x) : x;
 }
 
 at::Tensor Llm::forward(const at::Tensor& x, const at::Tensor& positions, const AttentionMask& mask,
@@ -241,21 +245,29 @@ at::Tensor Llm::logits(const at::Tensor& rows) const {
   return at::linear(rows, to_compute(w)).to(at::kFloat);
 }
 
-at::Tensor Llm::greedy(const at::Tensor& rows, int64_t vocab) const {
+at::Tensor Llm::greedy(const at::Tensor& rows, int64_t vocab, at::Tensor* logprob) const {
   const at::Tensor& w = head.defined() ? head : embedding;
   const int64_t per = w.size(0), first = tp.rank() * per, N = rows.size(0);
   WEFT_ASSERT(vocab > 0 && vocab <= per * tp.size(), "Llm::greedy: vocab ", vocab, " for ",
               per * tp.size(), " logits");
-  if (tp.size() == 1) return logits(rows).narrow(-1, 0, vocab).argmax(-1);
+  if (tp.size() == 1) {
+    const at::Tensor l = logits(rows).narrow(-1, 0, vocab);
+    if (logprob) *logprob = std::get<0>(l.max(-1)) - l.logsumexp(-1);
+    return l.argmax(-1);
+  }
   // TP ranks hold the same rows: all of them skip an empty set (a CP rank without targets).
-  if (N == 0) return at::empty({0}, rows.options().dtype(at::kLong));
+  if (N == 0) {
+    if (logprob) *logprob = at::empty({0}, rows.options().dtype(at::kFloat));
+    return at::empty({0}, rows.options().dtype(at::kLong));
+  }
   // This rank's ids below `vocab`, then the largest logit over TP and the smallest id holding it.
   const int64_t own = std::clamp<int64_t>(vocab - first, 0, per);
   const at::TensorOptions f32 = rows.options().dtype(at::kFloat);
   at::Tensor best = at::full({N}, -std::numeric_limits<float>::infinity(), f32);
   at::Tensor id = at::full({N}, vocab, f32.dtype(at::kLong));
+  at::Tensor l;
   if (own > 0) {
-    const at::Tensor l = at::linear(rows, to_compute(w)).to(at::kFloat).narrow(-1, 0, own);
+    l = at::linear(rows, to_compute(w)).to(at::kFloat).narrow(-1, 0, own);
     const at::Tensor arg = l.argmax(-1);
     best = l.gather(1, arg.unsqueeze(1)).squeeze(1);
     id = arg + first;
@@ -264,6 +276,11 @@ at::Tensor Llm::greedy(const at::Tensor& rows, int64_t vocab) const {
   tp.all_reduce_max(top);
   at::Tensor neg = id.masked_fill(best != top, vocab).neg();  // the smallest id: max of -id
   tp.all_reduce_max(neg);
+  if (logprob) {  // the top logit less the log-sum-exp: -log Σ_v exp(l_v - top)
+    at::Tensor sum = own > 0 ? (l - top.unsqueeze(1)).exp().sum(-1) : at::zeros({N}, f32);
+    tp.all_reduce_sum(sum);
+    *logprob = sum.log().neg();
+  }
   return neg.neg();
 }
 

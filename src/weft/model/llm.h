@@ -34,20 +34,14 @@ struct LlmBlock {
   MoeMlp moe;  // MoE blocks
   at::Tensor operator()(const at::Tensor& x, const AttentionMask& mask, const Rope& rope,
                         const TokenInfo& tokens = {}) const;
-  // Incremental decoding (Attention::cached; whole on this rank, no sequence parallelism).
+  // Incremental decoding (Attention::cached): x holds the same few positions on every TP and CP
+  // rank, so under sequence parallelism the block runs as without it, and an MoE block routes
+  // x without its CP group (whose ranks hold the same tokens here, not parts of a row).
   at::Tensor cached(const at::Tensor& x, const at::Tensor& visible, const Rope& rope,
                     const at::Tensor& k, const at::Tensor& v, int64_t length) const;
   // The block's second half: x + MLP (or MoE) of norm2(x); under SP the MoE routes the gathered
   // sequence.
   at::Tensor feed_forward(const at::Tensor& x, const TokenInfo& tokens) const;
-};
-
-// Keys and values of the positions decoded so far, per block, for greedy or sampled decoding
-// one token at a time (Llm::decode): buffers of `capacity` positions made at the first call.
-struct KvCache {
-  int64_t capacity = 0;
-  int64_t length = 0;            // positions held
-  std::vector<at::Tensor> k, v;  // per block: [B, kv_heads, capacity, head_dim]
 };
 
 // Which part of the LLM a rank builds.
@@ -110,21 +104,25 @@ struct Llm {
                      const TokenInfo& tokens = {}, size_t chunk = 0) const;
   at::Tensor forward(const at::Tensor& x, const LlmContext& context, const TokenInfo& tokens = {},
                      size_t chunk = 0) const;
-  // The whole LLM on this rank (one stage, no TP / CP): x [B, n, hidden] (embedded) for the n
-  // positions after the cache's, at `positions` [B, n], through every block and the final norm,
-  // each block's attention over the cached keys and values and x's own, which join the cache.
-  // `visible` [B, 1, n, length + n] (bool), or undefined: every cached and earlier position.
-  // Equal to forward() over the whole sequence at these positions, without recomputing the
-  // earlier ones: a prompt goes in once, then one token per step.
+  // Incremental decoding through this rank's chunk `chunk`: x [B, n, hidden] (embedded, or the
+  // previous stage's output) for the n positions after the cache's, at `positions` [B, n],
+  // through the chunk's blocks (then the final norm on the last stage), each block's attention
+  // over the cached keys and values and x's own, which join the cache; after this rank's last
+  // chunk the cache holds n more positions. `visible` [B, 1, n, length + n] (bool), or
+  // undefined: every cached and earlier position. Equal to forward() over the whole sequence at
+  // these positions, without recomputing the earlier ones: a prompt goes in once (or a prefill
+  // kept its keys, AttentionMask::keep_kv), then one token per step. Under TP each rank holds
+  // its heads' keys; under CP every rank the whole cache, and every rank runs the same x.
   at::Tensor decode(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& visible,
-                    KvCache& cache) const;
+                    KvCache& cache, size_t chunk = 0) const;
   // rows [N, hidden] → logits [N, vocab] in fp32 (unsplit vocabulary only).
   at::Tensor logits(const at::Tensor& rows) const;
   // Greedy decoding's choice for each of rows [N, hidden]: the id in [0, vocab) with the largest
   // logit, the first where several tie (argmax's), as int64 [N]. Vocab-parallel under TP: each
   // rank's best of its ids, the winner agreed over TP (collective; every TP rank passes the same
-  // rows), so no rank sees the whole vocabulary.
-  at::Tensor greedy(const at::Tensor& rows, int64_t vocab) const;
+  // rows), so no rank sees the whole vocabulary. With `logprob`, also each choice's
+  // log-probability under the softmax over [0, vocab), fp32 [N] (one more sum over TP).
+  at::Tensor greedy(const at::Tensor& rows, int64_t vocab, at::Tensor* logprob = nullptr) const;
   // Σ cross-entropy of final-normed rows [N, hidden] against targets [N] (fp32 scalar): the head
   // and the loss fused a chunk of rows at a time (cross_entropy.h), or with `fused` false as
   // linear then cross-entropy (the profiler's pricing); vocab-parallel under TP, fused or not.

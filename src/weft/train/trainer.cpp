@@ -434,48 +434,57 @@ struct Trainer::Impl {
   }
 
   // Greedy generation from each sample's prompt in the training layout (collective; every rank
-  // gets every sample's ids): each new token is Runtime::eval_next_tokens at a target placed
-  // after the sequence so far (a placeholder token the causal mask keeps from every earlier
-  // position), for layout_eval_batch() samples at a time, until each has its EOS, its
-  // generation_budget() or max_seq. No KV cache: every token reruns the whole sequence, the
-  // encoders included; what this buys is that no rank holds more than its part of the model.
+  // gets every sample's ids), layout_eval_batch() samples at a time: the prompts go through the
+  // layout once (Runtime::eval_prefill, encoders included, a target at each prompt's last
+  // token), then each new token is one Runtime::eval_decode over the LLM's cached keys and
+  // values, until each sample has its EOS, its generation_budget() or max_seq. No rank holds
+  // more than its part of the model.
   std::vector<std::vector<int64_t>> layout_generate(const std::vector<data::Sample>& samples) {
     model::ComputeDtypeGuard dtype(compute);
     const size_t n = samples.size(), per_batch = static_cast<size_t>(layout_eval_batch());
     const int64_t max_seq = spec.model.llm.max_seq, eos = dataset->eos_id();
     std::vector<std::vector<int64_t>> out(n);
     for (size_t b0 = 0; b0 < n; b0 += per_batch) {
-      std::vector<size_t> active;
-      std::vector<data::Sample> prompts;  // of samples b0, b0 + 1, ...
-      for (size_t i = b0; i < std::min(n, b0 + per_batch); ++i) {
+      const size_t b1 = std::min(n, b0 + per_batch);
+      std::vector<data::Sample> prompts;
+      std::vector<int64_t> budget;  // new tokens each sample may take
+      for (size_t i = b0; i < b1; ++i) {
         prompts.push_back(prompt_of(samples[i]));
         const int64_t P = samples[i].prompt_length;
-        if (std::min(P + generation_budget(samples[i]), max_seq) > P) active.push_back(i);
+        budget.push_back(
+            std::max<int64_t>(0, std::min(P + generation_budget(samples[i]), max_seq) - P));
       }
-      while (!active.empty()) {
-        std::vector<data::Sample> part;
-        for (const size_t i : active) {
-          data::Sample s = prompts[i - b0];
-          s.tokens.insert(s.tokens.end(), out[i].begin(), out[i].end());
-          s.tokens.push_back(eos);  // the target: its row is the last generated position's
-          s.is_target.assign(s.tokens.size(), 0);
-          s.is_target.back() = 1;
-          part.push_back(std::move(s));
+      const int64_t most = *std::max_element(budget.begin(), budget.end());
+      if (most == 0) continue;
+      std::vector<std::vector<model::Inputs>> batch = layout_batch(std::move(prompts), false);
+      // A target at each prompt's last token (the topping-up copies after them have none).
+      int64_t row = 0;
+      for (auto& replica : batch)
+        for (model::Inputs& in : replica) {
+          const at::Tensor real = (in.doc >= 0).sum(1).to(at::kLong);  // a prompt per row
+          const int64_t B = in.tokens.size(0), S = in.tokens.size(1);
+          const int64_t own = std::clamp<int64_t>(static_cast<int64_t>(b1 - b0) - row, 0, B);
+          in.target_rows =
+              (torch::arange(own, torch::kLong) * S + real.narrow(0, 0, own) - 1).contiguous();
+          in.targets = torch::full({own}, eos, torch::kLong);
+          row += B;
         }
-        const std::vector<int64_t> next = runtime->eval_next_tokens(
-            layout_batch(std::move(part), /*pack=*/false), dataset->vocab_size());
-        WEFT_ASSERT(next.size() == active.size(), "layout generation: ", next.size(), " ids for ",
-                    active.size(), " samples");
-        std::vector<size_t> still;
-        for (size_t k = 0; k < active.size(); ++k) {
-          const size_t i = active[k];
-          out[i].push_back(next[k]);
-          const int64_t P = samples[i].prompt_length, len = P + static_cast<int64_t>(out[i].size());
-          if (next[k] != eos && len < std::min(P + generation_budget(samples[i]), max_seq))
-            still.push_back(i);
+      std::vector<int64_t> next =
+          runtime->eval_prefill(batch, dataset->vocab_size(), /*room=*/most - 1);
+      WEFT_ASSERT(next.size() == b1 - b0, "layout generation: ", next.size(), " ids for ", b1 - b0,
+                  " samples");
+      for (int64_t t = 0;; ++t) {
+        bool more = false;
+        for (size_t k = 0; k < next.size(); ++k) {
+          std::vector<int64_t>& ids = out[b0 + k];
+          const bool done = t >= budget[k] || (!ids.empty() && ids.back() == eos);
+          if (!done) ids.push_back(next[k]);
+          more = more || (!done && next[k] != eos && t + 1 < budget[k]);
         }
-        active = std::move(still);
+        if (!more) break;
+        next = runtime->eval_decode(next);
       }
+      runtime->eval_release();
     }
     return out;
   }
