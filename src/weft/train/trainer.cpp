@@ -383,12 +383,14 @@ struct Trainer::Impl {
   }
 
   // Samples arranged as a global batch for the layout: split over the LLM's data-parallel
-  // replicas, then over up to train.microbatches microbatches, as evenly as they go; with fewer
+  // replicas, then over up to train.microbatches (or `microbatches`) microbatches, as evenly as
+  // they go; with fewer
   // samples than replicas, topped up with copies of the last whose tokens are not targets.
   // Collated as training collates, or with `pack` false a sample per row, so that the batch's
   // targets come in the samples' order.
   std::vector<std::vector<model::Inputs>> layout_batch(std::vector<data::Sample> part,
-                                                       bool pack = true) const {
+                                                       bool pack = true,
+                                                       int64_t microbatches = 0) const {
     data::CollateOptions how = collate;
     how.packing = how.packing && pack;
     const int64_t replicas = plan.module("llm").layout.dp;
@@ -398,7 +400,8 @@ struct Trainer::Impl {
       part.push_back(std::move(pad));
     }
     const int64_t count = static_cast<int64_t>(part.size());
-    const int64_t micro = std::min(spec.train.microbatches, count / replicas);
+    const int64_t micro =
+        std::min(microbatches > 0 ? microbatches : spec.train.microbatches, count / replicas);
     std::vector<std::vector<model::Inputs>> batch(static_cast<size_t>(replicas));
     for (int64_t d = 0; d < replicas; ++d) {
       const int64_t r0 = count * d / replicas, r1 = count * (d + 1) / replicas;
@@ -434,14 +437,20 @@ struct Trainer::Impl {
   }
 
   // Greedy generation from each sample's prompt in the training layout (collective; every rank
-  // gets every sample's ids), layout_eval_batch() samples at a time: the prompts go through the
+  // gets every sample's ids), as many samples at a time as the gathered copy generates (at least
+  // 64; forwards only, in the training's microbatches, so a microbatch's transient activations
+  // are what a few layers of a training step's would be, and each rank caches the keys and
+  // values of its own blocks and heads only): the prompts go through the
   // layout once (Runtime::eval_prefill, encoders included, a target at each prompt's last
   // token), then each new token is one Runtime::eval_decode over the LLM's cached keys and
   // values, until each sample has its EOS, its generation_budget() or max_seq. No rank holds
   // more than its part of the model.
   std::vector<std::vector<int64_t>> layout_generate(const std::vector<data::Sample>& samples) {
     model::ComputeDtypeGuard dtype(compute);
-    const size_t n = samples.size(), per_batch = static_cast<size_t>(layout_eval_batch());
+    // Each weight cast to the compute dtype once for the generation, not at every token.
+    model::CastOnce casts(runtime->model().parameters(), model::CastOnce::Keep::kEverything);
+    const size_t n = samples.size();
+    const size_t per_batch = static_cast<size_t>(std::max<int64_t>(layout_eval_batch(), 64));
     const int64_t max_seq = spec.model.llm.max_seq, eos = dataset->eos_id();
     std::vector<std::vector<int64_t>> out(n);
     for (size_t b0 = 0; b0 < n; b0 += per_batch) {
@@ -456,7 +465,10 @@ struct Trainer::Impl {
       }
       const int64_t most = *std::max_element(budget.begin(), budget.end());
       if (most == 0) continue;
-      std::vector<std::vector<model::Inputs>> batch = layout_batch(std::move(prompts), false);
+      // As many microbatches as pipeline stages: each decoded token is a collective pass per
+      // microbatch (TP sums in every block), and more than the stages only adds passes.
+      std::vector<std::vector<model::Inputs>> batch =
+          layout_batch(std::move(prompts), false, plan.module("llm").layout.pp);
       // A target at each prompt's last token (the topping-up copies after them have none).
       int64_t row = 0;
       for (auto& replica : batch)
