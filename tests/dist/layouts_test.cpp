@@ -605,8 +605,8 @@ TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
 // on one process (each position the whole sequence, no cache), and its log-probability that
 // model's within 1e-4: at the initial weights greedy ids seldom move when a token is decoded at
 // a wrong position or over keys it should not see, its log-probability does. The last row
-// has no target. One decode past the room the prefill left is refused on every rank, as is a
-// prefill whose target is not at its row's last token.
+// has no target. One decode past the room the prefill left is refused on every rank, as are a
+// negative id and a prefill whose target is not at its row's last token.
 TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
   for (size_t i = 0; i < generation_cases().size(); ++i) {
     SCOPED_TRACE(i);
@@ -708,6 +708,15 @@ TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
       } catch (const std::exception& e) {
         refused[comm.rank()] = e.what();
       }
+      try {
+        std::vector<int64_t> bad = next;
+        bad[0] = -1;
+        rt.eval_prefill(batch, vocab, 1);
+        rt.eval_decode(bad);
+        refused[comm.rank()] += " | bad id accepted";
+      } catch (const std::exception& e) {
+        refused[comm.rank()] += std::string(" | ") + e.what();
+      }
       std::vector<std::vector<model::Inputs>> wrong = batch;
       wrong[0][0].target_rows = wrong[0][0].target_rows - 1;
       try {
@@ -734,6 +743,7 @@ TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
       EXPECT_NE(refused[r].find(room), std::string::npos) << refused[r];
       EXPECT_NE(refused[r].find("at the last token of its document"), std::string::npos)
           << refused[r];
+      EXPECT_NE(refused[r].find("id -1 of target 0"), std::string::npos) << refused[r];
     }
   }
 }

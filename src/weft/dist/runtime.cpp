@@ -1719,6 +1719,9 @@ std::vector<int64_t> Runtime::eval_decode(const std::vector<int64_t>& ids,
              " ids for the prefill's ", m.decode_targets, " targets");
   WEFT_CHECK(m.decode_steps < m.decode_room, "eval_decode: the caches hold room for ",
              m.decode_room, " new positions, all used");
+  for (size_t k = 0; k < ids.size(); ++k)  // on every rank, before any collective
+    WEFT_CHECK(ids[k] >= 0 && ids[k] < m.spec.llm.vocab, "eval_decode: id ", ids[k], " of target ",
+               k, " (expected one in [0, ", m.spec.llm.vocab, "))");
   torch::NoGradGuard no_grad;
   m.predictions.clear();
   m.decode_step(ids);
