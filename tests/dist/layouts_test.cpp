@@ -535,6 +535,14 @@ const std::vector<GenerationCase>& generation_cases() {
   return cases;
 }
 
+// The tiny model with `model` set, whole on one process and in case c's layout.
+std::pair<Spec, Spec> case_specs(const std::vector<std::string>& model, const GenerationCase& c) {
+  std::vector<std::string> all = model;
+  all.insert(all.end(), c.layout.begin(), c.layout.end());
+  return {parse_spec(weft::testing::kTinyVlm, "tiny", model),
+          parse_spec(weft::testing::kTinyVlm, "tiny", all)};
+}
+
 // Runtime::eval_next_tokens, one step of generation in the layout: at every position of the eval
 // samples (teacher-forced, so that the contexts, and the ids, vary), the greedy id agrees with the
 // argmax of the whole model's logits on one process from the same initial weights, in the
@@ -544,10 +552,8 @@ TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
     SCOPED_TRACE(i);
     const GenerationCase& c = generation_cases()[i];
     const std::string tag = "greedy_ids_" + std::to_string(i);
-    const Spec one = parse_spec(weft::testing::kTinyVlm, "tiny", c.model);
-    std::vector<std::string> all = c.model;
-    all.insert(all.end(), c.layout.begin(), c.layout.end());
-    const Spec spread = parse_spec(weft::testing::kTinyVlm, "tiny", all);
+    const std::pair<Spec, Spec> specs = case_specs(c.model, c);
+    const Spec &one = specs.first, &spread = specs.second;  // (lambdas capture these)
     const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
     train::Trainer whole(one, plan::make_plan(one),
                          testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
@@ -620,10 +626,8 @@ TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
     for (std::string& set : model_sets)
       if (set.rfind("model.llm.moe.capacity_factor=", 0) == 0)
         set = "model.llm.moe.capacity_factor=0";
-    const Spec one = parse_spec(weft::testing::kTinyVlm, "tiny", model_sets);
-    std::vector<std::string> all = model_sets;
-    all.insert(all.end(), c.layout.begin(), c.layout.end());
-    const Spec spread = parse_spec(weft::testing::kTinyVlm, "tiny", all);
+    const std::pair<Spec, Spec> specs = case_specs(model_sets, c);
+    const Spec &one = specs.first, &spread = specs.second;  // (lambdas capture these)
     const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
     train::Trainer whole(one, plan::make_plan(one),
                          testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
