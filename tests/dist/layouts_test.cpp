@@ -535,13 +535,26 @@ const std::vector<GenerationCase>& generation_cases() {
   return cases;
 }
 
-// The tiny model with `model` set, whole on one process and in case c's layout.
-std::pair<Spec, Spec> case_specs(const std::vector<std::string>& model, const GenerationCase& c) {
-  std::vector<std::string> all = model;
-  all.insert(all.end(), c.layout.begin(), c.layout.end());
-  return {parse_spec(weft::testing::kTinyVlm, "tiny", model),
-          parse_spec(weft::testing::kTinyVlm, "tiny", all)};
-}
+// A generation case's two sides, from the same initial weights: the tiny model with `model` set
+// whole on one process (`whole`), and in case c's layout (its spec and plan); and the dataset
+// whose eval set both generate from.
+struct GenerationSides {
+  Spec one, spread;
+  plan::Plan spread_plan;
+  std::unique_ptr<train::Trainer> whole;
+  std::unique_ptr<data::Dataset> dataset;
+  GenerationSides(std::vector<std::string> model, const GenerationCase& c, const std::string& tag)
+      : one(parse_spec(weft::testing::kTinyVlm, "tiny", model)) {
+    model.insert(model.end(), c.layout.begin(), c.layout.end());
+    spread = parse_spec(weft::testing::kTinyVlm, "tiny", model);
+    spread_plan = plan::make_plan(spread, c.ranks);
+    whole = std::make_unique<train::Trainer>(
+        one, plan::make_plan(one),
+        testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
+    Spec data_spec = one;
+    dataset = data::make_dataset(&data_spec);
+  }
+};
 
 // Runtime::eval_next_tokens, one step of generation in the layout: at every position of the eval
 // samples (teacher-forced, so that the contexts, and the ids, vary), the greedy id agrees with the
@@ -552,13 +565,11 @@ TEST(Layouts, GreedyIdsInTheLayoutMatchTheWholeModel) {
     SCOPED_TRACE(i);
     const GenerationCase& c = generation_cases()[i];
     const std::string tag = "greedy_ids_" + std::to_string(i);
-    const std::pair<Spec, Spec> specs = case_specs(c.model, c);
-    const Spec &one = specs.first, &spread = specs.second;  // (lambdas capture these)
-    const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
-    train::Trainer whole(one, plan::make_plan(one),
-                         testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
-    Spec data_spec = one;
-    const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&data_spec);
+    const GenerationSides sides(c.model, c, tag);
+    const Spec& spread = sides.spread;
+    const plan::Plan& spread_plan = sides.spread_plan;
+    train::Trainer& whole = *sides.whole;
+    data::Dataset* dataset = sides.dataset.get();
     std::vector<data::Sample> samples = dataset->eval_set();
     const int64_t vocab = dataset->vocab_size();
     ASSERT_EQ(vocab, 22);
@@ -626,13 +637,11 @@ TEST(Layouts, DecodingInTheLayoutMatchesTheWholeModel) {
     for (std::string& set : model_sets)
       if (set.rfind("model.llm.moe.capacity_factor=", 0) == 0)
         set = "model.llm.moe.capacity_factor=0";
-    const std::pair<Spec, Spec> specs = case_specs(model_sets, c);
-    const Spec &one = specs.first, &spread = specs.second;  // (lambdas capture these)
-    const plan::Plan spread_plan = plan::make_plan(spread, c.ranks);
-    train::Trainer whole(one, plan::make_plan(one),
-                         testing::run_options(weft::testing::temp_dir(tag + "_one"), Comm()));
-    Spec data_spec = one;
-    const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&data_spec);
+    const GenerationSides sides(model_sets, c, tag);
+    const Spec& spread = sides.spread;
+    const plan::Plan& spread_plan = sides.spread_plan;
+    train::Trainer& whole = *sides.whole;
+    data::Dataset* dataset = sides.dataset.get();
     const std::vector<data::Sample> samples = dataset->eval_set();
     const int64_t vocab = dataset->vocab_size(), n = static_cast<int64_t>(samples.size());
     std::vector<data::Sample> prompts;
