@@ -138,6 +138,7 @@ struct Runtime::Impl {
     at::Tensor index, id, logprob;  // [n] each: target indices, greedy ids, their log-probabilities
   };
   std::vector<Prediction> predictions;
+  bool want_logprob = false;  // the caller asked for the log-probabilities (a sum over TP more)
   // A forward-only step (predict > 0: eval_next_tokens's), leaving times and trace as they were.
   at::Tensor evaluate(const std::vector<std::vector<model::Inputs>>& batch, int64_t predict);
   // The ids `predictions` hold, in target order (each target's from the one rank that holds it),
@@ -957,7 +958,8 @@ struct Runtime::Impl {
     at::Tensor flat = h.reshape({B * Sl, H}).index_select(0, rows);
     if (predict_vocab > 0) {  // eval_next_tokens (every TP rank: the vocabulary is split)
       at::Tensor logprob;
-      const at::Tensor ids = model->llm().greedy(flat, predict_vocab, &logprob);
+      const at::Tensor ids =
+          model->llm().greedy(flat, predict_vocab, want_logprob ? &logprob : nullptr);
       if (role.c.tp == 0) {
         at::Tensor index = torch::arange(in.targets.numel(), in.targets.options().dtype(at::kLong));
         if (keep.defined()) index = index.masked_select(keep);
@@ -1631,7 +1633,8 @@ void Runtime::Impl::decode_step(const std::vector<int64_t>& ids) {
         continue;
       }
       at::Tensor logprob;
-      const at::Tensor next = llm.greedy(h.select(1, 0), decode_vocab, &logprob);  // TP collective
+      const at::Tensor next =  // collective over TP
+          llm.greedy(h.select(1, 0), decode_vocab, want_logprob ? &logprob : nullptr);
       if (llm_role.c.tp != 0 || llm_role.c.cp != 0) continue;
       std::vector<int64_t> rows, index;
       for (int64_t b = 0; b < B; ++b)
@@ -1641,7 +1644,7 @@ void Runtime::Impl::decode_step(const std::vector<int64_t>& ids) {
         }
       const at::Tensor own = torch::tensor(rows, torch::kLong).to(next.device());
       predictions.push_back({torch::tensor(index, torch::kLong), next.index_select(0, own),
-                             logprob.index_select(0, own)});
+                             logprob.defined() ? logprob.index_select(0, own) : logprob});
     }
   }
   for (Pending& p : sends) p.wait();
@@ -1657,7 +1660,7 @@ std::vector<int64_t> Runtime::Impl::shared_predictions(int64_t targets,
   for (const Prediction& p : predictions) {
     const at::Tensor index = p.index.cpu();
     all[0].index_put_({index}, p.id.cpu().to(torch::kDouble));
-    all[1].index_put_({index}, p.logprob.cpu().to(torch::kDouble));
+    if (p.logprob.defined()) all[1].index_put_({index}, p.logprob.cpu().to(torch::kDouble));
   }
   predictions.clear();
   if (world.size() > 1) world.all_reduce_sum(all);
@@ -1685,6 +1688,7 @@ std::vector<int64_t> Runtime::eval_next_tokens(const std::vector<std::vector<mod
       total += in.targets.numel();
     }
   m.predictions.clear();
+  m.want_logprob = logprob != nullptr;
   m.evaluate(batch, vocab);
   return m.shared_predictions(total, logprob);
 }
@@ -1724,6 +1728,7 @@ std::vector<int64_t> Runtime::eval_decode(const std::vector<int64_t>& ids,
                k, " (expected one in [0, ", m.spec.llm.vocab, "))");
   torch::NoGradGuard no_grad;
   m.predictions.clear();
+  m.want_logprob = logprob != nullptr;
   m.decode_step(ids);
   ++m.decode_steps;
   return m.shared_predictions(m.decode_targets, logprob);

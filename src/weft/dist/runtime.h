@@ -125,9 +125,9 @@ class Runtime {
   // Forward only, as eval_loss_sum: greedy decoding's next token at every target of `batch`, the
   // id in [0, vocab) whose logit is largest at the target's row (Llm::greedy), in the batch's
   // order of targets (replica, microbatch, then each microbatch's), the same on every rank;
-  // with `logprob`, also each id's log-probability (the softmax over [0, vocab)) into it.
-  // Collective. With one target after each sample's last token, a step of generation through
-  // the layout.
+  // with `logprob`, also each id's log-probability (the softmax over [0, vocab)) into it, at one
+  // more sum over TP (so every rank passes it, or none). Collective. With one target after each
+  // sample's last token, a step of generation through the layout.
   std::vector<int64_t> eval_next_tokens(const std::vector<std::vector<model::Inputs>>& batch,
                                         int64_t vocab, std::vector<double>* logprob = nullptr);
   // Generation through the layout with a KV cache. eval_prefill is eval_next_tokens over a batch

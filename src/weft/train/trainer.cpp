@@ -384,8 +384,8 @@ struct Trainer::Impl {
 
   // Samples arranged as a global batch for the layout: split over the LLM's data-parallel
   // replicas, then over up to train.microbatches (or `microbatches`) microbatches, as evenly as
-  // they go; with fewer
-  // samples than replicas, topped up with copies of the last whose tokens are not targets.
+  // they go; with fewer samples than replicas, topped up with copies of the last whose tokens
+  // are not targets.
   // Collated as training collates, or with `pack` false a sample per row, so that the batch's
   // targets come in the samples' order.
   std::vector<std::vector<model::Inputs>> layout_batch(std::vector<data::Sample> part,
@@ -436,21 +436,24 @@ struct Trainer::Impl {
     return {sum, targets};
   }
 
+  // Prompts generated together, on the gathered copy and in the layout alike.
+  int64_t generation_batch() const { return std::max<int64_t>(spec.train.batch, 64); }
+
   // Greedy generation from each sample's prompt in the training layout (collective; every rank
-  // gets every sample's ids), as many samples at a time as the gathered copy generates (at least
-  // 64; forwards only, in the training's microbatches, so a microbatch's transient activations
-  // are what a few layers of a training step's would be, and each rank caches the keys and
-  // values of its own blocks and heads only): the prompts go through the
-  // layout once (Runtime::eval_prefill, encoders included, a target at each prompt's last
-  // token), then each new token is one Runtime::eval_decode over the LLM's cached keys and
-  // values, until each sample has its EOS, its generation_budget() or max_seq. No rank holds
-  // more than its part of the model.
+  // gets every sample's ids), generation_batch() samples at a time (at least one per replica),
+  // in as many microbatches as pipeline stages (forwards only: a microbatch's transient
+  // activations are a layer's, and each rank caches the keys and values of its own blocks and
+  // heads only). The prompts go through the layout once (Runtime::eval_prefill, encoders
+  // included, a target at each prompt's last token), then each new token is one
+  // Runtime::eval_decode over the LLM's cached keys and values, until each sample has its EOS,
+  // its generation_budget() or max_seq. No rank holds more than its part of the model.
   std::vector<std::vector<int64_t>> layout_generate(const std::vector<data::Sample>& samples) {
     model::ComputeDtypeGuard dtype(compute);
     // Each weight cast to the compute dtype once for the generation, not at every token.
     model::CastOnce casts(runtime->model().parameters(), model::CastOnce::Keep::kEverything);
     const size_t n = samples.size();
-    const size_t per_batch = static_cast<size_t>(std::max<int64_t>(layout_eval_batch(), 64));
+    const size_t per_batch =
+        static_cast<size_t>(std::max(generation_batch(), plan.module("llm").layout.dp));
     const int64_t max_seq = spec.model.llm.max_seq, eos = dataset->eos_id();
     std::vector<std::vector<int64_t>> out(n);
     for (size_t b0 = 0; b0 < n; b0 += per_batch) {
@@ -925,7 +928,7 @@ Summary Trainer::run() {
         std::optional<model::CastOnce> casts;
         if (!spread) casts.emplace(eval_model.parameters(), model::CastOnce::Keep::kEverything);
         EvalOptions eo;
-        eo.batch = std::max<int64_t>(ts.batch, 64);
+        eo.batch = m.generation_batch();
         eo.compute_dtype = m.compute;
         eo.loss = !spread;  // else computed in the layout
         eo.captions = ts.eval_captions;
