@@ -499,6 +499,28 @@ TEST(Config, RecomputeIsChosenPerModule) {
   EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
 }
 
+// recompute_blocks: the first blocks of each pipeline chunk only; written back and refused
+// negative, past the module's blocks, or without recompute.
+TEST(Config, RecomputeBlocks) {
+  const Spec s = parse_spec(kFull, "cfg.toml",
+                            {"model.llm.recompute_blocks=2", "model.vision.recompute_blocks=4"});
+  EXPECT_EQ(s.model.llm.recompute_blocks, 2);
+  EXPECT_EQ(s.model.encoders[0].recompute_blocks, 4);
+  EXPECT_EQ(s.model.encoders[1].recompute_blocks, 0);  // default: every block (here none)
+  const std::string dumped = spec_to_toml(s);
+  EXPECT_NE(dumped.find("recompute = true\nrecompute_blocks = 2\n"), std::string::npos) << dumped;
+  EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
+  EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=-1"},
+                         {"cfg.toml", "model.llm.recompute_blocks = -1: must be >= 0"}));
+  EXPECT_TRUE(
+      fails_with(kFull, {"model.llm.recompute_blocks=4"},
+                 {"model.llm.recompute_blocks = 4: must be at most the module's 3 blocks"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.audio.recompute_blocks=1"},
+                         {"model.audio.recompute_blocks = 1: needs recompute = true"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=true"},
+                         {"model.llm.recompute_blocks = true: expected an integer"}));
+}
+
 TEST(Config, SetParallel) {
   const Spec s =
       parse_spec(kFull, "cfg.toml",

@@ -248,6 +248,12 @@ TEST(Profile, BadFilesNameTheFileAndField) {
   other.train.precision = Precision::kFp32;
   EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
                   "tiny.json: measured in bf16 but test.toml trains in fp32"));
+  other = s;  // a block measured once prices every block: not some recomputed, some not
+  other.model.encoders[0].recompute = true;
+  other.model.encoders[0].recompute_blocks = 1;
+  EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
+                  "test.toml: [model.vision] recompute_blocks = 1 recomputes some blocks and not "
+                  "others, which a measured profile (tiny.json) cannot price"));
   other = s;
   other.model.llm.layers = 12;  // layer counts may differ
   EXPECT_NO_THROW(check_profile(p, other));

@@ -353,6 +353,55 @@ TEST(Simulate, RecomputedBlocksHoldOneBlockAgainDuringBackward) {
   }
 }
 
+// recompute_blocks: a stage's first blocks are priced as recomputed, the others as not. Each
+// stage of 3 blocks with recompute_blocks = 1 drops a third of what recomputing all 3 drops and
+// runs a third of their extra forward: peak memory and step time fall between none and all.
+TEST(Simulate, RecomputingTheFirstBlocksOfEachStage) {
+  Spec s;
+  s.source = "pipe.toml";
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = 6;
+  s.train.batch = 8;
+  s.train.microbatches = 4;
+  s.parallel.modules["llm"].pp = 2;
+  s.parallel.modules["llm"].stages = {3};
+  const Plan plan = make_plan(s, 2);
+  ASSERT_EQ(plan.module("llm").stage_layers(1), (std::pair<int64_t, int64_t>{3, 6}));
+  std::vector<CostTable> costs;
+  std::vector<SimResult> sims;
+  for (int64_t blocks : {-1, 1, 0}) {  // -1: no recomputation
+    s.model.llm.recompute = blocks >= 0;
+    s.model.llm.recompute_blocks = std::max<int64_t>(blocks, 0);
+    costs.push_back(planner_costs(s, plan));
+    sims.push_back(simulate(s, plan, ideal(2), costs.back(), no_optimizer()));
+  }
+  for (size_t st = 0; st < 2; ++st) {
+    const StageCost &none = costs[0].back()[st], &one = costs[1].back()[st],
+                    &all = costs[2].back()[st];
+    EXPECT_TRUE(one.recompute && all.recompute && !none.recompute) << st;
+    EXPECT_NEAR(3 * one.recompute_flops, all.recompute_flops, 1e-9 * all.recompute_flops) << st;
+    EXPECT_NEAR(3 * (none.activation_bytes - one.activation_bytes),
+                none.activation_bytes - all.activation_bytes, 1e-6 * none.activation_bytes)
+        << st;
+    EXPECT_DOUBLE_EQ(one.recompute_peak_bytes, all.recompute_peak_bytes) << st;  // one block
+    // Stage st holds 2 - st microbatches of 2 samples, and one recomputed block in backward.
+    for (size_t k = 0; k < 3; ++k) {
+      const StageCost& sc = costs[k].back()[st];
+      EXPECT_DOUBLE_EQ(
+          sims[k].ranks[st].peak_activation_bytes,
+          2 * (static_cast<double>(2 - st) * sc.activation_bytes + sc.recompute_peak_bytes))
+          << st << " " << k;
+    }
+  }
+  // The first stage: the less kept per microbatch in flight, the lower. The last stage holds one
+  // microbatch: recomputing one block saves what the block run again in backward holds.
+  EXPECT_LT(sims[2].ranks[0].peak_activation_bytes, sims[1].ranks[0].peak_activation_bytes);
+  EXPECT_LT(sims[1].ranks[0].peak_activation_bytes, sims[0].ranks[0].peak_activation_bytes);
+  EXPECT_DOUBLE_EQ(sims[1].ranks[1].peak_activation_bytes, sims[0].ranks[1].peak_activation_bytes);
+  EXPECT_LT(sims[0].step_seconds, sims[1].step_seconds);
+  EXPECT_LT(sims[1].step_seconds, sims[2].step_seconds);
+}
+
 // Tensor parallelism keeps the residual stream (the norms' inputs and outputs) whole on every TP
 // rank; sequence parallelism splits it as well, for a second all-gather of each column-parallel
 // input in backward.

@@ -50,6 +50,7 @@ constexpr std::string_view kLlmKeys[] = {"vocab",
                                          "tie_embeddings",
                                          "frozen",
                                          "recompute",
+                                         "recompute_blocks",
                                          "attention_chunk",
                                          "qkv_bias",
                                          "rope_scaling",
@@ -64,8 +65,9 @@ constexpr std::string_view kMoeKeys[] = {"experts", "top_k",          "ffn",    
                                          "z_loss",  "capacity_factor"};
 constexpr std::string_view kGatings[] = {"softmax", "sigmoid"};
 constexpr std::string_view kEncoderCommonKeys[] = {
-    "kind",     "hidden", "layers",    "heads",     "ffn", "feature_layer",
-    "norm_eps", "frozen", "recompute", "projector", "act", "hf"};
+    "kind",          "hidden",   "layers", "heads",     "ffn",
+    "feature_layer", "norm_eps", "frozen", "recompute", "recompute_blocks",
+    "projector",     "act",      "hf"};
 constexpr std::string_view kVitKeys[] = {"image_size",  "channels",    "patch",    "stem_channels",
                                          "stem_layers", "class_token", "pre_norm", "patch_bias"};
 constexpr std::string_view kRopeScalings[] = {"none", "llama3"};
@@ -402,6 +404,16 @@ void read_or_agree(const Section& s, std::string_view key, T* out, const std::st
 // With a Mixtral checkpoint (`hf_file`, which has already set *m) the architecture keys must
 // agree with its config.json; the training settings (aux_loss, z_loss, capacity_factor) are the
 // run's to choose.
+// A module's recompute_blocks (after its recompute and layers): at most its blocks, and only with
+// recompute on.
+void read_recompute_blocks(const Section& s, bool recompute, int64_t layers, int64_t* blocks) {
+  s.count("recompute_blocks", blocks, /*positive=*/false);
+  if (*blocks > layers)
+    s.fail("recompute_blocks",
+           "must be at most the module's " + std::to_string(layers) + " blocks (0 = every block)");
+  if (*blocks > 0 && !recompute) s.fail("recompute_blocks", "needs recompute = true");
+}
+
 void read_moe(const Section& s, MoeSpec* m, const std::string& hf_file) {
   s.only(keys(kMoeKeys));
   std::string gating = m->sigmoid ? "sigmoid" : "softmax";
@@ -492,6 +504,7 @@ void read_llm(const Section& s, LlmSpec* l) {
   s.count("rope_original_max_position", &l->rope_scaling.original_max_position);
   s.read("frozen", &l->frozen);
   s.read("recompute", &l->recompute);
+  read_recompute_blocks(s, l->recompute, l->layers, &l->recompute_blocks);
   s.count("attention_chunk", &l->attention_chunk, /*positive=*/false);
   if (const toml::table* t = s.table("moe")) {
     WEFT_CHECK(hf_file.empty() || l->moe.enabled(), s.source(), ": ", s.path("moe"),
@@ -579,6 +592,7 @@ void read_encoder(const Section& s, EncoderSpec* e) {
   s.amount("norm_eps", &e->norm_eps);
   s.read("frozen", &e->frozen);
   s.read("recompute", &e->recompute);
+  read_recompute_blocks(s, e->recompute, e->layers, &e->recompute_blocks);
   if (vit) {
     read_or_agree(s, "image_size", &e->image_size, hf_file);
     read_or_agree(s, "channels", &e->channels, hf_file);
@@ -931,6 +945,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("rope_original_max_position", l.rope_scaling.original_max_position);
   w.put("frozen", l.frozen);
   w.put("recompute", l.recompute);
+  w.put("recompute_blocks", l.recompute_blocks);
   w.put("attention_chunk", l.attention_chunk);
   if (!l.hf.empty()) w.put("hf", l.hf);
   if (l.moe.enabled()) {
@@ -960,6 +975,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("act", std::string(to_string(e.act)));
     w.put("frozen", e.frozen);
     w.put("recompute", e.recompute);
+    w.put("recompute_blocks", e.recompute_blocks);
     if (!e.hf.empty()) w.put("hf", e.hf);
     if (e.kind == EncoderKind::kVit) {
       w.put("class_token", e.class_token);

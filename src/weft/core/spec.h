@@ -46,6 +46,12 @@ struct MoeSpec {
   bool is_moe_layer(int64_t i) const { return experts > 0 && i % every == 0; }
 };
 
+// Whether block `i` of a pipeline chunk (0 = the chunk's first) is recomputed in backward, under
+// a module's `recompute` and `recompute_blocks` (LlmSpec, EncoderSpec).
+inline bool recomputes_block(bool recompute, int64_t recompute_blocks, int64_t i) {
+  return recompute && (recompute_blocks == 0 || i < recompute_blocks);
+}
+
 // Decoder LLM, Llama-style (Llama, Mistral, Qwen2). vocab = 0 means "take it from the tokenizer"
 // (built-in dataset). `hf`: a Hugging Face checkpoint directory (config.json + safetensors) the
 // shape is read from and the weights are initialised from; "" = random init.
@@ -67,6 +73,10 @@ struct LlmSpec {
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
   bool recompute = false;
+  // With recompute: only the first this many blocks of each pipeline chunk (each stage's, and
+  // each virtual stage's under interleaving) are recomputed, as Megatron-LM's
+  // --recompute-method block; 0 = every block. Memory and compute in between, by the block.
+  int64_t recompute_blocks = 0;
   // Attention in blocks over the tiles of keys they see (model/chunked_attention.h): queries of
   // one pattern in every row make one block, others blocks of at most this many queries over
   // tiles of as many keys; 0 = one attention over all keys. From LibTorch 2.3 on; LibTorch
@@ -105,6 +115,10 @@ struct EncoderSpec {
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
   bool recompute = false;
+  // With recompute: only the first this many blocks of each pipeline chunk (each stage's, and
+  // each virtual stage's under interleaving) are recomputed, as Megatron-LM's
+  // --recompute-method block; 0 = every block. Memory and compute in between, by the block.
+  int64_t recompute_blocks = 0;
   std::string hf;  // Hugging Face checkpoint to read the shape and initial weights from
   // vit
   bool class_token = false;  // CLIP: a learned [CLS] token first (dropped from the features)

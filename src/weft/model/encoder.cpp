@@ -28,12 +28,13 @@ std::vector<EncoderBlock> make_blocks(const Scope& s, const EncoderSpec& e, cons
   return blocks;
 }
 
-// The blocks the range runs; with `recompute` each is recomputed in backward (recompute.h).
+// The blocks the range runs; under the spec's recompute (and recompute_blocks) they are
+// recomputed in backward (recompute.h).
 at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange& r, at::Tensor x,
-                      bool recompute_blocks) {
+                      const EncoderSpec& spec) {
   for (int64_t i = 0; i < r.last_layer - r.first_layer; ++i) {
     const EncoderBlock& b = blocks[i];
-    if (!recompute_blocks) {
+    if (!recomputes_block(spec.recompute, spec.recompute_blocks, i)) {
       x = b(x);
       continue;
     }
@@ -92,7 +93,7 @@ at::Tensor VisionEncoder::operator()(const at::Tensor& input) const {
     x = own_tokens(front(input), groups_);
     if (pre_ln_.weight.defined()) x = pre_ln_(x);  // on this rank's tokens (a whole() weight)
   }
-  x = run_blocks(blocks_, range_, x, spec_.recompute);
+  x = run_blocks(blocks_, range_, x, spec_);
   if (!range_.last_stage) return x;
   x = whole_tokens(x, groups_);
   return spec_.class_token ? x.narrow(1, 1, x.size(1) - 1) : x;
@@ -141,7 +142,7 @@ at::Tensor AudioEncoder::operator()(const at::Tensor& input) const {
     x = gelu_erf(at::conv1d(x, to_compute(conv2_w_), to_compute(conv2_b_), 2, 1));
     x = own_tokens(x.transpose(1, 2) + to_compute(pos_), groups_);  // [N, T/cp(/tp), h]
   }
-  x = run_blocks(blocks_, range_, x, spec_.recompute);
+  x = run_blocks(blocks_, range_, x, spec_);
   return range_.last_stage ? whole_tokens(final_ln_(x), groups_) : x;
 }
 

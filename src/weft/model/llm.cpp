@@ -166,7 +166,8 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const LlmContext& context
   at::Tensor x = x_in;
   for (size_t i = chunk_begin[chunk]; i < chunk_begin[chunk + 1]; ++i) {
     const LlmBlock& b = blocks[i];
-    if (!spec.recompute) {
+    if (!recomputes_block(spec.recompute, spec.recompute_blocks,
+                          static_cast<int64_t>(i - chunk_begin[chunk]))) {
       x = b(x, mask, rope, tokens);
       continue;
     }

@@ -89,7 +89,8 @@ struct Llm {
   at::Tensor embed(const at::Tensor& tokens) const;
   // x [B, S, hidden] through the blocks of this rank's chunk `chunk`; positions [B, S] drive
   // RoPE; `tokens` tells MoE blocks which tokens are real and how to weigh their auxiliary
-  // losses. With spec.recompute each block is recomputed in backward (recompute.h).
+  // losses. With spec.recompute each block (or the chunk's first spec.recompute_blocks) is
+  // recomputed in backward (recompute.h).
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
                             const AttentionMask& mask, const TokenInfo& tokens = {},
                             size_t chunk = 0) const;

@@ -364,6 +364,13 @@ void check_profile(const Profile& p, const Spec& spec) {
   WEFT_CHECK(p.precision == to_string(spec.train.precision), p.source, ": measured in ",
              p.precision, " but ", spec.source, " trains in ", to_string(spec.train.precision),
              " (train.precision); profile it in that precision");
+  // A profile measures one block of a module and prices every block alike.
+  std::vector<std::pair<std::string, int64_t>> partial = {{"llm", spec.model.llm.recompute_blocks}};
+  for (const EncoderSpec& e : spec.model.encoders) partial.emplace_back(e.name, e.recompute_blocks);
+  for (const auto& [name, blocks] : partial)
+    WEFT_CHECK(blocks == 0, spec.source, ": [model.", name, "] recompute_blocks = ", blocks,
+               " recomputes some blocks and not others, which a measured profile (", p.source,
+               ") cannot price: simulate without the profile, or recompute every block");
   std::vector<std::string> names = {"llm"};
   for (const EncoderSpec& e : spec.model.encoders) names.push_back(e.name);
   for (const std::string& name : names) {

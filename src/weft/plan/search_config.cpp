@@ -43,16 +43,19 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
   const ModuleCosts costs = module_layer_costs(spec, m, unit);
   const double act = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
   double input_bytes = 0;  // what a recomputed block keeps: its input, tokens × width
+  int64_t per_chunk = 0;   // recompute_blocks: the first this many of each stage; 0 = all
   if (m.role == ModuleRole::kLlm) {
     input_bytes = act * static_cast<double>(spec.model.llm.max_seq * spec.model.llm.hidden);
+    per_chunk = spec.model.llm.recompute_blocks;
   } else {
     const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(m.encoder)];
     input_bytes = act * static_cast<double>(e.tokens_per_item() * e.hidden);
+    per_chunk = e.recompute_blocks;
   }
   for (int64_t s = 0; s < static_cast<int64_t>(stages->size()); ++s) {
     const auto [begin, end] = m.stage_layers(s);
     StageCost& sc = (*stages)[static_cast<size_t>(s)];
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = begin; b < end && recomputes_block(true, per_chunk, b - begin); ++b) {
       const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
       if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
@@ -106,10 +109,14 @@ Spec apply_candidate(const Spec& spec_in, const Candidate& c) {
       l.stages.clear();
     }
     spec.parallel.modules[names[k]] = l;
-    if (k + 1 < names.size())
+    // The search recomputes a module's every block or none.
+    if (k + 1 < names.size()) {
       spec.model.encoders[k].recompute = c.recompute[k];
-    else
+      spec.model.encoders[k].recompute_blocks = 0;
+    } else {
       spec.model.llm.recompute = c.recompute[k];
+      spec.model.llm.recompute_blocks = 0;
+    }
   }
   spec.train.microbatches = c.microbatches;
   spec.train.zero_stage = c.zero_stage;
@@ -191,8 +198,10 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
   }
   out.push_back("train.microbatches=" + std::to_string(c.microbatches));
   out.push_back("train.zero_stage=" + std::to_string(c.zero_stage));
-  for (size_t k = 0; k < names.size(); ++k)
+  for (size_t k = 0; k < names.size(); ++k) {
     out.push_back("model." + names[k] + ".recompute=" + (c.recompute[k] ? "true" : "false"));
+    out.push_back("model." + names[k] + ".recompute_blocks=0");  // always: as vp
+  }
   return out;
 }
 
@@ -214,7 +223,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
   for (size_t k = 0; k < names.size(); ++k)
     os << "\n[model." << names[k] << "]\nrecompute = " << (c.recompute[k] ? "true" : "false")
-       << "\n";
+       << "\nrecompute_blocks = 0\n";
   return os.str();
 }
 

@@ -60,6 +60,9 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
     : spec_(spec), cl_(cluster), o_(options) {
   costed_ = spec;
   if (costed_.model.llm.vocab == 0) costed_.model.llm.vocab = o_.sim.unset_vocab;
+  // Candidates recompute a module's every block or none (apply_candidate).
+  costed_.model.llm.recompute_blocks = 0;
+  for (EncoderSpec& e : costed_.model.encoders) e.recompute_blocks = 0;
   E_ = static_cast<int64_t>(spec.model.encoders.size());
   B_ = spec.train.batch;
   max_ranks_ = o_.max_ranks > 0 ? o_.max_ranks : cluster.world_size();
