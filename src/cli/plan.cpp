@@ -26,6 +26,7 @@ struct PlanArgs {
   int64_t world = 0;  // without --cluster: ranks to plan for (default 1); with: devices to use
   int64_t top = 5, max_simulations = 400, threads = 0;
   double time_budget = 50, gap = 0.5;  // gap in percent
+  bool partial_recompute = false;
 };
 
 void write_file(const std::string& path, const std::string& text, const char* what) {
@@ -52,6 +53,7 @@ int run_search(const PlanArgs& a) {
   o.time_budget_seconds = a.time_budget;
   o.gap = a.gap / 100;
   o.threads = a.threads;
+  o.partial_recompute = a.partial_recompute;
   const plan::SearchResult r = plan::search(spec, cluster, o);
   const plan::SearchStats& st = r.stats;
   const int64_t devices = a.world > 0 ? a.world : cluster.world_size();
@@ -191,6 +193,10 @@ std::function<int()> add_plan(CLI::App& app) {
                   "with --cluster: threads simulating candidates (default: every core, at most 8; "
                   "the plan found does not depend on it)")
       ->check(weft::cli::kPositive);
+  cmd->add_flag("--partial-recompute", args->partial_recompute,
+                "with --cluster: also recompute only each pipeline chunk's first blocks "
+                "(recompute_blocks) where a layout needs some recomputation to fit (a slower "
+                "search)");
   cmd->add_option("--gap", args->gap,
                   "with --cluster: optimality gap in percent: plans whose bound is within it of "
                   "the best are not simulated (default 0.5; 0 = the exact optimum)")

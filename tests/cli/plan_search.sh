@@ -19,6 +19,12 @@ grep -q "^why: " "$tmp/out.txt" || { cat "$tmp/out.txt"; die "no line on why the
 grep -q "step s.*MFU.*GiB/GPU" "$tmp/out.txt" || die "no table of candidates"
 head -12 "$tmp/out.txt"
 
+# --partial-recompute searches recompute_blocks too, and the snippet sets it for every module.
+"$weft" plan "$config" --cluster "$cluster" --partial-recompute --snippet "$tmp/partial.toml" \
+  > "$tmp/partial.txt" || { cat "$tmp/partial.txt"; die "weft plan --partial-recompute failed"; }
+[ "$(grep -c '^recompute_blocks = ' "$tmp/partial.toml")" = 2 ] \
+  || { cat "$tmp/partial.toml"; die "the snippet does not set recompute_blocks per module"; }
+
 # The snippet as --set flags reproduces the plan, and simulating that plan gives the predicted step.
 /usr/bin/python3 - "$tmp/snippet.toml" "$tmp/search.json" > "$tmp/sets" <<'PY' || die "bad snippet or summary"
 import json, sys, tomllib

@@ -212,6 +212,48 @@ TEST(Search, MemoryFilterRejectsTheFastestLayoutWhenItDoesNotFit) {
   EXPECT_NE(err.find("small.toml: no layout fits 8 h100 devices"), std::string::npos) << err;
 }
 
+// Memory just too small for every layout without recomputation: the search also tries
+// recomputing each chunk's first blocks (the fewest that fit by the memory bound, and halfway
+// from those to every block); the bound holds for those candidates too, branch and bound still
+// finds the brute-force optimum, and it is faster than recomputing every block.
+TEST(Search, PartialRecomputationWhereMemoryIsTight) {
+  const Spec spec = small_vlm();
+  SearchOptions o = small_space();
+  o.zero = false;
+  o.recompute = false;
+  double least = 1e30;  // the smallest peak of any layout without recomputation
+  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
+    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
+  const Cluster tight = h100(1, least * 0.98 / (1024.0 * 1024 * 1024));
+  o.recompute = o.partial_recompute = true;
+  int64_t count = 0;
+  const Evaluation brute = brute_force(spec, tight, o, &count);
+  const SearchResult partial = search(spec, tight, o);
+  o.partial_recompute = false;
+  int64_t whole_count = 0;
+  const Evaluation whole = brute_force(spec, tight, o, &whole_count);
+  EXPECT_GT(count, whole_count);  // the partial candidates
+  const Evaluation& win = partial.best.front();
+  EXPECT_NEAR(win.sim.step_seconds, brute.sim.step_seconds, 1e-9 * brute.sim.step_seconds);
+  EXPECT_LT(win.sim.step_seconds, whole.sim.step_seconds);
+  EXPECT_TRUE(win.sim.memory_fits);
+  const std::string what = describe(spec, win.candidate);
+  bool some = false;
+  for (size_t k = 0; k < win.candidate.recompute.size(); ++k)
+    some = some || (win.candidate.recompute[k] && win.candidate.recompute_blocks[k] > 0);
+  EXPECT_TRUE(some) << what;
+  EXPECT_NE(what.find("recompute "), std::string::npos) << what;
+  // Its config sets the blocks, and reads back to the same plan and step.
+  const Spec applied = apply_candidate(spec, win.candidate);
+  const std::string snippet = config_snippet(spec, win.candidate);
+  EXPECT_NE(snippet.find("recompute_blocks = "), std::string::npos) << snippet;
+  std::printf("tight memory: %s %.4f s; every block or none: %s %.4f s\n", what.c_str(),
+              win.sim.step_seconds, describe(spec, whole.candidate).c_str(),
+              whole.sim.step_seconds);
+  EXPECT_NEAR(evaluate(applied, tight, win.candidate).sim.step_seconds, win.sim.step_seconds,
+              1e-9 * win.sim.step_seconds);
+}
+
 TEST(Search, NoSlowerThanFixedBaselines) {
   for (int64_t nodes : {1, 2}) {
     SCOPED_TRACE(std::to_string(nodes) + " node(s)");

@@ -139,6 +139,7 @@ class Searcher {
 
   Bound bound(const Node& n) const { return space_.bound(n); }
   bool redundant(const Node& n) const { return space_.redundant(n); }
+  bool leaf(const Node& n) const { return space_.leaf(n); }
   Candidate to_candidate(const Node& n) const { return space_.to_candidate(n); }
   void roots(const std::function<void(Node&&)>& emit) { space_.roots(emit); }
   void children(const Node& n, const std::function<void(Node&&)>& emit) {
@@ -193,7 +194,7 @@ std::vector<BoundedCandidate> Searcher::enumerate() {
   while (!stack.empty()) {
     Node n = std::move(stack.back());
     stack.pop_back();
-    if (static_cast<int64_t>(n.enc.size()) == E_) {
+    if (leaf(n)) {
       if (redundant(n)) continue;
       const Bound b = bound(n);
       if (!b.feasible) continue;
@@ -231,16 +232,16 @@ SearchResult Searcher::run() {
     return std::max(t, best);
   };
   const auto consider = [&](Node&& n) {
-    const bool leaf = static_cast<int64_t>(n.enc.size()) == E_;
-    if (leaf && redundant(n)) return;
+    const bool is_leaf = leaf(n);
+    if (is_leaf && redundant(n)) return;
     const Bound b = space_.bound(n, threshold() / (1 + o_.gap), over_bound);
     ++st.nodes;
     if (!b.feasible) return;
     if (b.memory > mem) {
       ++st.memory_filtered;
-      if (leaf && b.memory < min_memory)
+      if (is_leaf && b.memory < min_memory)
         min_memory = b.memory, min_memory_what = describe(spec_, to_candidate(n));
-      if (b.seconds < over_bound) over_bound = b.seconds, over_node = n;
+      if (b.seconds < over_bound) over_bound = b.seconds, over_node = space_.settled(n);
       return;
     }
     if (b.seconds * (1 + o_.gap) >= threshold()) return;
@@ -264,7 +265,7 @@ SearchResult Searcher::run() {
         break;
       }
       open.pop();
-      if (static_cast<int64_t>(nodes[index].enc.size()) < E_) {
+      if (!leaf(nodes[index])) {
         const Node n = nodes[index];
         children(n, consider);
       } else {
@@ -316,7 +317,7 @@ SearchResult Searcher::run() {
   const double win = result.best.front().sim.step_seconds;
   if (over_bound < win && o_.max_simulations > st.simulated) {
     Node leaf = over_node;  // completed the way the bound prefers, memory ignored
-    while (static_cast<int64_t>(leaf.enc.size()) < E_) {
+    while (!space_.leaf(leaf)) {
       Node next;
       double next_bound = kInf;
       children(leaf, [&](Node&& c) {
@@ -324,9 +325,9 @@ SearchResult Searcher::run() {
         if (cb.feasible && cb.seconds < next_bound) next_bound = cb.seconds, next = std::move(c);
       });
       if (next_bound == kInf) break;
-      leaf = std::move(next);
+      leaf = space_.settled(next);  // a pending choice at its fastest
     }
-    if (static_cast<int64_t>(leaf.enc.size()) == E_) {
+    if (space_.leaf(leaf)) {
       Evaluation e = evaluate(spec_, cl_, to_candidate(leaf), o_.sim);
       e.lower_bound = over_bound;
       ++st.simulated;

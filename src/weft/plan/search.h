@@ -21,7 +21,10 @@
 //   vp        the LLM's interleaved 1F1B chunks per pipeline rank (pp >= 2): 1 .. max_vp with
 //             pp · vp <= layers, the chunks cut evenly by work (Megatron-style: by blocks, and
 //             only with M >= pp, as Megatron-LM needs)
-//   zero_stage    0 or 1; recompute per module that keeps activations (off or on)
+//   zero_stage    0 or 1; recompute per module that keeps activations: off or every block;
+//             with partial_recompute also, where the node does not fit the device without it
+//             (by its memory bound), the fewest first blocks of each chunk that make it fit and
+//             halfway from those to every block (model.<module>.recompute_blocks)
 //
 // Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
 // every node has an analytic lower bound on the simulated step time, built from the same op
@@ -85,7 +88,10 @@ struct Candidate {
   // Per encoder in spec order, then the LLM (last): layout and stage boundaries (pp - 1).
   std::vector<LayoutSpec> layouts;
   std::vector<bool> recompute;  // aligned with layouts
-  int64_t world_size = 1;       // ranks the plan uses (<= the cluster's devices)
+  // Aligned with layouts where set (empty: 0 each): of a recomputed module, only the first this
+  // many blocks of each pipeline chunk (model.<module>.recompute_blocks; 0 = every block).
+  std::vector<int64_t> recompute_blocks;
+  int64_t world_size = 1;  // ranks the plan uses (<= the cluster's devices)
   int64_t microbatches = 1;
   int64_t zero_stage = 0;
 };
@@ -107,7 +113,11 @@ struct SearchOptions {
   int64_t max_microbatches = 128;
   bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)
   bool recompute = true;  // also try activation recomputation per module
-  int64_t top = 5;        // distinct layouts to report (the winner first)
+  // With recompute: also a module's first blocks of each chunk where memory needs some (above).
+  // Off by default: it slows the search (~1.4x at DistTrain's 72B scale) and changed no
+  // scenario's plan in bench/RESULTS.md; it pays where the layouts that fit are few.
+  bool partial_recompute = false;
+  int64_t top = 5;  // distinct layouts to report (the winner first)
   // Also simulate candidates whose bound is within this fraction of the best step time, so the
   // runner-ups in the table are searched like the winner (within `gap`).
   double report_slack = 0.15;
@@ -165,16 +175,17 @@ SearchResult search(const Spec& spec, const Cluster& cluster, const SearchOption
 
 // The spec with a candidate's choices written into it: parallel.placement and
 // parallel.<module>.{dp,tp,pp,cp,stages}, train.microbatches, train.zero_stage and
-// model.<module>.recompute ("megatron" is written as colocated; candidate_plan moves the
-// encoders).
+// model.<module>.recompute and recompute_blocks ("megatron" is written as colocated;
+// candidate_plan moves the encoders).
 Spec apply_candidate(const Spec& spec, const Candidate& candidate);
 Plan candidate_plan(const Spec& spec, const Candidate& candidate);
 // The simulator's stage costs (stage_costs) with the spec's activation recomputation priced in
 // (see above); model.llm.vocab = 0 is taken as `unset_vocab` like the simulator does.
 CostTable planner_costs(const Spec& spec, const Plan& plan, int64_t unset_vocab = 64);
-// The recomputation pricing of one module's stages (as planner_costs applies it).
-void add_recompute_costs(const Spec& spec, const ModulePlan& module,
-                         std::vector<StageCost>* stages);
+// The recomputation pricing of one module's stages (as planner_costs applies it): each stage's
+// first `first_blocks` blocks recomputed, 0 = every block.
+void add_recompute_costs(const Spec& spec, const ModulePlan& module, std::vector<StageCost>* stages,
+                         int64_t first_blocks = 0);
 // Simulates a candidate (planner_costs, options.trace off).
 Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& candidate,
                     const SimOptions& options = {});
@@ -190,10 +201,12 @@ struct BoundedCandidate {
 std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Cluster& cluster,
                                                    const SearchOptions& options = {});
 
-// "separate | vision tp1 dp16 | llm tp8 pp4 dp2 | mb 8 zero1 recompute llm".
+// "separate | vision tp1 dp16 | llm tp8 pp4 dp2 | mb 8 zero1 recompute vision,llm:4" (llm:4: its
+// first 4 blocks of each chunk).
 std::string describe(const Spec& spec, const Candidate& candidate);
 // The config that reproduces a candidate: TOML ([parallel], [parallel.<module>], [train],
-// [model.<module>] recompute) and the same as --set overrides (no spaces: each one shell word).
+// [model.<module>] recompute, recompute_blocks) and the same as --set overrides (no spaces: each
+// one shell word).
 std::string config_snippet(const Spec& spec, const Candidate& candidate);
 std::vector<std::string> config_overrides(const Spec& spec, const Candidate& candidate);
 

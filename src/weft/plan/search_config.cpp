@@ -31,36 +31,47 @@ void check_shape(const Spec& spec, const Candidate& c) {
       "[search] a candidate needs one layout and one recompute flag per encoder and the "
       "LLM (",
       spec.model.encoders.size() + 1, "), got ", c.layouts.size(), " and ", c.recompute.size());
+  WEFT_CHECK(c.recompute_blocks.empty() || c.recompute_blocks.size() == c.layouts.size(),
+             "[search] a candidate's recompute_blocks: none or one per module (", c.layouts.size(),
+             "), got ", c.recompute_blocks.size());
+  for (int64_t b : c.recompute_blocks)
+    WEFT_CHECK(b >= 0, "[search] a candidate's recompute_blocks must be >= 0, got ", b);
   WEFT_CHECK(c.placement == "colocated" || c.placement == "separate" || c.placement == "megatron",
              "[search] unknown placement \"", c.placement,
              "\" (expected colocated, separate or megatron)");
 }
 
+// Candidate c's recompute_blocks of module k (0: every block).
+int64_t candidate_blocks(const Candidate& c, size_t k) {
+  return k < c.recompute_blocks.size() && c.recompute[k] ? c.recompute_blocks[k] : 0;
+}
+
 }  // namespace
 
-void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<StageCost>* stages) {
+void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<StageCost>* stages,
+                         int64_t first_blocks) {
   const MicrobatchShape unit = single_sample_microbatch(spec);  // items = 1, as stage_costs
   const ModuleCosts costs = module_layer_costs(spec, m, unit);
   const double act = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
   double input_bytes = 0;  // what a recomputed block keeps: its input, tokens × width
-  int64_t per_chunk = 0;   // recompute_blocks: the first this many of each stage; 0 = all
   if (m.role == ModuleRole::kLlm) {
     input_bytes = act * static_cast<double>(spec.model.llm.max_seq * spec.model.llm.hidden);
-    per_chunk = spec.model.llm.recompute_blocks;
   } else {
     const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(m.encoder)];
     input_bytes = act * static_cast<double>(e.tokens_per_item() * e.hidden);
-    per_chunk = e.recompute_blocks;
   }
   for (int64_t s = 0; s < static_cast<int64_t>(stages->size()); ++s) {
     const auto [begin, end] = m.stage_layers(s);
     StageCost& sc = (*stages)[static_cast<size_t>(s)];
-    for (int64_t b = begin; b < end && recomputes_block(true, per_chunk, b - begin); ++b) {
+    for (int64_t b = begin; b < end && recomputes_block(true, first_blocks, b - begin); ++b) {
       const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
       if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
       sc.recompute_flops += l.forward;
       sc.recompute = true;
+      ++sc.recompute_blocks;
+      if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b))
+        ++sc.recompute_moe_blocks;
       const double kept = std::min(l.activation_bytes, input_bytes);
       const double dropped = l.activation_bytes - kept;
       sc.activation_bytes -= dropped;
@@ -88,10 +99,11 @@ CostTable planner_costs(const Spec& spec_in, const Plan& plan, int64_t unset_voc
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
     if (m.role == ModuleRole::kProjector) continue;
-    const bool recompute = m.role == ModuleRole::kLlm
-                               ? spec.model.llm.recompute
-                               : spec.model.encoders[static_cast<size_t>(m.encoder)].recompute;
-    if (recompute) add_recompute_costs(spec, m, &table[i]);
+    const bool llm = m.role == ModuleRole::kLlm;
+    const EncoderSpec* e = llm ? nullptr : &spec.model.encoders[static_cast<size_t>(m.encoder)];
+    if (llm ? spec.model.llm.recompute : e->recompute)
+      add_recompute_costs(spec, m, &table[i],
+                          llm ? spec.model.llm.recompute_blocks : e->recompute_blocks);
   }
   return table;
 }
@@ -109,13 +121,12 @@ Spec apply_candidate(const Spec& spec_in, const Candidate& c) {
       l.stages.clear();
     }
     spec.parallel.modules[names[k]] = l;
-    // The search recomputes a module's every block or none.
     if (k + 1 < names.size()) {
       spec.model.encoders[k].recompute = c.recompute[k];
-      spec.model.encoders[k].recompute_blocks = 0;
+      spec.model.encoders[k].recompute_blocks = candidate_blocks(c, k);
     } else {
       spec.model.llm.recompute = c.recompute[k];
-      spec.model.llm.recompute_blocks = 0;
+      spec.model.llm.recompute_blocks = candidate_blocks(c, k);
     }
   }
   spec.train.microbatches = c.microbatches;
@@ -171,7 +182,9 @@ std::string describe(const Spec& spec, const Candidate& c) {
   if (c.zero_stage > 0) os << " zero" << c.zero_stage;
   std::string rc;
   for (size_t k = 0; k < names.size(); ++k)
-    if (c.recompute[k]) rc += (rc.empty() ? "" : ",") + names[k];
+    if (c.recompute[k])
+      rc += (rc.empty() ? "" : ",") + names[k] +
+            (candidate_blocks(c, k) > 0 ? ":" + std::to_string(candidate_blocks(c, k)) : "");
   if (!rc.empty()) os << " recompute " << rc;
   return os.str();
 }
@@ -200,7 +213,8 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
   out.push_back("train.zero_stage=" + std::to_string(c.zero_stage));
   for (size_t k = 0; k < names.size(); ++k) {
     out.push_back("model." + names[k] + ".recompute=" + (c.recompute[k] ? "true" : "false"));
-    out.push_back("model." + names[k] + ".recompute_blocks=0");  // always: as vp
+    out.push_back("model." + names[k] + ".recompute_blocks=" +  // always: as vp
+                  std::to_string(candidate_blocks(c, k)));
   }
   return out;
 }
@@ -223,7 +237,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
   for (size_t k = 0; k < names.size(); ++k)
     os << "\n[model." << names[k] << "]\nrecompute = " << (c.recompute[k] ? "true" : "false")
-       << "\nrecompute_blocks = 0\n";
+       << "\nrecompute_blocks = " << candidate_blocks(c, k) << "\n";
   return os.str();
 }
 

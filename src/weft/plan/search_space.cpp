@@ -152,8 +152,9 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
 // ---- costs --------------------------------------------------------------------------------
 
 const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                            bool sp, int64_t vp) {
-  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp}];
+                            bool sp, int64_t vp, int64_t first_blocks) const {
+  if (!recompute) first_blocks = 0;
+  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp, first_blocks}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
@@ -170,7 +171,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
         even_cuts(module_layer_costs(costed_, m, single_sample_microbatch(costed_)), pp);
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
-    if (recompute) {
+    if (recompute && first_blocks == 0) {
       std::vector<StageCost> one(static_cast<size_t>(m.layers));
       ModulePlan per_block = m;  // one "stage" per block, to price each block's recompute
       per_block.layout.pp = m.layers;
@@ -191,7 +192,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   Plan one;
   one.modules = {m};
   st->stages = stage_costs(costed_, one)[0];
-  if (recompute) add_recompute_costs(costed_, m, &st->stages);
+  if (recompute) add_recompute_costs(costed_, m, &st->stages, first_blocks);
   for (const StageCost& sc : st->stages)
     st->unit_seconds += sc.measured ? sc.forward_seconds + sc.backward_seconds
                                     : (sc.forward_flops + sc.backward_flops) / flops_;
@@ -283,13 +284,16 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double tokens = m * S_ / cp, kv = m * S_ * 2 * kvw_ / tp * act_;
       const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * H_ * act_, true);
       const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
-      double moe_comm = 0;
-      if (moe > 0) {
+      // Of k MoE blocks.
+      const auto moe_comm_of = [&](double k) {
+        if (k == 0) return 0.0;
         const double bytes = moe_all_to_all_bytes(spec_.model.llm, LlmTokens{1, 1, 1}, 0, act_) /
                              2 * tokens / static_cast<double>(slices);
-        moe_comm = 2 * moe * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
-                   sliced * (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
-      }
+        return 2 * k * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
+               (sliced > 0 ? k : 0) *
+                   (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
+      };
+      const double moe_comm = moe_comm_of(moe);
       // Sequence parallelism (the simulator's block_comm): a block's all-gather and reduce-
       // scatter cost its all-reduce; backward gathers the column-parallel inputs again where the
       // weights train (an MoE block its tokens instead), an MoE block gathers its tokens going
@@ -303,8 +307,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
       w.last_fwd = f, w.hop_last = to_next;
       if (!w.backward) continue;
+      const double rb = static_cast<double>(sc.recompute_blocks),
+                   rmoe = static_cast<double>(sc.recompute_moe_blocks);
       const double again =
-          sc.recompute ? 2 * blocks * tp_ar + blocks * cp_ag + moe_comm + moe * tp_ag : 0;
+          sc.recompute ? 2 * rb * tp_ar + rb * cp_ag + moe_comm_of(rmoe) + rmoe * tp_ag : 0;
       const double b = op_seconds(sc, false, m, split) +
                        tp_backward(blocks - moe, columns, m, tokens, tp_ar, tp_ag) +
                        tp_backward(moe, moe_columns, m, tokens, tp_ar, tp_ag) + blocks * cp_ag +
@@ -343,12 +349,13 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     if (r == 0) w.first_fwd = f, w.hop_first = to_next;
     w.last_fwd = f, w.hop_last = to_next;
     if (!w.backward) continue;
-    const double b = op_seconds(sc, false, items, split) +
-                     (mi.weight_grads ? tp_backward(blocks, encoder_column_flops(e), items, tokens,
-                                                    tp_ar, tp_ag) +
-                                            blocks * cp_ag + (first ? tp_ag : 0)
-                                      : 0) +
-                     (sc.recompute ? blocks : 0) * (2 * tp_ar + cp_ag);
+    const double b =
+        op_seconds(sc, false, items, split) +
+        (mi.weight_grads
+             ? tp_backward(blocks, encoder_column_flops(e), items, tokens, tp_ar, tp_ag) +
+                   blocks * cp_ag + (first ? tp_ag : 0)
+             : 0) +
+        static_cast<double>(sc.recompute ? sc.recompute_blocks : 0) * (2 * tp_ar + cp_ag);
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
@@ -497,6 +504,13 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
 // The analytic lower bound of a node's (every completion's) simulated step, and the largest
 // per-rank memory it certainly needs.
 Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
+  if (n.partial >= 0) {  // what its choices need at least: none the time, the most the memory
+    const Bound off = bound(recomputing(n, n.partial, -1), fits_limit, over_limit);
+    if (!off.feasible || off.memory <= cl_.device.memory_bytes) return off;  // none it is
+    const Bound most =
+        bound(recomputing(n, n.partial, chunk_blocks(n, n.partial) - 1), fits_limit, over_limit);
+    return {off.seconds, most.memory, most.feasible};
+  }
   const bool shared = n.placement != kSeparate;
   const bool overlap = spec_.train.overlap_grad_reduce;
   const bool gather_overlapped = spec_.train.overlap_param_gather && !o_.sim.comm_occupies_rank;
@@ -778,6 +792,61 @@ std::vector<bool> Space::recompute_options(int64_t k) const {
   return {false};
 }
 
+bool Space::partial_applies(int64_t k, const Node& n) const {
+  return o_.recompute && o_.partial_recompute && info(k).keeps_activations &&
+         chunk_blocks(n, k) >= 2;
+}
+
+int64_t Space::chunk_blocks(const Node& n, int64_t k) const {
+  const Choice& c = k == E_ ? n.llm : n.enc[static_cast<size_t>(k)];
+  const Staged& cut = c.vp > 1 ? *c.chunks : *c.staged;
+  const int64_t layers = base_.modules[info(k).plan_index].layers;
+  int64_t most = 0, begin = 0;
+  for (size_t s = 0; s <= cut.boundaries.size(); ++s) {
+    const int64_t end = s < cut.boundaries.size() ? cut.boundaries[s] : layers;
+    most = std::max(most, end - begin);
+    begin = end;
+  }
+  return most;
+}
+
+Node Space::recomputing(const Node& n, int64_t k, int64_t first) const {
+  Node out = n;
+  out.partial = -1;
+  const bool llm = k == E_;
+  Choice& c = llm ? out.llm : out.enc[static_cast<size_t>(k)];
+  c.recompute = first >= 0;
+  c.recompute_blocks = std::max<int64_t>(first, 0);
+  const bool even = llm && n.placement == kMegatron;
+  const bool vocab_parallel = llm && c.tp > 1;
+  c.staged = &staged(static_cast<int>(k), c.pp, c.recompute, even, vocab_parallel, c.sp, 1,
+                     c.recompute_blocks);
+  if (c.vp > 1)
+    c.chunks = &staged(static_cast<int>(k), c.pp, c.recompute, even, vocab_parallel, c.sp, c.vp,
+                       c.recompute_blocks);
+  return out;
+}
+
+void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const {
+  const int64_t k = n.partial, most = chunk_blocks(n, k);
+  const double mem = cl_.device.memory_bytes;
+  const auto fits = [&](int64_t first) { return bound(recomputing(n, k, first)).memory <= mem; };
+  emit(recomputing(n, k, -1));
+  if (fits(-1) || !fits(most - 1)) return;  // every block, if anything: a node of its own
+  // Memory falls as more blocks are recomputed: bisect for the fewest that fit.
+  int64_t lo = 1, hi = most - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (fits(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  emit(recomputing(n, k, lo));
+  const int64_t half = lo + (most - lo) / 2;
+  if (half > lo) emit(recomputing(n, k, half));
+}
+
 // A leaf whose ZeRO-1 shards nothing is the same plan as with zero_stage = 0.
 bool Space::redundant(const Node& n) const {
   if (n.zero == 0) return false;
@@ -836,10 +905,12 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
                         Node n;
                         n.placement = p;
                         n.D = D, n.M = M, n.zero = zero;
-                        n.llm = Choice{tp, cp,  pp, D, 0, rc, &staged(k, pp, rc, even, tp > 1, sp),
-                                       ep, etp, sp};
+                        n.llm =
+                            Choice{tp, cp,  pp, D, 0, rc, 0, &staged(k, pp, rc, even, tp > 1, sp),
+                                   ep, etp, sp};
                         n.llm.vp = vp;
                         if (vp > 1) n.llm.chunks = &staged(k, pp, rc, even, tp > 1, sp, vp);
+                        if (!rc && partial_applies(E_, n)) n.partial = E_;
                         emit(std::move(n));
                       }
             }
@@ -848,6 +919,10 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
 }
 
 void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
+  if (n.partial >= 0) {
+    expand_partial(n, emit);
+    return;
+  }
   const int64_t k = static_cast<int64_t>(n.enc.size());
   const ModuleInfo& mi = info(k);
   const auto push = [&](Choice c, bool megatron = false) {
@@ -858,6 +933,7 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
         c.staged = &staged(static_cast<int>(k), c.pp, rc, false, false, sp);
         Node child = n;
         child.enc.push_back(c);
+        if (!rc && partial_applies(k, child)) child.partial = k;
         emit(std::move(child));
       }
   };
@@ -902,6 +978,7 @@ Candidate Space::to_candidate(const Node& n) const {
     l.stages = (x.vp > 1 ? x.chunks : x.staged)->boundaries;
     c.layouts.push_back(l);
     c.recompute.push_back(x.recompute);
+    c.recompute_blocks.push_back(x.recompute_blocks);
     next += x.size();
   };
   for (const Choice& x : n.enc) add(x);

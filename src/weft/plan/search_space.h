@@ -22,8 +22,8 @@ namespace weft::plan::search_space {
 enum PlacementKind { kColocated = 0, kSeparate = 1, kMegatron = 2 };
 inline constexpr const char* kPlacementNames[] = {"colocated", "separate", "megatron"};
 
-// One module's stage costs at `pp` stages with its boundaries (cached per module, pp, recompute,
-// even split).
+// One module's stage costs at `pp` stages with its boundaries (cached per module, pp, recompute
+// and its blocks, even split).
 struct Staged {
   std::vector<int64_t> boundaries;
   std::vector<StageCost> stages;
@@ -48,6 +48,7 @@ struct ModuleInfo {
 struct Choice {
   int64_t tp = 1, cp = 1, pp = 1, dp = 1, first_rank = 0;
   bool recompute = false;
+  int64_t recompute_blocks = 0;  // with recompute: the first this many of each chunk; 0 = all
   const Staged* staged = nullptr;
   int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
   bool sp = false;          // sequence parallelism
@@ -65,6 +66,9 @@ struct Node {
   int64_t D = 1, M = 1, zero = 0;
   Choice llm;
   std::vector<Choice> enc;
+  // A module (E_: the LLM) whose choice, here without recomputation, stands for that and its
+  // partial recomputations, not expanded yet (Space::children); -1: none.
+  int64_t partial = -1;
 };
 
 // One rank's share of one module stage over a step.
@@ -102,9 +106,16 @@ class Space {
   static constexpr double kNoLimit = std::numeric_limits<double>::infinity();
   // A leaf whose ZeRO-1 shards nothing: the same plan as with zero_stage = 0.
   bool redundant(const Node& n) const;
-  // The LLM's choices (the roots), and a node's children (the next encoder's choices).
+  // The LLM's choices (the roots), and a node's children (the next encoder's choices, or those
+  // its pending module stands for).
   void roots(const std::function<void(Node&&)>& emit);
   void children(const Node& n, const std::function<void(Node&&)>& emit);
+  // A complete candidate: every module chosen, nothing pending.
+  bool leaf(const Node& n) const {
+    return static_cast<int64_t>(n.enc.size()) == E_ && n.partial < 0;
+  }
+  // n with its pending module's choice as it stands (no recomputation), nothing pending.
+  Node settled(const Node& n) const { return n.partial < 0 ? n : recomputing(n, n.partial, -1); }
   Candidate to_candidate(const Node& n) const;
   int64_t encoders() const { return E_; }
   int64_t max_ranks() const { return max_ranks_; }
@@ -120,8 +131,9 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool>, std::unique_ptr<Staged>>
-      staged_;
+  mutable std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool, int64_t>,
+                   std::unique_ptr<Staged>>
+      staged_;  // a cache
   // pipeline_schedule of every pipeline rank, by {pp, vp, M, backward}.
   mutable std::map<std::tuple<int64_t, int64_t, int64_t, bool>,
                    std::vector<std::vector<PipelineOp>>>
@@ -134,8 +146,10 @@ class Space {
   // instead of the fused head's gradients (partition.h module_layer_costs); sp: with sequence
   // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes). vp > 1: the
   // LLM's pp · vp interleaved chunks, cut evenly by work (make_plan's cut) or, even, by blocks.
+  // first_blocks: with recompute, each stage's first this many blocks recomputed (0 = every
+  // block; then pp stages not cut evenly are cut by the recompute-aware costs, else as without).
   const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                       bool sp = false, int64_t vp = 1);
+                       bool sp = false, int64_t vp = 1, int64_t first_blocks = 0) const;
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
@@ -155,6 +169,18 @@ class Space {
   Rank rank_at(const Node& n, const std::vector<std::vector<Work>>& w, int64_t r) const;
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
+  // Partial recomputation (SearchOptions::partial_recompute). Module k's choice in n without
+  // recomputation may stand for its partial ones too (Node::partial) when its longest chunk has
+  // `chunk_blocks` >= 2 blocks. recomputing: n with module k's first `first` blocks of each chunk
+  // recomputed (-1: none, 0: every block), nothing pending. expand_partial: the choices n's pending
+  // module stands for: n without recomputation, and where that does not fit the device (by the
+  // memory bound), the node with the fewest first blocks that make it fit and the one halfway from
+  // those to every block (room for what the bound does not see yet: encoders still to choose, the
+  // simulator's exact peak).
+  bool partial_applies(int64_t k, const Node& n) const;
+  int64_t chunk_blocks(const Node& n, int64_t k) const;
+  Node recomputing(const Node& n, int64_t k, int64_t first) const;
+  void expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const;
   // Sequence parallelism for module k (E_: the LLM) at tp × cp × pp.
   std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;

@@ -426,13 +426,14 @@ class Engine {
       // (A recomputed block runs its forward's collectives again. Under sequence parallelism
       // the first stage gathers its tokens' gradient over TP for the front end, run whole.)
       const double blocks_back = m.weight_grads ? blocks : 0;
+      const double again = static_cast<double>(sc.recompute_blocks);
       const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
                                                   static_cast<double>(tp * cp), flops_per_second_);
       const double comm = tp_blocks_backward_comm(tp_group, blocks_back, bytes, sp, true,
                                                   encoder_column_flops(es), tokens, rate) +
                           blocks_back * reduce_scatter(cp_group, kv) +
-                          (sc.recompute ? tp_blocks_forward_comm(tp_group, blocks, bytes, sp) +
-                                              blocks * all_gather(cp_group, kv)
+                          (sc.recompute ? tp_blocks_forward_comm(tp_group, again, bytes, sp) +
+                                              again * all_gather(cp_group, kv)
                                         : 0) +
                           (first && sp && m.weight_grads ? all_gather(tp_group, bytes) : 0);
       Op op = compute(e, false, mb, s, sc, n, static_cast<double>(tp * cp), comm);
@@ -495,17 +496,22 @@ class Engine {
     // token rows (1/slices of them with expert TP 1 < tp: then each such block gathers its
     // output over TP instead of all-reducing it, and its backward gathers the input gradient).
     const double moe = static_cast<double>(sc.moe_blocks);
+    // Recomputed blocks, whose forwards' collectives run again in backward.
+    const double again = static_cast<double>(sc.recompute_blocks),
+                 again_moe = static_cast<double>(sc.recompute_moe_blocks);
     const int64_t slices = tp / m.layout.expert_tp();
     const double sliced = slices > 1 ? moe : 0;
     const std::vector<int64_t>& ep_group = groups.ep;
     // One exchange moves top_k rows per token (flops.h moe_all_to_all_bytes is both).
     const double a2a_per_token = moe_all_to_all_bytes(l, LlmTokens{1, 1, 1}, 0, act_) / 2;
-    const auto moe_comm = [&](double tokens) {
-      if (moe == 0) return 0.0;
+    // Of `of` MoE blocks (default: all the stage's).
+    const auto moe_comm = [&](double tokens, double of = -1) {
+      const double k = of < 0 ? moe : of;
+      if (k == 0) return 0.0;
       const double bytes = a2a_per_token * tokens / static_cast<double>(slices);
-      return 2 * moe * all_to_all(ep_group, bytes) +
-             sliced * (all_gather(tp_group, tokens * H * act_) -
-                       all_reduce(tp_group, tokens * H * act_));
+      return 2 * k * all_to_all(ep_group, bytes) +
+             (sliced > 0 ? k : 0) * (all_gather(tp_group, tokens * H * act_) -
+                                     all_reduce(tp_group, tokens * H * act_));
     };
     // Sequence parallelism (tp_blocks_forward_comm): besides, an MoE block gathers its tokens whole
     // each way (in backward in place of re-gathering its MLP's input, which its experts kept
@@ -514,11 +520,15 @@ class Engine {
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
     const ColumnFlops columns = llm_column_flops(l), moe_columns{columns.qkv, 0};
-    const auto block_comm = [&](double tokens, bool fwd, double n) {
+    // A forward's over `of` blocks of which `of_moe` MoE (default: all the stage's).
+    const auto block_comm = [&](double tokens, bool fwd, double n, double of = -1,
+                                double of_moe = -1) {
       const double bytes = tokens * H * act_;
-      const double moe_gather =
-          sp && (fwd || !m.weight_grads) ? moe * all_gather(tp_group, bytes) : 0;
-      if (fwd) return tp_blocks_forward_comm(tp_group, blocks, bytes, sp) + moe_gather;
+      const double k = of < 0 ? blocks : of, k_moe = of_moe < 0 ? moe : of_moe;
+      if (fwd)
+        return tp_blocks_forward_comm(tp_group, k, bytes, sp) +
+               (sp ? k_moe * all_gather(tp_group, bytes) : 0);
+      const double moe_gather = sp && !m.weight_grads ? moe * all_gather(tp_group, bytes) : 0;
       const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
                                                   static_cast<double>(tp * cp), flops_per_second_);
       return tp_blocks_backward_comm(tp_group, blocks - moe, bytes, sp, m.weight_grads, columns,
@@ -564,12 +574,13 @@ class Engine {
       sizes(mb, &n, &tokens, &kv);
       // TP: the column-parallel inputs' gradients (2 per block; the loss's rows' went in
       // forward); CP: the K and V gradients' reduce-scatter (one per block).
-      const double comm = block_comm(tokens, false, n) +
-                          (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
-                          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
-                          (sc.recompute ? block_comm(tokens, true, n) +
-                                              blocks * all_gather(cp_group, kv) + moe_comm(tokens)
-                                        : 0);
+      const double comm =
+          block_comm(tokens, false, n) +
+          (first && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
+          blocks * reduce_scatter(cp_group, kv) + moe_comm(tokens) +
+          (sc.recompute ? block_comm(tokens, true, n, again, again_moe) +
+                              again * all_gather(cp_group, kv) + moe_comm(tokens, again_moe)
+                        : 0);
       Op op = compute(llm_, false, mb, s, sc, n, static_cast<double>(tp * cp), comm);
       op.llm = true;
       if (!last) wait_for(&op, {kLlmGrad, s, mb, neighbour(s + 1), r});

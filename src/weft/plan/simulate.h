@@ -92,6 +92,9 @@ struct StageCost {
   // add_recompute_costs): charged as time, not counted as model FLOPs in MFU.
   double recompute_flops = 0;
   bool recompute = false;  // its blocks' forwards, collectives included, run again in backward
+  // Of `blocks` and `moe_blocks`, those recomputed (all of them, or a chunk's first few: the
+  // collectives of their forwards run again).
+  int64_t recompute_blocks = 0, recompute_moe_blocks = 0;
   double activation_bytes = 0;
   // Of activation_bytes, what each TP rank keeps whole rather than 1/tp of under the module's
   // layout (partition.h LayerCost::tp_whole_bytes / sp_whole_bytes): kept_activation_bytes.
