@@ -137,40 +137,52 @@ def comparison_table(name, rows, simulated):
     return lines, ratio_e
 
 
-def on_off_table(args, title, column, on, off, sets, rounds, identical):
-    """small-vlm with `sets` (labels and overrides per side), the two sides alternating for
-    `rounds`; step time and peak memory medians, and off/on ratios per round (their median).
-    identical: the two sides' losses must be equal, bit for bit."""
+def settings_table(args, title, column, sides, rounds, identical):
+    """small-vlm under each of `sides` (label, overrides), the sides taking turns for `rounds`;
+    step time and peak memory medians, and the last side's over each other's, per round (their
+    median). identical: every side's losses must equal the first's, bit for bit."""
     config = "configs/small-vlm.toml"
-    runs = {True: [], False: []}
+    runs = [[] for _ in sides]
     for _ in range(rounds):
-        for side in (True, False):
-            runs[side].append(weft(args, config, sets=sets[side]))
+        for i, (_, sets) in enumerate(sides):
+            runs[i].append(weft(args, config, sets=sets))
     if identical:
-        for a, b in zip(runs[True], runs[False]):
-            if a["losses"] != b["losses"]:
-                sys.exit(f"step.py: {column}: losses {a['losses']} vs {b['losses']}: not identical")
+        for i in range(1, len(sides)):
+            for a, b in zip(runs[0], runs[i]):
+                if a["losses"] != b["losses"]:
+                    sys.exit(f"step.py: {column}: losses {a['losses']} vs {b['losses']}: "
+                             "not identical")
     med = lambda rs, k: statistics.median(r[k] for r in rs)
-    ratio = lambda k: statistics.median(b[k] / a[k] for a, b in zip(runs[True], runs[False]))
-    sim = {side: simulated_peak(args, config, sets[side]) for side in (True, False)}
-    return [title, "", f"| {column} | step s (median) | step peak memory MiB | simulated MiB |",
-            "|---|---|---|---|"] + [
-        f"| {label} | {med(runs[side], 'median_step_seconds'):.3f} | "
-        f"{mib(med(runs[side], 'step_peak_bytes')):.0f} | {mib(sim[side]):.0f} |"
-        for side, label in ((True, on), (False, off))] + [
-        "",
-        f"{off}/{on}, same round: step time **{ratio('median_step_seconds'):.2f}x**, "
-        f"step peak memory {ratio('step_peak_bytes'):.2f}x (simulated: "
-        f"{sim[False] / sim[True]:.2f}x)",
-        "",
-    ]
+    last, last_label = runs[-1], sides[-1][0]
+    ratio = lambda i, k: statistics.median(b[k] / a[k] for a, b in zip(runs[i], last))
+    sim = [simulated_peak(args, config, sets) for _, sets in sides]
+    lines = [title, "", f"| {column} | step s (median) | step peak memory MiB | simulated MiB |",
+             "|---|---|---|---|"] + [
+        f"| {label} | {med(runs[i], 'median_step_seconds'):.3f} | "
+        f"{mib(med(runs[i], 'step_peak_bytes')):.0f} | {mib(sim[i]):.0f} |"
+        for i, (label, _) in enumerate(sides)] + [""]
+    lines += [
+        f"{last_label}/{label}, same round: step time **{ratio(i, 'median_step_seconds'):.2f}x**, "
+        f"step peak memory {ratio(i, 'step_peak_bytes'):.2f}x (simulated: "
+        f"{sim[-1] / sim[i]:.2f}x)" + ("" if i + 2 == len(sides) else ";")
+        for i, (label, _) in enumerate(sides[:-1])]
+    return lines + [""]
+
+
+def on_off_table(args, title, column, on, off, sets, rounds, identical):
+    """settings_table of two sides: `on` and `off` with sets[True] and sets[False]."""
+    return settings_table(args, title, column, [(on, sets[True]), (off, sets[False])], rounds,
+                          identical)
 
 
 def recompute_table(args, rounds):
-    on = ["model.llm.recompute=true", "model.vision.recompute=true"]
-    return on_off_table(
-        args, "**Activation recomputation** (small-vlm, every LLM and ViT block recomputed in "
-        "backward)", "recompute", "on", "off", {True: on, False: []}, rounds, identical=False)
+    every = ["model.llm.recompute=true", "model.vision.recompute=true"]
+    half = every + ["model.llm.recompute_blocks=6", "model.vision.recompute_blocks=6"]
+    return settings_table(
+        args, "**Activation recomputation** (small-vlm: every LLM and ViT block recomputed in "
+        "backward, or the first 6 of each module's 12 blocks, `recompute_blocks = 6`)",
+        "recompute", [("every block", every), ("first 6 blocks", half), ("off", [])], rounds,
+        identical=False)
 
 
 def cast_once_table(args, rounds):
