@@ -54,11 +54,16 @@ struct Outcome {
   bool complete = true, found = false;
 };
 
+// --partial-recompute: every search, weft's and the baselines', also tries recomputing each
+// chunk's first blocks (SearchOptions::partial_recompute).
+bool g_partial = false;
+
 // The best plan of `placements`; `table`: with the five-row table `weft plan` prints (its
 // runner-ups simulated too), else the winner only.
 Outcome run(const Spec& spec, const plan::Cluster& cluster, int64_t gpus,
             const std::vector<std::string>& placements, bool table = false) {
   plan::SearchOptions o;
+  o.partial_recompute = g_partial;
   o.max_ranks = gpus;
   o.placements = placements;
   if (!table) o.top = 1, o.report_slack = 0;
@@ -105,12 +110,16 @@ int main(int argc, char** argv) {
       write = true;
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--partial-recompute")) {
+      g_partial = true;
     } else if (!std::strcmp(argv[i], "--root") && i + 1 < argc) {
       root = argv[++i];
     } else {
       std::fprintf(stderr,
-                   "usage: weft_bench_scenarios [--quick] [--write] [--root SOURCE_DIR]\n"
+                   "usage: weft_bench_scenarios [--quick] [--partial-recompute] [--write] "
+                   "[--root SOURCE_DIR]\n"
                    "  --quick  the smallest cluster of each scenario only\n"
+                   "  --partial-recompute  also search recompute_blocks (weft plan's flag)\n"
                    "  --write  replace the scenarios section of bench/RESULTS.md\n");
       return 2;
     }
@@ -179,7 +188,8 @@ int main(int argc, char** argv) {
           << "## Planner scenarios: weft's plan vs Megatron-LM-style and single-placement plans "
              "(simulated H100 clusters)\n\n"
           << "Reproduce: `ninja -C build weft_bench_scenarios && build/weft_bench_scenarios "
-             "--write`. Every figure is a prediction of weft's simulator (FLOP model at 70% of "
+          << (g_partial ? "--partial-recompute " : "")
+          << "--write`. Every figure is a prediction of weft's simulator (FLOP model at 70% of "
              "the H100's 989 TFLOP/s bf16 peak, NVLink 450 GB/s and 50 GB/s per GPU between "
              "nodes, alpha-beta collectives), not a measurement; MFU is over every GPU of the "
              "cluster. Megatron-style: the encoders on the ranks of the LLM's first pipeline "
