@@ -112,10 +112,9 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
 }
 
 // `weft bench peak`: the matmul peaks MFU is measured against, in one run, with the threads a
-// training run uses (all cores, unless --threads).
+// training run uses (the cores shared among this machine's ranks, unless --threads).
 int cmd_bench_peak(double seconds, int64_t size, int64_t threads) {
-  at::set_num_threads(threads > 0 ? static_cast<int>(threads)
-                                  : static_cast<int>(std::thread::hardware_concurrency()));
+  at::set_num_threads(weft::dist::intra_op_threads(threads));
   const double bf16 = weft::train::measure_matmul_peak(at::kBFloat16, seconds, size);
   const double fp32 = weft::train::measure_matmul_peak(at::kFloat, seconds, size);
   std::printf(

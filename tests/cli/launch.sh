@@ -15,6 +15,10 @@ small=(--set model.llm.layers=1 --set model.vision.layers=1 --set data.eval_samp
   --out "$tmp/dp2" > "$tmp/dp2.log" 2>&1 || { cat "$tmp/dp2.log"; die "DP2 launch failed"; }
 grep -q '^\[rank 1\]' "$tmp/dp2.log" || { cat "$tmp/dp2.log"; die "rank 1 output not prefixed"; }
 grep -q '"world_size": 2' "$tmp/dp2/summary.json" || die "summary does not record world_size 2"
+# Each of the 2 local ranks takes half of the cores it may run on (at least 1), not all of them.
+share=$(( $(nproc) / 2 )); [ "$share" -ge 1 ] || share=1
+grep -q "\"threads\": $share\b" "$tmp/dp2/summary.json" \
+  || { grep threads "$tmp/dp2/summary.json"; die "DP2 ranks do not use $share threads each"; }
 python3 "$src/tests/cli/lib/same_losses.py" "$tmp/single/metrics.jsonl" "$tmp/dp2/metrics.jsonl" \
   3 "DP2" || die "DP2 losses differ"
 

@@ -223,7 +223,8 @@ struct TrainSpec {
   EvalGeneration eval_generation = EvalGeneration::kGather;
   int64_t checkpoint_every = 0;  // 0 = only at the end
   Device device = Device::kCpu;
-  int64_t threads = 0;              // 0 = all cores
+  // Intra-op threads; 0 = the process's cores shared among this machine's ranks (launch.h).
+  int64_t threads = 0;
   int64_t zero_stage = 0;           // 1 = ZeRO-1: optimizer state sharded over data parallel
   bool overlap_grad_reduce = true;  // DP: all-reduce gradient buckets during the last backward
   // ZeRO-1: the all-gather of the stepped parameters runs on into the next step, each bucket

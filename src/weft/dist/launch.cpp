@@ -4,16 +4,19 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "weft/core/error.h"
 
@@ -56,6 +59,22 @@ void emit(int rank, Rank& r, const char* data, size_t n) {
 
 }  // namespace
 
+int intra_op_threads(int64_t requested) {
+  if (requested > 0) return static_cast<int>(requested);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int cores = ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (cores <= 0) cores = static_cast<int>(std::thread::hardware_concurrency());
+  long local = 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v && *v) {
+    char* end = nullptr;
+    local = std::strtol(v, &end, 10);
+    WEFT_CHECK(*end == '\0' && local >= 1, "LOCAL_WORLD_SIZE = \"", v,
+               "\": expected the number of ranks on this machine, an integer >= 1");
+  }
+  return std::max(1, cores / static_cast<int>(local));
+}
+
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   WEFT_CHECK(fd >= 0, "socket() failed: ", std::strerror(errno));
@@ -97,6 +116,7 @@ int run_once(const LaunchOptions& opts, int attempt) {
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(opts.nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(opts.nproc).c_str(), 1);
       ::setenv("MASTER_ADDR", opts.master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::setenv("WEFT_RESTART", std::to_string(attempt).c_str(), 1);

@@ -1602,18 +1602,27 @@ model::KvCache& Runtime::Impl::start_decoding(int64_t m, const model::Inputs& ho
   return dec.cache;
 }
 
-// One new token of every row of every microbatch through this rank's LLM chunks, in microbatch
-// then virtual-stage order on every rank (each stage's output sent on as in a forward); the
-// last stage's greedy ids of rows with a target go to `predictions` (from TP and CP rank 0).
+// One new token of every row of every microbatch through this rank's LLM chunks, in chunk then
+// microbatch order on every rank, each stage's output sent on as in a forward: under virtual
+// stages a rank runs its first chunk for every microbatch before its later chunks, whose inputs
+// the other ranks sent meanwhile (microbatch then chunk order would wait out each microbatch's
+// round trip through the other ranks). The last stage's greedy ids of rows with a target go to
+// `predictions` (from TP and CP rank 0).
 void Runtime::Impl::decode_step(const std::vector<int64_t>& ids) {
   if (!llm_role.hosted) return;
   const model::Llm& llm = model->llm();
+  std::map<int64_t, std::pair<at::Tensor, at::Tensor>> step;  // per microbatch: mask, positions
   for (auto& [m, dec] : decoding) {
     const int64_t B = static_cast<int64_t>(dec.target.size());
-    const at::Tensor visible = torch::cat(
-        {dec.visible, torch::ones({B, 1, 1, decode_steps + 1}, dec.visible.options())}, 3);
-    const at::Tensor positions = dec.position + decode_steps;
-    for (size_t chunk = 0; chunk < llm.chunks.size(); ++chunk) {
+    step[m] = {
+        torch::cat({dec.visible, torch::ones({B, 1, 1, decode_steps + 1}, dec.visible.options())},
+                   3),
+        dec.position + decode_steps};
+  }
+  for (size_t chunk = 0; chunk < llm.chunks.size(); ++chunk)
+    for (auto& [m, dec] : decoding) {
+      const int64_t B = static_cast<int64_t>(dec.target.size());
+      const auto& [visible, positions] = step.at(m);
       const int64_t stage = llm_stage(static_cast<int64_t>(chunk));
       at::Tensor x;
       if (stage == 0) {
@@ -1646,7 +1655,6 @@ void Runtime::Impl::decode_step(const std::vector<int64_t>& ids) {
       predictions.push_back({torch::tensor(index, torch::kLong), next.index_select(0, own),
                              logprob.defined() ? logprob.index_select(0, own) : logprob});
     }
-  }
   for (Pending& p : sends) p.wait();
   sends.clear();
   WEFT_ASSERT(mailbox.empty(), "undelivered self messages");

@@ -25,6 +25,7 @@
 #include "weft/core/progress.h"
 #include "weft/data/dataset.h"
 #include "weft/dist/device.h"
+#include "weft/dist/launch.h"
 #include "weft/io/files.h"
 #include "weft/io/safetensors.h"
 #include "weft/plan/plan.h"
@@ -149,10 +150,9 @@ void dump_step(const std::string& path, const StepBatch& b) {
   io::save_safetensors(path, t);
 }
 
-// Sets and returns the intra-op threads of `ts` (0: one per core).
+// Sets and returns the intra-op threads of `ts` (0: dist::intra_op_threads' share of the cores).
 int use_threads(const TrainSpec& ts) {
-  const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency());
+  const int threads = dist::intra_op_threads(ts.threads);
   at::set_num_threads(threads);
   return threads;
 }

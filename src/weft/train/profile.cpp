@@ -748,8 +748,7 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   WEFT_CHECK(o.reps >= 1, "weft bench profile: --reps must be at least 1");
   WEFT_CHECK(o.warmup >= 0, "weft bench profile: --warmup must be non-negative");
   TrainSpec& ts = spec.train;
-  const int threads = ts.threads > 0 ? static_cast<int>(ts.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency());
+  const int threads = dist::intra_op_threads(ts.threads);
   at::set_num_threads(threads);
   // One process, whatever layout the config asks for: the costs are per layer.
   spec.parallel.modules.clear();

@@ -22,6 +22,7 @@
 #include "weft/data/dataset.h"
 #include "weft/dist/collectives.h"
 #include "weft/dist/device.h"
+#include "weft/dist/launch.h"
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/files.h"
@@ -839,8 +840,7 @@ Summary Trainer::run() {
   Impl& m = *impl_;
   const Spec& spec = m.spec;
   const TrainSpec& ts = spec.train;
-  at::set_num_threads(ts.threads > 0 ? static_cast<int>(ts.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency()));
+  at::set_num_threads(dist::intra_op_threads(ts.threads));
 
   const dist::Comm& comm = m.opts.comm;
   WEFT_CHECK(comm.size() == m.plan.world_size, "the plan is for ", m.plan.world_size,
@@ -1138,6 +1138,7 @@ Summary Trainer::run() {
   j["restarts"] = m.opts.restart;
   j["eval_examples"] = json::array();
   j["world_size"] = comm.size();
+  j["threads"] = at::get_num_threads();  // rank 0's intra-op threads
   for (const auto& [gen, ref] : examples)
     j["eval_examples"].push_back({{"generated", gen}, {"reference", ref}});
   if (writer) write_text(m.run_dir / "summary.json", j.dump(2));
