@@ -212,16 +212,24 @@ TEST(Simulate, SingleRankIsTheSumOfLayerCosts) {
   }
 }
 
+// An LLM-only spec (vocab 64) of `layers` blocks, `batch` samples in `microbatches`, pipelined
+// over `pp` stages.
+Spec llm_only(const char* source, int64_t layers, int64_t batch, int64_t microbatches,
+              int64_t pp = 1) {
+  Spec s;
+  s.source = source;
+  s.model.llm.vocab = 64;
+  s.model.llm.layers = layers;
+  s.train.batch = batch;
+  s.train.microbatches = microbatches;
+  s.parallel.modules["llm"].pp = pp;
+  return s;
+}
+
 // A pure-LLM plan with uniform stages: forward f, backward b seconds per microbatch and pipeline
 // rank (under vp virtual stages, f / vp and b / vp per chunk).
 SimResult uniform_pipeline(int64_t p, int64_t m, double f, double b, int64_t vp = 1) {
-  Spec s;
-  s.source = "pipe.toml";
-  s.model.llm.vocab = 64;
-  s.model.llm.layers = p * vp;
-  s.train.batch = m;
-  s.train.microbatches = m;
-  s.parallel.modules["llm"].pp = p;
+  Spec s = llm_only("pipe.toml", p * vp, m, m, p);
   s.parallel.modules["llm"].vp = vp;
   const Plan plan = make_plan(s, p);
   CostTable costs = stage_costs(s, plan);
@@ -312,12 +320,7 @@ TEST(Simulate, InterleavedChunksReduceFromTheirOwnLastBackward) {
 
 TEST(Simulate, ActivationsInFlightFollow1F1B) {
   const SimResult r = uniform_pipeline(4, 8, 1, 2);
-  Spec s;
-  s.model.llm.vocab = 64;
-  s.model.llm.layers = 4;
-  s.train.batch = 8;
-  s.train.microbatches = 8;
-  s.parallel.modules["llm"].pp = 4;
+  const Spec s = llm_only("", 4, 8, 8, 4);
   const CostTable costs = stage_costs(s, make_plan(s, 4));
   for (int64_t st = 0; st < 4; ++st)  // stage s holds P - s microbatches at its peak
     EXPECT_DOUBLE_EQ(r.ranks[st].peak_activation_bytes,
@@ -332,14 +335,8 @@ TEST(Simulate, ActivationsInFlightFollow1F1B) {
 // Recomputation: a stage keeps only its blocks' inputs per microbatch in flight, and during a
 // backward one block's activations again on top (its forward run again).
 TEST(Simulate, RecomputedBlocksHoldOneBlockAgainDuringBackward) {
-  Spec s;
-  s.source = "pipe.toml";
-  s.model.llm.vocab = 64;
-  s.model.llm.layers = 4;
+  Spec s = llm_only("pipe.toml", 4, 8, 4, 2);
   s.model.llm.recompute = true;
-  s.train.batch = 8;
-  s.train.microbatches = 4;
-  s.parallel.modules["llm"].pp = 2;
   const Plan plan = make_plan(s, 2);
   const CostTable costs = planner_costs(s, plan);
   const SimResult r = simulate(s, plan, ideal(2), costs, no_optimizer());
@@ -357,13 +354,7 @@ TEST(Simulate, RecomputedBlocksHoldOneBlockAgainDuringBackward) {
 // stage of 3 blocks with recompute_blocks = 1 drops a third of what recomputing all 3 drops and
 // runs a third of their extra forward: peak memory and step time fall between none and all.
 TEST(Simulate, RecomputingTheFirstBlocksOfEachStage) {
-  Spec s;
-  s.source = "pipe.toml";
-  s.model.llm.vocab = 64;
-  s.model.llm.layers = 6;
-  s.train.batch = 8;
-  s.train.microbatches = 4;
-  s.parallel.modules["llm"].pp = 2;
+  Spec s = llm_only("pipe.toml", 6, 8, 4, 2);
   s.parallel.modules["llm"].stages = {3};
   const Plan plan = make_plan(s, 2);
   ASSERT_EQ(plan.module("llm").stage_layers(1), (std::pair<int64_t, int64_t>{3, 6}));
@@ -406,12 +397,7 @@ TEST(Simulate, RecomputingTheFirstBlocksOfEachStage) {
 // rank; sequence parallelism splits it as well, for a second all-gather of each column-parallel
 // input in backward.
 TEST(Simulate, SequenceParallelSplitsTheResidualStreamOverTp) {
-  Spec s;
-  s.source = "sp.toml";
-  s.model.llm.vocab = 64;
-  s.model.llm.layers = 4;
-  s.train.batch = 4;
-  s.train.microbatches = 2;
+  Spec s = llm_only("sp.toml", 4, 4, 2);
   s.parallel.modules["llm"].tp = 2;
   const Plan plain = make_plan(s, 2);
   s.parallel.modules["llm"].sp = true;
