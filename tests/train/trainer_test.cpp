@@ -503,6 +503,10 @@ TEST(Trainer, WritesRunDirectory) {
     EXPECT_EQ(evals[0]["caption_accuracy"].get<double>(), s.eval_caption_accuracy);
     EXPECT_EQ(evals[0]["samples"], spec.data.eval_samples);
     EXPECT_GT(evals[0]["targets"].get<int64_t>(), evals[0]["samples"].get<int64_t>());
+    // Its time, of which the captions' (here with the loss: one process holds the model).
+    EXPECT_GT(evals[0]["caption_seconds"].get<double>(), 0.0);
+    EXPECT_LE(evals[0]["caption_seconds"].get<double>(), evals[0]["seconds"].get<double>());
+    EXPECT_LT(evals[0]["seconds"].get<double>(), s.wall_seconds);
   }
   EXPECT_EQ(run_losses(out).size(), 3u);
   {  // each line splits the step's time into its phases
