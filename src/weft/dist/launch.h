@@ -36,7 +36,7 @@ int free_port();
 // The intra-op threads a process uses: `requested` when > 0; else the cores it may run on (its
 // CPU affinity) shared among the ranks started on this machine (LOCAL_WORLD_SIZE, as `weft
 // launch` and torchrun set it), at least 1. Ranks of all-core thread pools on shared cores spin
-// against each other: tiny-vlm's DP2 steps ran 6x slower that way on 2 cores.
+// against each other: tiny-vlm's DP2 steps ran 5.7-7.5x slower that way on 2 cores.
 int intra_op_threads(int64_t requested);
 
 }  // namespace weft::dist
