@@ -401,9 +401,6 @@ void read_or_agree(const Section& s, std::string_view key, T* out, const std::st
   }
 }
 
-// With a Mixtral checkpoint (`hf_file`, which has already set *m) the architecture keys must
-// agree with its config.json; the training settings (aux_loss, z_loss, capacity_factor) are the
-// run's to choose.
 // A module's recompute_blocks (after its recompute and layers): at most its blocks, and only with
 // recompute on.
 void read_recompute_blocks(const Section& s, bool recompute, int64_t layers, int64_t* blocks) {
@@ -414,6 +411,9 @@ void read_recompute_blocks(const Section& s, bool recompute, int64_t layers, int
   if (*blocks > 0 && !recompute) s.fail("recompute_blocks", "needs recompute = true");
 }
 
+// With a Mixtral checkpoint (`hf_file`, which has already set *m) the architecture keys must
+// agree with its config.json; the training settings (aux_loss, z_loss, capacity_factor) are the
+// run's to choose.
 void read_moe(const Section& s, MoeSpec* m, const std::string& hf_file) {
   s.only(keys(kMoeKeys));
   std::string gating = m->sigmoid ? "sigmoid" : "softmax";

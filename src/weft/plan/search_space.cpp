@@ -277,7 +277,6 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     // the block's second all-reduce.
     const double moe = static_cast<double>(sc.moe_blocks);
     const int64_t etp = layout.expert_tp(), slices = c.tp / etp;
-    const double sliced = slices > 1 ? moe : 0;
     for (size_t r = 0; r < runs.size(); ++r) {
       const double m = static_cast<double>(runs[r].first),
                    count = static_cast<double>(runs[r].second);
@@ -290,7 +289,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
         const double bytes = moe_all_to_all_bytes(spec_.model.llm, LlmTokens{1, 1, 1}, 0, act_) /
                              2 * tokens / static_cast<double>(slices);
         return 2 * k * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
-               (sliced > 0 ? k : 0) *
+               (slices > 1 ? k : 0) *
                    (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
       };
       const double moe_comm = moe_comm_of(moe);

@@ -500,7 +500,6 @@ class Engine {
     const double again = static_cast<double>(sc.recompute_blocks),
                  again_moe = static_cast<double>(sc.recompute_moe_blocks);
     const int64_t slices = tp / m.layout.expert_tp();
-    const double sliced = slices > 1 ? moe : 0;
     const std::vector<int64_t>& ep_group = groups.ep;
     // One exchange moves top_k rows per token (flops.h moe_all_to_all_bytes is both).
     const double a2a_per_token = moe_all_to_all_bytes(l, LlmTokens{1, 1, 1}, 0, act_) / 2;
@@ -510,7 +509,7 @@ class Engine {
       if (k == 0) return 0.0;
       const double bytes = a2a_per_token * tokens / static_cast<double>(slices);
       return 2 * k * all_to_all(ep_group, bytes) +
-             (sliced > 0 ? k : 0) * (all_gather(tp_group, tokens * H * act_) -
+             (slices > 1 ? k : 0) * (all_gather(tp_group, tokens * H * act_) -
                                      all_reduce(tp_group, tokens * H * act_));
     };
     // Sequence parallelism (tp_blocks_forward_comm): besides, an MoE block gathers its tokens whole
@@ -520,7 +519,8 @@ class Engine {
     const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
     const ColumnFlops columns = llm_column_flops(l), moe_columns{columns.qkv, 0};
-    // A forward's over `of` blocks of which `of_moe` MoE (default: all the stage's).
+    // A forward's (fwd) or a backward's TP collectives; a forward's over `of` blocks, `of_moe` of
+    // them MoE (default: the stage's).
     const auto block_comm = [&](double tokens, bool fwd, double n, double of = -1,
                                 double of_moe = -1) {
       const double bytes = tokens * H * act_;
