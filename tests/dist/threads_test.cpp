@@ -53,6 +53,10 @@ TEST(Threads, ShareOfTheCoresAmongLocalRanks) {
     const LocalWorldSize many("4096");  // more ranks than cores: one thread each
     EXPECT_EQ(intra_op_threads(0), 1);
   }
+  {
+    const LocalWorldSize huge("4294967296");  // past an int: still one thread each
+    EXPECT_EQ(intra_op_threads(0), 1);
+  }
   for (const char* bad : {"0", "-2", "two", "2x"}) {
     const LocalWorldSize b(bad);
     try {

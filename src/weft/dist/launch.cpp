@@ -11,7 +11,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -72,7 +71,7 @@ int intra_op_threads(int64_t requested) {
     WEFT_CHECK(*end == '\0' && local >= 1, "LOCAL_WORLD_SIZE = \"", v,
                "\": expected the number of ranks on this machine, an integer >= 1");
   }
-  return std::max(1, cores / static_cast<int>(local));
+  return local >= cores ? 1 : cores / static_cast<int>(local);
 }
 
 int free_port() {
