@@ -953,8 +953,9 @@ Summary Trainer::run() {
     line["targets"] = r.targets;
     // Rank 0's: the whole evaluation, and from the end of the layout's loss on (the captions,
     // with the loss too where a whole model on rank 0 computes both).
-    line["seconds"] = now_seconds() - eval_start;
-    line["caption_seconds"] = now_seconds() - captions_start;
+    const double eval_end = now_seconds();
+    line["seconds"] = eval_end - eval_start;
+    line["caption_seconds"] = eval_end - captions_start;
     if (!r.captions.empty()) {  // the latest evaluation's captions, every sample's
       std::string text;
       for (size_t i = 0; i < r.captions.size(); ++i)
