@@ -194,9 +194,9 @@ std::function<int()> add_plan(CLI::App& app) {
                   "the plan found does not depend on it)")
       ->check(weft::cli::kPositive);
   cmd->add_flag("--partial-recompute", args->partial_recompute,
-                "with --cluster: also recompute only each pipeline chunk's first blocks "
-                "(recompute_blocks) where a layout needs some recomputation to fit (a slower "
-                "search)");
+                "with --cluster: also recompute only each pipeline chunk's first blocks, "
+                "as many per pipeline stage as its ranks need (recompute_blocks), where a layout "
+                "needs some recomputation to fit (a slower search)");
   cmd->add_option("--gap", args->gap,
                   "with --cluster: optimality gap in percent: plans whose bound is within it of "
                   "the best are not simulated (default 0.5; 0 = the exact optimum)")

@@ -499,24 +499,45 @@ TEST(Config, RecomputeIsChosenPerModule) {
   EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
 }
 
-// recompute_blocks: the first blocks of each pipeline chunk only; written back and refused
-// negative, past the module's blocks, or without recompute.
+// recompute_blocks: the first blocks of each pipeline chunk only, one count or one per pipeline
+// stage; written back and refused negative, past the module's blocks, without recompute, or (a
+// list) recomputing nothing; a list's length is checked against pp by make_plan.
 TEST(Config, RecomputeBlocks) {
   const Spec s = parse_spec(kFull, "cfg.toml",
                             {"model.llm.recompute_blocks=2", "model.vision.recompute_blocks=4"});
-  EXPECT_EQ(s.model.llm.recompute_blocks, 2);
-  EXPECT_EQ(s.model.encoders[0].recompute_blocks, 4);
-  EXPECT_EQ(s.model.encoders[1].recompute_blocks, 0);  // default: every block (here none)
+  EXPECT_EQ(s.model.llm.recompute_blocks, std::vector<int64_t>{2});
+  EXPECT_EQ(s.model.encoders[0].recompute_blocks, std::vector<int64_t>{4});
+  EXPECT_TRUE(s.model.encoders[1].recompute_blocks.empty());  // default: every block (here none)
   const std::string dumped = spec_to_toml(s);
   EXPECT_NE(dumped.find("recompute = true\nrecompute_blocks = 2\n"), std::string::npos) << dumped;
   EXPECT_EQ(spec_to_toml(parse_spec(dumped, "dump.toml")), dumped);
+  // 0, as the default: every block.
+  EXPECT_TRUE(parse_spec(kFull, "cfg.toml", {"model.llm.recompute_blocks=0"})
+                  .model.llm.recompute_blocks.empty());
+  // One per pipeline stage, 0 for none there.
+  const Spec per = parse_spec(kFull, "cfg.toml", {"model.llm.recompute_blocks=[3,1,0]"});
+  EXPECT_EQ(per.model.llm.recompute_blocks, (std::vector<int64_t>{3, 1, 0}));
+  const std::string listed = spec_to_toml(per);
+  EXPECT_NE(listed.find("recompute_blocks = [3, 1, 0]\n"), std::string::npos) << listed;
+  EXPECT_EQ(spec_to_toml(parse_spec(listed, "dump.toml")), listed);
   EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=-1"},
                          {"cfg.toml", "model.llm.recompute_blocks = -1: must be >= 0"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=[1,-1]"},
+                         {"model.llm.recompute_blocks = [1, -1]: counts must be >= 0"}));
   EXPECT_TRUE(
       fails_with(kFull, {"model.llm.recompute_blocks=4"},
                  {"model.llm.recompute_blocks = 4: must be at most the module's 3 blocks"}));
+  EXPECT_TRUE(
+      fails_with(kFull, {"model.llm.recompute_blocks=[1,4]"},
+                 {"model.llm.recompute_blocks = [1, 4]: must be at most the module's 3 blocks"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=[0,0]"},
+                         {"recomputes no block on any stage: set recompute = false instead"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=[]"},
+                         {"expected one count per pipeline stage, or one count"}));
   EXPECT_TRUE(fails_with(kFull, {"model.audio.recompute_blocks=1"},
                          {"model.audio.recompute_blocks = 1: needs recompute = true"}));
+  EXPECT_TRUE(fails_with(kFull, {"model.audio.recompute_blocks=[1,0]"},
+                         {"model.audio.recompute_blocks = [1, 0]: needs recompute = true"}));
   EXPECT_TRUE(fails_with(kFull, {"model.llm.recompute_blocks=true"},
                          {"model.llm.recompute_blocks = true: expected an integer"}));
 }

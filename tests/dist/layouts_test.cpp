@@ -269,14 +269,15 @@ TEST(Layouts, RecomputeUnderLlmTp2Pp2AndEncoderCp2Dp2) {
       {"model.llm.recompute=true", "model.vision.recompute=true"});
 }
 
-// Recomputing only the first block of each of the LLM's interleaved chunks (2 blocks each) and
-// of the data-parallel encoder.
+// Recomputing only the first blocks of the LLM's interleaved chunks (2 blocks each), as many per
+// pipeline stage: both on stage 0's chunks, the first on stage 1's; and the first block of the
+// data-parallel encoder.
 TEST(Layouts, RecomputeFirstBlocksOfInterleavedChunks) {
   expect_equivalent(
       2, {"model.llm.layers=8", "parallel.llm.pp=2", "parallel.llm.vp=2", "parallel.vision.dp=2"},
       "recompute_blocks_llm_pp2_vp2", testing::kTinyVlm,
-      {"model.llm.recompute=true", "model.llm.recompute_blocks=1", "model.vision.recompute=true",
-       "model.vision.recompute_blocks=1"});
+      {"model.llm.recompute=true", "model.llm.recompute_blocks=[2,1]",
+       "model.vision.recompute=true", "model.vision.recompute_blocks=1"});
 }
 
 TEST(Layouts, RecomputeUnderLlmCp2Dp2AndEncoderTp2) {

@@ -149,30 +149,27 @@ TEST(Recompute, EveryModuleRecomputedMatchesBf16Packed) {
 TEST(Recompute, FirstBlocksOnlyMatchFp32) {
   const Inputs in = tiny_inputs(/*packing=*/false);
   ModelSpec some = tiny_spec(true);
-  some.llm.recompute_blocks = 1;
-  for (EncoderSpec& e : some.encoders) e.recompute_blocks = 1;
+  some.llm.recompute_blocks = {1};
+  for (EncoderSpec& e : some.encoders) e.recompute_blocks = {1};
   const LossAndGrads ref = loss_and_grads(tiny_spec(false), in, at::kFloat);
   const LossAndGrads got = loss_and_grads(some, in, at::kFloat);
   EXPECT_EQ(got.recomputed_blocks, 1 + 1 + 1);
   expect_same(got, ref, 1e-6, "first blocks");
   // As many as the module has: every block.
-  some.llm.recompute_blocks = 2;
+  some.llm.recompute_blocks = {2};
   EXPECT_EQ(loss_and_grads(some, in, at::kFloat).recomputed_blocks, 2 + 1 + 1);
 }
 
-// Each pipeline chunk counts its own first blocks: an LLM of 5 blocks in chunks of 3 and 2, with
-// recompute_blocks = 2, recomputes blocks 0, 1 and 3, 4 (2 + 2 nodes), and each chunk's output
-// and input gradient are those of the same chunk without recomputation.
+// Each pipeline chunk counts its own first blocks: an LLM of 5 blocks in chunks of 3 and 2 (the
+// stages of pp = 2), with recompute_blocks = 2, recomputes blocks 0, 1 and 3, 4 (2 + 2 nodes);
+// with one count per stage, [2, 0] blocks 0, 1 only and [1, 2] blocks 0 and 3, 4. Each chunk's
+// output and input gradient are those of the same chunk without recomputation.
 TEST(Recompute, FirstBlocksOfEachChunk) {
   LlmSpec l = tiny_spec(false).llm;
   l.layers = 5;
-  const std::vector<StageRange> chunks = {{0, 3, true, false}, {3, 5, false, true}};
-  LlmSpec on = l;
-  on.recompute = true;
-  on.recompute_blocks = 2;
-  ParamSet plain_ps, on_ps;
+  const std::vector<StageRange> chunks = {{0, 3, true, false, 0}, {3, 5, false, true, 1}};
+  ParamSet plain_ps;
   const Llm plain = Llm::make(Scope{&plain_ps, "llm"}, l, chunks);
-  const Llm some = Llm::make(Scope{&on_ps, "llm"}, on, chunks);  // the same seeded weights
   ASSERT_EQ(plain.blocks.size(), 5u);
   torch::manual_seed(3);
   const int64_t B = 2, S = 6;
@@ -180,18 +177,27 @@ TEST(Recompute, FirstBlocksOfEachChunk) {
   const at::Tensor positions = torch::arange(S).unsqueeze(0).expand({B, S}).contiguous();
   const AttentionMask mask{
       visible_mask(torch::zeros({B, S}, torch::kLong), torch::full({B, S}, -1, torch::kLong))};
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    SCOPED_TRACE(c);
-    const at::Tensor a = x0.clone().requires_grad_(true), b = x0.clone().requires_grad_(true);
-    const at::Tensor ya = plain.blocks_forward(a, positions, mask, {}, c);
-    const at::Tensor yb = some.blocks_forward(b, positions, mask, {}, c);
-    EXPECT_EQ(count_nodes(ya, "Recompute"), 0);
-    EXPECT_EQ(count_nodes(yb, "Recompute"), 2);
-    EXPECT_TRUE(yb.allclose(ya, 1e-6, 1e-6));
-    const at::Tensor g = torch::randn_like(ya);
-    ya.backward(g);
-    yb.backward(g);
-    EXPECT_LT(rel_diff(b.grad(), a.grad()), 1e-6);
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> cases = {
+      {{2}, {2, 2}}, {{2, 0}, {2, 0}}, {{1, 2}, {1, 2}}};
+  for (const auto& [blocks, nodes] : cases) {
+    LlmSpec on = l;
+    on.recompute = true;
+    on.recompute_blocks = blocks;
+    ParamSet on_ps;
+    const Llm some = Llm::make(Scope{&on_ps, "llm"}, on, chunks);  // the same seeded weights
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      SCOPED_TRACE(recompute_blocks_text(blocks) + " chunk " + std::to_string(c));
+      const at::Tensor a = x0.clone().requires_grad_(true), b = x0.clone().requires_grad_(true);
+      const at::Tensor ya = plain.blocks_forward(a, positions, mask, {}, c);
+      const at::Tensor yb = some.blocks_forward(b, positions, mask, {}, c);
+      EXPECT_EQ(count_nodes(ya, "Recompute"), 0);
+      EXPECT_EQ(count_nodes(yb, "Recompute"), nodes[c]);
+      EXPECT_TRUE(yb.allclose(ya, 1e-6, 1e-6));
+      const at::Tensor g = torch::randn_like(ya);
+      ya.backward(g);
+      yb.backward(g);
+      EXPECT_LT(rel_diff(b.grad(), a.grad()), 1e-6);
+    }
   }
 }
 

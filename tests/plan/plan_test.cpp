@@ -632,6 +632,14 @@ TEST(Plan, LayoutValidationNamesTheKey) {
   cases.push_back(
       {"cp_split", s, 1, {"parallel.cp_split = \"striped\": must be \"balanced\", \"zigzag\""}});
   cases.push_back({"world", two_encoder_spec(), 0, {"world size must be >= 1, got 0"}});
+  s = with("llm", layout(1, 1, 2));
+  s.model.llm.recompute = true;
+  s.model.llm.recompute_blocks = {1, 1, 0};
+  cases.push_back({"recompute_blocks per stage",
+                   s,
+                   2,
+                   {"test.toml: model.llm.recompute_blocks = [1, 1, 0]: needs one count per "
+                    "pipeline stage of parallel.llm (pp = 2) or one for every stage, got 3"}});
   for (const ErrorCase& c : cases) {
     const std::string e = plan_error(c.spec, c.world_size);
     for (const std::string& needle : c.needles) EXPECT_TRUE(has(e, needle)) << c.what << ": " << e;

@@ -250,7 +250,7 @@ TEST(Profile, BadFilesNameTheFileAndField) {
                   "tiny.json: measured in bf16 but test.toml trains in fp32"));
   other = s;  // a block measured once prices every block: not some recomputed, some not
   other.model.encoders[0].recompute = true;
-  other.model.encoders[0].recompute_blocks = 1;
+  other.model.encoders[0].recompute_blocks = {1};
   EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
                   "test.toml: [model.vision] recompute_blocks = 1 recomputes some blocks and not "
                   "others, which a measured profile (tiny.json) cannot price"));

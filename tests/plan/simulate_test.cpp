@@ -362,7 +362,8 @@ TEST(Simulate, RecomputingTheFirstBlocksOfEachStage) {
   std::vector<SimResult> sims;
   for (int64_t blocks : {-1, 1, 0}) {  // -1: no recomputation
     s.model.llm.recompute = blocks >= 0;
-    s.model.llm.recompute_blocks = std::max<int64_t>(blocks, 0);
+    s.model.llm.recompute_blocks.clear();
+    if (blocks > 0) s.model.llm.recompute_blocks = {blocks};
     costs.push_back(planner_costs(s, plan));
     sims.push_back(simulate(s, plan, ideal(2), costs.back(), no_optimizer()));
   }
@@ -391,6 +392,37 @@ TEST(Simulate, RecomputingTheFirstBlocksOfEachStage) {
   EXPECT_DOUBLE_EQ(sims[1].ranks[1].peak_activation_bytes, sims[0].ranks[1].peak_activation_bytes);
   EXPECT_LT(sims[0].step_seconds, sims[1].step_seconds);
   EXPECT_LT(sims[1].step_seconds, sims[2].step_seconds);
+}
+
+// One count per pipeline stage: [3, 0] prices stage 0 (which holds two microbatches under 1F1B)
+// as recomputing its 3 blocks and stage 1 (one microbatch) as recomputing none, so each rank
+// costs and peaks as its stage would with every block recomputed or none; the step falls between.
+TEST(Simulate, RecomputingPerStageCounts) {
+  Spec s = llm_only("pipe.toml", 6, 8, 4, 2);
+  s.parallel.modules["llm"].stages = {3};
+  const Plan plan = make_plan(s, 2);
+  std::vector<CostTable> costs;
+  std::vector<SimResult> sims;
+  for (const std::vector<int64_t>& blocks :
+       std::vector<std::vector<int64_t>>{{-1}, {}, {3, 0}}) {  // {-1}: no recomputation
+    s.model.llm.recompute = blocks != std::vector<int64_t>{-1};
+    s.model.llm.recompute_blocks = s.model.llm.recompute ? blocks : std::vector<int64_t>{};
+    costs.push_back(planner_costs(s, plan));
+    sims.push_back(simulate(s, plan, ideal(2), costs.back(), no_optimizer()));
+  }
+  const auto same = [](const StageCost& a, const StageCost& b) {
+    return a.recompute == b.recompute && a.recompute_blocks == b.recompute_blocks &&
+           a.activation_bytes == b.activation_bytes && a.backward_flops == b.backward_flops &&
+           a.recompute_peak_bytes == b.recompute_peak_bytes;
+  };
+  EXPECT_TRUE(same(costs[2].back()[0], costs[1].back()[0]));  // stage 0: every block
+  EXPECT_TRUE(same(costs[2].back()[1], costs[0].back()[1]));  // stage 1: none
+  EXPECT_EQ(costs[2].back()[0].recompute_blocks, 3);
+  EXPECT_DOUBLE_EQ(sims[2].ranks[0].peak_activation_bytes, sims[1].ranks[0].peak_activation_bytes);
+  EXPECT_DOUBLE_EQ(sims[2].ranks[1].peak_activation_bytes, sims[0].ranks[1].peak_activation_bytes);
+  EXPECT_LT(sims[2].ranks[0].peak_activation_bytes, sims[0].ranks[0].peak_activation_bytes);
+  EXPECT_LT(sims[0].step_seconds, sims[2].step_seconds);
+  EXPECT_LT(sims[2].step_seconds, sims[1].step_seconds);
 }
 
 // Tensor parallelism keeps the residual stream (the norms' inputs and outputs) whole on every TP

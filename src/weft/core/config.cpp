@@ -401,14 +401,41 @@ void read_or_agree(const Section& s, std::string_view key, T* out, const std::st
   }
 }
 
-// A module's recompute_blocks (after its recompute and layers): at most its blocks, and only with
-// recompute on.
-void read_recompute_blocks(const Section& s, bool recompute, int64_t layers, int64_t* blocks) {
-  s.count("recompute_blocks", blocks, /*positive=*/false);
-  if (*blocks > layers)
-    s.fail("recompute_blocks",
-           "must be at most the module's " + std::to_string(layers) + " blocks (0 = every block)");
-  if (*blocks > 0 && !recompute) s.fail("recompute_blocks", "needs recompute = true");
+// A module's recompute_blocks (after its recompute and layers): one count (0 = every block, the
+// default) or one per pipeline stage (0: none on that stage; make_plan checks there are pp), each
+// at most the module's blocks, and only with recompute on.
+void read_recompute_blocks(const Section& s, bool recompute, int64_t layers,
+                           std::vector<int64_t>* blocks) {
+  const char* key = "recompute_blocks";
+  const toml::node* n = s.find(key);
+  if (!n) return;
+  if (!n->is_integer() && !n->is_array())
+    s.fail(key, "expected an integer, or a list of one per pipeline stage");
+  std::vector<int64_t> v;
+  const bool list = n->is_array();
+  if (list) {
+    s.read(key, &v);
+    if (v.empty()) s.fail_value(key, "[]", "expected one count per pipeline stage, or one count");
+  } else {
+    int64_t one = 0;
+    s.read(key, &one);
+    v = {one};
+  }
+  const std::string text = list ? format_list(v) : std::to_string(v[0]);
+  bool any = false;
+  for (int64_t b : v) {
+    if (b < 0) s.fail_value(key, text, list ? "counts must be >= 0" : "must be >= 0");
+    if (b > layers)
+      s.fail_value(key, text,
+                   "must be at most the module's " + std::to_string(layers) + " blocks" +
+                       (list ? "" : " (0 = every block)"));
+    any = any || b > 0;
+  }
+  if (list && !any)
+    s.fail_value(key, text, "recomputes no block on any stage: set recompute = false instead");
+  if (any && !recompute) s.fail_value(key, text, "needs recompute = true");
+  if (!list && v[0] == 0) v.clear();  // 0: every block
+  *blocks = std::move(v);
 }
 
 // With a Mixtral checkpoint (`hf_file`, which has already set *m) the architecture keys must
@@ -867,6 +894,7 @@ class Writer {
   void put(const char* key, const std::vector<int64_t>& v) {
     os_ << key << " = " << format_list(v) << "\n";
   }
+  void put_raw(const char* key, const std::string& toml) { os_ << key << " = " << toml << "\n"; }
   void put(const char* key, const char* v) = delete;  // would silently pick the bool overload
   std::string str() const { return os_.str(); }
 
@@ -945,7 +973,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("rope_original_max_position", l.rope_scaling.original_max_position);
   w.put("frozen", l.frozen);
   w.put("recompute", l.recompute);
-  w.put("recompute_blocks", l.recompute_blocks);
+  w.put_raw("recompute_blocks", recompute_blocks_text(l.recompute_blocks));
   w.put("attention_chunk", l.attention_chunk);
   if (!l.hf.empty()) w.put("hf", l.hf);
   if (l.moe.enabled()) {
@@ -975,7 +1003,7 @@ std::string spec_to_toml(const Spec& spec) {
     w.put("act", std::string(to_string(e.act)));
     w.put("frozen", e.frozen);
     w.put("recompute", e.recompute);
-    w.put("recompute_blocks", e.recompute_blocks);
+    w.put_raw("recompute_blocks", recompute_blocks_text(e.recompute_blocks));
     if (!e.hf.empty()) w.put("hf", e.hf);
     if (e.kind == EncoderKind::kVit) {
       w.put("class_token", e.class_token);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -46,10 +47,30 @@ struct MoeSpec {
   bool is_moe_layer(int64_t i) const { return experts > 0 && i % every == 0; }
 };
 
-// Whether block `i` of a pipeline chunk (0 = the chunk's first) is recomputed in backward, under
-// a module's `recompute` and `recompute_blocks` (LlmSpec, EncoderSpec).
-inline bool recomputes_block(bool recompute, int64_t recompute_blocks, int64_t i) {
-  return recompute && (recompute_blocks == 0 || i < recompute_blocks);
+// How many of the first blocks of each chunk of virtual pipeline stage `stage` (chunk k of
+// pipeline rank s is stage k·pp + s) a module recomputes in backward, under its `recompute` and
+// `recompute_blocks` (LlmSpec, EncoderSpec): every block is kAllBlocks. A list of one count per
+// pipeline stage (validated against pp by make_plan) is read at stage mod its length.
+inline constexpr int64_t kAllBlocks = std::numeric_limits<int64_t>::max();
+inline int64_t recomputed_blocks(bool recompute, const std::vector<int64_t>& recompute_blocks,
+                                 int64_t stage) {
+  if (!recompute) return 0;
+  if (recompute_blocks.empty()) return kAllBlocks;
+  return recompute_blocks[static_cast<size_t>(stage) % recompute_blocks.size()];
+}
+// recompute_blocks as a config writes it: 0 (every block), one count, or a TOML list whose values
+// `sep` parts (", " in a file, "," in one shell word).
+inline std::string recompute_blocks_text(const std::vector<int64_t>& blocks,
+                                         const char* sep = ", ") {
+  if (blocks.size() <= 1) return std::to_string(blocks.empty() ? 0 : blocks[0]);
+  std::string out = "[";
+  for (size_t i = 0; i < blocks.size(); ++i) out += (i ? sep : "") + std::to_string(blocks[i]);
+  return out + "]";
+}
+// Whether block `i` of such a chunk (0 = the chunk's first) is recomputed.
+inline bool recomputes_block(bool recompute, const std::vector<int64_t>& recompute_blocks,
+                             int64_t stage, int64_t i) {
+  return i < recomputed_blocks(recompute, recompute_blocks, stage);
 }
 
 // Decoder LLM, Llama-style (Llama, Mistral, Qwen2). vocab = 0 means "take it from the tokenizer"
@@ -73,10 +94,11 @@ struct LlmSpec {
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
   bool recompute = false;
-  // With recompute: only the first this many blocks of each pipeline chunk (each stage's, and
-  // each virtual stage's under interleaving) are recomputed, as Megatron-LM's
-  // --recompute-method block; 0 = every block. Memory and compute in between, by the block.
-  int64_t recompute_blocks = 0;
+  // With recompute, which blocks (recomputes_block): none set, every block; one count, the first
+  // that many blocks of each pipeline chunk (Megatron-LM's --recompute-method block); one count
+  // per pipeline stage, that stage's chunks' first blocks (0: none), so the early stages of 1F1B,
+  // which hold the most microbatches, can recompute more than the late ones.
+  std::vector<int64_t> recompute_blocks;
   // Attention in blocks over the tiles of keys they see (model/chunked_attention.h): queries of
   // one pattern in every row make one block, others blocks of at most this many queries over
   // tiles of as many keys; 0 = one attention over all keys. From LibTorch 2.3 on; LibTorch
@@ -115,10 +137,11 @@ struct EncoderSpec {
   // Keep only each block's input in forward and recompute the block in backward (less
   // activation memory, about one more forward of compute).
   bool recompute = false;
-  // With recompute: only the first this many blocks of each pipeline chunk (each stage's, and
-  // each virtual stage's under interleaving) are recomputed, as Megatron-LM's
-  // --recompute-method block; 0 = every block. Memory and compute in between, by the block.
-  int64_t recompute_blocks = 0;
+  // With recompute, which blocks (recomputes_block): none set, every block; one count, the first
+  // that many blocks of each pipeline chunk (Megatron-LM's --recompute-method block); one count
+  // per pipeline stage, that stage's chunks' first blocks (0: none), so the early stages of 1F1B,
+  // which hold the most microbatches, can recompute more than the late ones.
+  std::vector<int64_t> recompute_blocks;
   std::string hf;  // Hugging Face checkpoint to read the shape and initial weights from
   // vit
   bool class_token = false;  // CLIP: a learned [CLS] token first (dropped from the features)

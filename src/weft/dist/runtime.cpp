@@ -224,7 +224,7 @@ struct Runtime::Impl {
       h.hosted = enc_role[e].hosted;
       if (h.hosted) {
         const auto [b, end] = m.stage_layers(enc_role[e].c.pp);
-        h.range = {b, end, enc_role[e].first, enc_role[e].last};
+        h.range = {b, end, enc_role[e].first, enc_role[e].last, enc_role[e].c.pp};
       }
       hosting.encoders.push_back(h);
     }
@@ -254,7 +254,7 @@ struct Runtime::Impl {
       for (int64_t k = 0; k < l.vp; ++k) {
         const int64_t stage = k * l.pp + llm_role.c.pp;
         const auto [b, end] = llm_plan->stage_layers(stage);
-        hosting.llm.chunks.push_back({b, end, stage == 0, stage == l.stages() - 1});
+        hosting.llm.chunks.push_back({b, end, stage == 0, stage == l.stages() - 1, stage});
       }
       hosting.llm.range = hosting.llm.chunks[0];
     }

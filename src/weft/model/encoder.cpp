@@ -34,7 +34,7 @@ at::Tensor run_blocks(const std::vector<EncoderBlock>& blocks, const StageRange&
                       const EncoderSpec& spec) {
   for (int64_t i = 0; i < r.last_layer - r.first_layer; ++i) {
     const EncoderBlock& b = blocks[i];
-    if (!recomputes_block(spec.recompute, spec.recompute_blocks, i)) {
+    if (!recomputes_block(spec.recompute, spec.recompute_blocks, r.stage, i)) {
       x = b(x);
       continue;
     }

@@ -166,7 +166,7 @@ at::Tensor Llm::blocks_forward(const at::Tensor& x_in, const LlmContext& context
   at::Tensor x = x_in;
   for (size_t i = chunk_begin[chunk]; i < chunk_begin[chunk + 1]; ++i) {
     const LlmBlock& b = blocks[i];
-    if (!recomputes_block(spec.recompute, spec.recompute_blocks,
+    if (!recomputes_block(spec.recompute, spec.recompute_blocks, chunks[chunk].stage,
                           static_cast<int64_t>(i - chunk_begin[chunk]))) {
       x = b(x, mask, rope, tokens);
       continue;

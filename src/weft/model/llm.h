@@ -48,6 +48,9 @@ struct LlmBlock {
 struct StageRange {
   int64_t first_layer = 0, last_layer = -1;  // blocks [first, last); -1 = to the end
   bool first_stage = true, last_stage = true;
+  // Its virtual pipeline stage (chunk k of pipeline rank s: k·pp + s), which picks the module's
+  // recompute_blocks count.
+  int64_t stage = 0;
 };
 
 // What every block of a microbatch shares: its RoPE tables and its attention mask, converted
@@ -89,7 +92,7 @@ struct Llm {
   at::Tensor embed(const at::Tensor& tokens) const;
   // x [B, S, hidden] through the blocks of this rank's chunk `chunk`; positions [B, S] drive
   // RoPE; `tokens` tells MoE blocks which tokens are real and how to weigh their auxiliary
-  // losses. With spec.recompute each block (or the chunk's first spec.recompute_blocks) is
+  // losses. With spec.recompute the blocks recomputes_block picks for the chunk's stage are
   // recomputed in backward (recompute.h).
   at::Tensor blocks_forward(const at::Tensor& x, const at::Tensor& positions,
                             const AttentionMask& mask, const TokenInfo& tokens = {},

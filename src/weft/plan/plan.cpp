@@ -241,6 +241,15 @@ void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePl
     WEFT_CHECK(l.stages() <= m->layers, at, "vp = ", l.vp, ": pp * vp = ", l.pp, " * ", l.vp, " = ",
                l.stages(), " virtual stages, more than blocks (", blocks, ")");
   }
+  if (m->role != ModuleRole::kProjector) {
+    const std::vector<int64_t>& rb = m->role == ModuleRole::kLlm
+                                         ? spec.model.llm.recompute_blocks
+                                         : spec.model.encoders[m->encoder].recompute_blocks;
+    WEFT_CHECK(rb.size() <= 1 || static_cast<int64_t>(rb.size()) == l.pp, spec.source, ": model.",
+               m->name, ".recompute_blocks = ", recompute_blocks_text(rb),
+               ": needs one count per pipeline stage of parallel.", m->name, " (pp = ", l.pp,
+               ") or one for every stage, got ", rb.size());
+  }
   m->stage_boundaries.clear();
   if (stages.empty()) return;  // chosen by choose_boundaries once every layout is known
   const int64_t want = l.stages() - 1;

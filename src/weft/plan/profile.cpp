@@ -365,10 +365,12 @@ void check_profile(const Profile& p, const Spec& spec) {
              p.precision, " but ", spec.source, " trains in ", to_string(spec.train.precision),
              " (train.precision); profile it in that precision");
   // A profile measures one block of a module and prices every block alike.
-  std::vector<std::pair<std::string, int64_t>> partial = {{"llm", spec.model.llm.recompute_blocks}};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> partial = {
+      {"llm", spec.model.llm.recompute_blocks}};
   for (const EncoderSpec& e : spec.model.encoders) partial.emplace_back(e.name, e.recompute_blocks);
   for (const auto& [name, blocks] : partial)
-    WEFT_CHECK(blocks == 0, spec.source, ": [model.", name, "] recompute_blocks = ", blocks,
+    WEFT_CHECK(blocks.empty(), spec.source, ": [model.", name,
+               "] recompute_blocks = ", recompute_blocks_text(blocks),
                " recomputes some blocks and not others, which a measured profile (", p.source,
                ") cannot price: simulate without the profile, or recompute every block");
   std::vector<std::string> names = {"llm"};

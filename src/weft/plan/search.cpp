@@ -313,6 +313,14 @@ SearchResult Searcher::run() {
   }
   if (static_cast<int64_t>(result.best.size()) > o_.top)
     result.best.resize(static_cast<size_t>(o_.top));
+  if (o_.recompute && o_.partial_recompute) {  // each stage recomputing what its peak needs
+    for (Evaluation& e : result.best)
+      e = refine_recompute(spec_, cl_, std::move(e), o_.sim, &st.simulated);
+    std::stable_sort(result.best.begin(), result.best.end(),
+                     [](const Evaluation& x, const Evaluation& y) {
+                       return x.sim.step_seconds < y.sim.step_seconds;
+                     });
+  }
   // What the memory limit costs: the fastest candidate over memory, when it beats the winner.
   const double win = result.best.front().sim.step_seconds;
   if (over_bound < win && o_.max_simulations > st.simulated) {

@@ -23,8 +23,10 @@
 //             only with M >= pp, as Megatron-LM needs)
 //   zero_stage    0 or 1; recompute per module that keeps activations: off or every block;
 //             with partial_recompute also, where the node does not fit the device without it
-//             (by its memory bound), the fewest first blocks of each chunk that make it fit and
-//             halfway from those to every block (model.<module>.recompute_blocks)
+//             but does with every block (by its memory bound), per pipeline stage the fewest
+//             first blocks of each chunk that make its ranks fit, and halfway from those to
+//             every block (model.<module>.recompute_blocks: one count per stage, so the early
+//             stages of 1F1B, which hold more microbatches, recompute more than the late ones)
 //
 // Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
 // every node has an analytic lower bound on the simulated step time, built from the same op
@@ -88,9 +90,10 @@ struct Candidate {
   // Per encoder in spec order, then the LLM (last): layout and stage boundaries (pp - 1).
   std::vector<LayoutSpec> layouts;
   std::vector<bool> recompute;  // aligned with layouts
-  // Aligned with layouts where set (empty: 0 each): of a recomputed module, only the first this
-  // many blocks of each pipeline chunk (model.<module>.recompute_blocks; 0 = every block).
-  std::vector<int64_t> recompute_blocks;
+  // Aligned with layouts where set (empty: every block of each): of a recomputed module, which
+  // blocks (model.<module>.recompute_blocks: none = every block, one count for every pipeline
+  // stage, or one per stage).
+  std::vector<std::vector<int64_t>> recompute_blocks;
   int64_t world_size = 1;  // ranks the plan uses (<= the cluster's devices)
   int64_t microbatches = 1;
   int64_t zero_stage = 0;
@@ -182,13 +185,21 @@ Plan candidate_plan(const Spec& spec, const Candidate& candidate);
 // The simulator's stage costs (stage_costs) with the spec's activation recomputation priced in
 // (see above); model.llm.vocab = 0 is taken as `unset_vocab` like the simulator does.
 CostTable planner_costs(const Spec& spec, const Plan& plan, int64_t unset_vocab = 64);
-// The recomputation pricing of one module's stages (as planner_costs applies it): each stage's
-// first `first_blocks` blocks recomputed, 0 = every block.
+// The recomputation pricing of one module's stages (as planner_costs applies it): stage s's first
+// recomputed_blocks(true, blocks, s) blocks recomputed (empty: every block).
 void add_recompute_costs(const Spec& spec, const ModulePlan& module, std::vector<StageCost>* stages,
-                         int64_t first_blocks = 0);
+                         const std::vector<int64_t>& blocks = {});
 // Simulates a candidate (planner_costs, options.trace off).
 Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& candidate,
                     const SimOptions& options = {});
+// Partial recomputation fitted by the simulator (search applies it to the plans it reports
+// under partial_recompute): each pipeline stage of every recomputing module of a candidate that
+// fits recomputes the fewest first blocks of each chunk for the simulated step to still fit the
+// device, bisected stage by stage (a stage's count moves only its own ranks' peak; the others
+// keep theirs); none anywhere turns the module's recomputation off. The faster of that and `e`;
+// `simulations` counts the candidates simulated.
+Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
+                            const SimOptions& options = {}, int64_t* simulations = nullptr);
 
 // Every complete candidate of the space, in enumeration order, with its analytic bound — what
 // the branch and bound prunes (for tests; large spaces are large).

@@ -1,6 +1,7 @@
 // The search's building blocks that turn a Candidate into a config, a Plan, costs and a
 // simulation (search.h), and back into text: describe, the TOML snippet, --set overrides.
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "weft/core/error.h"
@@ -34,22 +35,30 @@ void check_shape(const Spec& spec, const Candidate& c) {
   WEFT_CHECK(c.recompute_blocks.empty() || c.recompute_blocks.size() == c.layouts.size(),
              "[search] a candidate's recompute_blocks: none or one per module (", c.layouts.size(),
              "), got ", c.recompute_blocks.size());
-  for (int64_t b : c.recompute_blocks)
-    WEFT_CHECK(b >= 0, "[search] a candidate's recompute_blocks must be >= 0, got ", b);
+  for (size_t k = 0; k < c.recompute_blocks.size(); ++k) {
+    const std::vector<int64_t>& v = c.recompute_blocks[k];
+    WEFT_CHECK(v.size() <= 1 || static_cast<int64_t>(v.size()) == c.layouts[k].pp,
+               "[search] a candidate's recompute_blocks: none, one, or one per pipeline stage (",
+               c.layouts[k].pp, "), got ", recompute_blocks_text(v));
+    for (int64_t b : v)
+      WEFT_CHECK(b >= 0, "[search] a candidate's recompute_blocks must be >= 0, got ",
+                 recompute_blocks_text(v));
+  }
   WEFT_CHECK(c.placement == "colocated" || c.placement == "separate" || c.placement == "megatron",
              "[search] unknown placement \"", c.placement,
              "\" (expected colocated, separate or megatron)");
 }
 
-// Candidate c's recompute_blocks of module k (0: every block).
-int64_t candidate_blocks(const Candidate& c, size_t k) {
-  return k < c.recompute_blocks.size() && c.recompute[k] ? c.recompute_blocks[k] : 0;
+// Candidate c's recompute_blocks of module k (empty: every block).
+std::vector<int64_t> candidate_blocks(const Candidate& c, size_t k) {
+  if (k < c.recompute_blocks.size() && c.recompute[k]) return c.recompute_blocks[k];
+  return {};
 }
 
 }  // namespace
 
 void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<StageCost>* stages,
-                         int64_t first_blocks) {
+                         const std::vector<int64_t>& blocks) {
   const MicrobatchShape unit = single_sample_microbatch(spec);  // items = 1, as stage_costs
   const ModuleCosts costs = module_layer_costs(spec, m, unit);
   const double act = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
@@ -63,7 +72,7 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
   for (int64_t s = 0; s < static_cast<int64_t>(stages->size()); ++s) {
     const auto [begin, end] = m.stage_layers(s);
     StageCost& sc = (*stages)[static_cast<size_t>(s)];
-    for (int64_t b = begin; b < end && recomputes_block(true, first_blocks, b - begin); ++b) {
+    for (int64_t b = begin; b < end && recomputes_block(true, blocks, s, b - begin); ++b) {
       const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
       if (l.activation_bytes <= 0) continue;  // runs no backward: nothing to recompute
       sc.backward_flops += l.forward;         // the block's forward once more, in backward
@@ -162,6 +171,58 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
   return e;
 }
 
+Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
+                            const SimOptions& options, int64_t* simulations) {
+  if (!e.sim.memory_fits) return e;
+  const auto names = module_names(spec);
+  Candidate c = e.candidate;
+  if (c.recompute_blocks.empty()) c.recompute_blocks.resize(c.layouts.size());
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (!c.recompute[k]) continue;
+    const ModulePlan& m = e.plan.module(names[k]);
+    const int64_t pp = m.layout.pp;
+    std::vector<int64_t> most(static_cast<size_t>(pp), 0);  // each stage's longest chunk
+    for (int64_t v = 0; v < m.layout.stages(); ++v) {
+      const auto [begin, end] = m.stage_layers(v);
+      int64_t& most_s = most[static_cast<size_t>(v % pp)];
+      most_s = std::max(most_s, end - begin);
+    }
+    const std::vector<int64_t> was = c.recompute_blocks[k];
+    std::vector<int64_t> now(most.size());
+    for (size_t s = 0; s < most.size(); ++s)
+      now[s] = std::min(recomputed_blocks(true, was, static_cast<int64_t>(s)), most[s]);
+    for (size_t s = 0; s < most.size(); ++s) {
+      int64_t lo = 0, hi = now[s];
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        std::vector<int64_t> trial = now;
+        trial[s] = mid;
+        Candidate t = c;
+        t.recompute[k] = *std::max_element(trial.begin(), trial.end()) > 0;
+        t.recompute_blocks[k] = t.recompute[k] ? trial : std::vector<int64_t>{};
+        if (simulations) ++*simulations;
+        if (evaluate(spec, cluster, t, options).sim.memory_fits)
+          hi = mid;
+        else
+          lo = mid + 1;
+      }
+      now[s] = lo;
+    }
+    if (now == most) continue;  // every block still: as it was
+    c.recompute[k] = *std::max_element(now.begin(), now.end()) > 0;
+    if (std::adjacent_find(now.begin(), now.end(), std::not_equal_to<>()) == now.end())
+      now.resize(1);  // one count for every stage
+    c.recompute_blocks[k] = c.recompute[k] ? now : std::vector<int64_t>{};
+  }
+  if (c.recompute == e.candidate.recompute && c.recompute_blocks == e.candidate.recompute_blocks)
+    return e;
+  Evaluation r = evaluate(spec, cluster, c, options);
+  if (simulations) ++*simulations;
+  if (!r.sim.memory_fits || r.sim.step_seconds > e.sim.step_seconds) return e;
+  r.lower_bound = std::min(e.lower_bound, r.sim.step_seconds);
+  return r;
+}
+
 std::string describe(const Spec& spec, const Candidate& c) {
   check_shape(spec, c);
   const auto names = module_names(spec);
@@ -184,7 +245,9 @@ std::string describe(const Spec& spec, const Candidate& c) {
   for (size_t k = 0; k < names.size(); ++k)
     if (c.recompute[k])
       rc += (rc.empty() ? "" : ",") + names[k] +
-            (candidate_blocks(c, k) > 0 ? ":" + std::to_string(candidate_blocks(c, k)) : "");
+            (candidate_blocks(c, k).empty()
+                 ? ""
+                 : ":" + recompute_blocks_text(candidate_blocks(c, k), "/"));
   if (!rc.empty()) os << " recompute " << rc;
   return os.str();
 }
@@ -214,7 +277,7 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
   for (size_t k = 0; k < names.size(); ++k) {
     out.push_back("model." + names[k] + ".recompute=" + (c.recompute[k] ? "true" : "false"));
     out.push_back("model." + names[k] + ".recompute_blocks=" +  // always: as vp
-                  std::to_string(candidate_blocks(c, k)));
+                  recompute_blocks_text(candidate_blocks(c, k), ","));
   }
   return out;
 }
@@ -237,7 +300,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
   for (size_t k = 0; k < names.size(); ++k)
     os << "\n[model." << names[k] << "]\nrecompute = " << (c.recompute[k] ? "true" : "false")
-       << "\nrecompute_blocks = " << candidate_blocks(c, k) << "\n";
+       << "\nrecompute_blocks = " << recompute_blocks_text(candidate_blocks(c, k)) << "\n";
   return os.str();
 }
 

@@ -61,8 +61,8 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
   costed_ = spec;
   if (costed_.model.llm.vocab == 0) costed_.model.llm.vocab = o_.sim.unset_vocab;
   // Candidates recompute a module's every block or none (apply_candidate).
-  costed_.model.llm.recompute_blocks = 0;
-  for (EncoderSpec& e : costed_.model.encoders) e.recompute_blocks = 0;
+  costed_.model.llm.recompute_blocks.clear();
+  for (EncoderSpec& e : costed_.model.encoders) e.recompute_blocks.clear();
   E_ = static_cast<int64_t>(spec.model.encoders.size());
   B_ = spec.train.batch;
   max_ranks_ = o_.max_ranks > 0 ? o_.max_ranks : cluster.world_size();
@@ -152,9 +152,9 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
 // ---- costs --------------------------------------------------------------------------------
 
 const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                            bool sp, int64_t vp, int64_t first_blocks) const {
-  if (!recompute) first_blocks = 0;
-  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp, first_blocks}];
+                            bool sp, int64_t vp, const std::vector<int64_t>& blocks_in) const {
+  const std::vector<int64_t> blocks = recompute ? blocks_in : std::vector<int64_t>{};
+  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp, blocks}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
@@ -171,7 +171,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
         even_cuts(module_layer_costs(costed_, m, single_sample_microbatch(costed_)), pp);
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
-    if (recompute && first_blocks == 0) {
+    if (recompute && blocks.empty()) {
       std::vector<StageCost> one(static_cast<size_t>(m.layers));
       ModulePlan per_block = m;  // one "stage" per block, to price each block's recompute
       per_block.layout.pp = m.layers;
@@ -192,7 +192,7 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   Plan one;
   one.modules = {m};
   st->stages = stage_costs(costed_, one)[0];
-  if (recompute) add_recompute_costs(costed_, m, &st->stages, first_blocks);
+  if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks);
   for (const StageCost& sc : st->stages)
     st->unit_seconds += sc.measured ? sc.forward_seconds + sc.backward_seconds
                                     : (sc.forward_flops + sc.backward_flops) / flops_;
@@ -457,6 +457,7 @@ double Space::optimizer_seconds(double bytes, double measured) const {
 // LLM, its encoders' backwards) and whether it is on the LLM's fill / drain chain (replica 0).
 struct Space::Rank {
   std::vector<std::pair<int64_t, Work>> enc;  // {encoder, its stage's work}
+  std::vector<int64_t> enc_stages;            // aligned with enc: each one's stage here
   int64_t enc_stage = -1;                     // separate placement: that encoder's stage
   std::optional<Work> llm;
   int64_t llm_stage = -1;
@@ -493,6 +494,7 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
       }
       x.enc_ready = std::max(x.enc_ready, data_ + fill) + wk->fwd;
       x.enc.push_back({static_cast<int64_t>(k), *wk});
+      x.enc_stages.push_back(stage);
       x.fill.push_back(fill);
     }
   x.llm = at(E_, n.llm, &x.llm_stage);
@@ -502,13 +504,16 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
 
 // The analytic lower bound of a node's (every completion's) simulated step, and the largest
 // per-rank memory it certainly needs.
-Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
+Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t watch) const {
   if (n.partial >= 0) {  // what its choices need at least: none the time, the most the memory
-    const Bound off = bound(recomputing(n, n.partial, -1), fits_limit, over_limit);
+    const Bound off = bound(recomputing(n, n.partial, false), fits_limit, over_limit, watch);
     if (!off.feasible || off.memory <= cl_.device.memory_bytes) return off;  // none it is
-    const Bound most =
-        bound(recomputing(n, n.partial, chunk_blocks(n, n.partial) - 1), fits_limit, over_limit);
-    return {off.seconds, most.memory, most.feasible};
+    // Every block of the partial choices' cut (not the recompute-aware one of every block).
+    Bound most =
+        bound(recomputing(n, n.partial, true, chunk_blocks(n, n.partial)), fits_limit, over_limit,
+              watch);
+    most.seconds = off.seconds;
+    return most;
   }
   const bool shared = n.placement != kSeparate;
   const bool overlap = spec_.train.overlap_grad_reduce;
@@ -534,6 +539,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
       for (size_t s = 0; s < w[k].size(); ++s) {
         Rank x;
         x.enc.push_back({static_cast<int64_t>(k), w[k][s]});
+        x.enc_stages.push_back(static_cast<int64_t>(s));
         x.enc_stage = static_cast<int64_t>(s);
         ranks.push_back(std::move(x));
       }
@@ -612,6 +618,8 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
   std::vector<double> reduced(static_cast<size_t>(P), 0);
   const auto finish = [&] {
     Bound out;
+    if (watch >= 0)
+      out.stage_memory.assign(static_cast<size_t>(watch == E_ ? n.llm.pp : n.enc[watch].pp), 0.0);
     double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
     for (const Rank& x : ranks) {
       double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0, gather = 0;
@@ -624,6 +632,13 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit) const {
         static_bytes += x.llm->static_bytes, act += x.llm->act, gather += x.llm->gather;
       }
       out.memory = std::max(out.memory, static_bytes + act);
+      const auto watched = [&](int64_t stage) {
+        double& m = out.stage_memory[static_cast<size_t>(stage)];
+        m = std::max(m, static_bytes + act);
+      };
+      if (watch == E_ && x.llm) watched(x.llm_stage);
+      for (size_t i = 0; watch >= 0 && watch < E_ && i < x.enc.size(); ++i)
+        if (x.enc[i].first == watch) watched(x.enc_stages[i]);
       // ZeRO-1's parameter gather follows the optimizer step, or overlapped runs from the
       // step's start and the rank's first forwards end no sooner than it (the simulator's).
       opt = std::max(opt, optimizer_seconds(bytes, measured) + (gather_overlapped ? 0 : gather));
@@ -792,30 +807,34 @@ std::vector<bool> Space::recompute_options(int64_t k) const {
 }
 
 bool Space::partial_applies(int64_t k, const Node& n) const {
-  return o_.recompute && o_.partial_recompute && info(k).keeps_activations &&
-         chunk_blocks(n, k) >= 2;
+  if (!o_.recompute || !o_.partial_recompute || !info(k).keeps_activations) return false;
+  const std::vector<int64_t> most = chunk_blocks(n, k);
+  return *std::max_element(most.begin(), most.end()) >= 2;
 }
 
-int64_t Space::chunk_blocks(const Node& n, int64_t k) const {
+std::vector<int64_t> Space::chunk_blocks(const Node& n, int64_t k) const {
   const Choice& c = k == E_ ? n.llm : n.enc[static_cast<size_t>(k)];
   const Staged& cut = c.vp > 1 ? *c.chunks : *c.staged;
   const int64_t layers = base_.modules[info(k).plan_index].layers;
-  int64_t most = 0, begin = 0;
-  for (size_t s = 0; s <= cut.boundaries.size(); ++s) {
-    const int64_t end = s < cut.boundaries.size() ? cut.boundaries[s] : layers;
-    most = std::max(most, end - begin);
+  std::vector<int64_t> most(static_cast<size_t>(c.pp), 0);
+  int64_t begin = 0;
+  for (size_t v = 0; v <= cut.boundaries.size(); ++v) {  // virtual stage v: pipeline rank v % pp
+    const int64_t end = v < cut.boundaries.size() ? cut.boundaries[v] : layers;
+    int64_t& m = most[v % most.size()];
+    m = std::max(m, end - begin);
     begin = end;
   }
   return most;
 }
 
-Node Space::recomputing(const Node& n, int64_t k, int64_t first) const {
+Node Space::recomputing(const Node& n, int64_t k, bool on,
+                        const std::vector<int64_t>& blocks) const {
   Node out = n;
   out.partial = -1;
   const bool llm = k == E_;
   Choice& c = llm ? out.llm : out.enc[static_cast<size_t>(k)];
-  c.recompute = first >= 0;
-  c.recompute_blocks = std::max<int64_t>(first, 0);
+  c.recompute = on;
+  c.recompute_blocks = on ? blocks : std::vector<int64_t>{};
   const bool even = llm && n.placement == kMegatron;
   const bool vocab_parallel = llm && c.tp > 1;
   c.staged = &staged(static_cast<int>(k), c.pp, c.recompute, even, vocab_parallel, c.sp, 1,
@@ -827,23 +846,51 @@ Node Space::recomputing(const Node& n, int64_t k, int64_t first) const {
 }
 
 void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const {
-  const int64_t k = n.partial, most = chunk_blocks(n, k);
+  const int64_t k = n.partial;
+  const std::vector<int64_t> most = chunk_blocks(n, k);
   const double mem = cl_.device.memory_bytes;
-  const auto fits = [&](int64_t first) { return bound(recomputing(n, k, first)).memory <= mem; };
-  emit(recomputing(n, k, -1));
-  if (fits(-1) || !fits(most - 1)) return;  // every block, if anything: a node of its own
-  // Memory falls as more blocks are recomputed: bisect for the fewest that fit.
-  int64_t lo = 1, hi = most - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (fits(mid))
-      hi = mid;
-    else
-      lo = mid + 1;
+  Node off = recomputing(n, k, false);
+  const bool fits = bound(off).memory <= mem;
+  emit(std::move(off));
+  if (fits) return;
+  const Bound all = bound(recomputing(n, k, true, most), kNoLimit, kNoLimit, k);
+  if (all.memory > mem) return;  // nothing partial fits (every block, if anything: its own node)
+  // Each stage's fewest first blocks whose ranks fit, bisected for every stage at once: a
+  // rank's memory falls as its own stage recomputes more and no other stage's count moves it.
+  std::vector<int64_t> lo(most.size(), 0), hi = most;
+  for (;;) {
+    std::vector<int64_t> mid(most.size());
+    bool open = false;
+    for (size_t s = 0; s < most.size(); ++s) {
+      mid[s] = (lo[s] + hi[s]) / 2;
+      open = open || lo[s] < hi[s];
+    }
+    if (!open) break;
+    const Bound b = bound(recomputing(n, k, true, mid), kNoLimit, kNoLimit, k);
+    for (size_t s = 0; s < most.size(); ++s) {
+      if (lo[s] == hi[s]) continue;
+      if (b.stage_memory[s] <= mem)
+        hi[s] = mid[s];
+      else
+        lo[s] = mid[s] + 1;
+    }
   }
-  emit(recomputing(n, k, lo));
-  const int64_t half = lo + (most - lo) / 2;
-  if (half > lo) emit(recomputing(n, k, half));
+  // Those counts, and as many on every stage (the most any stage needs: the same fit by the
+  // bound, with room on the others for what it does not see); each also halfway to every block.
+  const int64_t longest = *std::max_element(most.begin(), most.end());
+  const int64_t even = *std::max_element(lo.begin(), lo.end());
+  if (even == 0) return;  // none anywhere: the node without
+  std::vector<std::vector<int64_t>> picks = {lo, {}, {even}, {even + (longest - even) / 2}};
+  for (size_t s = 0; s < most.size(); ++s) picks[1].push_back(lo[s] + (most[s] - lo[s]) / 2);
+  std::vector<std::vector<int64_t>> done;
+  for (const std::vector<int64_t>& p : picks) {
+    std::vector<int64_t> per(most.size());  // what each stage recomputes, to compare
+    for (size_t s = 0; s < most.size(); ++s) per[s] = std::min(p[p.size() == 1 ? 0 : s], most[s]);
+    // Every block of every stage is the recomputing node of its own.
+    if (per == most || std::find(done.begin(), done.end(), per) != done.end()) continue;
+    done.push_back(per);
+    emit(recomputing(n, k, true, p));
+  }
 }
 
 // A leaf whose ZeRO-1 shards nothing is the same plan as with zero_stage = 0.
@@ -904,9 +951,8 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
                         Node n;
                         n.placement = p;
                         n.D = D, n.M = M, n.zero = zero;
-                        n.llm =
-                            Choice{tp, cp,  pp, D, 0, rc, 0, &staged(k, pp, rc, even, tp > 1, sp),
-                                   ep, etp, sp};
+                        n.llm = Choice{tp, cp, pp, D,   0,   rc, {}, &staged(k, pp, rc, even, tp > 1, sp),
+                                       ep, etp, sp};
                         n.llm.vp = vp;
                         if (vp > 1) n.llm.chunks = &staged(k, pp, rc, even, tp > 1, sp, vp);
                         if (!rc && partial_applies(E_, n)) n.partial = E_;
@@ -949,18 +995,23 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   int64_t used = n.llm.size();
   for (const Choice& c : n.enc) used += c.size();
   const int64_t per_microbatch = (B_ / n.D + n.M - 1) / n.M * n.D;  // items, at most
+  const auto grid_choice = [](int64_t tp, int64_t cp, int64_t pp, int64_t dp) {
+    Choice c;
+    c.tp = tp, c.cp = cp, c.pp = pp, c.dp = dp;
+    return c;
+  };
   for (int64_t tp : mi.tps)
     for (int64_t cp : mi.cps)
       for (int64_t pp = 1; pp <= mi.max_pp; ++pp) {
         const int64_t grid = tp * cp * pp;
         if (n.placement == kColocated) {
-          if (n.llm.size() % grid == 0) push(Choice{tp, cp, pp, n.llm.size() / grid, 0});
+          if (n.llm.size() % grid == 0) push(grid_choice(tp, cp, pp, n.llm.size() / grid));
           continue;
         }
         std::vector<int64_t> dps = divisors(n.D);
         for (int64_t m = 2 * n.D; m <= per_microbatch; m += n.D) dps.push_back(m);
         for (int64_t dp : dps)
-          if (used + grid * dp + (E_ - k - 1) <= max_ranks_) push(Choice{tp, cp, pp, dp, 0});
+          if (used + grid * dp + (E_ - k - 1) <= max_ranks_) push(grid_choice(tp, cp, pp, dp));
       }
 }
 

@@ -48,7 +48,7 @@ struct ModuleInfo {
 struct Choice {
   int64_t tp = 1, cp = 1, pp = 1, dp = 1, first_rank = 0;
   bool recompute = false;
-  int64_t recompute_blocks = 0;  // with recompute: the first this many of each chunk; 0 = all
+  std::vector<int64_t> recompute_blocks;  // with recompute: recomputed_blocks' (empty = all)
   const Staged* staged = nullptr;
   int64_t ep = 1, etp = 0;  // the LLM's expert parallelism (etp 0 = tp)
   bool sp = false;          // sequence parallelism
@@ -93,16 +93,19 @@ struct Work {
 struct Bound {
   double seconds = 0, memory = 0;
   bool feasible = true;
+  // Space::bound's `watch` module: per pipeline stage, the most memory one of its ranks needs.
+  std::vector<double> stage_memory;
 };
 
 class Space {
  public:
   Space(const Spec& spec, const Cluster& cluster, const SearchOptions& options);
 
-  // The analytic bound of every completion of `n` and the per-rank memory it certainly needs.
-  // Where a cheaper, weaker bound already reaches fits_limit (its memory fits the device) or
-  // over_limit (it does not), that one.
-  Bound bound(const Node& n, double fits_limit = kNoLimit, double over_limit = kNoLimit) const;
+  // The analytic bound of every completion of `n` and the per-rank memory it certainly needs
+  // (and per stage of module `watch`, E_: the LLM, when >= 0). Where a cheaper, weaker bound
+  // already reaches fits_limit (its memory fits the device) or over_limit (it does not), that one.
+  Bound bound(const Node& n, double fits_limit = kNoLimit, double over_limit = kNoLimit,
+              int64_t watch = -1) const;
   static constexpr double kNoLimit = std::numeric_limits<double>::infinity();
   // A leaf whose ZeRO-1 shards nothing: the same plan as with zero_stage = 0.
   bool redundant(const Node& n) const;
@@ -131,7 +134,7 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  mutable std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool, int64_t>,
+  mutable std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool, std::vector<int64_t>>,
                    std::unique_ptr<Staged>>
       staged_;  // a cache
   // pipeline_schedule of every pipeline rank, by {pp, vp, M, backward}.
@@ -146,10 +149,11 @@ class Space {
   // instead of the fused head's gradients (partition.h module_layer_costs); sp: with sequence
   // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes). vp > 1: the
   // LLM's pp · vp interleaved chunks, cut evenly by work (make_plan's cut) or, even, by blocks.
-  // first_blocks: with recompute, each stage's first this many blocks recomputed (0 = every
-  // block; then pp stages not cut evenly are cut by the recompute-aware costs, else as without).
+  // blocks: with recompute, the blocks recomputed (recomputed_blocks: empty = every block; then
+  // pp stages not cut evenly are cut by the recompute-aware costs, else as without).
   const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                       bool sp = false, int64_t vp = 1, int64_t first_blocks = 0) const;
+                       bool sp = false, int64_t vp = 1,
+                       const std::vector<int64_t>& blocks = {}) const;
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
@@ -171,15 +175,17 @@ class Space {
   std::vector<bool> recompute_options(int64_t k) const;
   // Partial recomputation (SearchOptions::partial_recompute). Module k's choice in n without
   // recomputation may stand for its partial ones too (Node::partial) when its longest chunk has
-  // `chunk_blocks` >= 2 blocks. recomputing: n with module k's first `first` blocks of each chunk
-  // recomputed (-1: none, 0: every block), nothing pending. expand_partial: the choices n's pending
-  // module stands for: n without recomputation, and where that does not fit the device (by the
-  // memory bound), the node with the fewest first blocks that make it fit and the one halfway from
-  // those to every block (room for what the bound does not see yet: encoders still to choose, the
-  // simulator's exact peak).
+  // >= 2 blocks (chunk_blocks: per pipeline stage, the longest of its chunks). recomputing: n
+  // with module k's recomputation `on` over `blocks` (recomputed_blocks'), nothing pending.
+  // expand_partial: the choices n's pending module stands for: n without recomputation, and
+  // where that does not fit the device but every block does (by the memory bound), the node
+  // whose every pipeline stage recomputes the fewest first blocks that make its ranks fit (a
+  // rank's memory depends on its own stage's count only, so the stages are bisected together)
+  // and the one halfway from those to every block (room for what the bound does not see yet:
+  // encoders still to choose, the simulator's exact peak).
   bool partial_applies(int64_t k, const Node& n) const;
-  int64_t chunk_blocks(const Node& n, int64_t k) const;
-  Node recomputing(const Node& n, int64_t k, int64_t first) const;
+  std::vector<int64_t> chunk_blocks(const Node& n, int64_t k) const;
+  Node recomputing(const Node& n, int64_t k, bool on, const std::vector<int64_t>& blocks = {}) const;
   void expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const;
   // Sequence parallelism for module k (E_: the LLM) at tp × cp × pp.
   std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const;
