@@ -14,6 +14,15 @@
 // All figures are simulator predictions (plan/simulate.h) on the same cluster model; MFU is over
 // every device of the cluster (a plan may leave some idle). `--write` replaces its section of
 // bench/RESULTS.md, between the markers <!-- bench/scenarios begin --> and ... end -->.
+//
+// `--tight-memory` instead runs some scenarios on H100s with less usable memory, where plans
+// must recompute, and compares per row (section <!-- bench/recompute begin -->):
+//   none/all    the search recomputing a module's every block or none
+//   per stage   the search with partial recomputation (--partial-recompute: each pipeline
+//               stage's first blocks, as many as its ranks need, fitted by the simulator)
+//   uniform     the per-stage winner with each module's largest count on every stage (what
+//               one recompute_blocks count for the module needs to fit the same layout)
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -31,11 +40,14 @@ namespace {
 
 using namespace weft;
 
-// H100 SXM nodes of 8: NVLink 4 (450 GB/s per direction per GPU), one 400 Gb/s NDR NIC per GPU.
-plan::Cluster h100_cluster(int64_t gpus) {
+// H100 SXM nodes of 8: NVLink 4 (450 GB/s per direction per GPU), one 400 Gb/s NDR NIC per GPU;
+// `gib` > 0: that much usable memory per GPU instead of 80 GiB.
+plan::Cluster h100_cluster(int64_t gpus, int64_t gib = 0) {
   const int64_t nodes = (gpus + 7) / 8;
-  return plan::parse_cluster("nodes = " + std::to_string(nodes) +
-                                 "\ngpus_per_node = 8\ndevice = \"h100\"\n"
+  const std::string device =
+      gib > 0 ? "[device]\nbase = \"h100\"\nmemory_gib = " + std::to_string(gib) + "\n"
+              : "device = \"h100\"\n";
+  return plan::parse_cluster("nodes = " + std::to_string(nodes) + "\ngpus_per_node = 8\n" + device +
                                  "[intra_node]\nbandwidth_gbs = 450\nlatency_us = 3\n"
                                  "[inter_node]\nbandwidth_gbs = 50\nlatency_us = 8\n",
                              "h100 x " + std::to_string(gpus));
@@ -50,6 +62,7 @@ struct Scenario {
 struct Outcome {
   double step = 0, mfu = 0;  // MFU over every device
   std::string layout;
+  plan::Candidate candidate;
   double seconds = 0;
   bool complete = true, found = false;
 };
@@ -61,9 +74,10 @@ bool g_partial = false;
 // The best plan of `placements`; `table`: with the five-row table `weft plan` prints (its
 // runner-ups simulated too), else the winner only.
 Outcome run(const Spec& spec, const plan::Cluster& cluster, int64_t gpus,
-            const std::vector<std::string>& placements, bool table = false) {
+            const std::vector<std::string>& placements, bool table = false,
+            bool partial = g_partial) {
   plan::SearchOptions o;
-  o.partial_recompute = g_partial;
+  o.partial_recompute = partial;
   o.max_ranks = gpus;
   o.placements = placements;
   if (!table) o.top = 1, o.report_slack = 0;
@@ -77,6 +91,7 @@ Outcome run(const Spec& spec, const plan::Cluster& cluster, int64_t gpus,
     out.step = e.sim.step_seconds;
     out.mfu = e.sim.mfu * static_cast<double>(e.candidate.world_size) / static_cast<double>(gpus);
     out.layout = plan::describe(spec, e.candidate);
+    out.candidate = e.candidate;
     out.complete = r.stats.complete;
     out.found = true;
   } catch (const Error& e) {
@@ -100,11 +115,111 @@ std::string cell(const std::string& s) {
   return out;
 }
 
+// Replaces bench/RESULTS.md's section `name` (between <!-- bench/NAME begin --> and ... end -->,
+// which `section` carries) with `section`, or appends it.
+int replace_section(const std::string& root, const std::string& name, const std::string& section) {
+  const std::string path = root + "/bench/RESULTS.md";
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string all = text.str();
+  const std::string begin = "<!-- bench/" + name + " begin -->",
+                    end = "<!-- bench/" + name + " end -->";
+  const size_t a = all.find(begin), b = all.find(end);
+  if (a != std::string::npos && b != std::string::npos && b > a) {
+    all.replace(a, b + end.size() + 1 - a, section);
+  } else {
+    all += "\n" + section;
+  }
+  std::ofstream out(path, std::ios::trunc);
+  out << all;
+  if (!out.flush()) {
+    std::fprintf(stderr, "%s: cannot write\n", path.c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "wrote %s\n", path.c_str());
+  return 0;
+}
+
+// --tight-memory: see the top of this file.
+int tight_memory(const std::string& root, bool write) {
+  struct Case {
+    std::string label, config;
+    int64_t gpus, gib;
+  };
+  const std::vector<Case> cases = {
+      {"ViT-22B + Qwen2-72B", "vit22b-qwen2-72b.toml", 256, 24},
+      {"ViT-22B + Qwen2-72B", "vit22b-qwen2-72b.toml", 128, 40},
+      {"EVA-CLIP-18B + Whisper-1.5B + Llama-3-70B", "evaclip18b-whisper-llama70b.toml", 128, 40},
+      {"LLaVA-1.5-7B (CLIP-L/336 + Vicuna-7B)", "llava15-7b.toml", 16, 16},
+      {"SigLIP-878M + Mistral-7B", "siglip-mistral7b.toml", 8, 24},
+  };
+  std::ostringstream md;
+  md << "| scenario | GPUs | GiB | none/all: plan | MFU | per stage: plan | MFU | vs none/all | "
+        "uniform MFU | vs uniform | plan s (none/all, per stage) |\n"
+        "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|\n";
+  for (const Case& c : cases) {
+    const Spec spec = load_spec(root + "/configs/scenarios/" + c.config);
+    const plan::Cluster cluster = h100_cluster(c.gpus, c.gib);
+    const std::vector<std::string> both = {"colocated", "separate"};
+    const Outcome whole = run(spec, cluster, c.gpus, both, false, false);
+    const Outcome staged = run(spec, cluster, c.gpus, both, false, true);
+    std::string uniform = "n/a", vs_whole = "n/a", vs_uniform = "n/a";
+    char buf[64];
+    if (whole.found && staged.found) {
+      std::snprintf(buf, sizeof buf, "%.3fx", whole.step / staged.step);
+      vs_whole = buf;
+    }
+    if (staged.found) {
+      plan::Candidate even = staged.candidate;
+      for (std::vector<int64_t>& v : even.recompute_blocks)
+        if (v.size() > 1) v = {*std::max_element(v.begin(), v.end())};
+      const plan::Evaluation e = plan::evaluate(spec, cluster, even);
+      if (e.sim.memory_fits) {
+        const double mfu =
+            e.sim.mfu * static_cast<double>(even.world_size) / static_cast<double>(c.gpus);
+        std::snprintf(buf, sizeof buf, "%.1f%%", 100 * mfu);
+        uniform = buf;
+        std::snprintf(buf, sizeof buf, "%.3fx", e.sim.step_seconds / staged.step);
+        vs_uniform = buf;
+      } else {
+        uniform = "does not fit";
+      }
+    }
+    std::snprintf(buf, sizeof buf, "%.1f, %.1f", whole.seconds, staged.seconds);
+    std::ostringstream row;
+    row << "| " << c.label << " | " << c.gpus << " | " << c.gib << " | "
+        << cell(whole.found ? whole.layout : "does not fit") << " | " << pct(whole) << " | "
+        << cell(staged.found ? staged.layout : "does not fit") << " | " << pct(staged) << " | "
+        << vs_whole << " | " << uniform << " | " << vs_uniform << " | " << buf << " |\n";
+    md << row.str();
+    std::fprintf(stderr, "%s", row.str().c_str());
+  }
+  std::ostringstream section;
+  section << "<!-- bench/recompute begin -->\n"
+          << "## Recomputation under tight memory: per pipeline stage vs every block or none "
+             "(simulated H100 clusters with less usable memory)\n\n"
+          << "Reproduce: `ninja -C build weft_bench_scenarios && build/weft_bench_scenarios "
+             "--tight-memory --write`. The scenarios above on H100s whose usable memory is cut "
+             "to `GiB` (as where other work shares the GPUs), so that plans must recompute. "
+             "none/all: weft's search recomputing a module's every block or none; per stage: "
+             "with `--partial-recompute`, each pipeline stage recomputing the first blocks of "
+             "its chunks, as many as its own ranks need (`recompute_blocks = [n0, n1, ...]`; "
+             "`describe` writes `module:[n0/n1/...]`), fitted by the simulator; uniform: that "
+             "plan with each module's largest count on every stage (one `recompute_blocks` "
+             "count, the fewest that fits the same layout). Ratios are step-time speed-ups of "
+             "the per-stage plan, predicted by weft's simulator, measured in the same run. "
+             "`plan s`: the two searches' wall time on this 2-core machine.\n\n"
+          << md.str() << "<!-- bench/recompute end -->\n";
+  std::printf("%s", section.str().c_str());
+  return write ? replace_section(root, "recompute", section.str()) : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string root = WEFT_SOURCE_DIR;
-  bool write = false, quick = false;
+  bool write = false, quick = false, tight = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--write")) {
       write = true;
@@ -112,18 +227,23 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--partial-recompute")) {
       g_partial = true;
+    } else if (!std::strcmp(argv[i], "--tight-memory")) {
+      tight = true;
     } else if (!std::strcmp(argv[i], "--root") && i + 1 < argc) {
       root = argv[++i];
     } else {
       std::fprintf(stderr,
-                   "usage: weft_bench_scenarios [--quick] [--partial-recompute] [--write] "
-                   "[--root SOURCE_DIR]\n"
+                   "usage: weft_bench_scenarios [--quick] [--partial-recompute] "
+                   "[--tight-memory] [--write] [--root SOURCE_DIR]\n"
                    "  --quick  the smallest cluster of each scenario only\n"
                    "  --partial-recompute  also search recompute_blocks (weft plan's flag)\n"
-                   "  --write  replace the scenarios section of bench/RESULTS.md\n");
+                   "  --tight-memory  recomputation per stage vs every block or none, on GPUs "
+                   "with less memory\n"
+                   "  --write  replace the section of bench/RESULTS.md\n");
       return 2;
     }
   }
+  if (tight) return tight_memory(root, write);
   const std::vector<Scenario> scenarios = {
       {"ViT-22B + Qwen2-72B", "vit22b-qwen2-72b.toml", {}, {256, 1024}},
       {"ViT-22B (frozen) + Qwen2-72B",
@@ -213,25 +333,5 @@ int main(int argc, char** argv) {
           << md.str() << "\n"
           << disttrain << "<!-- bench/scenarios end -->\n";
   std::printf("%s", section.str().c_str());
-  if (!write) return 0;
-  const std::string path = root + "/bench/RESULTS.md";
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  std::string all = text.str();
-  const std::string begin = "<!-- bench/scenarios begin -->", end = "<!-- bench/scenarios end -->";
-  const size_t a = all.find(begin), b = all.find(end);
-  if (a != std::string::npos && b != std::string::npos && b > a) {
-    all.replace(a, b + end.size() + 1 - a, section.str());
-  } else {
-    all += "\n" + section.str();
-  }
-  std::ofstream out(path, std::ios::trunc);
-  out << all;
-  if (!out.flush()) {
-    std::fprintf(stderr, "%s: cannot write\n", path.c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "wrote %s\n", path.c_str());
-  return 0;
+  return write ? replace_section(root, "scenarios", section.str()) : 0;
 }

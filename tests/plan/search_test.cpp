@@ -247,15 +247,17 @@ TEST(Search, PartialRecomputationWhereMemoryIsTight) {
   for (size_t k = 0; k < c.recompute.size(); ++k) {
     if (!c.recompute[k] || c.recompute_blocks[k].empty()) continue;
     const std::vector<int64_t>& v = c.recompute_blocks[k];
-    uneven = uneven || *std::min_element(v.begin(), v.end()) < *std::max_element(v.begin(), v.end());
+    uneven =
+        uneven || *std::min_element(v.begin(), v.end()) < *std::max_element(v.begin(), v.end());
     for (size_t s = 0; s < v.size(); ++s) {  // one block fewer on any stage: over memory
       if (v[s] == 0) continue;
       Candidate fewer = c;
       fewer.recompute_blocks[k][s] -= 1;
-      if (*std::max_element(fewer.recompute_blocks[k].begin(), fewer.recompute_blocks[k].end()) == 0)
+      if (*std::max_element(fewer.recompute_blocks[k].begin(), fewer.recompute_blocks[k].end()) ==
+          0)
         fewer.recompute[k] = false, fewer.recompute_blocks[k].clear();
-      EXPECT_FALSE(evaluate(spec, tight, fewer).sim.memory_fits) << what << " module " << k
-                                                                   << " stage " << s;
+      EXPECT_FALSE(evaluate(spec, tight, fewer).sim.memory_fits)
+          << what << " module " << k << " stage " << s;
     }
   }
   EXPECT_TRUE(uneven) << what;
@@ -264,11 +266,11 @@ TEST(Search, PartialRecomputationWhereMemoryIsTight) {
   const Spec applied = apply_candidate(spec, win.candidate);
   const std::string snippet = config_snippet(spec, win.candidate);
   EXPECT_NE(snippet.find("recompute_blocks = ["), std::string::npos) << snippet;
-  std::printf("tight memory: %s %.4f s; fitted by the bound: %s %.4f s; every block or none: %s "
-              "%.4f s\n",
-              what.c_str(), win.sim.step_seconds, describe(spec, brute.candidate).c_str(),
-              brute.sim.step_seconds, describe(spec, whole.candidate).c_str(),
-              whole.sim.step_seconds);
+  std::printf(
+      "tight memory: %s %.4f s; fitted by the bound: %s %.4f s; every block or none: %s "
+      "%.4f s\n",
+      what.c_str(), win.sim.step_seconds, describe(spec, brute.candidate).c_str(),
+      brute.sim.step_seconds, describe(spec, whole.candidate).c_str(), whole.sim.step_seconds);
   EXPECT_NEAR(evaluate(applied, tight, win.candidate).sim.step_seconds, win.sim.step_seconds,
               1e-9 * win.sim.step_seconds);
 }

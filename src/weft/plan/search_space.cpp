@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "weft/core/error.h"
 #include "weft/plan/partition.h"
@@ -509,9 +510,8 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
     const Bound off = bound(recomputing(n, n.partial, false), fits_limit, over_limit, watch);
     if (!off.feasible || off.memory <= cl_.device.memory_bytes) return off;  // none it is
     // Every block of the partial choices' cut (not the recompute-aware one of every block).
-    Bound most =
-        bound(recomputing(n, n.partial, true, chunk_blocks(n, n.partial)), fits_limit, over_limit,
-              watch);
+    Bound most = bound(recomputing(n, n.partial, true, chunk_blocks(n, n.partial)), fits_limit,
+                       over_limit, watch);
     most.seconds = off.seconds;
     return most;
   }
@@ -809,7 +809,7 @@ std::vector<bool> Space::recompute_options(int64_t k) const {
 bool Space::partial_applies(int64_t k, const Node& n) const {
   if (!o_.recompute || !o_.partial_recompute || !info(k).keeps_activations) return false;
   const std::vector<int64_t> most = chunk_blocks(n, k);
-  return *std::max_element(most.begin(), most.end()) >= 2;
+  return std::accumulate(most.begin(), most.end(), int64_t{0}) >= 2;  // something in between
 }
 
 std::vector<int64_t> Space::chunk_blocks(const Node& n, int64_t k) const {
@@ -951,8 +951,9 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
                         Node n;
                         n.placement = p;
                         n.D = D, n.M = M, n.zero = zero;
-                        n.llm = Choice{tp, cp, pp, D,   0,   rc, {}, &staged(k, pp, rc, even, tp > 1, sp),
-                                       ep, etp, sp};
+                        n.llm =
+                            Choice{tp, cp,  pp, D, 0, rc, {}, &staged(k, pp, rc, even, tp > 1, sp),
+                                   ep, etp, sp};
                         n.llm.vp = vp;
                         if (vp > 1) n.llm.chunks = &staged(k, pp, rc, even, tp > 1, sp, vp);
                         if (!rc && partial_applies(E_, n)) n.partial = E_;

@@ -174,18 +174,19 @@ class Space {
   std::vector<int64_t> zero_stages() const;
   std::vector<bool> recompute_options(int64_t k) const;
   // Partial recomputation (SearchOptions::partial_recompute). Module k's choice in n without
-  // recomputation may stand for its partial ones too (Node::partial) when its longest chunk has
-  // >= 2 blocks (chunk_blocks: per pipeline stage, the longest of its chunks). recomputing: n
-  // with module k's recomputation `on` over `blocks` (recomputed_blocks'), nothing pending.
-  // expand_partial: the choices n's pending module stands for: n without recomputation, and
-  // where that does not fit the device but every block does (by the memory bound), the node
-  // whose every pipeline stage recomputes the fewest first blocks that make its ranks fit (a
-  // rank's memory depends on its own stage's count only, so the stages are bisected together)
-  // and the one halfway from those to every block (room for what the bound does not see yet:
-  // encoders still to choose, the simulator's exact peak).
+  // recomputation may stand for its partial ones too (Node::partial) when there are some: two
+  // pipeline stages or a chunk of >= 2 blocks (chunk_blocks: per pipeline stage, the longest of
+  // its chunks). recomputing: n with module k's recomputation `on` over `blocks`
+  // (recomputed_blocks'), nothing pending. expand_partial: the choices n's pending module stands
+  // for: n without recomputation, and where that does not fit the device but every block does
+  // (by the memory bound), each pipeline stage's fewest first blocks that make its ranks fit (a
+  // rank's memory moves with its own stage's count only, so the stages are bisected together),
+  // the most of those on every stage, and each halfway to every block (room for what the bound
+  // does not see yet: encoders still to choose, the simulator's exact peak).
   bool partial_applies(int64_t k, const Node& n) const;
   std::vector<int64_t> chunk_blocks(const Node& n, int64_t k) const;
-  Node recomputing(const Node& n, int64_t k, bool on, const std::vector<int64_t>& blocks = {}) const;
+  Node recomputing(const Node& n, int64_t k, bool on,
+                   const std::vector<int64_t>& blocks = {}) const;
   void expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const;
   // Sequence parallelism for module k (E_: the LLM) at tp × cp × pp.
   std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const;
