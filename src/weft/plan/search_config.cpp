@@ -177,6 +177,7 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
   const auto names = module_names(spec);
   Candidate c = e.candidate;
   if (c.recompute_blocks.empty()) c.recompute_blocks.resize(c.layouts.size());
+  bool changed = false;
   for (size_t k = 0; k < names.size(); ++k) {
     if (!c.recompute[k]) continue;
     const ModulePlan& m = e.plan.module(names[k]);
@@ -213,9 +214,10 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
     if (std::adjacent_find(now.begin(), now.end(), std::not_equal_to<>()) == now.end())
       now.resize(1);  // one count for every stage
     c.recompute_blocks[k] = c.recompute[k] ? now : std::vector<int64_t>{};
+    changed =
+        changed || !c.recompute[k] || candidate_blocks(c, k) != candidate_blocks(e.candidate, k);
   }
-  if (c.recompute == e.candidate.recompute && c.recompute_blocks == e.candidate.recompute_blocks)
-    return e;
+  if (!changed) return e;
   Evaluation r = evaluate(spec, cluster, c, options);
   if (simulations) ++*simulations;
   if (!r.sim.memory_fits || r.sim.step_seconds > e.sim.step_seconds) return e;
