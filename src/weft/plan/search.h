@@ -24,9 +24,11 @@
 //   zero_stage    0 or 1; recompute per module that keeps activations: off or every block;
 //             with partial_recompute also, where the node does not fit the device without it
 //             but does with every block (by its memory bound), per pipeline stage the fewest
-//             first blocks of each chunk that make its ranks fit, and halfway from those to
-//             every block (model.<module>.recompute_blocks: one count per stage, so the early
-//             stages of 1F1B, which hold more microbatches, recompute more than the late ones)
+//             first blocks of each chunk that make its ranks fit, the most of those on every
+//             stage, and each halfway to every block (model.<module>.recompute_blocks: one
+//             count per stage, so the early stages of 1F1B, which hold more microbatches,
+//             recompute more than the late ones); the plans reported are then fitted to the
+//             simulator's peaks stage by stage (refine_recompute)
 //
 // Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
 // every node has an analytic lower bound on the simulated step time, built from the same op
@@ -117,8 +119,9 @@ struct SearchOptions {
   bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)
   bool recompute = true;  // also try activation recomputation per module
   // With recompute: also a module's first blocks of each chunk where memory needs some (above).
-  // Off by default: it slows the search (~1.4x at DistTrain's 72B scale) and changed no
-  // scenario's plan in bench/RESULTS.md; it pays where the layouts that fit are few.
+  // Off by default: it slows the search (2-4x; 23.5 s to 50.6 s at DistTrain's 72B scale) and
+  // changed no scenario's MFU in bench/RESULTS.md; it pays where memory is tight (1.02-1.07x in
+  // its "Recomputation under tight memory" table).
   bool partial_recompute = false;
   int64_t top = 5;  // distinct layouts to report (the winner first)
   // Also simulate candidates whose bound is within this fraction of the best step time, so the
@@ -195,9 +198,9 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
 // Partial recomputation fitted by the simulator (search applies it to the plans it reports
 // under partial_recompute): each pipeline stage of every recomputing module of a candidate that
 // fits recomputes the fewest first blocks of each chunk for the simulated step to still fit the
-// device, bisected stage by stage (a stage's count moves only its own ranks' peak; the others
-// keep theirs); none anywhere turns the module's recomputation off. The faster of that and `e`;
-// `simulations` counts the candidates simulated.
+// device, bisected stage by stage (a stage's count moves its own ranks' peak, the others' only
+// through the timing of the ops they share ranks with); none anywhere turns the module's
+// recomputation off. The faster of that and `e`; `simulations` counts the candidates simulated.
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
                             const SimOptions& options = {}, int64_t* simulations = nullptr);
 
