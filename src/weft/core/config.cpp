@@ -132,13 +132,6 @@ bool contains(const Range& keys, std::string_view key) {
   return std::find(std::begin(keys), std::end(keys), key) != std::end(keys);
 }
 
-// "[1, 2, 3]".
-std::string format_list(const std::vector<int64_t>& values) {
-  std::string out;
-  for (int64_t v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
-  return "[" + out + "]";
-}
-
 // Shortest decimal text that reads back to exactly `v`, always in TOML float syntax.
 std::string format_double(double v) {
   if (std::isnan(v)) return "nan";

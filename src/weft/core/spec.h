@@ -58,14 +58,18 @@ inline int64_t recomputed_blocks(bool recompute, const std::vector<int64_t>& rec
   if (recompute_blocks.empty()) return kAllBlocks;
   return recompute_blocks[static_cast<size_t>(stage) % recompute_blocks.size()];
 }
-// recompute_blocks as a config writes it: 0 (every block), one count, or a TOML list whose values
-// `sep` parts (", " in a file, "," in one shell word).
+// A TOML list of integers, "[1, 2, 3]"; `sep` between the values (", " in a file, "," in one
+// shell word).
+inline std::string format_list(const std::vector<int64_t>& values, const char* sep = ", ") {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? sep : "") + std::to_string(values[i]);
+  return out + "]";
+}
+// recompute_blocks as a config writes it: 0 (every block), one count, or a list (format_list).
 inline std::string recompute_blocks_text(const std::vector<int64_t>& blocks,
                                          const char* sep = ", ") {
   if (blocks.size() <= 1) return std::to_string(blocks.empty() ? 0 : blocks[0]);
-  std::string out = "[";
-  for (size_t i = 0; i < blocks.size(); ++i) out += (i ? sep : "") + std::to_string(blocks[i]);
-  return out + "]";
+  return format_list(blocks, sep);
 }
 // Whether block `i` of such a chunk (0 = the chunk's first) is recomputed.
 inline bool recomputes_block(bool recompute, const std::vector<int64_t>& recompute_blocks,

@@ -153,12 +153,6 @@ std::vector<std::vector<PipelineOp>> pipeline_schedules(int64_t pp, int64_t vp, 
 
 namespace {
 
-std::string format_list(const std::vector<int64_t>& values) {
-  std::string out;
-  for (int64_t v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
-  return "[" + out + "]";
-}
-
 // Checks a module's layout against its model shape and fills its stage boundaries.
 void check_layout(const Spec& spec, const std::vector<int64_t>& stages, ModulePlan* m) {
   const Layout& l = m->layout;

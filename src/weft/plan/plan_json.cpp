@@ -78,12 +78,6 @@ const char* role_name(ModuleRole r) {
   return r == ModuleRole::kEncoder ? "encoder" : r == ModuleRole::kProjector ? "projector" : "llm";
 }
 
-std::string list(const std::vector<int64_t>& v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out + "]";
-}
-
 }  // namespace
 
 Plan plan_from_json(const std::string& text, const std::string& source) {
@@ -150,8 +144,9 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
     const std::vector<int64_t> ranks = f.integers("ranks");
     WEFT_CHECK(ranks.size() == 2 && ranks[0] >= 0 && ranks[1] - ranks[0] == m.layout.size() &&
                    ranks[1] <= plan.world_size,
-               source, ": ", at, ".ranks = ", list(ranks), ": expected [first, first + dp*tp*pp*cp",
-               " = first + ", m.layout.size(), "] within world_size = ", plan.world_size);
+               source, ": ", at, ".ranks = ", format_list(ranks),
+               ": expected [first, first + dp*tp*pp*cp", " = first + ", m.layout.size(),
+               "] within world_size = ", plan.world_size);
     m.first_rank = ranks[0];
     m.layers = f.integer("layers", 0);
     m.stage_boundaries = f.integers("stage_boundaries");
@@ -159,7 +154,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
     const int64_t stages = m.layout.stages();
     WEFT_CHECK(
         !staged || static_cast<int64_t>(m.stage_boundaries.size()) == (stages > 1 ? stages - 1 : 0),
-        source, ": ", at, ".stage_boundaries = ", list(m.stage_boundaries), ": expected ",
+        source, ": ", at, ".stage_boundaries = ", format_list(m.stage_boundaries), ": expected ",
         m.layout.vp > 1 ? "pp * vp - 1 = " : "pp - 1 = ", stages - 1, " entries");
     m.frozen = f.boolean("frozen");
     m.weight_grads = f.boolean("weight_grads");
@@ -240,14 +235,14 @@ Plan plan_from_json(const std::string& text, const std::string& source, const Sp
                show(b.layout) + " (a projector takes its encoder's)");
     }
     if (a.first_rank != b.first_rank)
-      mismatch(at + ".ranks", list({a.first_rank, a.first_rank + a.layout.size()}),
-               list({b.first_rank, b.first_rank + b.layout.size()}) + " (placement \"" +
+      mismatch(at + ".ranks", format_list({a.first_rank, a.first_rank + a.layout.size()}),
+               format_list({b.first_rank, b.first_rank + b.layout.size()}) + " (placement \"" +
                    file.placement + "\")");
     if (a.layers != b.layers)
       mismatch(at + ".layers", std::to_string(a.layers), std::to_string(b.layers));
     if (a.stage_boundaries != b.stage_boundaries)
-      mismatch(at + ".stage_boundaries", list(a.stage_boundaries),
-               list(b.stage_boundaries) + " (a projector takes its encoder's)");
+      mismatch(at + ".stage_boundaries", format_list(a.stage_boundaries),
+               format_list(b.stage_boundaries) + " (a projector takes its encoder's)");
     if (a.frozen != b.frozen) mismatch(at + ".frozen", flag(a.frozen), flag(b.frozen));
     if (a.weight_grads != b.weight_grads)
       mismatch(at + ".weight_grads", flag(a.weight_grads), flag(b.weight_grads));

@@ -12,13 +12,6 @@ namespace weft::plan {
 
 namespace {
 
-// A TOML array; `sep` between the values (", " in a file, "," in one shell word).
-std::string list(const std::vector<int64_t>& v, const char* sep = ", ") {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + std::to_string(v[i]);
-  return out + "]";
-}
-
 std::vector<std::string> module_names(const Spec& spec) {
   std::vector<std::string> names;
   for (const EncoderSpec& e : spec.model.encoders) names.push_back(e.name);
@@ -272,7 +265,7 @@ std::vector<std::string> config_overrides(const Spec& spec, const Candidate& c) 
     if (l.etp > 0) out.push_back(p + "etp=" + std::to_string(l.etp));
     if (l.sp) out.push_back(p + "sp=true");
     out.push_back(p + "vp=" + std::to_string(l.vp));  // always: the config may set another
-    out.push_back(p + "stages=" + list(l.stages, ","));
+    out.push_back(p + "stages=" + format_list(l.stages, ","));
   }
   out.push_back("train.microbatches=" + std::to_string(c.microbatches));
   out.push_back("train.zero_stage=" + std::to_string(c.zero_stage));
@@ -297,7 +290,7 @@ std::string config_snippet(const Spec& spec, const Candidate& c) {
     if (l.etp > 0) os << "etp = " << l.etp << "\n";
     if (l.sp) os << "sp = true\n";
     os << "vp = " << l.vp << "\n";
-    os << "stages = " << list(l.stages) << "\n";
+    os << "stages = " << format_list(l.stages) << "\n";
   }
   os << "\n[train]\nmicrobatches = " << c.microbatches << "\nzero_stage = " << c.zero_stage << "\n";
   for (size_t k = 0; k < names.size(); ++k)
