@@ -29,6 +29,12 @@
 //             count per stage, so the early stages of 1F1B, which hold more microbatches,
 //             recompute more than the late ones); the plans reported are then fitted to the
 //             simulator's peaks stage by stage (refine_recompute)
+//   boundaries  with partial_recompute (and move_boundaries), a pipelined module's stage cut
+//             moved with its counts, as AdaPipe co-optimises them: from the partial node's cut,
+//             one block at a time leaves the busiest stage for another while the bound falls,
+//             every stage's count re-fitted to its memory; and again after the search on the
+//             fastest plans, each stage's memory limit lowered by what its simulated peak adds to
+//             the bound's (the timing of the modules sharing its ranks), before refine_recompute
 //
 // Branch and bound over a tree (the LLM's choice first, then each encoder's; search_space.h):
 // every node has an analytic lower bound on the simulated step time, built from the same op
@@ -123,6 +129,10 @@ struct SearchOptions {
   // changed no scenario's MFU in bench/RESULTS.md; it pays where memory is tight (1.02-1.07x in
   // its "Recomputation under tight memory" table).
   bool partial_recompute = false;
+  // With partial_recompute: also move a pipelined module's stage boundaries (vp = 1) with its
+  // per-stage counts, as AdaPipe co-optimises them: a stage that would recompute much gives blocks
+  // to one that recomputes little (Space::rebalance, search_space.h). Off: make_plan's cuts.
+  bool move_boundaries = true;
   int64_t top = 5;  // distinct layouts to report (the winner first)
   // Also simulate candidates whose bound is within this fraction of the best step time, so the
   // runner-ups in the table are searched like the winner (within `gap`).
@@ -200,7 +210,10 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
 // fits recomputes the fewest first blocks of each chunk for the simulated step to still fit the
 // device, bisected stage by stage (a stage's count moves its own ranks' peak, the others' only
 // through the timing of the ops they share ranks with); none anywhere turns the module's
-// recomputation off. The faster of that and `e`; `simulations` counts the candidates simulated.
+// recomputation off. A candidate that does not fit (counts fitted by a bound) first gets one more
+// block on every stage of each module recomputing per stage until it fits (or recomputes every
+// block). The faster of that and `e`, or `e` when nothing fits; `simulations` counts the
+// candidates simulated.
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
                             const SimOptions& options = {}, int64_t* simulations = nullptr);
 
@@ -216,7 +229,8 @@ std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Clust
                                                    const SearchOptions& options = {});
 
 // "separate | vision tp1 dp16 | llm tp8 pp4 dp2 | mb 8 zero1 recompute vision,llm:4" (llm:4: its
-// first 4 blocks of each chunk).
+// first 4 blocks of each chunk; per stage, "llm:[9/6/0/0 of 18/20/21/21]": 9 of stage 0's 18
+// blocks, ...; interleaved, "llm:[3/2]" per stage of its chunks).
 std::string describe(const Spec& spec, const Candidate& candidate);
 // The config that reproduces a candidate: TOML ([parallel], [parallel.<module>], [train],
 // [model.<module>] recompute, recompute_blocks) and the same as --set overrides (no spaces: each

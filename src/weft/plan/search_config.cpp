@@ -164,23 +164,57 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
   return e;
 }
 
+namespace {
+// Per pipeline stage of module m, its longest chunk's blocks.
+std::vector<int64_t> stage_blocks(const ModulePlan& m) {
+  const int64_t pp = m.layout.pp;
+  std::vector<int64_t> most(static_cast<size_t>(pp), 0);
+  for (int64_t v = 0; v < m.layout.stages(); ++v) {
+    const auto [begin, end] = m.stage_layers(v);
+    int64_t& most_s = most[static_cast<size_t>(v % pp)];
+    most_s = std::max(most_s, end - begin);
+  }
+  return most;
+}
+}  // namespace
+
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
                             const SimOptions& options, int64_t* simulations) {
-  if (!e.sim.memory_fits) return e;
   const auto names = module_names(spec);
+  const auto simulate_one = [&](const Candidate& c) {
+    if (simulations) ++*simulations;
+    return evaluate(spec, cluster, c, options);
+  };
+  // Too few blocks for the simulated peak (counts fitted by the bound): one more on every stage
+  // of each module recomputing per stage, until it fits or each recomputes every block.
+  if (!e.sim.memory_fits) {
+    Evaluation raised = e;
+    while (!raised.sim.memory_fits) {
+      Candidate c = raised.candidate;
+      bool more = false;
+      for (size_t k = 0; k < names.size() && k < c.recompute_blocks.size(); ++k) {
+        if (!c.recompute[k] || c.recompute_blocks[k].empty()) continue;
+        const std::vector<int64_t> most = stage_blocks(raised.plan.module(names[k]));
+        std::vector<int64_t> now(most.size());
+        for (size_t s = 0; s < most.size(); ++s)
+          now[s] = std::min(
+              recomputed_blocks(true, c.recompute_blocks[k], static_cast<int64_t>(s)) + 1, most[s]);
+        if (now == most) now.clear();  // every block
+        more = more || now != c.recompute_blocks[k];
+        c.recompute_blocks[k] = now;
+      }
+      if (!more) return e;
+      raised = simulate_one(c);
+      raised.lower_bound = e.lower_bound;
+    }
+    e = std::move(raised);
+  }
   Candidate c = e.candidate;
   if (c.recompute_blocks.empty()) c.recompute_blocks.resize(c.layouts.size());
   bool changed = false;
   for (size_t k = 0; k < names.size(); ++k) {
     if (!c.recompute[k]) continue;
-    const ModulePlan& m = e.plan.module(names[k]);
-    const int64_t pp = m.layout.pp;
-    std::vector<int64_t> most(static_cast<size_t>(pp), 0);  // each stage's longest chunk
-    for (int64_t v = 0; v < m.layout.stages(); ++v) {
-      const auto [begin, end] = m.stage_layers(v);
-      int64_t& most_s = most[static_cast<size_t>(v % pp)];
-      most_s = std::max(most_s, end - begin);
-    }
+    const std::vector<int64_t> most = stage_blocks(e.plan.module(names[k]));
     const std::vector<int64_t> was = c.recompute_blocks[k];
     std::vector<int64_t> now(most.size());
     for (size_t s = 0; s < most.size(); ++s)
@@ -194,8 +228,7 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
         Candidate t = c;
         t.recompute[k] = *std::max_element(trial.begin(), trial.end()) > 0;
         t.recompute_blocks[k] = t.recompute[k] ? trial : std::vector<int64_t>{};
-        if (simulations) ++*simulations;
-        if (evaluate(spec, cluster, t, options).sim.memory_fits)
+        if (simulate_one(t).sim.memory_fits)
           hi = mid;
         else
           lo = mid + 1;
@@ -211,8 +244,7 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
         changed || !c.recompute[k] || candidate_blocks(c, k) != candidate_blocks(e.candidate, k);
   }
   if (!changed) return e;
-  Evaluation r = evaluate(spec, cluster, c, options);
-  if (simulations) ++*simulations;
+  Evaluation r = simulate_one(c);
   if (!r.sim.memory_fits || r.sim.step_seconds > e.sim.step_seconds) return e;
   r.lower_bound = std::min(e.lower_bound, r.sim.step_seconds);
   return r;
@@ -237,12 +269,26 @@ std::string describe(const Spec& spec, const Candidate& c) {
   os << " | mb " << c.microbatches;
   if (c.zero_stage > 0) os << " zero" << c.zero_stage;
   std::string rc;
-  for (size_t k = 0; k < names.size(); ++k)
-    if (c.recompute[k])
-      rc += (rc.empty() ? "" : ",") + names[k] +
-            (candidate_blocks(c, k).empty()
-                 ? ""
-                 : ":" + recompute_blocks_text(candidate_blocks(c, k), "/"));
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (!c.recompute[k]) continue;
+    rc += (rc.empty() ? "" : ",") + names[k];
+    const std::vector<int64_t> blocks = candidate_blocks(c, k);
+    if (blocks.empty()) continue;
+    std::string text = recompute_blocks_text(blocks, "/");
+    const LayoutSpec& l = c.layouts[k];
+    if (blocks.size() > 1 && l.vp <= 1 && l.stages.size() + 1 == blocks.size()) {
+      // Per stage, of how many blocks (the search may move the boundaries with the counts).
+      const int64_t layers =
+          k < spec.model.encoders.size() ? spec.model.encoders[k].layers : spec.model.llm.layers;
+      std::vector<int64_t> sizes;
+      for (size_t s = 0; s <= l.stages.size(); ++s)
+        sizes.push_back((s < l.stages.size() ? l.stages[s] : layers) -
+                        (s > 0 ? l.stages[s - 1] : 0));
+      text.pop_back();
+      text += " of " + format_list(sizes, "/").substr(1);
+    }
+    rc += ":" + text;
+  }
   if (!rc.empty()) os << " recompute " << rc;
   return os.str();
 }

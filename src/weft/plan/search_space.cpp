@@ -153,9 +153,10 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
 // ---- costs --------------------------------------------------------------------------------
 
 const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                            bool sp, int64_t vp, const std::vector<int64_t>& blocks_in) const {
+                            bool sp, int64_t vp, const std::vector<int64_t>& blocks_in,
+                            const std::vector<int64_t>& cut) const {
   const std::vector<int64_t> blocks = recompute ? blocks_in : std::vector<int64_t>{};
-  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp, blocks}];
+  auto& slot = staged_[{k, pp, vp, recompute, even, vocab_parallel, sp, blocks, cut}];
   if (slot) return *slot;
   auto st = std::make_unique<Staged>();
   ModulePlan m = base_.modules[info(k).plan_index];
@@ -165,7 +166,12 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   // Costs are for the whole stage; tp picks the loss, and lets sp take effect.
   m.layout.tp = vocab_parallel || sp ? 2 : 1;
   m.layout.sp = sp;
-  if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
+  if (!cut.empty()) {
+    WEFT_CHECK(vp == 1 && static_cast<int64_t>(cut.size()) == pp - 1,
+               "search: a given cut of module ", m.name, " needs pp - 1 = ", pp - 1,
+               " boundaries and vp = 1");
+    st->boundaries = cut;
+  } else if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1 && vp > 1) {  // interleaved chunks: make_plan's default cut
     st->boundaries =
@@ -618,8 +624,11 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
   std::vector<double> reduced(static_cast<size_t>(P), 0);
   const auto finish = [&] {
     Bound out;
-    if (watch >= 0)
-      out.stage_memory.assign(static_cast<size_t>(watch == E_ ? n.llm.pp : n.enc[watch].pp), 0.0);
+    if (watch >= 0) {
+      const size_t stages = static_cast<size_t>(watch == E_ ? n.llm.pp : n.enc[watch].pp);
+      out.stage_memory.assign(stages, 0.0);
+      out.stage_seconds.assign(stages, 0.0);
+    }
     double arrival = 0, opt = 0;  // at the loss all-reduce; the optimizer after it
     for (const Rank& x : ranks) {
       double fwd = 0, bytes = 0, measured = 0, static_bytes = 0, act = 0, gather = 0;
@@ -633,8 +642,12 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
       }
       out.memory = std::max(out.memory, static_bytes + act);
       const auto watched = [&](int64_t stage) {
+        double busy = x.llm ? x.llm->fwd + x.llm->bwd : 0;
+        for (const auto& e : x.enc) busy += e.second.fwd + e.second.bwd;
         double& m = out.stage_memory[static_cast<size_t>(stage)];
+        double& t = out.stage_seconds[static_cast<size_t>(stage)];
         m = std::max(m, static_bytes + act);
+        t = std::max(t, busy);
       };
       if (watch == E_ && x.llm) watched(x.llm_stage);
       for (size_t i = 0; watch >= 0 && watch < E_ && i < x.enc.size(); ++i)
@@ -838,25 +851,25 @@ Node Space::recomputing(const Node& n, int64_t k, bool on,
   const bool even = llm && n.placement == kMegatron;
   const bool vocab_parallel = llm && c.tp > 1;
   c.staged = &staged(static_cast<int>(k), c.pp, c.recompute, even, vocab_parallel, c.sp, 1,
-                     c.recompute_blocks);
+                     c.recompute_blocks, c.cut);
   if (c.vp > 1)
     c.chunks = &staged(static_cast<int>(k), c.pp, c.recompute, even, vocab_parallel, c.sp, c.vp,
                        c.recompute_blocks);
   return out;
 }
 
-void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const {
-  const int64_t k = n.partial;
+std::vector<int64_t> Space::fit_stages(const Node& n, int64_t k,
+                                       const std::vector<double>& headroom) const {
   const std::vector<int64_t> most = chunk_blocks(n, k);
   const double mem = cl_.device.memory_bytes;
-  Node off = recomputing(n, k, false);
-  const bool fits = bound(off).memory <= mem;
-  emit(std::move(off));
-  if (fits) return;
-  const Bound all = bound(recomputing(n, k, true, most), kNoLimit, kNoLimit, k);
-  if (all.memory > mem) return;  // nothing partial fits (every block, if anything: its own node)
-  // Each stage's fewest first blocks whose ranks fit, bisected for every stage at once: a
-  // rank's memory falls as its own stage recomputes more and no other stage's count moves it.
+  // Memory only: the quick bound's (limits 0), which the schedule's replay does not change.
+  const auto fits = [&](const Bound& b, size_t s) {
+    return b.stage_memory[s] + (headroom.empty() ? 0 : headroom[s]) <= mem;
+  };
+  const Bound all = bound(recomputing(n, k, true, most), 0, 0, k);
+  if (all.memory > mem) return {};
+  for (size_t s = 0; s < most.size(); ++s)
+    if (!fits(all, s)) return {};
   std::vector<int64_t> lo(most.size(), 0), hi = most;
   for (;;) {
     std::vector<int64_t> mid(most.size());
@@ -865,16 +878,90 @@ void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emi
       mid[s] = (lo[s] + hi[s]) / 2;
       open = open || lo[s] < hi[s];
     }
-    if (!open) break;
-    const Bound b = bound(recomputing(n, k, true, mid), kNoLimit, kNoLimit, k);
+    if (!open) return lo;
+    const Bound b = bound(recomputing(n, k, true, mid), 0, 0, k);
     for (size_t s = 0; s < most.size(); ++s) {
       if (lo[s] == hi[s]) continue;
-      if (b.stage_memory[s] <= mem)
+      if (fits(b, s))
         hi[s] = mid[s];
       else
         lo[s] = mid[s] + 1;
     }
   }
+}
+
+std::optional<Space::Fitted> Space::fit_cut(const Node& n, int64_t k,
+                                            const std::vector<int64_t>& cut,
+                                            const std::vector<double>& headroom, bool full) const {
+  Node at = n;
+  (k == E_ ? at.llm : at.enc[static_cast<size_t>(k)]).cut = cut;
+  at = recomputing(at, k, false);
+  Fitted f;
+  f.blocks = fit_stages(at, k, headroom);
+  if (f.blocks.empty()) return std::nullopt;
+  const bool any = *std::max_element(f.blocks.begin(), f.blocks.end()) > 0;
+  const bool all = f.blocks == chunk_blocks(at, k);
+  f.node = any ? recomputing(at, k, true, all ? std::vector<int64_t>{} : f.blocks) : at;
+  f.bound = full ? bound(f.node, kNoLimit, kNoLimit, k) : bound(f.node, 0, 0, k);
+  return f;
+}
+
+std::optional<Space::Fitted> Space::rebalance(const Node& n, int64_t k,
+                                              const std::vector<double>& headroom) const {
+  const Choice& c = k == E_ ? n.llm : n.enc[static_cast<size_t>(k)];
+  if (c.pp < 2 || c.vp > 1 || (k == E_ && n.placement == kMegatron)) return std::nullopt;
+  const int64_t layers = base_.modules[info(k).plan_index].layers;
+  std::vector<int64_t> cut = c.staged->boundaries;
+  std::optional<Fitted> now = fit_cut(n, k, cut, headroom);
+  if (!now) return std::nullopt;
+  const auto blocks_of = [&](const std::vector<int64_t>& b, size_t s) {
+    return (s < b.size() ? b[s] : layers) - (s > 0 ? b[s - 1] : 0);
+  };
+  bool moved = false;
+  for (int64_t step = 0; step < layers; ++step) {
+    const std::vector<double>& busy = now->bound.stage_seconds;
+    const size_t from =
+        static_cast<size_t>(std::max_element(busy.begin(), busy.end()) - busy.begin());
+    if (blocks_of(cut, from) < 2) break;
+    // The moves ranked by the quick bound (without the schedule's replay), the best of them
+    // taken when its full bound gains more than rounding.
+    std::optional<Fitted> best;
+    std::vector<int64_t> best_cut;
+    for (size_t to = 0; to < busy.size(); ++to) {
+      if (to == from) continue;
+      // One block from `from` to `to`: every boundary between them moves one block towards it.
+      std::vector<int64_t> moved_cut = cut;
+      for (size_t b = std::min(from, to); b < std::max(from, to); ++b)
+        moved_cut[b] += to < from ? 1 : -1;
+      std::optional<Fitted> f = fit_cut(n, k, moved_cut, headroom, false);
+      if (f && (!best || f->bound.seconds < best->bound.seconds)) {
+        best = std::move(f);
+        best_cut = std::move(moved_cut);
+      }
+    }
+    if (best) {
+      best->bound = bound(best->node, kNoLimit, kNoLimit, k);
+      if (best->bound.seconds >= now->bound.seconds * (1 - kMinGain)) best.reset();
+    }
+    if (!best) break;
+    now = std::move(best);
+    cut = std::move(best_cut);
+    moved = true;
+  }
+  if (!moved) return std::nullopt;
+  return now;
+}
+
+void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const {
+  const int64_t k = n.partial;
+  const std::vector<int64_t> most = chunk_blocks(n, k);
+  const double mem = cl_.device.memory_bytes;
+  Node off = recomputing(n, k, false);
+  const bool fits = bound(off, 0, 0).memory <= mem;
+  emit(std::move(off));
+  if (fits) return;
+  const std::vector<int64_t> lo = fit_stages(n, k);
+  if (lo.empty()) return;  // nothing partial fits (every block, if anything: its own node)
   // Those counts, and as many on every stage (the most any stage needs: the same fit by the
   // bound, with room on the others for what it does not see); each also halfway to every block.
   const int64_t longest = *std::max_element(most.begin(), most.end());
@@ -891,6 +978,17 @@ void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emi
     done.push_back(per);
     emit(recomputing(n, k, true, p));
   }
+  // The cut moved with the counts, and halfway to every block of it.
+  if (!o_.move_boundaries) return;
+  std::optional<Fitted> moved = rebalance(n, k);
+  if (!moved) return;
+  const Node& at = moved->node;
+  const std::vector<int64_t> whole = chunk_blocks(at, k);
+  std::vector<int64_t> half(whole.size());
+  for (size_t s = 0; s < whole.size(); ++s)
+    half[s] = moved->blocks[s] + (whole[s] - moved->blocks[s]) / 2;
+  emit(Node(at));
+  if (half != moved->blocks && half != whole) emit(recomputing(at, k, true, half));
 }
 
 // A leaf whose ZeRO-1 shards nothing is the same plan as with zero_stage = 0.
@@ -1036,6 +1134,59 @@ Candidate Space::to_candidate(const Node& n) const {
   add(n.llm);
   c.world_size = n.placement == kSeparate ? next : n.llm.size();
   return c;
+}
+
+Node Space::node_of(const Candidate& c) const {
+  WEFT_CHECK(static_cast<int64_t>(c.layouts.size()) == E_ + 1, "search: a candidate of ",
+             c.layouts.size(), " modules for a space of ", E_ + 1);
+  Node n;
+  n.placement = static_cast<int>(
+      std::find(std::begin(kPlacementNames), std::end(kPlacementNames), c.placement) -
+      std::begin(kPlacementNames));
+  WEFT_CHECK(n.placement < kMegatron + 1, "search: unknown placement \"", c.placement, "\"");
+  n.M = c.microbatches;
+  n.zero = c.zero_stage;
+  const auto choice = [&](size_t k) {
+    const LayoutSpec& l = c.layouts[k];
+    Choice x;
+    x.tp = l.tp, x.cp = l.cp, x.pp = l.pp, x.dp = l.dp, x.ep = l.ep, x.etp = l.etp, x.sp = l.sp;
+    x.vp = l.vp;
+    if (x.vp == 1 && x.pp > 1) x.cut = l.stages;
+    return x;
+  };
+  for (size_t k = 0; k < static_cast<size_t>(E_); ++k) n.enc.push_back(choice(k));
+  n.llm = choice(static_cast<size_t>(E_));
+  n.D = n.llm.dp;
+  for (int64_t k = 0; k <= E_; ++k) {
+    const size_t i = static_cast<size_t>(k);
+    n = recomputing(n, k, c.recompute[i],
+                    c.recompute_blocks.empty() ? std::vector<int64_t>{} : c.recompute_blocks[i]);
+  }
+  return n;
+}
+
+std::optional<Candidate> Space::rebalanced(const Evaluation& e) const {
+  Node n = node_of(e.candidate);
+  bool moved = false;
+  for (int64_t k = E_; k >= 0; --k) {  // the LLM first
+    const Choice& x = k == E_ ? n.llm : n.enc[static_cast<size_t>(k)];
+    if (!x.recompute || x.pp < 2 || x.vp > 1) continue;
+    // What the simulated peak of each stage's ranks adds to the bound's.
+    const std::string& name = base_.modules[info(k).plan_index].name;
+    const Bound b = bound(n, 0, 0, k);
+    std::vector<double> headroom(b.stage_memory.size(), 0.0);
+    for (const RankReport& r : e.sim.ranks)
+      for (size_t s = 0; s < headroom.size(); ++s)
+        if (std::find(r.stages.begin(), r.stages.end(), name + " s" + std::to_string(s)) !=
+            r.stages.end())
+          headroom[s] = std::max(headroom[s], r.peak_memory_bytes - b.stage_memory[s]);
+    std::optional<Fitted> f = rebalance(n, k, headroom);
+    if (!f) continue;
+    n = f->node;  // the counts fitted there (refine_recompute fits them by the simulator)
+    moved = true;
+  }
+  if (!moved) return std::nullopt;
+  return to_candidate(n);
 }
 
 }  // namespace weft::plan::search_space

@@ -23,7 +23,7 @@ enum PlacementKind { kColocated = 0, kSeparate = 1, kMegatron = 2 };
 inline constexpr const char* kPlacementNames[] = {"colocated", "separate", "megatron"};
 
 // One module's stage costs at `pp` stages with its boundaries (cached per module, pp, recompute
-// and its blocks, even split).
+// and its blocks, even split, given cut).
 struct Staged {
   std::vector<int64_t> boundaries;
   std::vector<StageCost> stages;
@@ -56,6 +56,9 @@ struct Choice {
   // stages, rank s running chunks s, s + pp, ...); staged stays the plain pp-stage cut.
   int64_t vp = 1;
   const Staged* chunks = nullptr;
+  // Boundaries the search moved (Space::rebalance; vp = 1): staged is cut there. Empty: the
+  // default cut.
+  std::vector<int64_t> cut = {};
   int64_t size() const { return tp * cp * pp * dp; }
   Layout layout() const { return {dp, tp, pp, cp, ep, etp, sp, vp}; }
 };
@@ -93,8 +96,9 @@ struct Work {
 struct Bound {
   double seconds = 0, memory = 0;
   bool feasible = true;
-  // Space::bound's `watch` module: per pipeline stage, the most memory one of its ranks needs.
-  std::vector<double> stage_memory;
+  // Space::bound's `watch` module: per pipeline stage, the most memory one of its ranks needs,
+  // and the most seconds of ops one of them runs in the step (its ops back to back).
+  std::vector<double> stage_memory, stage_seconds;
 };
 
 class Space {
@@ -120,6 +124,14 @@ class Space {
   // n with its pending module's choice as it stands (no recomputation), nothing pending.
   Node settled(const Node& n) const { return n.partial < 0 ? n : recomputing(n, n.partial, -1); }
   Candidate to_candidate(const Node& n) const;
+  // The leaf a candidate of this space stands for (its stage boundaries as cuts).
+  Node node_of(const Candidate& c) const;
+  // A simulated candidate with the stage boundaries of each module that recomputes over pipeline
+  // stages (vp = 1) moved by rebalance on the whole leaf, each stage's memory limit lowered by
+  // what the simulated peak of its ranks adds to the bound's (the timing of what shares them),
+  // recomputing every block there (refine_recompute fits the counts by the simulator); nullopt
+  // when no module's move lowered the bound.
+  std::optional<Candidate> rebalanced(const Evaluation& e) const;
   int64_t encoders() const { return E_; }
   int64_t max_ranks() const { return max_ranks_; }
 
@@ -134,7 +146,8 @@ class Space {
   int64_t E_ = 0, B_ = 1, max_ranks_ = 1, gpn_ = 1;
   double flops_ = 1, act_ = 2, data_ = 0, S_ = 1, H_ = 1, kvw_ = 1;
   bool trains_ = true;
-  mutable std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool, std::vector<int64_t>>,
+  mutable std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool, bool, std::vector<int64_t>,
+                              std::vector<int64_t>>,
                    std::unique_ptr<Staged>>
       staged_;  // a cache
   // pipeline_schedule of every pipeline rank, by {pp, vp, M, backward}.
@@ -150,10 +163,11 @@ class Space {
   // parallelism (what each TP rank keeps whole, StageCost::whole_activation_bytes). vp > 1: the
   // LLM's pp · vp interleaved chunks, cut evenly by work (make_plan's cut) or, even, by blocks.
   // blocks: with recompute, the blocks recomputed (recomputed_blocks: empty = every block; then
-  // pp stages not cut evenly are cut by the recompute-aware costs, else as without).
+  // pp stages not cut evenly are cut by the recompute-aware costs, else as without). cut: the
+  // boundaries to take instead (vp = 1; empty: as above).
   const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
-                       bool sp = false, int64_t vp = 1,
-                       const std::vector<int64_t>& blocks = {}) const;
+                       bool sp = false, int64_t vp = 1, const std::vector<int64_t>& blocks = {},
+                       const std::vector<int64_t>& cut = {}) const;
   enum Kind { kAllReduce, kAllGather };
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
@@ -177,17 +191,43 @@ class Space {
   // recomputation may stand for its partial ones too (Node::partial) when there are some: two
   // pipeline stages or a chunk of >= 2 blocks (chunk_blocks: per pipeline stage, the longest of
   // its chunks). recomputing: n with module k's recomputation `on` over `blocks`
-  // (recomputed_blocks'), nothing pending. expand_partial: the choices n's pending module stands
-  // for: n without recomputation, and where that does not fit the device but every block does
-  // (by the memory bound), each pipeline stage's fewest first blocks that make its ranks fit (a
-  // rank's memory moves with its own stage's count only, so the stages are bisected together),
-  // the most of those on every stage, and each halfway to every block (room for what the bound
-  // does not see yet: encoders still to choose, the simulator's exact peak).
+  // (recomputed_blocks'), on its choice's cut, nothing pending. expand_partial: the choices n's
+  // pending module stands for: n without recomputation, and where that does not fit the device
+  // but every block does (by the memory bound), fit_stages' counts, the most of those on every
+  // stage, and each halfway to every block (room for what the bound does not see yet: encoders
+  // still to choose, the simulator's exact peak); then rebalance's cut with its counts and
+  // halfway to every block.
   bool partial_applies(int64_t k, const Node& n) const;
   std::vector<int64_t> chunk_blocks(const Node& n, int64_t k) const;
   Node recomputing(const Node& n, int64_t k, bool on,
                    const std::vector<int64_t>& blocks = {}) const;
   void expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const;
+  // Per pipeline stage of module k in n, the fewest first blocks of each chunk that make its
+  // ranks fit the device by the memory bound (bisected for every stage at once: a rank's memory
+  // falls as its own stage recomputes more and no other stage's count moves it); empty when some
+  // stage does not fit even recomputing every block.
+  // headroom: per stage, memory the bound does not see (empty: none).
+  std::vector<int64_t> fit_stages(const Node& n, int64_t k,
+                                  const std::vector<double>& headroom = {}) const;
+  // Module k of n (recomputing nothing, vp = 1) cut at `cut`, recomputing fit_stages' counts
+  // there (none anywhere: recomputation off; all: every block), with its bound watching k (full:
+  // the schedule replayed, else the quick bound); nullopt when nothing fits.
+  struct Fitted {
+    Node node;
+    Bound bound;
+    std::vector<int64_t> blocks;  // per stage
+  };
+  std::optional<Fitted> fit_cut(const Node& n, int64_t k, const std::vector<int64_t>& cut,
+                                const std::vector<double>& headroom = {}, bool full = true) const;
+  // AdaPipe's co-optimisation of stage boundaries and per-stage recomputation, priced by the
+  // bound: from `n`'s cut with fit_stages' counts, move one block at a time from the stage whose
+  // ranks are busiest to another (the stages between each pass one block on), re-fitting every
+  // stage's count (under `headroom`), the move the quick bound ranks best, while the full bound
+  // falls by more than kMinGain (relative); the cut and counts reached, or nullopt when no move
+  // lowered the bound.
+  std::optional<Fitted> rebalance(const Node& n, int64_t k,
+                                  const std::vector<double>& headroom = {}) const;
+  static constexpr double kMinGain = 1e-4;
   // Sequence parallelism for module k (E_: the LLM) at tp × cp × pp.
   std::vector<bool> sequence_options(int64_t tp, int64_t k, int64_t cp, int64_t pp) const;
   std::vector<std::pair<int64_t, int64_t>> expert_layouts(int64_t tp, int64_t cp_dp) const;
