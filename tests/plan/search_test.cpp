@@ -484,5 +484,83 @@ TEST(Search, ConfigSnippetReproducesThePlan) {
   EXPECT_NE(err.find("no config can express"), std::string::npos) << err;
 }
 
+// AdaPipe's co-optimisation (SearchOptions::move_boundaries): where memory is tight, moving the
+// stage boundaries with the per-stage recomputation finds a faster plan than the same search on
+// the cuts it makes without recomputation, and never a slower one.
+TEST(Search, MovesStageBoundariesWithRecomputation) {
+  const Spec spec = small_vlm();
+  SearchOptions o = small_space();
+  o.zero = false;
+  o.recompute = false;
+  double least = 1e30;  // the smallest peak of any layout without recomputation
+  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
+    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
+  for (double f : {0.98, 0.9}) {
+    SCOPED_TRACE(f);
+    const Cluster tight = h100(1, least * f / (1024.0 * 1024 * 1024));
+    SearchOptions p = small_space();
+    p.partial_recompute = true;
+    p.move_boundaries = false;
+    const Evaluation fixed = search(spec, tight, p).best.front();
+    p.move_boundaries = true;
+    const Evaluation moved = search(spec, tight, p).best.front();
+    const std::string what = describe(spec, moved.candidate);
+    std::printf("%.2f of the least peak: same cuts %s %.5f s; moved %s (llm stages %s) %.5f s\n", f,
+                describe(spec, fixed.candidate).c_str(), fixed.sim.step_seconds, what.c_str(),
+                format_list(moved.candidate.layouts.back().stages).c_str(), moved.sim.step_seconds);
+    EXPECT_TRUE(moved.sim.memory_fits) << what;
+    EXPECT_LE(moved.sim.step_seconds, fixed.sim.step_seconds * (1 + 1e-9)) << what;
+    if (f == 0.98) {  // here the LLM's cut moves: [5] (its head is heavy) to [4]
+      EXPECT_LT(moved.sim.step_seconds, fixed.sim.step_seconds * 0.995) << what;
+      Candidate plain = moved.candidate;
+      plain.layouts.back().stages.clear();
+      EXPECT_NE(candidate_plan(spec, plain).modules.back().stage_boundaries,
+                moved.candidate.layouts.back().stages)
+          << what;
+    }
+    // Its config (stages and blocks) reads back to the same step.
+    EXPECT_NEAR(
+        evaluate(apply_candidate(spec, moved.candidate), tight, moved.candidate).sim.step_seconds,
+        moved.sim.step_seconds, 1e-9 * moved.sim.step_seconds);
+  }
+}
+
+// refine_recompute raises counts too few for the simulated peak (as a bound fits them) until the
+// plan fits, then fits them down again.
+TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
+  const Spec spec = small_vlm();
+  SearchOptions o = small_space();
+  o.zero = false;
+  o.recompute = false;
+  double least = 1e30;
+  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
+    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
+  const Cluster tight = h100(1, least * 0.98 / (1024.0 * 1024 * 1024));
+  SearchOptions p = small_space();
+  p.partial_recompute = true;
+  const Evaluation win = search(spec, tight, p).best.front();
+  Candidate low = win.candidate;
+  bool lowered = false;
+  for (size_t k = 0; k < low.recompute.size(); ++k)
+    for (int64_t& n : low.recompute_blocks[k])
+      if (low.recompute_blocks[k].size() > 1 && n > 0) --n, lowered = true;
+  ASSERT_TRUE(lowered) << describe(spec, win.candidate);
+  const Evaluation under = evaluate(spec, tight, low);
+  ASSERT_FALSE(under.sim.memory_fits) << describe(spec, low);
+  int64_t simulations = 0;
+  const Evaluation raised = refine_recompute(spec, tight, under, {}, &simulations);
+  EXPECT_TRUE(raised.sim.memory_fits) << describe(spec, raised.candidate);
+  EXPECT_EQ(raised.candidate.recompute_blocks, win.candidate.recompute_blocks)
+      << describe(spec, raised.candidate);
+  EXPECT_GT(simulations, 0);
+  // Nothing to raise (every block already): returned as it was.
+  Candidate all = low;
+  for (size_t k = 0; k < all.recompute.size(); ++k) all.recompute_blocks[k].clear();
+  const Evaluation whole = evaluate(spec, h100(1, 0.01), all);
+  ASSERT_FALSE(whole.sim.memory_fits);
+  EXPECT_EQ(refine_recompute(spec, h100(1, 0.01), whole).candidate.recompute_blocks,
+            all.recompute_blocks);
+}
+
 }  // namespace
 }  // namespace weft::plan

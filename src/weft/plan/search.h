@@ -211,9 +211,9 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
 // device, bisected stage by stage (a stage's count moves its own ranks' peak, the others' only
 // through the timing of the ops they share ranks with); none anywhere turns the module's
 // recomputation off. A candidate that does not fit (counts fitted by a bound) first gets one more
-// block on every stage of each module recomputing per stage until it fits (or recomputes every
-// block). The faster of that and `e`, or `e` when nothing fits; `simulations` counts the
-// candidates simulated.
+// block on each stage whose ranks are over memory, of each module recomputing per stage, until it
+// fits (or those stages recompute every block). The faster of that and `e`, or `e` when nothing
+// fits; `simulations` counts the candidates simulated.
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
                             const SimOptions& options = {}, int64_t* simulations = nullptr);
 

@@ -176,6 +176,20 @@ std::vector<int64_t> stage_blocks(const ModulePlan& m) {
   }
   return most;
 }
+
+// Per pipeline stage of `module` (of `pp`), whether a rank hosting it peaks over `memory`.
+std::vector<bool> stages_over_memory(const SimResult& sim, const std::string& module, double memory,
+                                     size_t pp) {
+  std::vector<bool> over(pp, false);
+  const std::string prefix = module + " s";
+  for (const RankReport& r : sim.ranks) {
+    if (r.peak_memory_bytes <= memory) continue;
+    for (const std::string& stage : r.stages)
+      if (stage.compare(0, prefix.size(), prefix) == 0)
+        over[std::stoul(stage.substr(prefix.size())) % pp] = true;  // virtual stage v: rank v % pp
+  }
+  return over;
+}
 }  // namespace
 
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
@@ -185,23 +199,23 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
     if (simulations) ++*simulations;
     return evaluate(spec, cluster, c, options);
   };
-  // Too few blocks for the simulated peak (counts fitted by the bound): one more on every stage
-  // of each module recomputing per stage, until it fits or each recomputes every block.
+  // Too few blocks for the simulated peak (counts fitted by a bound): one more on each stage
+  // whose ranks are over memory, of each module recomputing per stage, until it fits or no such
+  // stage has a block left to recompute.
   if (!e.sim.memory_fits) {
     Evaluation raised = e;
     while (!raised.sim.memory_fits) {
       Candidate c = raised.candidate;
       bool more = false;
       for (size_t k = 0; k < names.size() && k < c.recompute_blocks.size(); ++k) {
-        if (!c.recompute[k] || c.recompute_blocks[k].empty()) continue;
+        std::vector<int64_t>& now = c.recompute_blocks[k];
+        if (!c.recompute[k] || now.size() < 2) continue;
         const std::vector<int64_t> most = stage_blocks(raised.plan.module(names[k]));
-        std::vector<int64_t> now(most.size());
-        for (size_t s = 0; s < most.size(); ++s)
-          now[s] = std::min(
-              recomputed_blocks(true, c.recompute_blocks[k], static_cast<int64_t>(s)) + 1, most[s]);
+        const std::vector<bool> over =
+            stages_over_memory(raised.sim, names[k], cluster.device.memory_bytes, most.size());
+        for (size_t s = 0; s < now.size() && s < most.size(); ++s)
+          if (over[s] && now[s] < most[s]) ++now[s], more = true;
         if (now == most) now.clear();  // every block
-        more = more || now != c.recompute_blocks[k];
-        c.recompute_blocks[k] = now;
       }
       if (!more) return e;
       raised = simulate_one(c);
