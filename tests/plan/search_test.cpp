@@ -84,6 +84,16 @@ double peak_memory(const SimResult& r) {
   return peak;
 }
 
+// One H100 node with `fraction` of the memory the smallest peak of any layout of the space `o`
+// needs without recomputation: layouts must recompute to fit.
+Cluster tight_node(const Spec& spec, SearchOptions o, double fraction) {
+  o.recompute = false;
+  double least = 1e30;
+  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
+    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
+  return h100(1, least * fraction / (1024.0 * 1024 * 1024));
+}
+
 // Simulates every candidate: checks the bound and the analytic memory against the simulator and
 // returns the fastest candidate that fits.
 Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOptions& o,
@@ -222,11 +232,7 @@ TEST(Search, PartialRecomputationWhereMemoryIsTight) {
   const Spec spec = small_vlm();
   SearchOptions o = small_space();
   o.zero = false;
-  o.recompute = false;
-  double least = 1e30;  // the smallest peak of any layout without recomputation
-  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
-    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
-  const Cluster tight = h100(1, least * 0.98 / (1024.0 * 1024 * 1024));
+  const Cluster tight = tight_node(spec, o, 0.98);
   o.recompute = o.partial_recompute = true;
   int64_t count = 0;
   const Evaluation brute = brute_force(spec, tight, o, &count);
@@ -491,13 +497,9 @@ TEST(Search, MovesStageBoundariesWithRecomputation) {
   const Spec spec = small_vlm();
   SearchOptions o = small_space();
   o.zero = false;
-  o.recompute = false;
-  double least = 1e30;  // the smallest peak of any layout without recomputation
-  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
-    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
   for (double f : {0.98, 0.9}) {
     SCOPED_TRACE(f);
-    const Cluster tight = h100(1, least * f / (1024.0 * 1024 * 1024));
+    const Cluster tight = tight_node(spec, o, f);
     SearchOptions p = small_space();
     p.partial_recompute = true;
     p.move_boundaries = false;
@@ -531,11 +533,7 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
   const Spec spec = small_vlm();
   SearchOptions o = small_space();
   o.zero = false;
-  o.recompute = false;
-  double least = 1e30;
-  for (const BoundedCandidate& b : enumerate_candidates(spec, h100(1, 1000), o))
-    least = std::min(least, peak_memory(evaluate(spec, h100(1, 1000), b.candidate).sim));
-  const Cluster tight = h100(1, least * 0.98 / (1024.0 * 1024 * 1024));
+  const Cluster tight = tight_node(spec, o, 0.98);
   SearchOptions p = small_space();
   p.partial_recompute = true;
   const Evaluation win = search(spec, tight, p).best.front();

@@ -125,9 +125,9 @@ struct SearchOptions {
   bool zero = true;       // also try ZeRO-1 (train.zero_stage = 1)
   bool recompute = true;  // also try activation recomputation per module
   // With recompute: also a module's first blocks of each chunk where memory needs some (above).
-  // Off by default: it slows the search (2-4x; 23.5 s to 50.6 s at DistTrain's 72B scale) and
-  // changed no scenario's MFU in bench/RESULTS.md; it pays where memory is tight (1.02-1.07x in
-  // its "Recomputation under tight memory" table).
+  // Off by default: it slows the search (2-5x; 23.5 s to 46.2 s at DistTrain's 72B scale) and
+  // changed no scenario's MFU in bench/RESULTS.md; it pays where memory is tight (up to 1.20x,
+  // with move_boundaries, in its "Recomputation under tight memory" table).
   bool partial_recompute = false;
   // With partial_recompute: also move a pipelined module's stage boundaries (vp = 1) with its
   // per-stage counts, as AdaPipe co-optimises them: a stage that would recompute much gives blocks
