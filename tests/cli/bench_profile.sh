@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `weft bench profile`: profiles a small config quickly; the JSON has the device, threads,
 # precision, the profiled shape, the data preparation and, per module, every layer's measured
-# seconds, bytes and fit; `weft simulate --profile` accepts it and predicts a positive step that
-# differs from the FLOP model's; an MoE config gets a dense and an MoE block, and expert
+# seconds, bytes and fit, every block plain and recomputed; `weft simulate --profile` accepts it
+# and predicts a positive step that differs from the FLOP model's, and prices recomputation of
+# every block or of some from it; an MoE config gets a dense and an MoE block, and expert
 # parallelism is priced on them; bad flags, files and mismatched configs are clear errors.
 set -u
 weft=$1; src=$2
@@ -17,14 +18,15 @@ cmp -s "$tmp/p.json" "$tmp/stdout.json" || die "--out differs from stdout"
 python3 - "$tmp/p.json" <<'PY' || die "bad profile JSON"
 import json, sys
 p = json.load(open(sys.argv[1]))
-assert p["format"] == "weft-profile-1" and p["threads"] == 1 and p["precision"] == "bf16", p
+assert p["format"] == "weft-profile-2" and p["threads"] == 1 and p["precision"] == "bf16", p
 assert p["device"] and p["shape"]["samples"] == 8 and 0 < p["shape"]["seq"] <= 64, p["shape"]
 assert p["shape"]["max_seq"] == 64 and p["data"]["seconds_per_sample"] > 0, p
 assert p["comm"]["all_reduce"]["bandwidth_gbs"] > 0 and p["comm"]["p2p"]["latency_us"] > 0
 mods = {m["name"]: m for m in p["modules"]}
 assert set(mods) == {"llm", "vision", "audio"}, set(mods)
-parts = {"llm": ["front", "stage", "block", "back"], "vision": ["front", "block", "back"],
-         "audio": ["front", "block", "back"]}
+parts = {"llm": ["front", "stage", "block", "block_recompute", "back"],
+         "vision": ["front", "block", "block_recompute", "back"],
+         "audio": ["front", "block", "block_recompute", "back"]}
 for name, m in mods.items():
     layers = {l["part"]: l for l in m["layers"]}
     assert sorted(layers) == sorted(parts[name]), (name, sorted(layers))
@@ -38,6 +40,10 @@ for name, m in mods.items():
         assert len(l["points"]) >= 2, (name, part, l["points"])
     block = layers["block"]
     assert block["input_grad"] > 0 and block["weight_grad"] >= 0, block
+    # Recomputed, a block keeps less (its input and output, not its intermediates).
+    again = layers["block_recompute"]
+    assert again["activation_bytes"] < block["activation_bytes"], (name, again, block)
+    assert again["param_bytes"] == block["param_bytes"], (name, again, block)
     assert block["activation_bytes"] > 0 and block["param_bytes"] > 0 and block["params"] > 0
     assert layers["front"]["weight_grad"] > 0, (name, layers["front"])
     if name != "llm":  # an encoder's front end takes data: no input gradient
@@ -66,6 +72,23 @@ assert all(r["data_seconds"] > 0 for r in m["ranks"]), m["ranks"]
 assert all(r["data_seconds"] == 0 for r in f["ranks"]), f["ranks"]
 assert len(m["stage_boundaries"]["llm"]) == 1, m["stage_boundaries"]
 print("simulated PP2 step: FLOP model %.4f s, measured profile %.4f s" % (fs, ms))
+PY
+
+# Recomputation priced from the profile's recomputed blocks, whatever the profiled config ran:
+# none, the first block of stage 0 only ([1, 0]), every block. Rank 0 (stage 0) keeps less
+# activation memory with its block recomputed, rank 1 only when every block is.
+"$weft" "${sim[@]}" --profile "$tmp/p.json" --set model.llm.recompute=true \
+  --set 'model.llm.recompute_blocks=[1,0]' > "$tmp/some.json" || die "simulate --profile [1,0]"
+"$weft" "${sim[@]}" --profile "$tmp/p.json" --set model.llm.recompute=true > "$tmp/all.json" \
+  || die "simulate --profile, every block recomputed"
+python3 - "$tmp/measured.json" "$tmp/some.json" "$tmp/all.json" <<'PY' \
+  || die "recomputation not priced from the profile"
+import json, sys
+none, some, every = ([r["peak_activation_bytes"] for r in json.load(open(x))["ranks"]]
+                     for x in sys.argv[1:4])
+assert none[0] > some[0] == every[0], (none, some, every)
+assert none[1] == some[1] > every[1], (none, some, every)
+print("measured activation peaks (rank 0, rank 1): none %s, [1,0] %s, all %s" % (none, some, every))
 PY
 
 # Errors: a profile of another model, a broken file, bad flags.
@@ -98,7 +121,8 @@ import json, sys
 p, e1, e2 = (json.load(open(x)) for x in sys.argv[1:4])
 llm = next(m for m in p["modules"] if m["name"] == "llm")
 layers = {l["part"]: l for l in llm["layers"]}
-assert sorted(layers) == ["back", "block", "front", "moe_block", "stage"], sorted(layers)
+assert sorted(layers) == ["back", "block", "block_recompute", "front", "moe_block",
+                          "moe_block_recompute", "stage"], sorted(layers)
 assert llm["model"]["moe_experts"] == 4 and llm["model"]["moe_top_k"] == 2, llm["model"]
 dense, moe = layers["block"], layers["moe_block"]
 assert moe["params"] > dense["params"] and moe["forward"] > 0 and moe["weight_grad"] >= 0, moe
@@ -113,7 +137,8 @@ python3 - "$tmp/moe.json" "$tmp/nomoe.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
 llm = next(m for m in p["modules"] if m["name"] == "llm")
-llm["layers"] = [l for l in llm["layers"] if l["part"] != "moe_block"]
+llm["layers"] = [l for l in llm["layers"]
+                 if l["part"] not in ("moe_block", "moe_block_recompute")]
 json.dump(p, open(sys.argv[2], "w"))
 PY
 "$weft" simulate "$src/configs/tiny-vlm-moe.toml" --cluster "$cluster" "${moe[@]}" \

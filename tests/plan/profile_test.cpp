@@ -134,6 +134,13 @@ json tiny_profile(const Spec& s) {
   json stage = layer("llm.stage", "stage", 0, 0, 0, 0, 0, 0);
   stage["fit"]["forward"] = {3e-5, 0, 1e-8};
   llm_layers.push_back(stage);
+  // Recomputed: the forward again in the input gradient's time; keeps a tenth.
+  json again = block;
+  again["name"] = "llm.block.recompute";
+  again["part"] = "block_recompute";
+  again["fit"]["input_grad"] = {1e-4, 4e-5, 2e-7};
+  again["fit"]["activation_bytes"] = {100, 500, 0};
+  llm_layers.push_back(again);
   json vis = json::array();
   vis.push_back(layer("vision.front", "front", 0, 0, 0, 0, 1000, 1e-5));
   vis.back()["fit"]["forward"] = {0, 1e-4, 0};
@@ -146,8 +153,12 @@ json tiny_profile(const Spec& s) {
   vis.back()["fit"]["forward"] = {0, 1e-4, 0};
   vis.back()["fit"]["input_grad"] = {0, 1e-4, 0};
   vis.back()["fit"]["weight_grad"] = {0, 1e-4, 0};
+  vis.push_back(vis[1]);
+  vis.back()["name"] = "vision.block.recompute";
+  vis.back()["part"] = "block_recompute";
+  vis.back()["fit"]["input_grad"] = {5e-5, 1e-3, 0};
   json j;
-  j["format"] = "weft-profile-1";
+  j["format"] = "weft-profile-2";
   j["device"] = "test cpu (1 thread)";
   j["threads"] = 1;
   j["precision"] = "bf16";
@@ -228,6 +239,13 @@ TEST(Profile, BadFilesNameTheFileAndField) {
         "modules[0].layers[1].part = \"middle\"");
   fails([](json& j) { j["modules"][1]["layers"].erase(1); },
         "modules[1] ('vision'): no \"block\" layer");
+  fails([](json& j) { j["modules"][1]["layers"].erase(3); },
+        "modules[1] ('vision'): no \"block_recompute\" layer");
+  fails([](json& j) { j["modules"][1]["layers"][3]["part"] = "moe_block_recompute"; },
+        "modules[1].layers[3].part = \"moe_block_recompute\": expected");
+  fails([](json& j) { j["format"] = "weft-profile-1"; },
+        "bad.json: format = \"weft-profile-1\": an older profile, whose blocks were measured "
+        "only as its config recomputed them; profile again with `weft bench profile`");
   fails([](json& j) { j["comm"]["p2p"]["bandwidth_gbs"] = 0; },
         "comm.p2p.bandwidth_gbs = 0: must be a finite number > 0");
   EXPECT_TRUE(
@@ -248,12 +266,6 @@ TEST(Profile, BadFilesNameTheFileAndField) {
   other.train.precision = Precision::kFp32;
   EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
                   "tiny.json: measured in bf16 but test.toml trains in fp32"));
-  other = s;  // a block measured once prices every block: not some recomputed, some not
-  other.model.encoders[0].recompute = true;
-  other.model.encoders[0].recompute_blocks = {1};
-  EXPECT_TRUE(has(error_of([&] { check_profile(p, other); }),
-                  "test.toml: [model.vision] recompute_blocks = 1 recomputes some blocks and not "
-                  "others, which a measured profile (tiny.json) cannot price"));
   other = s;
   other.model.llm.layers = 12;  // layer counts may differ
   EXPECT_NO_THROW(check_profile(p, other));
@@ -331,7 +343,23 @@ TEST(Profile, MoeBlocksTakeTheMoeBlockCosts) {
   json moe = layer("llm.moe_block", "moe_block", 0, 0, 0, 0, 500000, 5e-4);
   moe["fit"]["forward"] = {3e-4, 7e-5, 0};
   j["modules"][0]["layers"].push_back(moe);
+  // Measured plain and recomputed, or the profile is refused.
+  const std::string alone = testing::error_of([&] { parse_profile(j.dump(), "moe.json"); });
+  EXPECT_NE(alone.find("moe.json: modules[0] ('llm'): \"moe_block\" without "
+                       "\"moe_block_recompute\""),
+            std::string::npos)
+      << alone;
+  moe["name"] = "llm.moe_block.recompute";
+  moe["part"] = "moe_block_recompute";
+  moe["fit"]["input_grad"] = {3e-4, 7e-5, 0};
+  j["modules"][0]["layers"].push_back(moe);
   const Profile p = parse_profile(j.dump(), "moe.json");
+  // Recomputed, an MoE block takes the recomputed MoE block's costs.
+  Spec rc = s;
+  rc.model.llm.recompute = true;
+  const ModuleCosts r = profile_module_costs(p, rc, make_plan(rc).module("llm"), 1);
+  EXPECT_NEAR(r.blocks[0].input_grad, 3e-4 + 7e-5 * 40, 1e-15);
+  EXPECT_NEAR(r.blocks[1].input_grad, 1e-4 + 4e-5 * 40 + 2e-7 * 40 * 40, 1e-15);
   EXPECT_TRUE(p.module("llm").has_moe_block);
   const ModuleCosts c = profile_module_costs(p, s, make_plan(s).module("llm"), 1);
   ASSERT_EQ(c.blocks.size(), 4u);
@@ -356,6 +384,64 @@ TEST(Profile, MoeBlocksTakeTheMoeBlockCosts) {
   EXPECT_NE(none.find("n.json: has no \"moe_block\" layer"), std::string::npos) << none;
   // The dense model may use an MoE profile's dense block.
   EXPECT_NO_THROW(check_profile(p, profiled_spec()));
+}
+
+// Recomputation is priced block by block from the "block_recompute" layer, whatever the profiled
+// config recomputed: recompute_blocks = [1, 0] over two LLM stages recomputes block 0 of stage 0
+// only (its backward takes the recomputed input gradient; it keeps the recomputed activations,
+// and holds the plain ones again in backward), and the step and peak fall between none and all.
+TEST(Profile, PricesRecomputationBlockByBlock) {
+  Spec s = profiled_spec();
+  s.train.microbatches = 2;
+  s.parallel.modules["llm"].pp = 2;
+  s.parallel.modules["llm"].stages = {2};
+  const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  const auto table = [&](bool on, std::vector<int64_t> blocks) {
+    Spec x = s;
+    x.model.llm.recompute = on;
+    x.model.llm.recompute_blocks = std::move(blocks);
+    return profile_stage_costs(p, x, make_plan(x, 2, &p)).back();
+  };
+  const std::vector<StageCost> off = table(false, {}), some = table(true, {1, 0}),
+                               all = table(true, {});
+  ASSERT_EQ(off.size(), 2u);
+  const double S = 40;
+  EXPECT_FALSE(off[0].recompute);
+  EXPECT_TRUE(some[0].recompute);
+  EXPECT_EQ(some[0].recompute_blocks, 1);
+  EXPECT_FALSE(some[1].recompute);
+  EXPECT_EQ(all[0].recompute_blocks, 2);
+  EXPECT_EQ(all[1].recompute_blocks, 2);
+  // Stage 0: one block's backward is the recomputed one's (per unit and fixed).
+  EXPECT_NEAR(some[0].backward_seconds - off[0].backward_seconds, 2e-5 * S + 1e-7 * S * S, 1e-15);
+  EXPECT_NEAR(some[0].backward_fixed_seconds - off[0].backward_fixed_seconds, 1e-4, 1e-15);
+  EXPECT_NEAR(some[0].activation_bytes - off[0].activation_bytes, (500 - 5000) * S, 1e-6);
+  EXPECT_NEAR(some[0].activation_fixed_bytes - off[0].activation_fixed_bytes, 100 - 1000, 1e-9);
+  EXPECT_NEAR(some[0].recompute_peak_bytes, (5000 - 500) * S, 1e-6);
+  EXPECT_EQ(some[1].backward_seconds, off[1].backward_seconds);
+  EXPECT_EQ(some[1].recompute_peak_bytes, 0);
+  // FLOPs (MFU) are the model's, recomputed or not.
+  EXPECT_EQ(some[0].backward_flops, off[0].backward_flops);
+  EXPECT_EQ(some[0].recompute_flops, 0);
+  // Simulated: slower and smaller with each recomputed block.
+  const Cluster c = parse_cluster(
+      "nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\nbandwidth_gbs = "
+      "1\nlatency_us = 100\n",
+      "c.toml");
+  std::vector<double> step, peak;
+  for (const auto& [on, blocks] : std::vector<std::pair<bool, std::vector<int64_t>>>{
+           {false, {}}, {true, {1, 0}}, {true, {}}}) {
+    Spec x = s;
+    x.model.llm.recompute = on;
+    x.model.llm.recompute_blocks = blocks;
+    const SimResult r = simulate(x, make_plan(x, 2, &p), c, p, SimOptions{});
+    step.push_back(r.step_seconds);
+    peak.push_back(r.ranks[0].peak_activation_bytes);
+  }
+  EXPECT_LT(step[0], step[1]);
+  EXPECT_LT(step[1], step[2]);
+  EXPECT_GT(peak[0], peak[1]);
+  EXPECT_GT(peak[1], peak[2]);
 }
 
 // One rank, one microbatch of 8 samples: the step is data + vision + LLM + optimizer, each the

@@ -152,6 +152,24 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
   return m.role == ModuleRole::kLlm ? m.weight_grads : !encoder_of(spec, m).projector.frozen;
 }
 
+// Whether module m's block b runs recomputed: the first recomputed_blocks of its chunk (spec.h).
+// Before the plan has its boundaries (make_plan partitioning), every block when the module
+// recomputes them all, else none: the partition cuts plain blocks, as the FLOP model's does.
+bool block_recomputed(const Spec& spec, const ModulePlan& m, int64_t b) {
+  const bool llm = m.role == ModuleRole::kLlm;
+  const bool on = llm ? spec.model.llm.recompute : encoder_of(spec, m).recompute;
+  const std::vector<int64_t>& blocks =
+      llm ? spec.model.llm.recompute_blocks : encoder_of(spec, m).recompute_blocks;
+  if (!on || blocks.empty()) return on;
+  const int64_t stages = m.layout.stages();
+  if (stages > 1 && static_cast<int64_t>(m.stage_boundaries.size()) != stages - 1) return false;
+  for (int64_t v = 0; v < stages; ++v) {
+    const auto [begin, end] = m.stage_layers(v);
+    if (b >= begin && b < end) return recomputes_block(true, blocks, v, b - begin);
+  }
+  return false;
+}
+
 }  // namespace
 
 CostFit fit_cost(const std::vector<CostPoint>& points, bool quadratic, bool relative) {
@@ -217,8 +235,12 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
   const Reader r(source);
   WEFT_CHECK(j.is_object(), source, ": expected a JSON object (a weft profile)");
   const std::string format = r.string(j, "format", "");
-  WEFT_CHECK(format == "weft-profile-1", source, ": format = \"", format,
-             "\": expected \"weft-profile-1\"");
+  WEFT_CHECK(format != "weft-profile-1", source,
+             ": format = \"weft-profile-1\": an older profile, whose blocks were measured only as "
+             "its config recomputed them; profile again with `weft bench profile` "
+             "(weft-profile-2 measures each block plain and recomputed)");
+  WEFT_CHECK(format == "weft-profile-2", source, ": format = \"", format,
+             "\": expected \"weft-profile-2\"");
   Profile p;
   p.source = source;
   p.device = r.string(j, "device", "");
@@ -288,26 +310,40 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
       m.model.emplace_back(key, r.number(model, key, where + ".model"));
     const json& layers = r.at(mj, "layers", where);
     WEFT_CHECK(layers.is_array(), source, ": ", where, ".layers: expected an array");
-    bool seen[5] = {false, false, false, false, false};
-    const char* parts[5] = {"front", "block", "back", "stage", "moe_block"};
+    constexpr int kParts = 7;
+    bool seen[kParts] = {};
+    const char* parts[kParts] = {
+        "front", "block", "back", "block_recompute", "stage", "moe_block", "moe_block_recompute"};
+    const auto llm_only = [](const std::string& part) {
+      return part == "stage" || part == "moe_block" || part == "moe_block_recompute";
+    };
     for (size_t k = 0; k < layers.size(); ++k) {
       const std::string lw = where + ".layers[" + std::to_string(k) + "]";
       const std::string part = r.string(layers[k], "part", lw);
-      const auto it = std::find(parts, parts + 5, part);
-      WEFT_CHECK(
-          it != parts + 5 && (m.llm || (part != "stage" && part != "moe_block")), source, ": ", lw,
-          ".part = \"", part, "\": expected \"front\", \"block\", \"back\"",
-          m.llm ? ", \"stage\" or \"moe_block\"" : " (\"stage\" and \"moe_block\" are the LLM's)");
+      const auto it = std::find(parts, parts + kParts, part);
+      WEFT_CHECK(it != parts + kParts && (m.llm || !llm_only(part)), source, ": ", lw, ".part = \"",
+                 part, "\": expected \"front\", \"block\", \"block_recompute\", \"back\"",
+                 m.llm ? ", \"stage\", \"moe_block\" or \"moe_block_recompute\""
+                       : " (\"stage\", \"moe_block\" and \"moe_block_recompute\" are the LLM's)");
       const int idx = static_cast<int>(it - parts);
       WEFT_CHECK(!seen[idx], source, ": ", lw, ": a second \"", part, "\" layer in module '",
                  m.name, "'");
       seen[idx] = true;
-      LayerProfile* dst[5] = {&m.front, &m.block, &m.back, &m.stage, &m.moe_block};
+      LayerProfile* dst[kParts] = {&m.front,
+                                   &m.block,
+                                   &m.back,
+                                   &m.block_recompute,
+                                   &m.stage,
+                                   &m.moe_block,
+                                   &m.moe_block_recompute};
       *dst[idx] = r.layer(layers[k], lw);
     }
-    m.has_moe_block = seen[4];
-    for (int k = 0; k < 3; ++k)
+    m.has_moe_block = seen[5];
+    for (int k = 0; k < 4; ++k)
       WEFT_CHECK(seen[k], source, ": ", where, " ('", m.name, "'): no \"", parts[k], "\" layer");
+    WEFT_CHECK(seen[5] == seen[6], source, ": ", where, " ('", m.name, "'): \"",
+               seen[5] ? parts[5] : parts[6], "\" without \"", seen[5] ? parts[6] : parts[5],
+               "\": an MoE block is measured plain and recomputed");
     p.modules.push_back(std::move(m));
   }
   return p;
@@ -364,15 +400,6 @@ void check_profile(const Profile& p, const Spec& spec) {
   WEFT_CHECK(p.precision == to_string(spec.train.precision), p.source, ": measured in ",
              p.precision, " but ", spec.source, " trains in ", to_string(spec.train.precision),
              " (train.precision); profile it in that precision");
-  // A profile measures one block of a module and prices every block alike.
-  std::vector<std::pair<std::string, std::vector<int64_t>>> partial = {
-      {"llm", spec.model.llm.recompute_blocks}};
-  for (const EncoderSpec& e : spec.model.encoders) partial.emplace_back(e.name, e.recompute_blocks);
-  for (const auto& [name, blocks] : partial)
-    WEFT_CHECK(blocks.empty(), spec.source, ": [model.", name,
-               "] recompute_blocks = ", recompute_blocks_text(blocks),
-               " recomputes some blocks and not others, which a measured profile (", p.source,
-               ") cannot price: simulate without the profile, or recompute every block");
   std::vector<std::string> names = {"llm"};
   for (const EncoderSpec& e : spec.model.encoders) names.push_back(e.name);
   for (const std::string& name : names) {
@@ -422,8 +449,11 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
   if (!llm || !m.input_grads) front.input_grad = 0;
   out.front = rules(front);
   for (int64_t b = 0; b < m.layers; ++b) {
-    LayerCost c =
-        layer_cost(llm ? mp.block_at(spec.model.llm, b) : mp.block, units, seq, tp, cp, shared);
+    const bool rc = block_recomputed(spec, m, b);
+    LayerCost c = layer_cost(llm  ? mp.block_at(spec.model.llm, b, rc)
+                             : rc ? mp.block_recompute
+                                  : mp.block,
+                             units, seq, tp, cp, shared);
     c.name = m.name + ".layers." + std::to_string(b);
     if (llm && spec.model.llm.moe.enabled()) {  // the experts' share of the block's parameters
       const BlockParams p = llm_block_params(spec.model.llm, b);
@@ -466,8 +496,15 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
     const ModuleCosts c1 = profile_module_costs(profile, spec, m, 1);
     const ModuleCosts s0 = profile_module_costs(profile, spec, m, 0, 1, 1, true);
     const ModuleCosts s1 = profile_module_costs(profile, spec, m, 1, 1, 1, true);
-    const bool shared = mp.front.shared && mp.block.shared && mp.back.shared &&
-                        (!mp.has_moe_block || mp.moe_block.shared);
+    // The same plain (recomputing nothing): what a recomputed block keeps beyond its input.
+    Spec plain = spec;
+    plain.model.llm.recompute = false;
+    for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
+    const ModuleCosts p0 = profile_module_costs(profile, plain, m, 0);
+    const ModuleCosts p1 = profile_module_costs(profile, plain, m, 1);
+    const bool shared =
+        mp.front.shared && mp.block.shared && mp.block_recompute.shared && mp.back.shared &&
+        (!mp.has_moe_block || (mp.moe_block.shared && mp.moe_block_recompute.shared));
     const auto layers_of = [&](const ModuleCosts& c, int64_t s) {
       const auto [begin, end] = m.stage_layers(s);
       std::vector<const LayerCost*> out;
@@ -556,6 +593,21 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
         sc.activation_fixed_bytes += mp.stage.activation_bytes.fixed;
         sc.activation_bytes += mp.stage.activation_bytes.per_unit(seq);
       }
+      // Recomputed blocks: their forwards' collectives run again in backward, where a block
+      // holds again what its plain forward keeps beyond its recomputed one (the peak: the most
+      // of those, per unit).
+      for (int64_t b = begin; b < end; ++b) {
+        if (!block_recomputed(spec, m, b)) continue;
+        const size_t i = static_cast<size_t>(b);
+        const double full = p1.blocks[i].activation_bytes - p0.blocks[i].activation_bytes;
+        const double kept = c1.blocks[i].activation_bytes - c0.blocks[i].activation_bytes;
+        if (p1.blocks[i].activation_bytes <= 0) continue;  // runs no backward: nothing again
+        sc.recompute = true;
+        ++sc.recompute_blocks;
+        if (llm && spec.model.llm.moe.is_moe_layer(b)) ++sc.recompute_moe_blocks;
+        sc.recompute_peak_bytes = std::max(sc.recompute_peak_bytes, full - kept);
+      }
+      sc.recompute_peak_whole_bytes = whole_share * sc.recompute_peak_bytes;
       sc.whole_activation_bytes = whole_share * sc.activation_bytes;
     }
   }

@@ -9,7 +9,11 @@
 // + head + loss ("back"), and the "stage" work every LLM
 // pipeline stage repeats per microbatch (building the attention mask and the RoPE tables); per
 // encoder its front end (ViT stem / patch embedding / positions, Whisper convolutions), one
-// block, and its projector ("back"; with a Whisper encoder's final LayerNorm). For each:
+// block, and its projector ("back"; with a Whisper encoder's final LayerNorm). Every block is
+// measured twice, whatever the profiled config recomputes: as it runs without recomputation
+// ("block", "moe_block") and recomputed (model/recompute.h: "block_recompute",
+// "moe_block_recompute": its forward keeps only its input, its backward runs it again), so a
+// profile prices any recompute / recompute_blocks setting, block by block. For each:
 //   forward           seconds of the forward, autograd recording
 //   input_grad        seconds of the backward with the layer's parameters not requiring grad
 //                     (input gradients only); 0 where the input is data (encoder front end)
@@ -51,10 +55,11 @@
 // Gloo, between this process and a peer process, as between the ranks of a job) for the
 // cluster file.
 //
-// File (JSON): {"format": "weft-profile-1", "device", "threads", "precision", "torch", "config",
-//  "reps", "cache_evict_bytes" (informational),
-//  "shape": {"samples", "seq", "max_seq", "tokens_per_sample"},
-//  "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name: seconds}
+// File (JSON): {"format": "weft-profile-2" (weft-profile-1, whose blocks were measured as its
+//  config recomputed them, is refused: profile again), "device", "threads", "precision", "torch",
+//  "config", "reps", "cache_evict_bytes" (informational), "shape": {"samples", "seq", "max_seq",
+//  "tokens_per_sample"}, "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name:
+//  seconds}
 //           (optional)},
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
 //           "all_reduce_compute": {...}, "on_compute": true,
@@ -62,7 +67,8 @@
 //          (optional; the simulator uses the points, the fits are for cluster files),
 //  "modules": [{"name", "role": "llm"|"encoder", "unit": "sample"|"item", "units_per_sample",
 //     "model": {shape fields}, "layers": [{"name",
-//     "part": "front"|"block"|"back"|"stage"|"moe_block" (the last two LLM only),
+//     "part": "front"|"block"|"block_recompute"|"back"|"stage"|"moe_block"|
+//             "moe_block_recompute" (the last three LLM only),
 //     "forward", "input_grad", "weight_grad", "activation_bytes" (at the profiled shape),
 //     "param_bytes", "params", "tensors", "optimizer",
 //     "fit": {"forward": [fixed, linear, quadratic], "input_grad": [...], "weight_grad": [...],
@@ -123,8 +129,13 @@ struct ModuleProfile {
   // block of the same width. Costs use it for the blocks model.llm.moe makes MoE.
   bool has_moe_block = false;
   LayerProfile moe_block;
-  const LayerProfile& block_at(const LlmSpec& llm, int64_t layer) const {
-    return has_moe_block && llm.moe.is_moe_layer(layer) ? moe_block : block;
+  // The same blocks recomputed.
+  LayerProfile block_recompute, moe_block_recompute;
+  // LLM block `layer`'s layer (dense or MoE), recomputed or not.
+  const LayerProfile& block_at(const LlmSpec& llm, int64_t layer, bool recomputed = false) const {
+    if (has_moe_block && llm.moe.is_moe_layer(layer))
+      return recomputed ? moe_block_recompute : moe_block;
+    return recomputed ? block_recompute : block;
   }
   std::vector<std::pair<std::string, double>> model;  // shape fields the costs hold for
 };
@@ -172,7 +183,9 @@ double profile_seq(const Profile& profile, const Spec& spec);
 // of a tp × cp group (work per unit and activations divided over tp · cp, parameters over tp, but
 // an encoder's front end's, which every rank runs whole; what each TP rank keeps whole is the
 // caller's: plan.cpp keep_whole),
-// under the frozen rules, like module_layer_costs; `shared`: the seconds measured under load
+// under the frozen rules, like module_layer_costs, each block plain or recomputed as the spec
+// says (before the module has its boundaries: recomputed when it recomputes every block, else
+// plain); `shared`: the seconds measured under load
 // where measured (ranks computing side by side). The LLM's per-stage work is left out: every
 // stage does it once per microbatch, so it does not move the partitioner's optimum.
 ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const ModulePlan& module,
@@ -180,8 +193,10 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
                                  bool shared = false);
 
 // The simulator's per-stage costs from the profile: measured seconds per unit and per op, the
-// per-step optimizer seconds, measured activation and parameter bytes; the FLOP fields stay the
-// FLOP model's (they count toward MFU only).
+// per-step optimizer seconds, measured activation and parameter bytes, each block plain or
+// recomputed as the spec's recompute / recompute_blocks say (with StageCost::recompute_blocks and
+// recompute_peak_bytes: what a recomputed block's plain forward keeps beyond its recomputed one);
+// the FLOP fields stay the FLOP model's (they count toward MFU only, recomputation excluded).
 CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Plan& plan);
 
 // simulate() with the profile's costs, its data preparation, its LLM row length and, for ranks

@@ -297,7 +297,8 @@ class Profiler {
             {"forward", c.forward}, {"input_grad", c.input_grad}, {"weight_grad", c.weight_grad}};
       points.push_back(point);
     }
-    const bool quadratic = layer.part == "block" || layer.part == "stage";
+    const bool quadratic =
+        layer.part == "block" || layer.part == "block_recompute" || layer.part == "stage";
     json fit;
     const char* names[4] = {"forward", "input_grad", "weight_grad", "activation_bytes"};
     for (int i = 0; i < 4; ++i) {
@@ -464,13 +465,13 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
   // A block's layer: its forward on random inputs under the data's mask; an MoE block routes the
   // real tokens (padding excluded) and adds its auxiliary losses as training does.
   const auto block_layer = [&, H](std::string name, std::string part, const model::LlmBlock* b,
-                                  model::NamedTensors params) {
+                                  model::NamedTensors params, bool recompute) {
     Layer layer;
     layer.name = std::move(name);
     layer.part = std::move(part);
     layer.params = std::move(params);
     layer.shapes = shapes;
-    layer.prepare = [&, b, H](const Shape& sh) {
+    layer.prepare = [&, b, H, recompute](const Shape& sh) {
       Prepared p;
       const at::Tensor doc = cropped(in.doc, sh);
       const model::AttentionMask mask{model::visible_mask(doc, cropped(in.item, sh))};
@@ -481,7 +482,6 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
       tokens.aux_scale = 1.0 / static_cast<double>(sh.units);
       p.leaves.push_back(randn({sh.units, sh.seq, H}));
       const at::Tensor x = p.leaves[0];
-      const bool recompute = l.recompute;
       p.forward = [b, x, mask, rope, tokens, recompute] {
         if (!recompute) return (*b)(x, mask, rope, tokens);
         return model::recompute(
@@ -494,16 +494,20 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
     };
     return layer;
   };
+  // Each block as it runs plain and recomputed (whatever the config recomputes: a profile prices
+  // any setting).
+  const auto both = [&](const std::string& name, const std::string& part, const model::LlmBlock* b,
+                        const model::NamedTensors& params) {
+    layers.push_back(block_layer(name, part, b, params, false));
+    layers.push_back(block_layer(name + ".recompute", part + "_recompute", b, params, true));
+  };
   if (!moe) {
-    layers.push_back(
-        block_layer("llm.block", "block", &llm.blocks[0], params_of(set, {"llm.layers.0."})));
+    both("llm.block", "block", &llm.blocks[0], params_of(set, {"llm.layers.0."}));
   } else {
-    layers.push_back(block_layer("llm.block", "block",
-                                 dense_second ? &llm.blocks[1] : &dense_llm.blocks[0],
-                                 dense_second ? params_of(set, {"llm.layers.1."})
-                                              : params_of(dense_set, {"llm.layers.0."})));
-    layers.push_back(block_layer("llm.moe_block", "moe_block", &llm.blocks[0],
-                                 params_of(set, {"llm.layers.0."})));
+    both(
+        "llm.block", "block", dense_second ? &llm.blocks[1] : &dense_llm.blocks[0],
+        dense_second ? params_of(set, {"llm.layers.1."}) : params_of(dense_set, {"llm.layers.0."}));
+    both("llm.moe_block", "moe_block", &llm.blocks[0], params_of(set, {"llm.layers.0."}));
   }
 
   Layer back;
@@ -540,15 +544,23 @@ json llm_module(const Profiler& prof, const Spec& spec, const model::Inputs& in,
 
 json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::Tensor& inputs,
                     const TrainSpec& t) {
-  const EncoderSpec& es = spec.model.encoders[e];
-  model::ParamSet set;
+  // Its block plain and recomputed (another copy, in a set of its own), whatever the config
+  // recomputes.
+  EncoderSpec es = spec.model.encoders[e], recomputed;
+  es.recompute = false;
+  es.recompute_blocks.clear();
+  recomputed = es;
+  recomputed.recompute = true;
+  model::ParamSet set, recomputed_set;
   const model::Scope scope{&set, es.name, nullptr};
-  std::unique_ptr<model::Encoder> front_enc, block_enc, back_enc;
+  std::unique_ptr<model::Encoder> front_enc, block_enc, recomputed_enc, back_enc;
   model::Projector projector;
   {
     model::InitSeedGuard seed(spec.train.seed);
     front_enc = model::make_encoder(scope, es, model::StageRange{0, 0, true, false});
     block_enc = model::make_encoder(scope, es, model::StageRange{0, 1, false, false});
+    recomputed_enc = model::make_encoder(model::Scope{&recomputed_set, es.name, nullptr},
+                                         recomputed, model::StageRange{0, 1, false, false});
     if (es.kind == EncoderKind::kWhisper)  // its final LayerNorm runs on the last stage
       back_enc = model::make_encoder(scope, es, {es.layers, es.layers, false, true});
     projector = model::Projector::make(scope.sub("projector"), es.projector, es.hidden,
@@ -569,14 +581,21 @@ json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::
     const at::Tensor x = inputs.narrow(0, 0, sh.units).contiguous();
     return Prepared{[&front_enc, x] { return (*front_enc)(x); }, {}, {}};
   };
-  Layer block;
-  block.name = es.name + ".block";
-  block.part = "block";
-  block.shapes = shapes;
-  block.prepare = [&](const Shape& sh) {
-    const at::Tensor x = (torch::randn({sh.units, T, h}) * 0.5).to(dt);
-    return Prepared{[&block_enc, x] { return (*block_enc)(x); }, {x}, {}};
+  const auto block_layer = [&](const std::string& name, const std::string& part,
+                               const std::unique_ptr<model::Encoder>& enc) {
+    Layer block;
+    block.name = name;
+    block.part = part;
+    block.shapes = shapes;
+    block.prepare = [&enc, dt, T, h](const Shape& sh) {
+      const at::Tensor x = (torch::randn({sh.units, T, h}) * 0.5).to(dt);
+      return Prepared{[&enc, x] { return (*enc)(x); }, {x}, {}};
+    };
+    return block;
   };
+  Layer block = block_layer(es.name + ".block", "block", block_enc);
+  Layer block_recompute =
+      block_layer(es.name + ".block.recompute", "block_recompute", recomputed_enc);
   Layer back;
   back.name = es.name + ".projector";
   back.part = "back";
@@ -595,9 +614,11 @@ json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::
       front_names.push_back(name);
   front.params = params_of(set, front_names);
   block.params = params_of(set, {es.name + ".layers.0."});
+  block_recompute.params = params_of(recomputed_set, {es.name + ".layers.0."});
   back.params = params_of(set, {es.name + ".projector.", es.name + ".final_ln."});
   json out = json::array();
-  for (const Layer* layer : {&front, &block, &back}) out.push_back(prof.layer_json(*layer, t));
+  for (const Layer* layer : {&front, &block, &block_recompute, &back})
+    out.push_back(prof.layer_json(*layer, t));
   return out;
 }
 
@@ -850,7 +871,7 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   }
 
   json j;
-  j["format"] = "weft-profile-1";
+  j["format"] = "weft-profile-2";
   j["device"] =
       cpu_name() + " (" + std::to_string(threads) + " thread" + (threads == 1 ? "" : "s") + ")";
   j["threads"] = threads;
