@@ -496,7 +496,8 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
     const ModuleCosts c1 = profile_module_costs(profile, spec, m, 1);
     const ModuleCosts s0 = profile_module_costs(profile, spec, m, 0, 1, 1, true);
     const ModuleCosts s1 = profile_module_costs(profile, spec, m, 1, 1, 1, true);
-    // The same plain (recomputing nothing): what a recomputed block keeps beyond its input.
+    // Its costs with nothing recomputed: in backward a recomputed block holds its plain
+    // forward's bytes again.
     Spec plain = spec;
     plain.model.llm.recompute = false;
     for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
