@@ -13,9 +13,10 @@
 3. Each plan runs for real on 2 local ranks, one intra-op thread each
    (`weft launch --nproc 2 -- weft train ... --set train.threads=1`): DP2, LLM TP2, LLM TP2 with
    sequence parallelism (and the encoder's too), LLM PP2 (4 microbatches, 1F1B), the same with a
-   4-block LLM in plain and interleaved 1F1B (vp 2; their speed-up is printed measured and
-   simulated), LLM CP2, and encoder | LLM on separate ranks; the measured step is
-   the median `step_seconds` of metrics.jsonl after the first fifth of the steps (rank 0's
+   4-block LLM in plain and interleaved 1F1B (vp 2) and recomputing every LLM block or the
+   first two of stage 0 only (recompute_blocks = [2, 0]; their speed-ups over plain 1F1B are
+   printed measured and simulated), LLM CP2, and encoder | LLM on separate ranks; the measured
+   step is the median `step_seconds` of metrics.jsonl after the first fifth of the steps (rank 0's
    wall time of the whole step: batch preparation, forward, backward, gradient sync,
    optimizer). Rounds repeat every run; the table takes the median over rounds.
 4. `weft simulate CONFIG --profile PROFILE --cluster CLUSTER` predicts each plan's step.
@@ -54,12 +55,22 @@ PLANS = [
      ["parallel.llm.pp=2", "train.microbatches=4", "model.llm.layers=4"]),
     ("PP2 vp2 interleaved (4-block LLM, 4 microbatches)",
      ["parallel.llm.pp=2", "parallel.llm.vp=2", "train.microbatches=4", "model.llm.layers=4"]),
+    ("PP2, every LLM block recomputed (4-block LLM, 4 microbatches)",
+     ["parallel.llm.pp=2", "train.microbatches=4", "model.llm.layers=4",
+      "model.llm.recompute=true"]),
+    ("PP2, recompute_blocks = [2, 0] (4-block LLM, 4 microbatches)",
+     ["parallel.llm.pp=2", "train.microbatches=4", "model.llm.layers=4",
+      "model.llm.recompute=true", "model.llm.recompute_blocks=[2,0]"]),
     ("CP2 (LLM)", ["parallel.llm.cp=2"]),
     ("encoder, LLM on separate ranks", ["parallel.placement=separate"]),
 ]
 # (baseline, plan): the plan's speed-up over the baseline, measured and simulated in each round.
 SPEEDUPS = [("PP2 (4-block LLM, 4 microbatches)",
-             "PP2 vp2 interleaved (4-block LLM, 4 microbatches)")]
+             "PP2 vp2 interleaved (4-block LLM, 4 microbatches)"),
+            ("PP2 (4-block LLM, 4 microbatches)",
+             "PP2, every LLM block recomputed (4-block LLM, 4 microbatches)"),
+            ("PP2 (4-block LLM, 4 microbatches)",
+             "PP2, recompute_blocks = [2, 0] (4-block LLM, 4 microbatches)")]
 MOE_PLANS = [
     ("DP2, experts replicated", []),
     ("EP2 (experts over the 2 DP ranks)", ["parallel.llm.ep=2"]),
