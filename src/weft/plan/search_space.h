@@ -129,8 +129,8 @@ class Space {
   // A simulated candidate with the stage boundaries of each module that recomputes over pipeline
   // stages (vp = 1) moved by rebalance on the whole leaf, each stage's memory limit lowered by
   // what the simulated peak of its ranks adds to the bound's (the timing of what shares them),
-  // recomputing every block there (refine_recompute fits the counts by the simulator); nullopt
-  // when no module's move lowered the bound.
+  // with the counts fitted there under those limits (refine_recompute then fits them by the
+  // simulator, raising any that fall short); nullopt when no module's move lowered the bound.
   std::optional<Candidate> rebalanced(const Evaluation& e) const;
   int64_t encoders() const { return E_; }
   int64_t max_ranks() const { return max_ranks_; }
