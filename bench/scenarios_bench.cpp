@@ -21,7 +21,8 @@
 //   per stage   the search with partial recomputation (--partial-recompute: each pipeline
 //               stage's first blocks, as many as its ranks need, fitted by the simulator, and
 //               the stage boundaries moved with them, SearchOptions::move_boundaries)
-//   same cuts   that search with the boundaries make_plan's search cuts (move_boundaries off)
+//   same cuts   that search keeping the boundaries it cuts without recomputation
+//               (move_boundaries off)
 //   uniform     the per-stage winner with each module's largest count on every stage (what
 //               one recompute_blocks count for the module needs to fit the same layout)
 #include <algorithm>
