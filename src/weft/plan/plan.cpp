@@ -97,6 +97,19 @@ std::pair<int64_t, int64_t> ModulePlan::stage_layers(int64_t stage) const {
   return {stage == 0 ? 0 : b[stage - 1], stage == n - 1 ? layers : b[stage]};
 }
 
+std::vector<int64_t> longest_chunks(const std::vector<int64_t>& boundaries, int64_t layers,
+                                    int64_t pp) {
+  std::vector<int64_t> most(static_cast<size_t>(pp), 0);
+  int64_t begin = 0;
+  for (size_t v = 0; v <= boundaries.size(); ++v) {
+    const int64_t end = v < boundaries.size() ? boundaries[v] : layers;
+    int64_t& m = most[v % most.size()];
+    m = std::max(m, end - begin);
+    begin = end;
+  }
+  return most;
+}
+
 std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t vp, int64_t M, int64_t s,
                                           bool backward) {
   WEFT_ASSERT(pp >= 1 && vp >= 1 && M >= 1 && s >= 0 && s < pp, "pipeline_schedule(", pp, ", ", vp,

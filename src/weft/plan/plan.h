@@ -89,6 +89,12 @@ struct ModulePlan {
   std::pair<int64_t, int64_t> stage_layers(int64_t stage) const;
 };
 
+// Per pipeline rank of `pp` (virtual stage v runs on rank v % pp), the blocks of its longest chunk
+// when `layers` blocks are cut at `boundaries` (the first block of each virtual stage after the
+// first; vp = 1: each rank's own blocks).
+std::vector<int64_t> longest_chunks(const std::vector<int64_t>& boundaries, int64_t layers,
+                                    int64_t pp);
+
 // One op of a pipeline rank's schedule: the forward or backward of one microbatch through one of
 // the rank's chunks (virtual stage chunk·pp + rank).
 struct PipelineOp {

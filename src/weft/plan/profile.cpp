@@ -485,6 +485,9 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       if (key == "vocab") flops_spec.model.llm.vocab = static_cast<int64_t>(v);
   CostTable table = stage_costs(flops_spec, plan);
   const double seq = profile_seq(profile, spec);
+  Spec plain = spec;  // recomputing nothing
+  plain.model.llm.recompute = false;
+  for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
     if (m.role == ModuleRole::kProjector) continue;
@@ -498,9 +501,6 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
     const ModuleCosts s1 = profile_module_costs(profile, spec, m, 1, 1, 1, true);
     // Its costs with nothing recomputed: in backward a recomputed block holds its plain
     // forward's bytes again.
-    Spec plain = spec;
-    plain.model.llm.recompute = false;
-    for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
     const ModuleCosts p0 = profile_module_costs(profile, plain, m, 0);
     const ModuleCosts p1 = profile_module_costs(profile, plain, m, 1);
     const bool shared =

@@ -167,29 +167,9 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
 namespace {
 // Per pipeline stage of module m, its longest chunk's blocks.
 std::vector<int64_t> stage_blocks(const ModulePlan& m) {
-  const int64_t pp = m.layout.pp;
-  std::vector<int64_t> most(static_cast<size_t>(pp), 0);
-  for (int64_t v = 0; v < m.layout.stages(); ++v) {
-    const auto [begin, end] = m.stage_layers(v);
-    int64_t& most_s = most[static_cast<size_t>(v % pp)];
-    most_s = std::max(most_s, end - begin);
-  }
-  return most;
+  return longest_chunks(m.stage_boundaries, m.layers, m.layout.pp);
 }
 
-// Per pipeline stage of `module` (of `pp`), whether a rank hosting it peaks over `memory`.
-std::vector<bool> stages_over_memory(const SimResult& sim, const std::string& module, double memory,
-                                     size_t pp) {
-  std::vector<bool> over(pp, false);
-  const std::string prefix = module + " s";
-  for (const RankReport& r : sim.ranks) {
-    if (r.peak_memory_bytes <= memory) continue;
-    for (const std::string& stage : r.stages)
-      if (stage.compare(0, prefix.size(), prefix) == 0)
-        over[std::stoul(stage.substr(prefix.size())) % pp] = true;  // virtual stage v: rank v % pp
-  }
-  return over;
-}
 }  // namespace
 
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
@@ -211,10 +191,10 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
         std::vector<int64_t>& now = c.recompute_blocks[k];
         if (!c.recompute[k] || now.size() < 2) continue;
         const std::vector<int64_t> most = stage_blocks(raised.plan.module(names[k]));
-        const std::vector<bool> over =
-            stages_over_memory(raised.sim, names[k], cluster.device.memory_bytes, most.size());
+        const std::vector<double> peak =
+            stage_peak_bytes(raised.sim, names[k], static_cast<int64_t>(most.size()));
         for (size_t s = 0; s < now.size() && s < most.size(); ++s)
-          if (over[s] && now[s] < most[s]) ++now[s], more = true;
+          if (peak[s] > cluster.device.memory_bytes && now[s] < most[s]) ++now[s], more = true;
         if (now == most) now.clear();  // every block
       }
       if (!more) return e;
@@ -294,10 +274,8 @@ std::string describe(const Spec& spec, const Candidate& c) {
       // Per stage, of how many blocks (the search may move the boundaries with the counts).
       const int64_t layers =
           k < spec.model.encoders.size() ? spec.model.encoders[k].layers : spec.model.llm.layers;
-      std::vector<int64_t> sizes;
-      for (size_t s = 0; s <= l.stages.size(); ++s)
-        sizes.push_back((s < l.stages.size() ? l.stages[s] : layers) -
-                        (s > 0 ? l.stages[s - 1] : 0));
+      const std::vector<int64_t> sizes =
+          longest_chunks(l.stages, layers, static_cast<int64_t>(blocks.size()));
       text.pop_back();
       text += " of " + format_list(sizes, "/").substr(1);
     }

@@ -828,16 +828,7 @@ bool Space::partial_applies(int64_t k, const Node& n) const {
 std::vector<int64_t> Space::chunk_blocks(const Node& n, int64_t k) const {
   const Choice& c = k == E_ ? n.llm : n.enc[static_cast<size_t>(k)];
   const Staged& cut = c.vp > 1 ? *c.chunks : *c.staged;
-  const int64_t layers = base_.modules[info(k).plan_index].layers;
-  std::vector<int64_t> most(static_cast<size_t>(c.pp), 0);
-  int64_t begin = 0;
-  for (size_t v = 0; v <= cut.boundaries.size(); ++v) {  // virtual stage v: pipeline rank v % pp
-    const int64_t end = v < cut.boundaries.size() ? cut.boundaries[v] : layers;
-    int64_t& m = most[v % most.size()];
-    m = std::max(m, end - begin);
-    begin = end;
-  }
-  return most;
+  return longest_chunks(cut.boundaries, base_.modules[info(k).plan_index].layers, c.pp);
 }
 
 Node Space::recomputing(const Node& n, int64_t k, bool on,
@@ -914,15 +905,12 @@ std::optional<Space::Fitted> Space::rebalance(const Node& n, int64_t k,
   std::vector<int64_t> cut = c.staged->boundaries;
   std::optional<Fitted> now = fit_cut(n, k, cut, headroom);
   if (!now) return std::nullopt;
-  const auto blocks_of = [&](const std::vector<int64_t>& b, size_t s) {
-    return (s < b.size() ? b[s] : layers) - (s > 0 ? b[s - 1] : 0);
-  };
   bool moved = false;
   for (int64_t step = 0; step < layers; ++step) {
     const std::vector<double>& busy = now->bound.stage_seconds;
     const size_t from =
         static_cast<size_t>(std::max_element(busy.begin(), busy.end()) - busy.begin());
-    if (blocks_of(cut, from) < 2) break;
+    if (longest_chunks(cut, layers, c.pp)[from] < 2) break;
     // The moves ranked by the quick bound (without the schedule's replay), the best of them
     // taken when its full bound gains more than rounding.
     std::optional<Fitted> best;
@@ -1174,12 +1162,9 @@ std::optional<Candidate> Space::rebalanced(const Evaluation& e) const {
     // What the simulated peak of each stage's ranks adds to the bound's.
     const std::string& name = base_.modules[info(k).plan_index].name;
     const Bound b = bound(n, 0, 0, k);
-    std::vector<double> headroom(b.stage_memory.size(), 0.0);
-    for (const RankReport& r : e.sim.ranks)
-      for (size_t s = 0; s < headroom.size(); ++s)
-        if (std::find(r.stages.begin(), r.stages.end(), name + " s" + std::to_string(s)) !=
-            r.stages.end())
-          headroom[s] = std::max(headroom[s], r.peak_memory_bytes - b.stage_memory[s]);
+    std::vector<double> headroom = stage_peak_bytes(e.sim, name, x.pp);
+    for (size_t s = 0; s < headroom.size(); ++s)
+      headroom[s] = std::max(0.0, headroom[s] - b.stage_memory[s]);
     std::optional<Fitted> f = rebalance(n, k, headroom);
     if (!f) continue;
     n = f->node;  // the counts fitted there (refine_recompute fits them by the simulator)

@@ -1264,4 +1264,16 @@ std::string to_json(const SimResult& r) {
 
 std::string chrome_trace(const SimResult& r) { return chrome_trace(r.trace); }
 
+std::vector<double> stage_peak_bytes(const SimResult& r, const std::string& module, int64_t pp) {
+  std::vector<double> peak(static_cast<size_t>(pp), 0.0);
+  const std::string prefix = module + " s";
+  for (const RankReport& k : r.ranks)
+    for (const std::string& stage : k.stages)
+      if (stage.compare(0, prefix.size(), prefix) == 0) {
+        double& p = peak[std::stoul(stage.substr(prefix.size())) % peak.size()];
+        p = std::max(p, k.peak_memory_bytes);
+      }
+  return peak;
+}
+
 }  // namespace weft::plan

@@ -281,6 +281,10 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
 
 // {"step_seconds", "tokens_per_second", "mfu", "mfu_llm_only", "bubble_fraction", ..., "ranks"}.
 std::string to_json(const SimResult& result);
+// Per pipeline stage of `module` (of `pp`; virtual stage v on rank v % pp), the largest
+// peak_memory_bytes of the ranks hosting it (RankReport::stages), 0 where none does.
+std::vector<double> stage_peak_bytes(const SimResult& result, const std::string& module,
+                                     int64_t pp);
 // The timeline as a Chrome / Perfetto trace (plan/trace.h).
 std::string chrome_trace(const SimResult& result);
 
