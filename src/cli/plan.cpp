@@ -12,6 +12,7 @@
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/profile.h"
 #include "weft/plan/search.h"
 
 namespace weft::cli {
@@ -22,6 +23,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 struct PlanArgs {
   std::string config, cluster, out, snippet, json;
+  std::string profile;  // measured costs (weft bench profile); "" = the FLOP model
   std::vector<std::string> sets, placements;
   int64_t world = 0;  // without --cluster: ranks to plan for (default 1); with: devices to use
   int64_t top = 5, max_simulations = 400, threads = 0;
@@ -45,7 +47,10 @@ double peak(const plan::SimResult& r) {
 int run_search(const PlanArgs& a) {
   const Spec spec = load_spec(a.config, a.sets);
   const plan::Cluster cluster = plan::load_cluster(a.cluster);
+  std::unique_ptr<plan::Profile> profile;
+  if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
   plan::SearchOptions o;
+  o.profile = profile.get();
   o.max_ranks = a.world;
   if (!a.placements.empty()) o.placements = a.placements;
   o.top = a.top;
@@ -62,6 +67,9 @@ int run_search(const PlanArgs& a) {
   std::printf("weft plan: %s on %s: %lld x %s (%.0f GiB)\n", a.config.c_str(), a.cluster.c_str(),
               static_cast<long long>(devices), cluster.device.name.c_str(),
               cluster.device.memory_bytes / kGiB);
+  if (profile)
+    std::printf("priced by the measured profile %s (%s)\n", a.profile.c_str(),
+                profile->device.c_str());
   char within[96];
   std::snprintf(within, sizeof within,
                 "the winner is within %g%% of the simulator's optimum over the space", a.gap);
@@ -134,6 +142,7 @@ int run_search(const PlanArgs& a) {
     nlohmann::ordered_json j;
     j["config"] = a.config;
     j["cluster"] = a.cluster;
+    if (profile) j["profile"] = a.profile;
     j["devices"] = devices;
     j["stats"] = {{"candidates", st.nodes},    {"memory_filtered", st.memory_filtered},
                   {"simulated", st.simulated}, {"simulated_over_memory", st.simulated_over_memory},
@@ -172,6 +181,9 @@ std::function<int()> add_plan(CLI::App& app) {
       ->check(weft::cli::kPositive);
   cmd->add_option("--cluster", args->cluster,
                   "cluster file (TOML; see configs/clusters/): search for the best plan on it");
+  cmd->add_option("--profile", args->profile,
+                  "measured costs from `weft bench profile` instead of the FLOP model: the stage "
+                  "boundaries, and with --cluster every bound and simulation of the search");
   cmd->add_option("--out", args->out, "with --cluster: write the chosen Plan here (JSON)");
   cmd->add_option("--snippet", args->snippet,
                   "with --cluster: write the config that reproduces it here (TOML)");
@@ -208,8 +220,12 @@ std::function<int()> add_plan(CLI::App& app) {
       WEFT_CHECK(opt->empty(),
                  "weft plan: --out, --snippet and --json need --cluster (the search)");
     const Spec spec = load_spec(args->config, args->sets);
-    std::printf("%s\n",
-                plan::to_json(plan::make_plan(spec, args->world > 0 ? args->world : 1)).c_str());
+    std::unique_ptr<plan::Profile> profile;
+    if (!args->profile.empty())
+      profile = std::make_unique<plan::Profile>(plan::load_profile(args->profile));
+    std::printf("%s\n", plan::to_json(
+                            plan::make_plan(spec, args->world > 0 ? args->world : 1, profile.get()))
+                            .c_str());
     return 0;
   };
 }

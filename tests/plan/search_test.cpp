@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "support/errors.h"
+#include "support/plan_profiles.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/profile.h"
 #include "weft/plan/simulate.h"
 
 namespace weft::plan {
@@ -103,7 +105,7 @@ Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOpt
   best.sim.step_seconds = 1e30;
   *count = 0;
   for (const BoundedCandidate& b : all) {
-    const Evaluation e = evaluate(spec, cluster, b.candidate, o.sim);
+    const Evaluation e = evaluate(spec, cluster, b.candidate, o.sim, o.profile);
     ++*count;
     const std::string what = describe(spec, b.candidate);
     EXPECT_LE(b.lower_bound, e.sim.step_seconds * (1 + 1e-9)) << what;
@@ -558,6 +560,77 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
   ASSERT_FALSE(whole.sim.memory_fits);
   EXPECT_EQ(refine_recompute(spec, h100(1, 0.01), whole).candidate.recompute_blocks,
             all.recompute_blocks);
+}
+
+// A measured profile prices the whole search. On 2 nodes of 2 CPU ranks (the profile's transport
+// curves on one node, running on the ranks' cores; layers measured under load, the LLM block
+// faster than alone, as noise can make it), the bound stays below every simulation and the
+// memory bound below every peak, branch and bound finds brute force's optimum, its step is the
+// profile's simulation of its plan, and the plan the FLOP model picks is slower under the
+// profile.
+TEST(Search, PricesLayoutsOnAMeasuredProfile) {
+  using testing::json;
+  Spec spec = testing::profiled_spec();
+  spec.model.llm.layers = 6;
+  json j = testing::tiny_profile(spec);
+  j["comm"]["points"] = json::array();
+  for (double b : {8.0, 1e5, 1e7})
+    j["comm"]["points"].push_back({{"bytes", b},
+                                   {"p2p", 1e-4 + b * 2e-9},
+                                   {"all_reduce", 2e-4 + b * 4e-9},
+                                   {"compute_bytes", b / 2},
+                                   {"all_reduce_compute", 1.5e-4 + b * 3e-9}});
+  j["comm"]["on_compute"] = true;
+  for (json& module : j["modules"])
+    for (json& layer : module["layers"]) {
+      const double f = layer["name"] == "llm.block" ? 0.8 : 1.3;  // a block faster under load
+      json shared;
+      for (const char* q : {"forward", "input_grad", "weight_grad"}) {
+        shared[q] = layer["fit"][q];
+        for (json& v : shared[q]) v = v.get<double>() * f;
+      }
+      layer["fit"]["shared"] = shared;
+    }
+  const Profile profile = parse_profile(j.dump(), "tiny.json");
+  const Cluster cluster = parse_cluster(R"(
+nodes = 2
+gpus_per_node = 2
+device = "cpu-core"
+[intra_node]
+bandwidth_gbs = 2
+latency_us = 50
+[inter_node]
+bandwidth_gbs = 1
+latency_us = 100
+)",
+                                        "cpu.toml");
+  SearchOptions o = small_space();
+  o.profile = &profile;
+  int64_t count = 0;
+  const Evaluation best = brute_force(spec, cluster, o, &count);
+  ASSERT_GT(count, 50);
+  const SearchResult r = search(spec, cluster, o);
+  ASSERT_FALSE(r.best.empty());
+  EXPECT_TRUE(r.stats.complete);
+  const Evaluation& win = r.best.front();
+  EXPECT_NEAR(win.sim.step_seconds, best.sim.step_seconds, 1e-12 * best.sim.step_seconds)
+      << "search: " << describe(spec, win.candidate)
+      << "\nbrute force: " << describe(spec, best.candidate);
+  EXPECT_LT(r.stats.simulated, count) << "the bound prunes";
+  const Spec applied = apply_candidate(spec, win.candidate);
+  EXPECT_DOUBLE_EQ(simulate(applied, win.plan, cluster, profile).step_seconds,
+                   win.sim.step_seconds);
+  // The FLOP model's choice (interleaved PP2 over 4 microbatches), priced by the profile: its
+  // per-op overheads make it slower than the profile's (DP4, one microbatch).
+  const SearchResult f = search(spec, cluster, small_space());
+  const Evaluation f_measured = evaluate(spec, cluster, f.best.front().candidate, {}, &profile);
+  EXPECT_LT(win.sim.step_seconds * 1.1, f_measured.sim.step_seconds)
+      << describe(spec, f.best.front().candidate);
+  // A profile of another model is refused, naming the file.
+  Spec other = spec;
+  other.model.llm.hidden *= 2;
+  EXPECT_TRUE(testing::error_of([&] { search(other, cluster, o); }).find("tiny.json") !=
+              std::string::npos);
 }
 
 }  // namespace

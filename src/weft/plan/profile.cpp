@@ -479,12 +479,15 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
 
 CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Plan& plan) {
   check_profile(profile, spec);
-  Spec flops_spec = spec;  // the FLOP fields (MFU) with the profiled vocabulary
+  const double seq = profile_seq(profile, spec);
+  // The FLOP fields (MFU) with the profiled vocabulary, of the rows the costs are for: the
+  // profiled data's padded length, not max_seq.
+  Spec flops_spec = spec;
   if (flops_spec.model.llm.vocab == 0)
     for (const auto& [key, v] : profile.module("llm").model)
       if (key == "vocab") flops_spec.model.llm.vocab = static_cast<int64_t>(v);
+  flops_spec.model.llm.max_seq = std::max<int64_t>(1, std::llround(seq));
   CostTable table = stage_costs(flops_spec, plan);
-  const double seq = profile_seq(profile, spec);
   Spec plain = spec;  // recomputing nothing
   plain.model.llm.recompute = false;
   for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
@@ -615,9 +618,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
   return table;
 }
 
-SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
-                   const Profile& profile, SimOptions options) {
-  const CostTable costs = profile_stage_costs(profile, spec, plan);
+SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOptions options) {
   options.data_seconds_per_sample = profile.data_seconds_per_sample;
   options.media_seconds_per_sample = profile.media_seconds_per_sample;
   options.llm_seq = profile_seq(profile, spec);
@@ -625,11 +626,16 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
   options.grad_curve = profile.all_reduce_curve;
   options.activation_curve = profile.all_reduce_compute_curve;
   options.comm_occupies_rank = profile.comm_on_compute;
-  Spec s = spec;
-  if (s.model.llm.vocab == 0)
-    for (const auto& [key, v] : profile.module("llm").model)
-      if (key == "vocab") s.model.llm.vocab = static_cast<int64_t>(v);
-  return simulate(s, plan, cluster, costs, options);
+  for (const auto& [key, v] : profile.module("llm").model)
+    if (key == "vocab") options.unset_vocab = static_cast<int64_t>(v);
+  return options;
+}
+
+SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
+                   const Profile& profile, SimOptions options) {
+  const CostTable costs = profile_stage_costs(profile, spec, plan);
+  // model.llm.vocab = 0 is the profile's (options.unset_vocab).
+  return simulate(spec, plan, cluster, costs, profile_sim_options(profile, spec, options));
 }
 
 }  // namespace weft::plan

@@ -199,9 +199,13 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
 // the FLOP fields stay the FLOP model's (they count toward MFU only, recomputation excluded).
 CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Plan& plan);
 
-// simulate() with the profile's costs, its data preparation, its LLM row length and, for ranks
-// on one node, its measured transport (SimOptions::p2p_curve, grad_curve, activation_curve,
-// comm_occupies_rank).
+// The simulator options a profile implies for `spec`: its data preparation and media decoding
+// seconds, its LLM row length, its measured transport for ranks on one node
+// (SimOptions::p2p_curve, grad_curve, activation_curve, comm_occupies_rank), and its vocabulary
+// for a spec that leaves model.llm.vocab unset (unset_vocab).
+SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOptions options = {});
+
+// simulate() with the profile's costs and profile_sim_options.
 SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
                    const Profile& profile, SimOptions options = {});
 

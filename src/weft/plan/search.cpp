@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "weft/core/error.h"
+#include "weft/plan/profile.h"
 #include "weft/plan/search_space.h"
 
 namespace weft::plan {
@@ -164,7 +165,7 @@ std::vector<Evaluation> Searcher::evaluate_all(const std::vector<std::pair<size_
   const auto work = [&] {
     for (size_t i = next++; i < batch.size(); i = next++) {
       try {
-        out[i] = evaluate(spec_, cl_, candidates[i], o_.sim);
+        out[i] = evaluate(spec_, cl_, candidates[i], o_.sim, o_.profile);
         out[i].lower_bound = batch[i].second;
       } catch (...) {
         failed[i] = std::current_exception();
@@ -322,13 +323,13 @@ SearchResult Searcher::run() {
         std::min(result.best.size(), static_cast<size_t>(std::max<int64_t>(o_.top, kRefined)));
     for (size_t i = 0; i < refined; ++i) {
       Evaluation& e = result.best[i];
-      Evaluation fitted = refine_recompute(spec_, cl_, e, o_.sim, &st.simulated);
+      Evaluation fitted = refine_recompute(spec_, cl_, e, o_.sim, &st.simulated, o_.profile);
       std::optional<Candidate> moved;
       if (o_.move_boundaries) moved = space_.rebalanced(e);
       if (moved) {
-        Evaluation r = evaluate(spec_, cl_, *moved, o_.sim);
+        Evaluation r = evaluate(spec_, cl_, *moved, o_.sim, o_.profile);
         ++st.simulated;
-        r = refine_recompute(spec_, cl_, std::move(r), o_.sim, &st.simulated);
+        r = refine_recompute(spec_, cl_, std::move(r), o_.sim, &st.simulated, o_.profile);
         if (r.sim.memory_fits && r.sim.step_seconds < fitted.sim.step_seconds) {
           r.lower_bound = std::min(e.lower_bound, r.sim.step_seconds);
           fitted = std::move(r);
@@ -359,7 +360,7 @@ SearchResult Searcher::run() {
       leaf = space_.settled(next);  // a pending choice at its fastest
     }
     if (space_.leaf(leaf)) {
-      Evaluation e = evaluate(spec_, cl_, to_candidate(leaf), o_.sim);
+      Evaluation e = evaluate(spec_, cl_, to_candidate(leaf), o_.sim, o_.profile);
       e.lower_bound = over_bound;
       ++st.simulated;
       over.push_back(std::move(e));
@@ -375,14 +376,28 @@ SearchResult Searcher::run() {
   return result;
 }
 
+namespace {
+// The options as the search runs them: with a profile (checked against the spec), the simulator
+// options it implies.
+SearchOptions prepared(const Spec& spec, SearchOptions o) {
+  if (o.profile) {
+    check_profile(*o.profile, spec);
+    o.sim = profile_sim_options(*o.profile, spec, o.sim);
+  }
+  return o;
+}
+}  // namespace
+
 SearchResult search(const Spec& spec, const Cluster& cluster, const SearchOptions& options) {
-  Searcher s(spec, cluster, options);
+  const SearchOptions o = prepared(spec, options);
+  Searcher s(spec, cluster, o);
   return s.run();
 }
 
 std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Cluster& cluster,
                                                    const SearchOptions& options) {
-  Searcher s(spec, cluster, options);
+  const SearchOptions o = prepared(spec, options);
+  Searcher s(spec, cluster, o);
   return s.enumerate();
 }
 

@@ -152,6 +152,12 @@ struct SearchOptions {
   int64_t batch = 8;
   int64_t threads = 0;
   SimOptions sim;  // how candidates are simulated (trace is ignored)
+  // Measured costs (`weft bench profile`, plan/profile.h) in place of the FLOP model: the bound,
+  // the memory filter, the stage cuts and every simulation price each layer as measured (fixed
+  // per-op overhead and per-unit seconds, measured activation bytes, optimizer seconds, the
+  // transport's curves on one node; `sim` takes profile_sim_options). Not owned; must outlive
+  // the search. Null: the FLOP model.
+  const Profile* profile = nullptr;
 };
 
 struct Evaluation {
@@ -202,9 +208,9 @@ CostTable planner_costs(const Spec& spec, const Plan& plan, int64_t unset_vocab 
 // recomputed_blocks(true, blocks, s) blocks recomputed (empty: every block).
 void add_recompute_costs(const Spec& spec, const ModulePlan& module, std::vector<StageCost>* stages,
                          const std::vector<int64_t>& blocks = {});
-// Simulates a candidate (planner_costs, options.trace off).
+// Simulates a candidate (planner_costs, or the `profile`'s measured costs; options.trace off).
 Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& candidate,
-                    const SimOptions& options = {});
+                    const SimOptions& options = {}, const Profile* profile = nullptr);
 // Partial recomputation fitted by the simulator (search applies it to the plans it reports
 // under partial_recompute): each pipeline stage of every recomputing module of a candidate that
 // fits recomputes the fewest first blocks of each chunk for the simulated step to still fit the
@@ -213,9 +219,10 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
 // recomputation off. A candidate that does not fit (counts fitted by a bound) first gets one more
 // block on each stage whose ranks are over memory, of each module recomputing per stage, until it
 // fits (or those stages recompute every block). The faster of that and `e`, or `e` when nothing
-// fits; `simulations` counts the candidates simulated.
+// fits; `simulations` counts the candidates simulated; `profile` as evaluate's.
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
-                            const SimOptions& options = {}, int64_t* simulations = nullptr);
+                            const SimOptions& options = {}, int64_t* simulations = nullptr,
+                            const Profile* profile = nullptr);
 
 // Every complete candidate of the space, in enumeration order, with its analytic bound — what
 // the branch and bound prunes (for tests; large spaces are large).

@@ -6,6 +6,7 @@
 
 #include "weft/core/error.h"
 #include "weft/plan/partition.h"
+#include "weft/plan/profile.h"
 #include "weft/plan/search.h"
 
 namespace weft::plan {
@@ -153,14 +154,16 @@ Plan candidate_plan(const Spec& spec, const Candidate& c) {
 }
 
 Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c,
-                    const SimOptions& options) {
+                    const SimOptions& options, const Profile* profile) {
   Evaluation e;
   e.candidate = c;
   e.plan = candidate_plan(spec, c);
   const Spec applied = apply_candidate(spec, c);
   SimOptions o = options;
   o.trace = false;
-  e.sim = simulate(applied, e.plan, cluster, planner_costs(applied, e.plan, o.unset_vocab), o);
+  e.sim = profile ? simulate(applied, e.plan, cluster, *profile, o)
+                  : simulate(applied, e.plan, cluster,
+                             planner_costs(applied, e.plan, o.unset_vocab), o);
   return e;
 }
 
@@ -173,11 +176,12 @@ std::vector<int64_t> stage_blocks(const ModulePlan& m) {
 }  // namespace
 
 Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation e,
-                            const SimOptions& options, int64_t* simulations) {
+                            const SimOptions& options, int64_t* simulations,
+                            const Profile* profile) {
   const auto names = module_names(spec);
   const auto simulate_one = [&](const Candidate& c) {
     if (simulations) ++*simulations;
-    return evaluate(spec, cluster, c, options);
+    return evaluate(spec, cluster, c, options, profile);
   };
   // Too few blocks for the simulated peak (counts fitted by a bound): one more on each stage
   // whose ranks are over memory, of each module recomputing per stage, until it fits or no such

@@ -8,6 +8,7 @@
 
 #include "weft/core/error.h"
 #include "weft/plan/partition.h"
+#include "weft/plan/profile.h"
 
 namespace weft::plan::search_space {
 
@@ -41,6 +42,34 @@ int64_t encoder_items(int64_t per_replica, int64_t D, int64_t edp, int64_t i) {
   }
   const auto [a, b] = even_part(per_replica * D, edp, i);
   return b - a;
+}
+
+// `spec` with module m recomputing `on`, over `blocks` (recompute_blocks').
+Spec with_recompute(Spec spec, const ModulePlan& m, bool on, const std::vector<int64_t>& blocks) {
+  if (m.role == ModuleRole::kLlm) {
+    spec.model.llm.recompute = on;
+    spec.model.llm.recompute_blocks = blocks;
+  } else {
+    EncoderSpec& e = spec.model.encoders[static_cast<size_t>(m.encoder)];
+    e.recompute = on;
+    e.recompute_blocks = blocks;
+  }
+  return spec;
+}
+
+// A measured stage as the bound prices it: each time the cheaper of alone and under load (the
+// simulator charges an op a mix of the two, by the share of it another rank of its node computes
+// beside).
+void cheaper_of_alone_and_shared(StageCost* sc) {
+  if (!sc->measured || !sc->shared_measured) return;
+  const auto least = [](double* alone, double shared) { *alone = std::min(*alone, shared); };
+  least(&sc->forward_seconds, sc->forward_seconds_shared);
+  least(&sc->backward_seconds, sc->backward_seconds_shared);
+  least(&sc->forward_fixed_seconds, sc->forward_fixed_seconds_shared);
+  least(&sc->backward_fixed_seconds, sc->backward_fixed_seconds_shared);
+  least(&sc->replicated_forward_seconds, sc->replicated_forward_seconds_shared);
+  least(&sc->replicated_backward_seconds, sc->replicated_backward_seconds_shared);
+  sc->shared_measured = false;
 }
 
 // Microbatch sizes of one LLM replica as runs of equal sizes: {samples, count}, in order.
@@ -175,7 +204,15 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1 && vp > 1) {  // interleaved chunks: make_plan's default cut
     st->boundaries =
-        even_cuts(module_layer_costs(costed_, m, single_sample_microbatch(costed_)), pp);
+        even_cuts(o_.profile ? profile_module_costs(*o_.profile, costed_, m, 1)
+                             : module_layer_costs(costed_, m, single_sample_microbatch(costed_)),
+                  pp);
+  } else if (pp > 1 && o_.profile) {  // the measured split, every block recomputed or none
+    PartitionOptions po;
+    po.stages = pp;
+    const Spec priced = with_recompute(costed_, m, recompute && blocks.empty(), {});
+    st->boundaries =
+        partition_stages(profile_module_costs(*o_.profile, priced, m, 1), po).boundaries;
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
     ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
     if (recompute && blocks.empty()) {
@@ -198,8 +235,14 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   m.stage_boundaries = st->boundaries;
   Plan one;
   one.modules = {m};
-  st->stages = stage_costs(costed_, one)[0];
-  if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks);
+  if (o_.profile) {
+    st->stages =
+        profile_stage_costs(*o_.profile, with_recompute(costed_, m, recompute, blocks), one)[0];
+    for (StageCost& sc : st->stages) cheaper_of_alone_and_shared(&sc);
+  } else {
+    st->stages = stage_costs(costed_, one)[0];
+    if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks);
+  }
   for (const StageCost& sc : st->stages)
     st->unit_seconds += sc.measured ? sc.forward_seconds + sc.backward_seconds
                                     : (sc.forward_flops + sc.backward_flops) / flops_;
@@ -208,7 +251,9 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
 }
 
 // A collective over n ranks spanning `span` consecutive ranks, over the cheapest link such a
-// group can have (one node when span <= gpus_per_node).
+// group can have (one node when span <= gpus_per_node). On one node a measured curve
+// (SimOptions: the activations' for TP / CP, else the fp32 one) prices it as the simulator's ring
+// does where the group sits on one node; the cluster's link where it straddles two: the cheaper.
 double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                          CollectiveAlgo algo) const {
   if (n <= 1 || (tp_cp && !o_.sim.tp_cp_comm)) return 0;
@@ -217,13 +262,20 @@ double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, bool 
   if (ranks.empty()) {  // a stand-in group on one node, or spanning two
     for (int64_t r = 0; r < n; ++r) ranks.push_back(inter && r > 0 ? gpn_ + r - 1 : r);
   }
-  return kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
-                            : all_gather_seconds(cl_, ranks, bytes);
+  const double link = kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
+                                         : all_gather_seconds(cl_, ranks, bytes);
+  const CommCurve& curve = tp_cp ? o_.sim.activation_curve : o_.sim.grad_curve;
+  if (inter || curve.empty()) return link;
+  const double m = static_cast<double>(n);
+  return std::min(link, (kind == kAllReduce ? 1.0 : 0.5) * (m - 1) * curve.at(2 * bytes / m));
 }
 
-// A message between ranks `stride` apart (0: unknown, at best on one node).
+// A message between ranks `stride` apart (0: unknown, at best on one node; there a measured
+// curve or the link, the cheaper).
 double Space::hop(double bytes, int64_t stride) const {
-  return p2p_seconds(cl_, 0, stride >= gpn_ ? gpn_ : 1, bytes);
+  const double link = p2p_seconds(cl_, 0, stride >= gpn_ ? gpn_ : 1, bytes);
+  if (stride >= gpn_ || o_.sim.p2p_curve.empty()) return link;
+  return std::min(link, o_.sim.p2p_curve.at(bytes));
 }
 
 double Space::op_seconds(const StageCost& sc, bool forward, double n, double split) const {
@@ -245,7 +297,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   // The gradient reductions: the CP × DP group's, and the experts' over their expert-data-
   // parallel group (ranks ep · etp apart in token order). Overlapped, both start with the last
   // backward and run side by side; otherwise one after the other.
-  const bool overlap = spec_.train.overlap_grad_reduce;
+  const bool overlap = overlap_grads();
   // ZeRO-1 reduce-scatters (the bytes of an all-gather).
   const auto seconds = [&](int64_t ranks, int64_t span, double bytes) {
     return n.zero == 1 ? collective(kAllGather, ranks, span, bytes, false)
@@ -401,7 +453,7 @@ std::vector<Work> Space::works(int64_t k, const Choice& c, const Node& n,
   virt.pp = V, virt.vp = 1, virt.staged = c.chunks;
   std::vector<Work> cw;
   for (int64_t v = 0; v < V; ++v) cw.push_back(work(k, virt, v, 0, n));
-  const bool overlap = spec_.train.overlap_grad_reduce;
+  const bool overlap = overlap_grads();
   for (int64_t s = 0; s < P; ++s) {
     Work r = cw[static_cast<size_t>(s)];  // chunk 0: the rank's first forward and last backward
     r.fwd = r.bwd = 0;
@@ -522,7 +574,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
     return most;
   }
   const bool shared = n.placement != kSeparate;
-  const bool overlap = spec_.train.overlap_grad_reduce;
+  const bool overlap = overlap_grads();
   const bool gather_overlapped = spec_.train.overlap_param_gather && !o_.sim.comm_occupies_rank;
   std::vector<std::vector<Work>> w(static_cast<size_t>(E_ + 1));
   for (size_t k = 0; k < n.enc.size(); ++k) w[k] = works(static_cast<int64_t>(k), n.enc[k], n);

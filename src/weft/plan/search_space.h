@@ -172,6 +172,11 @@ class Space {
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
   double hop(double bytes, int64_t stride) const;
+  // Gradient reductions overlapped with backward, as the simulator runs them: not where the
+  // transport runs on the ranks' cores (SimOptions::comm_occupies_rank).
+  bool overlap_grads() const {
+    return spec_.train.overlap_grad_reduce && !o_.sim.comm_occupies_rank;
+  }
   double op_seconds(const StageCost& sc, bool forward, double n, double split) const;
   Work work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const;
   // Per pipeline rank of module k (the LLM interleaved: the sums over each rank's chunks, its
