@@ -3,7 +3,7 @@
 # precision, the profiled shape, the data preparation and, per module, every layer's measured
 # seconds, bytes and fit, every block plain and recomputed; `weft simulate --profile` accepts it
 # and predicts a positive step that differs from the FLOP model's, and prices recomputation of
-# every block or of some from it; an MoE config gets a dense and an MoE block, and expert
+# every block or of some from it; `weft plan --profile` searches on it; an MoE config gets a dense and an MoE block, and expert
 # parallelism is priced on them; bad flags, files and mismatched configs are clear errors.
 set -u
 weft=$1; src=$2
@@ -91,11 +91,47 @@ assert none[1] == some[1] > every[1], (none, some, every)
 print("measured activation peaks (rank 0, rank 1): none %s, [1,0] %s, all %s" % (none, some, every))
 PY
 
+# The layout search priced by the profile: its winner's --set flags, simulated with the same
+# profile, give the step it reports; without --cluster, make_plan cuts the stages on it.
+"$weft" plan "$cfg" --cluster "$cluster" "${small[@]}" --profile "$tmp/p.json" \
+  --json "$tmp/search.json" > "$tmp/search.txt" || die "plan --profile failed"
+grep -q "priced by the measured profile .*p.json" "$tmp/search.txt" \
+  || { cat "$tmp/search.txt"; die "plan --profile does not say it is priced by the profile"; }
+python3 - "$tmp/search.json" > "$tmp/winner.args" <<'PY' || die "bad plan --profile summary"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["profile"].endswith("p.json"), j
+w = j["best"][0]
+assert w["step_seconds"] > 0 and 0 < w["mfu"] < 1, w
+print(w["world_size"], w["step_seconds"])
+for o in w["overrides"]:
+    print(o)
+PY
+read -r world step < <(head -1 "$tmp/winner.args")
+mapfile -t won < <(tail -n +2 "$tmp/winner.args")
+"$weft" simulate "$cfg" --cluster "$cluster" --world-size "$world" "${small[@]}" \
+  $(printf -- "--set %s " "${won[@]}") --profile "$tmp/p.json" > "$tmp/won.json" \
+  || die "simulate of the searched plan failed"
+python3 - "$tmp/won.json" "$step" <<'PY' || die "the searched plan's step does not reproduce"
+import json, sys
+got, want = json.load(open(sys.argv[1]))["step_seconds"], float(sys.argv[2])
+assert abs(got - want) <= 1e-6 * want, (got, want)
+print("plan --profile: winner's step %.5f s, simulated again %.5f s" % (want, got))
+PY
+"$weft" plan "$cfg" --world-size 2 "${small[@]}" --set parallel.llm.pp=2 \
+  --profile "$tmp/p.json" > "$tmp/plan.json" || die "plan --profile without --cluster failed"
+python3 -c "import json,sys; m=[m for m in json.load(open(sys.argv[1]))['modules'] if m['name']=='llm'][0]; assert len(m['stage_boundaries'])==1, m" \
+  "$tmp/plan.json" || die "plan --profile without --cluster: no LLM cut"
+
 # Errors: a profile of another model, a broken file, bad flags.
 "$weft" "${sim[@]}" --set model.llm.hidden=192 --profile "$tmp/p.json" > "$tmp/out" 2>&1 \
   && die "a profile of another model was accepted"
 grep -q "p.json: module 'llm' was profiled with hidden = 128" "$tmp/out" \
   || { cat "$tmp/out"; die "mismatch error does not name the file, module and field"; }
+"$weft" plan "$cfg" --cluster "$cluster" "${small[@]}" --set model.llm.hidden=192 \
+  --profile "$tmp/p.json" > "$tmp/out" 2>&1 && die "plan: a profile of another model was accepted"
+grep -q "p.json: module 'llm' was profiled with hidden = 128" "$tmp/out" \
+  || { cat "$tmp/out"; die "plan: mismatch error does not name the file, module and field"; }
 python3 - "$tmp/p.json" "$tmp/broken.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))

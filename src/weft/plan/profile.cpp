@@ -155,6 +155,28 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
 // Whether module m's block b runs recomputed: the first recomputed_blocks of its chunk (spec.h).
 // Before the plan has its boundaries (make_plan partitioning), every block when the module
 // recomputes them all, else none: the partition cuts plain blocks, as the FLOP model's does.
+// A recomputed block runs its whole plain forward and backward, and its forward once more
+// without autograd: its seconds are never below the plain block's. Where the two separately timed
+// fits say otherwise (noise over a few short ops), each coefficient of its forward + input
+// gradient + weight gradient is raised to the plain one's, on the input gradient (where the
+// recomputation runs); alone and, where both were measured, under load.
+void no_cheaper(LayerProfile* recomputed, const LayerProfile& plain) {
+  const auto floor = [](CostFit* f, CostFit* in, CostFit* w, const CostFit& pf,
+                        const CostFit& pin, const CostFit& pw) {
+    double CostFit::*coefficients[] = {&CostFit::fixed, &CostFit::linear, &CostFit::quadratic};
+    for (double CostFit::*c : coefficients) {
+      const double short_by = (pf.*c + pin.*c + pw.*c) - (f->*c + in->*c + w->*c);
+      if (short_by > 0) in->*c += short_by;
+    }
+  };
+  LayerProfile& r = *recomputed;
+  floor(&r.forward, &r.input_grad, &r.weight_grad, plain.forward, plain.input_grad,
+        plain.weight_grad);
+  if (r.shared && plain.shared)
+    floor(&r.forward_shared, &r.input_grad_shared, &r.weight_grad_shared, plain.forward_shared,
+          plain.input_grad_shared, plain.weight_grad_shared);
+}
+
 bool block_recomputed(const Spec& spec, const ModulePlan& m, int64_t b) {
   const bool llm = m.role == ModuleRole::kLlm;
   const bool on = llm ? spec.model.llm.recompute : encoder_of(spec, m).recompute;
@@ -338,6 +360,8 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
                                    &m.moe_block_recompute};
       *dst[idx] = r.layer(layers[k], lw);
     }
+    no_cheaper(&m.block_recompute, m.block);
+    if (seen[5] && seen[6]) no_cheaper(&m.moe_block_recompute, m.moe_block);
     m.has_moe_block = seen[5];
     for (int k = 0; k < 4; ++k)
       WEFT_CHECK(seen[k], source, ": ", where, " ('", m.name, "'): no \"", parts[k], "\" layer");

@@ -13,7 +13,9 @@
 // measured twice, whatever the profiled config recomputes: as it runs without recomputation
 // ("block", "moe_block") and recomputed (model/recompute.h: "block_recompute",
 // "moe_block_recompute": its forward keeps only its input, its backward runs it again), so a
-// profile prices any recompute / recompute_blocks setting, block by block. For each:
+// profile prices any recompute / recompute_blocks setting, block by block; a recomputed block is
+// never priced below its plain one (where noise makes the two fits say so, each coefficient of
+// its forward + backward is raised to the plain block's, on its input gradient). For each:
 //   forward           seconds of the forward, autograd recording
 //   input_grad        seconds of the backward with the layer's parameters not requiring grad
 //                     (input gradients only); 0 where the input is data (encoder front end)
