@@ -1,29 +1,31 @@
 #!/usr/bin/python3
 """The layout search priced by a measured profile against the FLOP model's, on real runs.
 
-    /usr/bin/python3 bench/validate_search.py [--build build] [--config CONFIG ...] [--steps 40]
-                                              [--rounds 3] [--write]
+    /usr/bin/python3 bench/validate_search.py [--build build] [--config CONFIG ...] [--top 3]
+                                              [--steps 40] [--rounds 2] [--write]
 
-For each config (default configs/tiny-vlm.toml and configs/tiny-valm.toml):
+For each config (default configs/tiny-vlm.toml, configs/tiny-valm.toml and configs/pp-vlm.toml):
 1. `weft bench profile CONFIG --set train.threads=1` measures every layer on one core, the data
    preparation and the local Gloo transport.
-2. `weft plan CONFIG --cluster configs/clusters/cpu-local.toml` searches the 2-rank layouts,
-   microbatches, ZeRO-1 and recomputation twice: on the FLOP model (the cluster file's measured
-   peak and efficiency) and with `--profile` (every bound and simulation on the measured costs).
-3. Both winners run for real on 2 local ranks, one intra-op thread each (`weft launch --nproc 2`),
-   alternating within each round (the machine drifts over minutes: a ratio within a round is
-   what counts); the measured step is the median `step_seconds` after the first fifth.
+2. `weft plan CONFIG --cluster configs/clusters/cpu-local.toml --top N` searches the 2-rank
+   layouts, microbatches, ZeRO-1 and recomputation twice: on the FLOP model (the cluster file's
+   measured peak and efficiency) and with `--profile` (every bound and simulation on the measured
+   costs).
+3. Every plan of either table (the union of both top N) is simulated under both models and runs
+   for real on 2 local ranks, one intra-op thread each (`weft launch --nproc 2`); the measured
+   step is the median `step_seconds` after the first fifth, the median over rounds (each round
+   runs every plan once, in a rotated order: the machine drifts over minutes).
 
-Prints, per config, each search's winner, its predicted step under the FLOP model and under the
-profile, its measured step, and the speed-up of the profile's winner over the FLOP model's
-(median over rounds of the ratio within a round). Waits for a quiet machine before every timed
-run as validate_sim.py does. --write replaces this script's section of bench/RESULTS.md.
+Prints per config every plan's rank in each table, its predicted steps and its measured one; the
+measured-fastest plan's place in each model's order; and each model's rank agreement with the
+measurements (Kendall's tau over the plans: 1 = the same order). Waits for a quiet machine
+before every timed run as validate_sim.py does. --write replaces this script's section of
+bench/RESULTS.md.
 """
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -32,18 +34,18 @@ from validate_sim import ROOT, Quiet, measure, run, sets
 
 BEGIN, END = "<!-- bench/validate_search begin -->", "<!-- bench/validate_search end -->"
 CLUSTER = os.path.join(ROOT, "configs", "clusters", "cpu-local.toml")
+CONFIGS = ["configs/tiny-vlm.toml", "configs/tiny-valm.toml", "configs/pp-vlm.toml"]
 
 
 def search(args, config, profile=None):
-    """The winner of `weft plan --cluster` (2 ranks): its summary row."""
+    """The table of `weft plan --cluster` (2 ranks): its rows, fastest first."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [os.path.join(args.build, "weft"), "plan", config, "--cluster", CLUSTER,
-               "--set", "train.threads=1", "--json", out.name]
+               "--top", str(args.top), "--set", "train.threads=1", "--json", out.name]
         if profile:
             cmd += ["--profile", profile]
         run(cmd, "plan")
-        j = json.load(open(out.name))
-    return j["best"][0]
+        return json.load(open(out.name))["best"]
 
 
 def simulate(args, config, overrides, world, profile=None):
@@ -54,78 +56,108 @@ def simulate(args, config, overrides, world, profile=None):
     return json.loads(run(cmd, "simulate"))["step_seconds"]
 
 
+def kendall_tau(xs, ys):
+    """Kendall's tau-a of two orderings of the same items (values: lower = faster)."""
+    n, s = len(xs), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = xs[i] - xs[j], ys[i] - ys[j]
+            s += (a * b > 0) - (a * b < 0)
+    return s / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def place(values, i):
+    """1-based place of item i when ordered by values (fastest first)."""
+    return sorted(range(len(values)), key=lambda k: values[k]).index(i) + 1
+
+
+def cell(text):
+    return text.replace("|", "\\|")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default="build")
     ap.add_argument("--config", action="append", default=None,
-                    help="repeatable; default configs/tiny-vlm.toml and configs/tiny-valm.toml")
+                    help="repeatable; default " + ", ".join(CONFIGS))
+    ap.add_argument("--top", type=int, default=3, help="plans taken from each search's table")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7, help="profile repetitions")
     ap.add_argument("--max-wait", type=float, default=900, help="seconds to wait for quiet")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
-    configs = args.config or ["configs/tiny-vlm.toml", "configs/tiny-valm.toml"]
+    configs = args.config or CONFIGS
     args.build = args.build if os.path.isabs(args.build) else os.path.join(ROOT, args.build)
     weft = os.path.join(args.build, "weft")
     quiet = Quiet(args.max_wait)
-    sections = []
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
-            args.config = config  # validate_sim.measure runs args.config
+            args.config = config  # validate_sim.measure trains args.config
             profile = os.path.join(tmp, os.path.basename(config) + ".profile.json")
             quiet.timed(lambda: run([weft, "bench", "profile", config, "--set", "train.threads=1",
                                      "--reps", str(args.reps), "--out", profile], "profile"))
             device = json.load(open(profile))["device"]
-            winners = {"FLOP model": search(args, config), "profile": search(args, config, profile)}
-            for name, w in winners.items():
-                w["flop_s"] = simulate(args, config, w["overrides"], w["world_size"])
-                w["profile_s"] = simulate(args, config, w["overrides"], w["world_size"], profile)
-                print(f"{config}: {name} search: {w['layout']}: FLOP model {w['flop_s']:.4f} s, "
-                      f"profile {w['profile_s']:.4f} s", flush=True)
-            same = winners["FLOP model"]["overrides"] == winners["profile"]["overrides"]
-            measured = {name: [] for name in winners}
+            tables = {"FLOP model": search(args, config), "profile": search(args, config, profile)}
+            plans = []  # {layout, overrides, world, ranks: {model: place in its table}}
+            for model, rows in tables.items():
+                for i, row in enumerate(rows):
+                    same = [p for p in plans if p["overrides"] == row["overrides"]]
+                    if not same:
+                        plans.append({"layout": row["layout"], "overrides": row["overrides"],
+                                      "world": row["world_size"], "ranks": {}})
+                        same = plans[-1:]
+                    same[0]["ranks"][model] = i + 1
+            for p in plans:
+                if p["world"] != 2:
+                    sys.exit(f"validate_search.py: {config}: {p['layout']} uses {p['world']} "
+                             "ranks; the real runs use 2")
+                p["flop"] = simulate(args, config, p["overrides"], 2)
+                p["predicted"] = simulate(args, config, p["overrides"], 2, profile)
+                p["measured"] = []
             for r in range(args.rounds):
-                for name, w in winners.items():
-                    if same and name == "profile":
-                        measured[name].append(measured["FLOP model"][-1])
-                        continue
-                    if w["world_size"] != 2:
-                        sys.exit(f"validate_search.py: {config}: the {name} winner uses "
-                                 f"{w['world_size']} ranks; the real runs use 2")
-                    got = measure(args, tmp, name.replace(" ", "-"), w["overrides"], quiet)
-                    measured[name].append(got)
-                    print(f"round {r + 1}: {config}: {name} winner measured {got:.4f} s",
+                for k in range(len(plans)):
+                    p = plans[(k + r) % len(plans)]
+                    got = measure(args, tmp, f"plan{plans.index(p)}", p["overrides"], quiet)
+                    p["measured"].append(got)
+                    print(f"round {r + 1}: {config}: {p['layout']}: measured {got:.4f} s, "
+                          f"profile {p['predicted']:.4f} s, FLOP model {p['flop']:.4f} s",
                           flush=True)
-            sections.append((config, device, winners, measured, same))
+            for p in plans:
+                p["median"] = statistics.median(p["measured"])
+            results.append((config, device, plans))
 
-    lines = [BEGIN, "## Layout search on a measured profile vs the FLOP model "
+    lines = [BEGIN, "## Layout search on a measured profile vs on the FLOP model "
              "(bench/validate_search.py)", "",
              f"Machine: {results_md.machine()}. Reproduce: `/usr/bin/python3 "
-             f"bench/validate_search.py --write`. Each search is `weft plan CONFIG --cluster "
-             f"configs/clusters/cpu-local.toml --set train.threads=1` (2 ranks), without and "
-             f"with `--profile` (`weft bench profile --set train.threads=1 --reps {args.reps}`); "
-             f"both winners then train for real on 2 local ranks, one intra-op thread each, "
-             f"{args.steps} steps, alternating within each of {args.rounds} rounds; measured = "
-             f"the median step after the first fifth. Machine state: {quiet.describe()}.", ""]
-    for config, device, winners, measured, same in sections:
-        lines += [f"`{config}` (profile: {device})" + (": both searches pick the same plan."
-                                                      if same else ":"), "",
-                  "| search | winner | predicted, FLOP model s | predicted, profile s | "
-                  "measured s (median) | per round |", "|---|---|---|---|---|---|"]
-        for name, w in winners.items():
-            m = measured[name]
-            lines.append(f"| {name} | {w['layout']} | {w['flop_s']:.4f} | {w['profile_s']:.4f} | "
-                         f"{statistics.median(m):.4f} | " + ", ".join(f"{x:.4f}" for x in m) + " |")
-        if not same:
-            pairs = list(zip(measured["FLOP model"], measured["profile"]))
-            got = statistics.median(f / p for f, p in pairs)
-            predicted = winners["FLOP model"]["profile_s"] / winners["profile"]["profile_s"]
-            lines += ["", f"The profile's winner over the FLOP model's: measured {got:.3f}x "
-                      "(median over rounds of the ratio within a round: "
-                      + ", ".join(f"{f / p:.3f}x" for f, p in pairs)
-                      + f"); the profile predicted {predicted:.3f}x."]
-        lines.append("")
+             f"bench/validate_search.py --write`. Each config is searched with `weft plan CONFIG "
+             f"--cluster configs/clusters/cpu-local.toml --top {args.top} --set train.threads=1` "
+             f"(2 ranks), on the FLOP model and with `--profile` (`weft bench profile --set "
+             f"train.threads=1 --reps {args.reps}`); every plan of either table then trains for "
+             f"real on 2 local ranks, one intra-op thread each, {args.steps} steps, once per "
+             f"round in a rotated order, {args.rounds} rounds; measured = the median over rounds "
+             f"of the median step after the first fifth. Machine state: {quiet.describe()}.", ""]
+    for config, device, plans in results:
+        measured = [p["median"] for p in plans]
+        flop = [p["flop"] for p in plans]
+        predicted = [p["predicted"] for p in plans]
+        fastest = min(range(len(plans)), key=lambda k: measured[k])
+        lines += [f"`{config}` (profile: {device}):", "",
+                  "| plan | FLOP model: rank, s | profile: rank, s | measured s | "
+                  "profile / measured | per round |", "|---|---|---|---|---|---|"]
+        for p in plans:
+            rank = {m: (f"#{p['ranks'][m]}" if m in p["ranks"] else "-")
+                    for m in ("FLOP model", "profile")}
+            lines.append(f"| {cell(p['layout'])} | {rank['FLOP model']}, {p['flop']:.4f} | "
+                         f"{rank['profile']}, {p['predicted']:.4f} | {p['median']:.4f} | "
+                         f"{p['predicted'] / p['median']:.2f} | "
+                         + ", ".join(f"{x:.4f}" for x in p["measured"]) + " |")
+        lines += ["", f"Measured fastest: {cell(plans[fastest]['layout'])}: the profile's "
+                  f"#{place(predicted, fastest)} and the FLOP model's #{place(flop, fastest)} "
+                  f"of these {len(plans)} plans. Rank agreement with the measurements (Kendall's "
+                  f"tau): profile {kendall_tau(predicted, measured):.2f}, FLOP model "
+                  f"{kendall_tau(flop, measured):.2f}.", ""]
     lines.append(END)
     print("\n".join(lines[1:-1]))
     if args.write:

@@ -75,6 +75,18 @@
 // (its TP / CP collectives and expert all-to-alls again too: StageCost::recompute), only each
 // block's input (bf16: 2 bytes per element) kept as its activations, and the repeated FLOPs
 // left out of MFU.
+//
+// Measured costs (SearchOptions::profile, `weft plan --profile`): a profile from `weft bench
+// profile` (plan/profile.h) replaces the FLOP model everywhere — the stage cuts (partitioned on
+// the measured layer costs), the bound (each op fixed + per-unit seconds as measured, the cheaper
+// of alone and under load; the transport's measured curves on one node where cheaper than the
+// link; gradient reductions after the backward where the transport runs on the ranks' cores),
+// the memory filter (measured activation bytes) and every simulation (profile.h simulate). It is
+// checked against the spec first (an Error naming the file, module and field).
+//
+// Ties: of plans simulated equally fast (within a relative 1e-9), the one with fewer
+// microbatches wins — larger microbatches run their kernels more efficiently than a FLOP model
+// sees, and pay each op's fixed overhead fewer times.
 #pragma once
 
 #include <cstdint>
