@@ -59,6 +59,7 @@ TEST(Cluster, ShippedFilesLoad) {
   EXPECT_EQ(cpu.device.name, "cpu-core");
   EXPECT_DOUBLE_EQ(cpu.device.effective_flops(Precision::kBf16), 0.21e12 * 0.35);  // measured
   EXPECT_DOUBLE_EQ(cpu.intra_node.latency_seconds, 190e-6);
+  EXPECT_DOUBLE_EQ(cpu.device.block_overhead_seconds, 350e-6);
 }
 
 TEST(Cluster, InlineDevice) {
@@ -70,6 +71,7 @@ name = "toy"
 bf16_tflops = 2
 memory_gib = 1
 matmul_efficiency = 0.5
+block_overhead_us = 250
 [intra_node]
 bandwidth_gbs = 1
 latency_us = 0
@@ -81,6 +83,7 @@ latency_us = 0
   EXPECT_DOUBLE_EQ(c.device.memory_bytes, 1024.0 * 1024 * 1024);
   EXPECT_DOUBLE_EQ(c.device.hbm_bytes_per_second, 0);
   EXPECT_DOUBLE_EQ(c.device.effective_flops(Precision::kBf16), 1e12);
+  EXPECT_DOUBLE_EQ(c.device.block_overhead_seconds, 250e-6);
 }
 
 TEST(Cluster, ErrorsNameFileKeyValue) {
@@ -104,6 +107,9 @@ TEST(Cluster, ErrorsNameFileKeyValue) {
   EXPECT_EQ(err("nodes = 1\ngpus_per_node = 1\n[device]\nbase = \"h100\"\nmatmul_efficiency = 1.5" +
                 link),
             "c.toml: device.matmul_efficiency = 1.5: must be in (0, 1] (a fraction of the peak)");
+  EXPECT_EQ(
+      err("nodes = 1\ngpus_per_node = 1\n[device]\nbase = \"h100\"\nblock_overhead_us = -1" + link),
+      "c.toml: device.block_overhead_us = -1: must be a finite number >= 0");
   EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\n[device]\nname = \"x\"\nmemory_gib = 1" + link)
                 .find("c.toml: device.bf16_tflops: missing"),
             std::string::npos);
@@ -209,6 +215,29 @@ TEST(Simulate, SingleRankIsTheSumOfLayerCosts) {
     EXPECT_NEAR(r.bubble_fraction, 0, 1e-12);
     EXPECT_EQ(r.ranks.at(0).collective_seconds, 0);
     EXPECT_EQ(r.ranks[0].stages, (std::vector<std::string>{"vision s0", "llm s0"}));
+  }
+}
+
+// The device's per-block overhead: every block's forward and, where it has one, its backward
+// cost that much more per microbatch (a recomputed block's backward twice), whatever its size.
+TEST(Simulate, BlockOverheadIsChargedPerBlockAndMicrobatch) {
+  struct Case {
+    bool frozen, recompute;
+    double per_microbatch;  // overhead units: 4 LLM blocks, 3 vision blocks
+  };
+  for (const Case& k : {Case{false, false, 2 * 4 + 2 * 3}, Case{true, false, 2 * 4 + 3},
+                        Case{false, true, 3 * 4 + 2 * 3}}) {
+    Spec s = vlm_spec();
+    s.model.encoders[0].frozen = k.frozen;
+    s.model.llm.recompute = k.recompute;
+    const Plan p = make_plan(s, 1);
+    Cluster c = ideal(1, 1e-3, 1);
+    const double plain = simulate(s, p, c, planner_costs(s, p), no_optimizer()).step_seconds;
+    c.device.block_overhead_seconds = 1e-3;
+    const SimResult r = simulate(s, p, c, planner_costs(s, p), no_optimizer());
+    EXPECT_NEAR(r.step_seconds - plain, 2 * k.per_microbatch * 1e-3, 1e-12)
+        << "frozen " << k.frozen << ", recompute " << k.recompute;  // 2 microbatches
+    EXPECT_LT(r.mfu, simulate(s, p, ideal(1, 1e-3, 1), planner_costs(s, p), no_optimizer()).mfu);
   }
 }
 

@@ -139,8 +139,8 @@ DeviceProfile read_device(const std::string& source, const toml::node& node) {
   WEFT_CHECK(t, source, ": device = ", describe(node), ": expected a profile name (",
              quoted_list(names), ") or a table");
   Reader r(source, *t, "device");
-  r.only(
-      {"base", "name", "bf16_tflops", "fp32_tflops", "memory_gib", "hbm_gbs", "matmul_efficiency"});
+  r.only({"base", "name", "bf16_tflops", "fp32_tflops", "memory_gib", "hbm_gbs",
+          "matmul_efficiency", "block_overhead_us"});
   DeviceProfile d;
   const bool based = r.find("base") != nullptr;
   if (based) {
@@ -165,6 +165,8 @@ DeviceProfile read_device(const std::string& source, const toml::node& node) {
     if (eff > 1) r.fail("matmul_efficiency", "must be in (0, 1] (a fraction of the peak)");
     d.matmul_efficiency = eff;
   }
+  double us = 0;
+  if (r.number("block_overhead_us", &us, false, true)) d.block_overhead_seconds = us * 1e-6;
   return d;
 }
 
@@ -237,7 +239,8 @@ std::string to_json(const Cluster& c) {
                  {"peak_fp32_flops", d.peak_fp32_flops},
                  {"memory_bytes", d.memory_bytes},
                  {"hbm_bytes_per_second", d.hbm_bytes_per_second},
-                 {"matmul_efficiency", d.matmul_efficiency}};
+                 {"matmul_efficiency", d.matmul_efficiency},
+                 {"block_overhead_seconds", d.block_overhead_seconds}};
   j["intra_node"] = {{"bytes_per_second", c.intra_node.bytes_per_second},
                      {"latency_seconds", c.intra_node.latency_seconds}};
   j["inter_node"] = {{"bytes_per_second", c.inter_node.bytes_per_second},

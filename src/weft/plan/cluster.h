@@ -20,7 +20,8 @@
 //   gpus_per_node = 8
 //   device = "h100"                  # a shipped profile, or an inline table:
 //   # [device]  base = "h100" (optional: start from a profile), name, bf16_tflops,
-//   #           fp32_tflops, memory_gib, hbm_gbs, matmul_efficiency
+//   #           fp32_tflops, memory_gib, hbm_gbs, matmul_efficiency,
+//   #           block_overhead_us (fixed microseconds per block per forward and backward)
 //   [intra_node]
 //   bandwidth_gbs = 450              # GB/s (1e9 bytes/s) per direction, per device
 //   latency_us = 3
@@ -44,6 +45,11 @@ struct DeviceProfile {
   double memory_bytes = 0;          // device memory
   double hbm_bytes_per_second = 0;  // memory bandwidth (optimizer step); 0 = unknown
   double matmul_efficiency = 1;     // achievable fraction of peak on the model's matmul work
+  // Fixed seconds of each transformer block's forward, and again of its backward, per microbatch
+  // whatever its size: operator dispatch and kernel launches the FLOP rate misses (what makes
+  // many small microbatches slower than few large ones). 0 = none; a measured profile
+  // (plan/profile.h) replaces the FLOP model, this included.
+  double block_overhead_seconds = 0;
 
   double peak_flops(Precision p) const {
     return p == Precision::kBf16 ? peak_bf16_flops : peak_fp32_flops;

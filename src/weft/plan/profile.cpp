@@ -161,8 +161,8 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
 // gradient + weight gradient is raised to the plain one's, on the input gradient (where the
 // recomputation runs); alone and, where both were measured, under load.
 void no_cheaper(LayerProfile* recomputed, const LayerProfile& plain) {
-  const auto floor = [](CostFit* f, CostFit* in, CostFit* w, const CostFit& pf,
-                        const CostFit& pin, const CostFit& pw) {
+  const auto floor = [](CostFit* f, CostFit* in, CostFit* w, const CostFit& pf, const CostFit& pin,
+                        const CostFit& pw) {
     double CostFit::*coefficients[] = {&CostFit::fixed, &CostFit::linear, &CostFit::quadratic};
     for (double CostFit::*c : coefficients) {
       const double short_by = (pf.*c + pin.*c + pw.*c) - (f->*c + in->*c + w->*c);
@@ -548,6 +548,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.forward_flops = sc.forward_flops;
       fresh.backward_flops = sc.backward_flops;
       fresh.blocks = sc.blocks;
+      fresh.backward_blocks = sc.backward_blocks;
       // The model's structure: what the experts hold and move (from the spec, not measured).
       fresh.moe_blocks = sc.moe_blocks;
       fresh.expert_param_bytes = sc.expert_param_bytes;

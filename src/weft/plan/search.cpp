@@ -120,9 +120,9 @@ std::string explain(const Spec& spec, const Cluster& cluster, const SearchResult
 bool preferred(const Evaluation& a, const Evaluation& b) {
   const auto key = [](const Evaluation& e) {
     const double t = e.sim.step_seconds;
-    return std::make_pair(t > 0 ? std::llround(std::log(t) * 1e9)
-                                : std::numeric_limits<long long>::min(),
-                          e.candidate.microbatches);
+    return std::make_pair(
+        t > 0 ? std::llround(std::log(t) * 1e9) : std::numeric_limits<long long>::min(),
+        e.candidate.microbatches);
   };
   return key(a) < key(b);
 }

@@ -279,7 +279,7 @@ double Space::hop(double bytes, int64_t stride) const {
 }
 
 double Space::op_seconds(const StageCost& sc, bool forward, double n, double split) const {
-  return compute_seconds(sc, forward, n, split, flops_);
+  return compute_seconds(sc, forward, n, split, flops_, false, cl_.device.block_overhead_seconds);
 }
 
 // Module k's stage s on the rank with data-parallel index i, mirroring the simulator's ops.

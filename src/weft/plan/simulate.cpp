@@ -301,7 +301,8 @@ class Engine {
     Op op;
     op.cat = forward ? Cat::kForward : Cat::kBackward;
     op.module = module, op.mb = mb, op.stage = stage;
-    const double seconds = compute_seconds(sc, forward, n, split, flops_per_second_);
+    const double seconds = compute_seconds(sc, forward, n, split, flops_per_second_, false,
+                                           cl_.device.block_overhead_seconds);
     op.seconds = op.base = seconds + comm;
     op.comm_seconds = comm;
     if (sc.measured && sc.shared_measured)
@@ -1135,13 +1136,18 @@ double CommCurve::at(double b) const {
 }
 
 double compute_seconds(const StageCost& sc, bool forward, double n, double split,
-                       double flops_per_second, bool shared) {
+                       double flops_per_second, bool shared, double block_overhead_seconds) {
   const auto part = [&](double total, double replicated) {
     return n * ((total - replicated) / split + replicated);
   };
-  if (!sc.measured)
-    return forward ? part(sc.forward_flops, sc.replicated_forward_flops) / flops_per_second
-                   : part(sc.backward_flops, sc.replicated_backward_flops) / flops_per_second;
+  if (!sc.measured) {
+    const double blocks =
+        static_cast<double>(forward ? sc.blocks : sc.backward_blocks + sc.recompute_blocks);
+    return block_overhead_seconds * blocks +
+           (forward ? part(sc.forward_flops, sc.replicated_forward_flops)
+                    : part(sc.backward_flops, sc.replicated_backward_flops)) /
+               flops_per_second;
+  }
   if (shared)
     return forward ? sc.forward_fixed_seconds_shared +
                          part(sc.forward_seconds_shared, sc.replicated_forward_seconds_shared)
@@ -1200,7 +1206,9 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
         sc.replicated_activation_bytes = costs.front.activation_bytes;
       }
       for (int64_t b = begin; b < end; ++b) {
-        add(&sc, costs.blocks[static_cast<size_t>(b)], m.layout);
+        const LayerCost& l = costs.blocks[static_cast<size_t>(b)];
+        add(&sc, l, m.layout);
+        if (l.input_grad + l.weight_grad > 0) ++sc.backward_blocks;
         if (m.role == ModuleRole::kLlm && spec.model.llm.moe.is_moe_layer(b)) ++sc.moe_blocks;
       }
       if (s == m.layout.stages() - 1) add(&sc, costs.back, m.layout);

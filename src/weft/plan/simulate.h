@@ -109,6 +109,7 @@ struct StageCost {
   double train_state_bytes = 0;   // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;          // fp32 gradients of the trainable parameters (what DP reduces)
   int64_t blocks = 0;             // transformer blocks (each issues TP / CP collectives)
+  int64_t backward_blocks = 0;    // of those, the ones with a backward (gradients to compute)
   // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes /
   // copy_bytes, which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
@@ -150,9 +151,11 @@ double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout
 
 // Seconds a forward or backward of n units of data takes on one rank of a stage whose work splits
 // over `split` (= tp·cp) ranks, its replicated part whole: measured (fixed + per unit; `shared`:
-// the seconds under load) or from the FLOPs at flops_per_second.
+// the seconds under load) or from the FLOPs at flops_per_second, plus block_overhead_seconds
+// (DeviceProfile) per block (backward: per block with a backward, a recomputed one's twice).
 double compute_seconds(const StageCost& sc, bool forward, double n, double split,
-                       double flops_per_second, bool shared = false);
+                       double flops_per_second, bool shared = false,
+                       double block_overhead_seconds = 0);
 // The seconds a backward op's TP collectives take when its column-parallel linears hide them
 // behind their own matmuls (dist::column_linear, train.overlap_tp_comm): each linear's input-
 // gradient reduction (`reduce`: all-reduce, or reduce-scatter under SP) behind its weight
