@@ -92,7 +92,9 @@ print("measured activation peaks (rank 0, rank 1): none %s, [1,0] %s, all %s" % 
 PY
 
 # The layout search priced by the profile: its winner's --set flags, simulated with the same
-# profile, give the step it reports; without --cluster, make_plan cuts the stages on it.
+# profile, give the step it reports. Without --cluster, make_plan cuts the stages on the profile:
+# a 4-block LLM whose head (as doctored) costs 50 blocks gets fewer blocks on its last stage than
+# the FLOP model's cut.
 "$weft" plan "$cfg" --cluster "$cluster" "${small[@]}" --profile "$tmp/p.json" \
   --json "$tmp/search.json" > "$tmp/search.txt" || die "plan --profile failed"
 grep -q "priced by the measured profile .*p.json" "$tmp/search.txt" \
@@ -118,10 +120,29 @@ got, want = json.load(open(sys.argv[1]))["step_seconds"], float(sys.argv[2])
 assert abs(got - want) <= 1e-6 * want, (got, want)
 print("plan --profile: winner's step %.5f s, simulated again %.5f s" % (want, got))
 PY
-"$weft" plan "$cfg" --world-size 2 "${small[@]}" --set parallel.llm.pp=2 \
-  --profile "$tmp/p.json" > "$tmp/plan.json" || die "plan --profile without --cluster failed"
-python3 -c "import json,sys; m=[m for m in json.load(open(sys.argv[1]))['modules'] if m['name']=='llm'][0]; assert len(m['stage_boundaries'])==1, m" \
-  "$tmp/plan.json" || die "plan --profile without --cluster: no LLM cut"
+python3 - "$tmp/p.json" "$tmp/heavy.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+llm = next(m for m in p["modules"] if m["name"] == "llm")
+block = next(l for l in llm["layers"] if l["part"] == "block")
+head = next(l for l in llm["layers"] if l["part"] == "back")
+for q in ("forward", "input_grad", "weight_grad"):
+    head["fit"][q] = [50 * v for v in block["fit"][q]]
+    head["fit"].pop("shared", None)
+json.dump(p, open(sys.argv[2], "w"))
+PY
+cut=("$weft" plan "$cfg" --world-size 2 "${small[@]}" --set parallel.llm.pp=2
+     --set model.llm.layers=4)
+"${cut[@]}" > "$tmp/flop_cut.json" || die "plan without --cluster failed"
+"${cut[@]}" --profile "$tmp/heavy.json" > "$tmp/heavy_cut.json" \
+  || die "plan --profile without --cluster failed"
+python3 - "$tmp/flop_cut.json" "$tmp/heavy_cut.json" <<'PY' || die "plan --profile: not cut on it"
+import json, sys
+flop, heavy = ([m for m in json.load(open(x))["modules"] if m["name"] == "llm"][0]
+               ["stage_boundaries"] for x in sys.argv[1:3])
+assert len(flop) == len(heavy) == 1 and heavy[0] > flop[0], (flop, heavy)
+print("PP2 cut of a 4-block LLM: FLOP model %s, profile with a heavy head %s" % (flop, heavy))
+PY
 
 # Errors: a profile of another model, a broken file, bad flags.
 "$weft" "${sim[@]}" --set model.llm.hidden=192 --profile "$tmp/p.json" > "$tmp/out" 2>&1 \

@@ -581,8 +581,9 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
 }
 
 // A measured profile prices the whole search. On 2 nodes of 2 CPU ranks (the profile's transport
-// curves on one node, running on the ranks' cores; layers measured under load, the LLM block
-// faster than alone, as noise can make it), the bound stays below every simulation and the
+// curves on one node, running on the ranks' cores; layers measured under load, the blocks
+// faster than alone, as noise can make it, the other layers slower; a costly per-stage mask, which interleaved chunks
+// build once per rank), the bound stays below every simulation and the
 // memory bound below every peak, branch and bound finds brute force's optimum, its step is the
 // profile's simulation of its plan, and the plan the FLOP model picks is slower under the
 // profile.
@@ -599,9 +600,14 @@ TEST(Search, PricesLayoutsOnAMeasuredProfile) {
                                    {"compute_bytes", b / 2},
                                    {"all_reduce_compute", 1.5e-4 + b * 3e-9}});
   j["comm"]["on_compute"] = true;
+  for (json& layer : j["modules"][0]["layers"])  // the per-stage work: the first chunk's only
+    if (layer["part"] == "stage") {
+      layer["fit"]["forward"] = {2e-3, 1e-5, 0};
+      layer["fit"]["activation_bytes"] = {1e5, 2e3, 0};
+    }
   for (json& module : j["modules"])
     for (json& layer : module["layers"]) {
-      const double f = layer["name"] == "llm.block" ? 0.8 : 1.3;  // a block faster under load
+      const double f = layer["part"] == "block" ? 0.8 : 1.3;  // blocks faster under load
       json shared;
       for (const char* q : {"forward", "input_grad", "weight_grad"}) {
         shared[q] = layer["fit"][q];

@@ -152,21 +152,20 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
   return m.role == ModuleRole::kLlm ? m.weight_grads : !encoder_of(spec, m).projector.frozen;
 }
 
-// Whether module m's block b runs recomputed: the first recomputed_blocks of its chunk (spec.h).
-// Before the plan has its boundaries (make_plan partitioning), every block when the module
-// recomputes them all, else none: the partition cuts plain blocks, as the FLOP model's does.
 // A recomputed block runs its whole plain forward and backward, and its forward once more
 // without autograd: its seconds are never below the plain block's. Where the two separately timed
 // fits say otherwise (noise over a few short ops), each coefficient of its forward + input
-// gradient + weight gradient is raised to the plain one's, on the input gradient (where the
-// recomputation runs); alone and, where both were measured, under load.
+// gradient (+ weight gradient: with or without the weights training) is raised to the plain
+// one's, on the input gradient (where the recomputation runs); alone and, where both were
+// measured, under load.
 void no_cheaper(LayerProfile* recomputed, const LayerProfile& plain) {
   const auto floor = [](CostFit* f, CostFit* in, CostFit* w, const CostFit& pf, const CostFit& pin,
                         const CostFit& pw) {
     double CostFit::*coefficients[] = {&CostFit::fixed, &CostFit::linear, &CostFit::quadratic};
     for (double CostFit::*c : coefficients) {
-      const double short_by = (pf.*c + pin.*c + pw.*c) - (f->*c + in->*c + w->*c);
-      if (short_by > 0) in->*c += short_by;
+      const double frozen = (pf.*c + pin.*c) - (f->*c + in->*c);
+      const double trained = frozen + pw.*c - w->*c;
+      in->*c += std::max({0.0, frozen, trained});
     }
   };
   LayerProfile& r = *recomputed;
@@ -177,6 +176,9 @@ void no_cheaper(LayerProfile* recomputed, const LayerProfile& plain) {
           plain.input_grad_shared, plain.weight_grad_shared);
 }
 
+// Whether module m's block b runs recomputed: the first recomputed_blocks of its chunk (spec.h).
+// Before the plan has its boundaries (make_plan partitioning), every block when the module
+// recomputes them all, else none: the partition cuts plain blocks, as the FLOP model's does.
 bool block_recomputed(const Spec& spec, const ModulePlan& m, int64_t b) {
   const bool llm = m.role == ModuleRole::kLlm;
   const bool on = llm ? spec.model.llm.recompute : encoder_of(spec, m).recompute;

@@ -174,7 +174,8 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
   }
   for (int64_t k = 0; k <= E_; ++k)
     info_[static_cast<size_t>(k)].min_unit_seconds =
-        staged(static_cast<int>(k), 1, false, false, false).unit_seconds;
+        o_.profile ? least_unit_seconds(k)
+                   : staged(static_cast<int>(k), 1, false, false, false).unit_seconds;
   trains_ = false;
   for (const ModulePlan& m : base_.modules) trains_ = trains_ || m.weight_grads;
 }
@@ -236,8 +237,13 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   Plan one;
   one.modules = {m};
   if (o_.profile) {
+    // Measured, with the real interleaved layout: the LLM's per-stage work (mask, RoPE tables) is
+    // its first chunk's only.
+    one.modules[0].layout.pp = pp / vp;
+    one.modules[0].layout.vp = vp;
     st->stages =
         profile_stage_costs(*o_.profile, with_recompute(costed_, m, recompute, blocks), one)[0];
+    st->alone = st->stages;  // the rate TP hides its collectives at, as the simulator's
     for (StageCost& sc : st->stages) cheaper_of_alone_and_shared(&sc);
   } else {
     st->stages = stage_costs(costed_, one)[0];
@@ -248,6 +254,31 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
                                     : (sc.forward_flops + sc.backward_flops) / flops_;
   slot = std::move(st);
   return *slot;
+}
+
+// Profile: module k's seconds per unit of data, forward and backward, summed over its layers, each
+// the cheaper of alone and under load (a sum of per-stage minimums can be below the minimum of
+// the sums: this is below every cut's), nothing recomputed.
+double Space::least_unit_seconds(int64_t k) const {
+  ModulePlan m = base_.modules[info(k).plan_index];
+  m.layout = Layout{};
+  const Spec plain = with_recompute(costed_, m, false, {});
+  ModuleCosts c[2][2];  // [shared][units]
+  for (int shared = 0; shared < 2; ++shared)
+    for (int units = 0; units < 2; ++units)
+      c[shared][units] = profile_module_costs(*o_.profile, plain, m, units, 1, 1, shared == 1);
+  const auto layer_of = [](const ModuleCosts& mc, size_t i) -> const LayerCost& {
+    if (i == 0) return mc.front;
+    return i <= mc.blocks.size() ? mc.blocks[i - 1] : mc.back;
+  };
+  const auto seconds = [](const LayerCost& l) { return l.forward + l.input_grad + l.weight_grad; };
+  double total = 0;
+  for (size_t i = 0; i < c[0][0].blocks.size() + 2; ++i) {
+    const double alone = seconds(layer_of(c[0][1], i)) - seconds(layer_of(c[0][0], i));
+    const double shared = seconds(layer_of(c[1][1], i)) - seconds(layer_of(c[1][0], i));
+    total += std::max(0.0, std::min(alone, shared));
+  }
+  return total;
 }
 
 // A collective over n ranks spanning `span` consecutive ranks, over the cheapest link such a
@@ -286,6 +317,7 @@ double Space::op_seconds(const StageCost& sc, bool forward, double n, double spl
 Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const {
   const ModuleInfo& mi = info(k);
   const StageCost& sc = c.staged->stages[static_cast<size_t>(s)];
+  const StageCost& alone = c.staged->alone.empty() ? sc : c.staged->alone[static_cast<size_t>(s)];
   const double tp = static_cast<double>(c.tp), cp = static_cast<double>(c.cp);
   const double split = tp * cp, blocks = static_cast<double>(sc.blocks);
   const bool first = s == 0, last = s == c.pp - 1;
@@ -323,7 +355,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const auto tp_backward = [&](double blocks, const ColumnFlops& columns, double units,
                                double tokens, double tp_ar, double tp_ag) {
     const double rate =
-        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, sc, units, split, flops_);
+        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, alone, units, split, flops_);
     if (!sp) return column_backward_comm(blocks, tp_ar, 0, columns, tokens, tp, rate);
     return 2 * blocks * tp_ag + column_backward_comm(blocks, tp_ag, mi.weight_grads ? tp_ag : 0,
                                                      columns, tokens, tp, rate);

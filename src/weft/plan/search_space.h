@@ -26,7 +26,8 @@ inline constexpr const char* kPlacementNames[] = {"colocated", "separate", "mega
 // and its blocks, even split, given cut).
 struct Staged {
   std::vector<int64_t> boundaries;
-  std::vector<StageCost> stages;
+  std::vector<StageCost> stages;  // with a profile, each time the cheaper of alone and shared
+  std::vector<StageCost> alone;   // with a profile, the stages as measured alone (else empty)
   double unit_seconds = 0;  // Σ over stages of one unit's forward + backward at the FLOP rate
 };
 
@@ -172,6 +173,7 @@ class Space {
   double collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
   double hop(double bytes, int64_t stride) const;
+  double least_unit_seconds(int64_t k) const;
   // Gradient reductions overlapped with backward, as the simulator runs them: not where the
   // transport runs on the ranks' cores (SimOptions::comm_occupies_rank).
   bool overlap_grads() const {
