@@ -430,15 +430,8 @@ latency_us = 100
   // Measured curves replace the cluster's link on one node: every all-reduce of the step (the
   // two modules' gradients, the loss and the norm) costs the curve's value at its size, and the
   // reductions start after the backward (the transport runs on the ranks' cores).
-  json with_points = tiny_profile(s);
-  with_points["comm"]["points"] = json::array();
-  for (double b : {8.0, 1e6, 1e7})
-    with_points["comm"]["points"].push_back({{"bytes", b},
-                                             {"p2p", 1e-4 + b * 1e-9},
-                                             {"all_reduce", 2e-3 + b * 1e-9},
-                                             {"compute_bytes", b / 2},
-                                             {"all_reduce_compute", 3e-3}});
-  with_points["comm"]["on_compute"] = true;
+  const json with_points =
+      testing::with_comm_points(tiny_profile(s), {8, 1e6, 1e7}, {1e-4, 1e-9}, {2e-3, 1e-9}, {3e-3});
   const Profile pc = parse_profile(with_points.dump(), "points.json");
   ASSERT_EQ(pc.all_reduce_curve.bytes.size(), 3u);
   EXPECT_TRUE(pc.comm_on_compute);

@@ -582,24 +582,16 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
 
 // A measured profile prices the whole search. On 2 nodes of 2 CPU ranks (the profile's transport
 // curves on one node, running on the ranks' cores; layers measured under load, the blocks
-// faster than alone, as noise can make it, the other layers slower; a costly per-stage mask, which interleaved chunks
-// build once per rank), the bound stays below every simulation and the
-// memory bound below every peak, branch and bound finds brute force's optimum, its step is the
-// profile's simulation of its plan, and the plan the FLOP model picks is slower under the
-// profile.
+// faster than alone, as noise can make it, the other layers slower; a costly per-stage mask, which
+// interleaved chunks build once per rank), the bound stays below every simulation and the memory
+// bound below every peak, branch and bound finds brute force's optimum, its step is the profile's
+// simulation of its plan, and the plan the FLOP model picks is slower under the profile.
 TEST(Search, PricesLayoutsOnAMeasuredProfile) {
   using testing::json;
   Spec spec = testing::profiled_spec();
   spec.model.llm.layers = 6;
-  json j = testing::tiny_profile(spec);
-  j["comm"]["points"] = json::array();
-  for (double b : {8.0, 1e5, 1e7})
-    j["comm"]["points"].push_back({{"bytes", b},
-                                   {"p2p", 1e-4 + b * 2e-9},
-                                   {"all_reduce", 2e-4 + b * 4e-9},
-                                   {"compute_bytes", b / 2},
-                                   {"all_reduce_compute", 1.5e-4 + b * 3e-9}});
-  j["comm"]["on_compute"] = true;
+  json j = testing::with_comm_points(testing::tiny_profile(spec), {8, 1e5, 1e7}, {1e-4, 2e-9},
+                                     {2e-4, 4e-9}, {1.5e-4, 3e-9});
   for (json& layer : j["modules"][0]["layers"])  // the per-stage work: the first chunk's only
     if (layer["part"] == "stage") {
       layer["fit"]["forward"] = {2e-3, 1e-5, 0};

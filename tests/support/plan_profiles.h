@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "support/plan_specs.h"
 #include "weft/core/spec.h"
@@ -110,6 +111,27 @@ inline Spec profiled_spec() {
   Spec s = vlm_spec();
   s.model.llm.max_seq = 64;
   return s;
+}
+
+// Seconds of a message of `bytes`: latency + bytes · per_byte.
+struct AlphaBeta {
+  double latency = 0, per_byte = 0;
+  double at(double bytes) const { return latency + bytes * per_byte; }
+};
+
+// `j` with measured transport points (`comm.points`) at `sizes` bytes: point-to-point, the fp32
+// two-rank all-reduce and the compute-dtype one (of half the bytes), running on the ranks' cores.
+inline json with_comm_points(json j, const std::vector<double>& sizes, AlphaBeta p2p,
+                             AlphaBeta all_reduce, AlphaBeta compute) {
+  j["comm"]["points"] = json::array();
+  for (double b : sizes)
+    j["comm"]["points"].push_back({{"bytes", b},
+                                   {"p2p", p2p.at(b)},
+                                   {"all_reduce", all_reduce.at(b)},
+                                   {"compute_bytes", b / 2},
+                                   {"all_reduce_compute", compute.at(b)}});
+  j["comm"]["on_compute"] = true;
+  return j;
 }
 
 }  // namespace weft::testing
