@@ -152,6 +152,13 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
   return m.role == ModuleRole::kLlm ? m.weight_grads : !encoder_of(spec, m).projector.frozen;
 }
 
+// The vocabulary the profile's LLM was measured with (0: not recorded).
+int64_t profiled_vocab(const Profile& p) {
+  for (const auto& [key, v] : p.module("llm").model)
+    if (key == "vocab") return static_cast<int64_t>(v);
+  return 0;
+}
+
 // A recomputed block runs its whole plain forward and backward, and its forward once more
 // without autograd: its seconds are never below the plain block's. Where the two separately timed
 // fits say otherwise (noise over a few short ops), each coefficient of its forward + input
@@ -509,9 +516,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
   // The FLOP fields (MFU) with the profiled vocabulary, of the rows the costs are for: the
   // profiled data's padded length, not max_seq.
   Spec flops_spec = spec;
-  if (flops_spec.model.llm.vocab == 0)
-    for (const auto& [key, v] : profile.module("llm").model)
-      if (key == "vocab") flops_spec.model.llm.vocab = static_cast<int64_t>(v);
+  if (flops_spec.model.llm.vocab == 0) flops_spec.model.llm.vocab = profiled_vocab(profile);
   flops_spec.model.llm.max_seq = std::max<int64_t>(1, std::llround(seq));
   CostTable table = stage_costs(flops_spec, plan);
   Spec plain = spec;  // recomputing nothing
@@ -653,8 +658,7 @@ SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOpti
   options.grad_curve = profile.all_reduce_curve;
   options.activation_curve = profile.all_reduce_compute_curve;
   options.comm_occupies_rank = profile.comm_on_compute;
-  for (const auto& [key, v] : profile.module("llm").model)
-    if (key == "vocab") options.unset_vocab = static_cast<int64_t>(v);
+  if (const int64_t vocab = profiled_vocab(profile); vocab > 0) options.unset_vocab = vocab;
   return options;
 }
 

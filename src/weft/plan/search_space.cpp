@@ -57,21 +57,6 @@ Spec with_recompute(Spec spec, const ModulePlan& m, bool on, const std::vector<i
   return spec;
 }
 
-// A measured stage as the bound prices it: each time the cheaper of alone and under load (the
-// simulator charges an op a mix of the two, by the share of it another rank of its node computes
-// beside).
-void cheaper_of_alone_and_shared(StageCost* sc) {
-  if (!sc->measured || !sc->shared_measured) return;
-  const auto least = [](double* alone, double shared) { *alone = std::min(*alone, shared); };
-  least(&sc->forward_seconds, sc->forward_seconds_shared);
-  least(&sc->backward_seconds, sc->backward_seconds_shared);
-  least(&sc->forward_fixed_seconds, sc->forward_fixed_seconds_shared);
-  least(&sc->backward_fixed_seconds, sc->backward_fixed_seconds_shared);
-  least(&sc->replicated_forward_seconds, sc->replicated_forward_seconds_shared);
-  least(&sc->replicated_backward_seconds, sc->replicated_backward_seconds_shared);
-  sc->shared_measured = false;
-}
-
 // Microbatch sizes of one LLM replica as runs of equal sizes: {samples, count}, in order.
 std::vector<std::pair<int64_t, int64_t>> microbatch_runs(int64_t per, int64_t M) {
   const int64_t base = per / M, extra = per % M;
@@ -243,22 +228,26 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
     one.modules[0].layout.vp = vp;
     st->stages =
         profile_stage_costs(*o_.profile, with_recompute(costed_, m, recompute, blocks), one)[0];
-    st->alone = st->stages;  // the rate TP hides its collectives at, as the simulator's
-    for (StageCost& sc : st->stages) cheaper_of_alone_and_shared(&sc);
   } else {
     st->stages = stage_costs(costed_, one)[0];
     if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks);
   }
-  for (const StageCost& sc : st->stages)
-    st->unit_seconds += sc.measured ? sc.forward_seconds + sc.backward_seconds
-                                    : (sc.forward_flops + sc.backward_flops) / flops_;
+  for (const StageCost& sc : st->stages) {
+    const bool shared = sc.measured && sc.shared_measured;  // each op the cheaper of the two
+    st->unit_seconds += !sc.measured
+                            ? (sc.forward_flops + sc.backward_flops) / flops_
+                            : std::min(sc.forward_seconds,
+                                       shared ? sc.forward_seconds_shared : sc.forward_seconds) +
+                                  std::min(sc.backward_seconds, shared ? sc.backward_seconds_shared
+                                                                       : sc.backward_seconds);
+  }
   slot = std::move(st);
   return *slot;
 }
 
-// Profile: module k's seconds per unit of data, forward and backward, summed over its layers, each
-// the cheaper of alone and under load (a sum of per-stage minimums can be below the minimum of
-// the sums: this is below every cut's), nothing recomputed.
+// Profile: module k's seconds per unit of data, summed over its layers, each layer's forward and
+// backward (separate ops) each the cheaper of alone and under load (a sum of per-stage minimums
+// can be below the minimum of the sums: this is below every cut's), nothing recomputed.
 double Space::least_unit_seconds(int64_t k) const {
   ModulePlan m = base_.modules[info(k).plan_index];
   m.layout = Layout{};
@@ -271,13 +260,15 @@ double Space::least_unit_seconds(int64_t k) const {
     if (i == 0) return mc.front;
     return i <= mc.blocks.size() ? mc.blocks[i - 1] : mc.back;
   };
-  const auto seconds = [](const LayerCost& l) { return l.forward + l.input_grad + l.weight_grad; };
+  const auto per_unit = [&](int shared, size_t i, bool forward) {
+    const LayerCost &one = layer_of(c[shared][1], i), &none = layer_of(c[shared][0], i);
+    return forward ? one.forward - none.forward
+                   : one.input_grad + one.weight_grad - none.input_grad - none.weight_grad;
+  };
   double total = 0;
-  for (size_t i = 0; i < c[0][0].blocks.size() + 2; ++i) {
-    const double alone = seconds(layer_of(c[0][1], i)) - seconds(layer_of(c[0][0], i));
-    const double shared = seconds(layer_of(c[1][1], i)) - seconds(layer_of(c[1][0], i));
-    total += std::max(0.0, std::min(alone, shared));
-  }
+  for (size_t i = 0; i < c[0][0].blocks.size() + 2; ++i)
+    for (bool forward : {true, false})
+      total += std::max(0.0, std::min(per_unit(0, i, forward), per_unit(1, i, forward)));
   return total;
 }
 
@@ -309,15 +300,19 @@ double Space::hop(double bytes, int64_t stride) const {
   return std::min(link, o_.sim.p2p_curve.at(bytes));
 }
 
+// A measured op costs between its seconds alone and under load in the simulator (by the share of
+// it another rank of its node computes beside): the cheaper of the two.
 double Space::op_seconds(const StageCost& sc, bool forward, double n, double split) const {
-  return compute_seconds(sc, forward, n, split, flops_, false, cl_.device.block_overhead_seconds);
+  const double overhead = cl_.device.block_overhead_seconds;
+  const double alone = compute_seconds(sc, forward, n, split, flops_, false, overhead);
+  if (!sc.measured || !sc.shared_measured) return alone;
+  return std::min(alone, compute_seconds(sc, forward, n, split, flops_, true, overhead));
 }
 
 // Module k's stage s on the rank with data-parallel index i, mirroring the simulator's ops.
 Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n) const {
   const ModuleInfo& mi = info(k);
   const StageCost& sc = c.staged->stages[static_cast<size_t>(s)];
-  const StageCost& alone = c.staged->alone.empty() ? sc : c.staged->alone[static_cast<size_t>(s)];
   const double tp = static_cast<double>(c.tp), cp = static_cast<double>(c.cp);
   const double split = tp * cp, blocks = static_cast<double>(sc.blocks);
   const bool first = s == 0, last = s == c.pp - 1;
@@ -355,7 +350,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const auto tp_backward = [&](double blocks, const ColumnFlops& columns, double units,
                                double tokens, double tp_ar, double tp_ag) {
     const double rate =
-        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, alone, units, split, flops_);
+        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, sc, units, split, flops_);
     if (!sp) return column_backward_comm(blocks, tp_ar, 0, columns, tokens, tp, rate);
     return 2 * blocks * tp_ag + column_backward_comm(blocks, tp_ag, mi.weight_grads ? tp_ag : 0,
                                                      columns, tokens, tp, rate);

@@ -26,9 +26,10 @@ inline constexpr const char* kPlacementNames[] = {"colocated", "separate", "mega
 // and its blocks, even split, given cut).
 struct Staged {
   std::vector<int64_t> boundaries;
-  std::vector<StageCost> stages;  // with a profile, each time the cheaper of alone and shared
-  std::vector<StageCost> alone;   // with a profile, the stages as measured alone (else empty)
-  double unit_seconds = 0;  // Σ over stages of one unit's forward + backward at the FLOP rate
+  std::vector<StageCost> stages;
+  // Σ over stages of one unit's forward + backward at the FLOP rate (measured: each the cheaper
+  // of alone and under load)
+  double unit_seconds = 0;
 };
 
 // What the search knows about a module (encoders in spec order, then the LLM).
