@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 import results_md  # bench/RESULTS.md sections
-from validate_sim import ROOT, Quiet, measure, run, sets
+from validate_sim import ROOT, Quiet, measure, run, simulate
 
 BEGIN, END = "<!-- bench/validate_search begin -->", "<!-- bench/validate_search end -->"
 CLUSTER = os.path.join(ROOT, "configs", "clusters", "cpu-local.toml")
@@ -46,14 +46,6 @@ def search(args, config, profile=None):
             cmd += ["--profile", profile]
         run(cmd, "plan")
         return json.load(open(out.name))["best"]
-
-
-def simulate(args, config, overrides, world, profile=None):
-    cmd = [os.path.join(args.build, "weft"), "simulate", config, "--cluster", CLUSTER,
-           "--world-size", str(world), *sets(["train.threads=1"] + overrides)]
-    if profile:
-        cmd += ["--profile", profile]
-    return json.loads(run(cmd, "simulate"))["step_seconds"]
 
 
 def kendall_tau(xs, ys):
@@ -94,7 +86,7 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
-            args.config = config  # validate_sim.measure trains args.config
+            args.config = config  # validate_sim.measure and simulate use args.config
             profile = os.path.join(tmp, os.path.basename(config) + ".profile.json")
             quiet.timed(lambda: run([weft, "bench", "profile", config, "--set", "train.threads=1",
                                      "--reps", str(args.reps), "--out", profile], "profile"))
@@ -113,8 +105,9 @@ def main():
                 if p["world"] != 2:
                     sys.exit(f"validate_search.py: {config}: {p['layout']} uses {p['world']} "
                              "ranks; the real runs use 2")
-                p["flop"] = simulate(args, config, p["overrides"], 2)
-                p["predicted"] = simulate(args, config, p["overrides"], 2, profile)
+                # validate_sim.simulate: args.config on 2 ranks of cpu-local.toml
+                p["flop"] = simulate(args, p["overrides"])["step_seconds"]
+                p["predicted"] = simulate(args, p["overrides"], profile, CLUSTER)["step_seconds"]
                 p["measured"] = []
             for r in range(args.rounds):
                 for k in range(len(plans)):
