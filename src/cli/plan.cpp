@@ -14,6 +14,7 @@
 #include "weft/plan/plan.h"
 #include "weft/plan/profile.h"
 #include "weft/plan/search.h"
+#include "weft/train/data_shape.h"
 
 namespace weft::cli {
 
@@ -29,6 +30,7 @@ struct PlanArgs {
   int64_t top = 5, max_simulations = 400, threads = 0;
   double time_budget = 50, gap = 0.5;  // gap in percent
   bool partial_recompute = false;
+  bool full_rows = false;  // price max_seq rows with one item per encoder, not the data's
 };
 
 void write_file(const std::string& path, const std::string& text, const char* what) {
@@ -44,6 +46,62 @@ double peak(const plan::SimResult& r) {
   return p;
 }
 
+}  // namespace
+
+const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool profiled,
+                                     plan::SimOptions* options) {
+  WEFT_CHECK(!(full_rows && profiled),
+             "--full-rows prices the FLOP model; a --profile's costs are measured on its own rows");
+  if (full_rows || profiled) return options->data;
+  const train::MeasuredData m = train::measure_data_shape(spec);
+  options->data = m.shape;
+  if (spec.model.llm.vocab == 0) options->unset_vocab = m.vocab;
+  return options->data;
+}
+
+nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& d) {
+  nlohmann::ordered_json j;
+  if (d.empty()) {
+    j["rows"] = "full";
+    j["positions"] = spec.model.llm.max_seq;
+    return j;
+  }
+  j["samples"] = d.samples;
+  j["positions"] = d.positions;
+  j["tokens"] = d.tokens;
+  j["targets"] = d.targets;
+  j["sum_sq_doc_len"] = d.sum_sq_doc_len;
+  nlohmann::ordered_json items = nlohmann::ordered_json::object();
+  for (size_t e = 0; e < spec.model.encoders.size(); ++e)
+    items[spec.model.encoders[e].name] = d.items[e];
+  j["items"] = items;
+  return j;
+}
+
+std::string data_shape_line(const Spec& spec, const plan::DataShape& d) {
+  char buf[256];
+  if (d.empty()) {
+    std::snprintf(buf, sizeof buf,
+                  "priced on full rows: %lld tokens per sample, loss on each, one item per encoder",
+                  static_cast<long long>(spec.model.llm.max_seq));
+    return buf;
+  }
+  std::snprintf(buf, sizeof buf,
+                "priced on the data's mean sample (%lld samples): %.1f tokens in %.1f positions "
+                "(max_seq %lld), %.1f loss targets",
+                static_cast<long long>(d.samples), d.tokens, d.positions,
+                static_cast<long long>(spec.model.llm.max_seq), d.targets);
+  std::string line = buf;
+  for (size_t e = 0; e < spec.model.encoders.size(); ++e) {
+    std::snprintf(buf, sizeof buf, ", %.2f %s items", d.items[e],
+                  spec.model.encoders[e].name.c_str());
+    line += buf;
+  }
+  return line + " (--full-rows: max_seq rows)";
+}
+
+namespace {
+
 int run_search(const PlanArgs& a) {
   const Spec spec = load_spec(a.config, a.sets);
   const plan::Cluster cluster = plan::load_cluster(a.cluster);
@@ -51,6 +109,7 @@ int run_search(const PlanArgs& a) {
   if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
   plan::SearchOptions o;
   o.profile = profile.get();
+  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile != nullptr, &o.sim);
   o.max_ranks = a.world;
   if (!a.placements.empty()) o.placements = a.placements;
   o.top = a.top;
@@ -70,6 +129,8 @@ int run_search(const PlanArgs& a) {
   if (profile)
     std::printf("priced by the measured profile %s (%s)\n", a.profile.c_str(),
                 profile->device.c_str());
+  else
+    std::printf("%s\n", data_shape_line(spec, data).c_str());
   char within[96];
   std::snprintf(within, sizeof within,
                 "the winner is within %g%% of the simulator's optimum over the space", a.gap);
@@ -143,6 +204,7 @@ int run_search(const PlanArgs& a) {
     j["config"] = a.config;
     j["cluster"] = a.cluster;
     if (profile) j["profile"] = a.profile;
+    if (!profile) j["data_shape"] = data_shape_json(spec, data);
     j["devices"] = devices;
     j["stats"] = {{"candidates", st.nodes},    {"memory_filtered", st.memory_filtered},
                   {"simulated", st.simulated}, {"simulated_over_memory", st.simulated_over_memory},
@@ -184,6 +246,10 @@ std::function<int()> add_plan(CLI::App& app) {
   cmd->add_option("--profile", args->profile,
                   "measured costs from `weft bench profile` instead of the FLOP model: the stage "
                   "boundaries, and with --cluster every bound and simulation of the search");
+  cmd->add_flag("--full-rows", args->full_rows,
+                "price every sample as one row of model.llm.max_seq tokens, loss on each, with "
+                "one item per encoder, instead of the mean sample of the config's dataset (the "
+                "FLOP model; for a dataset this machine cannot read)");
   cmd->add_option("--out", args->out, "with --cluster: write the chosen Plan here (JSON)");
   cmd->add_option("--snippet", args->snippet,
                   "with --cluster: write the config that reproduces it here (TOML)");
@@ -223,8 +289,10 @@ std::function<int()> add_plan(CLI::App& app) {
     std::unique_ptr<plan::Profile> profile;
     if (!args->profile.empty())
       profile = std::make_unique<plan::Profile>(plan::load_profile(args->profile));
-    std::printf("%s\n", plan::to_json(
-                            plan::make_plan(spec, args->world > 0 ? args->world : 1, profile.get()))
+    plan::SimOptions o;
+    const plan::DataShape& data = price_on_data(spec, args->full_rows, profile != nullptr, &o);
+    std::printf("%s\n", plan::to_json(plan::make_plan(spec, args->world > 0 ? args->world : 1,
+                                                      profile.get(), &data))
                             .c_str());
     return 0;
   };

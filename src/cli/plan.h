@@ -6,8 +6,23 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
+
+#include "weft/core/spec.h"
+#include "weft/plan/simulate.h"
 
 namespace weft::cli {
+
+// What the FLOP model prices, for `weft plan` and `weft simulate`: unless `full_rows` (or a
+// profile, whose costs are measured on its own rows), the mean sample of the config's dataset
+// (train/data_shape.h) in options->data, and the dataset tokenizer's vocabulary for a spec that
+// leaves model.llm.vocab unset (options->unset_vocab). Returns options->data.
+const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool profiled,
+                                     plan::SimOptions* options);
+// The shape as JSON ("data_shape" of the outputs): per sample.
+nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& shape);
+// One line: what the FLOP model priced ("priced on ..." / "priced on full rows ...").
+std::string data_shape_line(const Spec& spec, const plan::DataShape& shape);
 
 // Registers `plan` on `app`; the returned callback runs it (call it after parsing when the
 // `plan` subcommand was given). Returns the exit status.

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/plan.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
@@ -25,7 +26,8 @@ struct SimulateArgs {
   std::string plan;     // a Plan JSON (weft plan --out) instead of the config's own plan
   std::string profile;  // measured costs (weft bench profile); "" = the FLOP model
   std::vector<std::string> sets;
-  int64_t world = 0;  // 0 = every device of the cluster
+  int64_t world = 0;       // 0 = every device of the cluster
+  bool full_rows = false;  // price max_seq rows with one item per encoder, not the data's
 };
 
 int run_simulate(const SimulateArgs& a) {
@@ -33,6 +35,9 @@ int run_simulate(const SimulateArgs& a) {
   const plan::Cluster cluster = plan::load_cluster(a.cluster);
   std::unique_ptr<plan::Profile> profile;
   if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
+  plan::SimOptions options;
+  options.trace = !a.trace.empty();
+  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile != nullptr, &options);
   plan::Plan p;
   if (!a.plan.empty()) {
     std::ifstream in(a.plan);
@@ -42,22 +47,20 @@ int run_simulate(const SimulateArgs& a) {
     WEFT_CHECK(a.world == 0 || a.world == p.world_size, "--world-size ", a.world, ": ", a.plan,
                " is a plan for ", p.world_size, " ranks");
   } else {
-    p = plan::make_plan(spec, a.world > 0 ? a.world : cluster.world_size(), profile.get());
+    p = plan::make_plan(spec, a.world > 0 ? a.world : cluster.world_size(), profile.get(), &data);
   }
   const int64_t world = p.world_size;
-  plan::SimOptions options;
-  options.trace = !a.trace.empty();
   // FLOP model: the planner's costs (activation recomputation priced, as `weft plan` does).
   const plan::SimResult r =
       profile ? plan::simulate(spec, p, cluster, *profile, options)
-              : plan::simulate(spec, p, cluster, plan::planner_costs(spec, p, options.unset_vocab),
-                               options);
+              : plan::simulate(spec, p, cluster, plan::planner_costs(spec, p, options), options);
   nlohmann::ordered_json out;
   out["config"] = a.config;
   out["cluster"] = a.cluster;
   out["device"] = cluster.device.name;
   out["world_size"] = world;
   if (profile) out["profile"] = a.profile;
+  if (!profile) out["data_shape"] = data_shape_json(spec, data);
   if (!a.plan.empty()) out["plan_file"] = a.plan;
   nlohmann::ordered_json stages;  // the plan's pipeline stages (chosen on the costs used)
   for (const plan::ModulePlan& m : p.modules)
@@ -95,6 +98,9 @@ std::function<int()> add_simulate(CLI::App& app) {
   sim->add_option("--plan", args->plan,
                   "simulate this Plan (JSON from `weft plan --out`), checked against the config, "
                   "instead of the config's own");
+  sim->add_flag("--full-rows", args->full_rows,
+                "price every sample as one row of model.llm.max_seq tokens, loss on each, with "
+                "one item per encoder, instead of the mean sample of the config's dataset");
   sim->add_option("--profile", args->profile,
                   "measured costs from `weft bench profile` instead of the FLOP model (stage "
                   "boundaries and step)");

@@ -390,7 +390,8 @@ TEST(CpSplit, CostModelReusesFlops) {
   CpSplitOptions o;
   o.cost = c;
   const CpSplit s = split_sequence(make_sequence(L, {}), o);
-  const double flops = llm_forward_flops(llm, LlmTokens{L, 0, static_cast<double>(L * L)});
+  const double flops =
+      llm_forward_flops(llm, LlmTokens{static_cast<double>(L), 0, static_cast<double>(L * L)});
   EXPECT_NEAR(s.total_work / flops, 1.0, 2e-3);
 }
 

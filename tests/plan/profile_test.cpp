@@ -409,13 +409,17 @@ latency_us = 100
   EXPECT_DOUBLE_EQ(r.tokens_per_step, 8 * S);
   // Measured activation memory: 4 blocks of 1000 + 8 · 40 · 5000 bytes.
   EXPECT_DOUBLE_EQ(r.ranks[0].peak_activation_bytes, 4 * (1000 + 8 * S * 5000));
-  // The FLOP model gives another step. MFU counts the FLOPs of the rows the costs are for: the
-  // profiled 40 tokens, not max_seq's 64.
+  // The FLOP model gives another step. MFU counts the FLOPs of the samples the costs are for:
+  // the profiled rows of 40 tokens, not max_seq's 64, with the profiled 2 images each.
   EXPECT_NE(simulate(s, one, c).step_seconds, r.step_seconds);
-  Spec rows = s;
-  rows.model.llm.max_seq = 40;
-  EXPECT_DOUBLE_EQ(r.model_flops, simulate(rows, one, c).model_flops);
-  EXPECT_LT(r.model_flops, simulate(s, one, c).model_flops);
+  SimOptions rows;
+  rows.data.positions = rows.data.targets = S;
+  rows.data.sum_sq_doc_len = S * S;
+  rows.data.items = {items / n};
+  EXPECT_EQ(profile_data_shape(p, s).items, rows.data.items);
+  EXPECT_DOUBLE_EQ(r.model_flops, simulate(s, one, c, rows).model_flops);
+  rows.data.items = {1};
+  EXPECT_GT(r.model_flops, simulate(s, one, c, rows).model_flops);
 
   // DP2: each rank half the samples (fixed costs stay), plus the gradient all-reduce.
   s.train.overlap_grad_reduce = false;

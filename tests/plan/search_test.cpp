@@ -217,6 +217,61 @@ TEST(Search, BoundHoldsWithBlockOverhead) {
       << describe(spec, r.best.front().candidate);
 }
 
+// Priced on the data's mean sample (SimOptions::data) — rows a quarter of max_seq, a third of
+// them loss targets, and four images each — the bound and the memory bound still hold over
+// every candidate, the search finds brute force's optimum, and that optimum is another layout
+// than the full rows' one, which is slower on this data.
+TEST(Search, PricesTheDataShape) {
+  const Spec spec = small_vlm();
+  const Cluster cluster = h100(1);
+  SearchOptions o = small_space();
+  const Candidate full_rows = search(spec, cluster, o).best.front().candidate;
+  DataShape& d = o.sim.data;
+  d.positions = 256;
+  d.tokens = 240;
+  d.targets = 80;
+  d.sum_sq_doc_len = 240.0 * 240.0;
+  d.items = {4};
+  check_data_shape(spec, d, "test");
+  int64_t count = 0;
+  const Evaluation best = brute_force(spec, cluster, o, &count);
+  const SearchResult r = search(spec, cluster, o);
+  ASSERT_TRUE(r.stats.complete);
+  EXPECT_NEAR(r.best.front().sim.step_seconds, best.sim.step_seconds, 1e-12 * best.sim.step_seconds)
+      << "search: " << describe(spec, r.best.front().candidate)
+      << "\nbrute force: " << describe(spec, best.candidate);
+  EXPECT_DOUBLE_EQ(r.best.front().sim.tokens_per_step, 256.0 * spec.train.batch);
+  EXPECT_NE(describe(spec, best.candidate), describe(spec, full_rows))
+      << "the data's shape should move the optimum";
+  EXPECT_GT(evaluate(spec, cluster, full_rows, o.sim).sim.step_seconds,
+            best.sim.step_seconds * 1.05)
+      << "full rows' choice: " << describe(spec, full_rows);
+}
+
+// A data shape that does not fit the model is refused, naming where it came from and the field.
+TEST(Search, RejectsABadDataShape) {
+  const Spec spec = small_vlm();
+  DataShape d;
+  d.positions = 100;
+  d.targets = 50;
+  d.items = {1};
+  check_data_shape(spec, d, "data.json");
+  DataShape more = d;
+  more.targets = 101;
+  const std::string targets = testing::error_of([&] { check_data_shape(spec, more, "data.json"); });
+  EXPECT_NE(targets.find("data.json"), std::string::npos) << targets;
+  EXPECT_NE(targets.find("targets"), std::string::npos) << targets;
+  DataShape two = d;
+  two.items = {1, 1};
+  const std::string items = testing::error_of([&] { check_data_shape(spec, two, "data.json"); });
+  EXPECT_NE(items.find("2 item counts for the model's 1 encoders"), std::string::npos) << items;
+  DataShape negative = d;
+  negative.items = {-1};
+  const std::string vision =
+      testing::error_of([&] { check_data_shape(spec, negative, "data.json"); });
+  EXPECT_NE(vision.find("encoder 'vision'"), std::string::npos) << vision;
+}
+
 TEST(Search, MemoryFilterRejectsTheFastestLayoutWhenItDoesNotFit) {
   const Spec spec = small_vlm();
   SearchOptions o = small_space();

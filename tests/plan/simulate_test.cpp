@@ -660,27 +660,123 @@ TEST(Simulate, FrozenEncoderRunsNoBackward) {
   EXPECT_NEAR(r.ranks[1].busy_seconds, 2 * last->seconds, 1e-12);
 }
 
+// The bridge carries a microbatch's items: one per sample, or the data shape's items per sample
+// (SimOptions::data).
 TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
   Spec s = vlm_spec();
   s.parallel.placement = "separate";
   const Cluster c = ideal(2, 1e-4, 1);
-  const SimResult r = simulate(s, make_plan(s, 2), c, no_optimizer());
-  const TraceEvent* enc = find_event(r, "vision fwd mb0 s0");
-  const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
-  ASSERT_TRUE(enc && llm);
-  EXPECT_EQ(enc->rank, 0);
-  EXPECT_EQ(llm->rank, 1);
-  // 4 items (a microbatch of 4 samples) × 16 tokens × hidden 128 × bf16.
-  const double bytes = 4.0 * 16 * 128 * 2;
-  EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + p2p_seconds(c, 0, 1, bytes),
-              1e-12);
-  // The encoder's backward waits for the LLM's first-stage backward and its gradients.
-  const TraceEvent* llm_bwd = find_event(r, "llm bwd mb0 s0");
-  const TraceEvent* enc_bwd = find_event(r, "vision bwd mb0 s0");
-  ASSERT_TRUE(llm_bwd && enc_bwd);
-  EXPECT_NEAR(enc_bwd->start_seconds,
-              llm_bwd->start_seconds + llm_bwd->seconds + p2p_seconds(c, 1, 0, bytes), 1e-12);
-  EXPECT_GT(r.bubble_fraction, 0);  // the LLM waits for the encoder
+  for (const double items : {1.0, 3.0}) {
+    SCOPED_TRACE(items);
+    SimOptions o = no_optimizer();
+    if (items != 1) {
+      o.data.positions = o.data.tokens = o.data.targets = 100;
+      o.data.sum_sq_doc_len = 100 * 100;
+      o.data.items = {items};
+    }
+    const SimResult r = simulate(s, make_plan(s, 2), c, o);
+    const TraceEvent* enc = find_event(r, "vision fwd mb0 s0");
+    const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
+    ASSERT_TRUE(enc && llm);
+    EXPECT_EQ(enc->rank, 0);
+    EXPECT_EQ(llm->rank, 1);
+    // 4 samples (a microbatch) × items × 16 tokens × hidden 128 × bf16.
+    const double bytes = 4.0 * items * 16 * 128 * 2;
+    EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + p2p_seconds(c, 0, 1, bytes),
+                1e-12);
+    // The encoder's backward waits for the LLM's first-stage backward and its gradients.
+    const TraceEvent* llm_bwd = find_event(r, "llm bwd mb0 s0");
+    const TraceEvent* enc_bwd = find_event(r, "vision bwd mb0 s0");
+    ASSERT_TRUE(llm_bwd && enc_bwd);
+    EXPECT_NEAR(enc_bwd->start_seconds,
+                llm_bwd->start_seconds + llm_bwd->seconds + p2p_seconds(c, 1, 0, bytes), 1e-12);
+    EXPECT_GT(r.bubble_fraction, 0);  // the LLM waits for the encoder
+  }
+}
+
+// A data shape of full rows — max_seq positions, each a loss target, one document, one item per
+// encoder — is what the simulator assumes without one: the same step, FLOPs and memory, on
+// layouts that send every kind of message. The data's own shape prices its positions, targets,
+// documents and items: the LLM's FLOPs are those of flops.h on them, the encoder's scale with
+// the items.
+TEST(Simulate, PricesTheDataShape) {
+  struct Case {
+    std::string placement;
+    std::vector<int64_t> l;  // vision tp cp pp dp, llm tp cp pp dp
+    int64_t world;
+  };
+  const std::vector<Case> cases = {{"colocated", {1, 1, 1, 2, 1, 1, 2, 1}, 2},
+                                   {"colocated", {1, 1, 1, 4, 2, 1, 1, 2}, 4},
+                                   {"colocated", {1, 2, 1, 2, 1, 2, 1, 2}, 4},
+                                   {"separate", {1, 1, 1, 2, 2, 1, 2, 1}, 6}};
+  for (const auto& [placement, l, world] : cases) {
+    Spec s = vlm_spec();
+    s.parallel.placement = placement;
+    s.parallel.modules["vision"] = LayoutSpec{};
+    s.parallel.modules["vision"].tp = l[0], s.parallel.modules["vision"].cp = l[1];
+    s.parallel.modules["vision"].pp = l[2], s.parallel.modules["vision"].dp = l[3];
+    s.parallel.modules["llm"] = LayoutSpec{};
+    s.parallel.modules["llm"].tp = l[4], s.parallel.modules["llm"].cp = l[5];
+    s.parallel.modules["llm"].pp = l[6], s.parallel.modules["llm"].dp = l[7];
+    const Plan p = make_plan(s, world);
+    const Cluster c = ideal(world, 1e-5, 10);
+    SCOPED_TRACE(placement + " on " + std::to_string(world) + " ranks, llm tp " +
+                 std::to_string(l[4]) + " cp " + std::to_string(l[5]) + " pp " +
+                 std::to_string(l[6]));
+    SimOptions full;
+    const double S = static_cast<double>(s.model.llm.max_seq);
+    full.data.positions = full.data.tokens = full.data.targets = S;
+    full.data.sum_sq_doc_len = S * S;
+    full.data.items = {1};
+    const SimResult a = simulate(s, p, c), b = simulate(s, p, c, full);
+    EXPECT_EQ(a.step_seconds, b.step_seconds);
+    EXPECT_EQ(a.model_flops, b.model_flops);
+    EXPECT_EQ(a.tokens_per_step, b.tokens_per_step);
+    for (size_t r = 0; r < a.ranks.size(); ++r)
+      EXPECT_EQ(a.ranks[r].peak_memory_bytes, b.ranks[r].peak_memory_bytes);
+
+    SimOptions data;
+    data.data.positions = 40;
+    data.data.tokens = 36;
+    data.data.targets = 12;
+    data.data.sum_sq_doc_len = 36 * 36;
+    data.data.items = {2.5};
+    const SimResult d = simulate(s, p, c, data);
+    const double B = static_cast<double>(s.train.batch);
+    EXPECT_DOUBLE_EQ(d.tokens_per_step, 40 * B);
+    const LlmSpec& llm = s.model.llm;
+    const double llm_forward = llm_forward_flops(llm, LlmTokens{40, 12, 36 * 36});
+    EXPECT_NEAR(d.llm_flops, 3 * B * llm_forward, 1e-9 * d.llm_flops);  // trainable: 3x
+    const double vision = a.model_flops - a.llm_flops;
+    EXPECT_NEAR(d.model_flops - d.llm_flops, 2.5 * vision, 1e-9 * vision);
+  }
+}
+
+// make_plan cuts pipeline stages on the data's sample: with a large vocabulary the output head
+// of full rows (a loss on every token) weighs several blocks, and the cut leaves the last stage
+// fewer; on data with few loss targets per sample it weighs less than one, the cut moves, and
+// that plan is faster on this data than the full rows' plan.
+TEST(Simulate, MakePlanCutsOnTheDataShape) {
+  Spec s = vlm_spec();
+  s.model.llm.layers = 8;
+  s.model.llm.vocab = 32000;
+  s.parallel.modules["llm"] = LayoutSpec{};
+  s.parallel.modules["llm"].pp = 2;
+  SimOptions o = no_optimizer();
+  o.data.positions = o.data.tokens = 16;
+  o.data.targets = 1;
+  o.data.sum_sq_doc_len = 16 * 16;
+  o.data.items = {6};
+  const Plan full = make_plan(s, 2), data = make_plan(s, 2, nullptr, &o.data);
+  const auto cuts = [](const Plan& p) {
+    std::vector<std::vector<int64_t>> out;
+    for (const ModulePlan& m : p.modules)
+      if (m.role != ModuleRole::kProjector) out.push_back(m.stage_boundaries);
+    return out;
+  };
+  EXPECT_NE(cuts(full), cuts(data));
+  const Cluster c = ideal(2, 1e-5, 10);
+  EXPECT_LT(simulate(s, data, c, o).step_seconds, simulate(s, full, c, o).step_seconds);
 }
 
 // Every layout runs without deadlock and does each unit of work exactly once: with TP / CP

@@ -101,7 +101,7 @@ WorkModel make_work_model(const Spec& spec, const Plan& plan) {
   // The LLM's work is linear in tokens, loss rows and Σ L²: read off each coefficient.
   const auto llm_work = [&](int64_t tokens, int64_t rows, double sum_sq) {
     MicrobatchShape s;
-    s.llm = LlmTokens{tokens, rows, sum_sq};
+    s.llm = LlmTokens{static_cast<double>(tokens), static_cast<double>(rows), sum_sq};
     return training_work(module_layer_costs(spec, llm, s));
   };
   w.llm_per_token = llm_work(1, 0, 0);

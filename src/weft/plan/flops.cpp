@@ -29,7 +29,7 @@ double llm_block_forward_flops(const LlmSpec& llm, const LlmTokens& t, int64_t l
     for (int64_t i = 0; i < llm.layers; ++i) ffn += ffn_macs(llm, i);
     ffn /= static_cast<double>(std::max<int64_t>(llm.layers, 1));
   }
-  const double linear = 2.0 * static_cast<double>(t.tokens) * (h * (q + 2 * kv) + q * h + ffn);
+  const double linear = 2.0 * t.tokens * (h * (q + 2 * kv) + q * h + ffn);
   // QK^T and PV are 2·q·S² each in full; the causal mask halves them: 2·q·ΣL_i².
   return linear + 2.0 * q * t.sum_sq_doc_len;
 }
@@ -54,12 +54,11 @@ BlockParams llm_block_params(const LlmSpec& llm, int64_t layer) {
 double moe_all_to_all_bytes(const LlmSpec& llm, const LlmTokens& t, int64_t layer,
                             double bytes_per_value) {
   if (!llm.moe.is_moe_layer(layer)) return 0;
-  return 2.0 * static_cast<double>(t.tokens * llm.moe.top_k * llm.hidden) * bytes_per_value;
+  return 2.0 * t.tokens * static_cast<double>(llm.moe.top_k * llm.hidden) * bytes_per_value;
 }
 
 double llm_head_forward_flops(const LlmSpec& llm, const LlmTokens& t) {
-  return 2.0 * static_cast<double>(t.logit_rows) * static_cast<double>(llm.hidden) *
-         static_cast<double>(llm.vocab);
+  return 2.0 * t.logit_rows * static_cast<double>(llm.hidden) * static_cast<double>(llm.vocab);
 }
 
 double llm_forward_flops(const LlmSpec& llm, const LlmTokens& t) {

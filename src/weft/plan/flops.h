@@ -10,10 +10,10 @@
 
 namespace weft::plan {
 
-// Token statistics of one batch for the LLM.
+// Token statistics of one batch for the LLM (a mean sample's may be fractional).
 struct LlmTokens {
-  int64_t tokens = 0;         // real (non-padding) tokens
-  int64_t logit_rows = 0;     // rows on which the output head runs (loss targets)
+  double tokens = 0;          // positions the blocks run on: real tokens (and any padding)
+  double logit_rows = 0;      // rows on which the output head runs (loss targets)
   double sum_sq_doc_len = 0;  // Σ_i L_i² over documents (the causal attention term)
 };
 

@@ -1,6 +1,7 @@
 #include "weft/plan/partition.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <utility>
 
@@ -57,12 +58,33 @@ void shard_experts(LayerCost* c, const Layout& layout) {
   c->expert_trained_cast_bytes *= f;
 }
 
-MicrobatchShape single_sample_microbatch(const Spec& spec) {
-  const int64_t s = spec.model.llm.max_seq;
+MicrobatchShape single_sample_microbatch(const Spec& spec, const DataShape& data, int64_t encoder) {
   MicrobatchShape shape;
-  shape.llm = LlmTokens{s, s, static_cast<double>(s) * static_cast<double>(s)};
-  shape.items = 1;
+  if (data.empty()) {
+    const double s = static_cast<double>(spec.model.llm.max_seq);
+    shape.llm = LlmTokens{s, s, s * s};
+    return shape;
+  }
+  shape.llm = LlmTokens{data.positions, data.targets, data.sum_sq_doc_len};
+  if (encoder >= 0) shape.items = data.items_of(encoder);
   return shape;
+}
+
+void check_data_shape(const Spec& spec, const DataShape& d, const std::string& where) {
+  if (d.empty() && d.samples == 0) return;
+  WEFT_CHECK(d.positions > 0 && std::isfinite(d.positions), where,
+             ": data shape: positions per sample must be positive, got ", d.positions);
+  WEFT_CHECK(d.targets >= 0 && d.targets <= d.positions, where, ": data shape: targets per ",
+             "sample must be in [0, positions = ", d.positions, "], got ", d.targets);
+  WEFT_CHECK(d.sum_sq_doc_len >= 0 && std::isfinite(d.sum_sq_doc_len), where,
+             ": data shape: the sum of squared document lengths must be non-negative, got ",
+             d.sum_sq_doc_len);
+  WEFT_CHECK(d.items.size() == spec.model.encoders.size(), where, ": data shape: ", d.items.size(),
+             " item counts for the model's ", spec.model.encoders.size(), " encoders");
+  for (size_t e = 0; e < d.items.size(); ++e)
+    WEFT_CHECK(d.items[e] >= 0 && std::isfinite(d.items[e]), where, ": data shape: items of ",
+               "encoder '", spec.model.encoders[e].name, "' per sample must be non-negative, got ",
+               d.items[e]);
 }
 
 namespace {
@@ -88,8 +110,8 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   const double h = static_cast<double>(l.hidden), F = static_cast<double>(l.ffn);
   const double q = static_cast<double>(l.head_dim() * l.heads);
   const double kv = static_cast<double>(l.head_dim() * l.kv_heads);
-  const double V = static_cast<double>(l.vocab), T = static_cast<double>(t.tokens);
-  const double rows = static_cast<double>(t.logit_rows);
+  const double V = static_cast<double>(l.vocab), T = t.tokens;
+  const double rows = t.logit_rows;
   const auto rules = [&](LayerCost c) {
     return apply_frozen_rules(std::move(c), m.weight_grads, m.input_grads, param_holding(spec));
   };
@@ -262,6 +284,12 @@ ModuleCosts module_layer_costs(const Spec& spec, const ModulePlan& module,
              " is a projector; it is costed as the last layer of its encoder");
   return module.role == ModuleRole::kLlm ? llm_costs(spec, module, shape.llm)
                                          : encoder_costs(spec, module, shape.items);
+}
+
+ModuleCosts sample_costs(const Spec& spec, const ModulePlan& module, const DataShape& data) {
+  return module_layer_costs(
+      spec, module,
+      single_sample_microbatch(spec, data, module.role == ModuleRole::kLlm ? -1 : module.encoder));
 }
 
 std::vector<int64_t> even_cuts(const ModuleCosts& c, int64_t n) {

@@ -100,9 +100,30 @@ struct MicrobatchShape {
   LlmTokens llm;     // the LLM's tokens (flops.h)
   double items = 1;  // items (images / clips) of the encoder being costed
 };
-// One sample of model.llm.max_seq tokens (one document, loss on every token) and one item per
-// encoder. Partitions are scale-invariant in the batch, so make_plan partitions with this.
-MicrobatchShape single_sample_microbatch(const Spec& spec);
+// The data a step reads, as its mean sample: what the FLOP model costs in place of one row of
+// model.llm.max_seq tokens (one document, loss on every token) with one item per encoder.
+// Measured from a config's dataset (train/data_shape.h: weft plan, weft simulate), or a
+// profile's rows (profile.h profile_data_shape).
+struct DataShape {
+  double positions = 0;       // LLM row positions the blocks run on per sample, padding included
+  double tokens = 0;          // of them real tokens (reported; the blocks run on positions)
+  double targets = 0;         // loss targets: the output head's rows
+  double sum_sq_doc_len = 0;  // Σ over the sample's documents of length² (causal attention)
+  std::vector<double> items;  // per encoder (spec order): items per sample
+  int64_t samples = 0;        // measured over (reported)
+  bool empty() const { return positions <= 0; }
+  // Items of encoder `e` (spec order) per sample: 1 without a shape.
+  double items_of(int64_t e) const { return empty() ? 1.0 : items.at(static_cast<size_t>(e)); }
+};
+
+// One sample: without a data shape, model.llm.max_seq tokens (one document, loss on every token)
+// and one item; with one, its mean sample, with the items of encoder `encoder` (spec order; -1:
+// one). Partitions are scale-invariant in the batch, so make_plan partitions with this.
+MicrobatchShape single_sample_microbatch(const Spec& spec, const DataShape& data = {},
+                                         int64_t encoder = -1);
+// A data shape that fits the spec: positive positions, targets no more than them, one item count
+// per encoder, none negative; errors name `where` and the field.
+void check_data_shape(const Spec& spec, const DataShape& data, const std::string& where);
 
 // FLOP-based costs of an encoder or the LLM (a projector is costed as its encoder's `back`):
 // forward from flops.h; matmul layers cost 1x forward for input grads and 1x for weight grads
@@ -115,6 +136,8 @@ MicrobatchShape single_sample_microbatch(const Spec& spec);
 // input grads iff the encoder trains).
 ModuleCosts module_layer_costs(const Spec& spec, const ModulePlan& module,
                                const MicrobatchShape& shape);
+// module_layer_costs of one sample of `data` (single_sample_microbatch with the module's items).
+ModuleCosts sample_costs(const Spec& spec, const ModulePlan& module, const DataShape& data = {});
 
 struct PartitionOptions {
   int64_t stages = 1;                                                   // P

@@ -304,12 +304,13 @@ void keep_whole(LayerCost* c, const LayerCost& flop, const Layout& layout) {
   c->activation_bytes *= 1 + share * static_cast<double>(layout.tp - 1);
 }
 
-// FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples
-// (one item each for an encoder), work and activations divided over tp × cp, parameters over tp
-// (an MoE block's experts over ep · etp), but an encoder's front end, which every TP and CP rank
-// runs whole on its whole parameters.
-ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
-  ModuleCosts c = module_layer_costs(spec, m, single_sample_microbatch(spec));
+// FLOP-model costs of module m for the microbatch one of its ranks runs: `samples` samples of
+// `data` (without a shape: max_seq rows, one item each for an encoder), work and activations
+// divided over tp × cp, parameters over tp (an MoE block's experts over ep · etp), but an encoder's
+// front end, which every TP and CP rank runs whole on its whole parameters.
+ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples,
+                       const DataShape& data) {
+  ModuleCosts c = sample_costs(spec, m, data);
   const double work = samples / static_cast<double>(m.layout.tp * m.layout.cp);
   const double params = 1.0 / static_cast<double>(m.layout.tp);
   const auto scale = [&](LayerCost& l, double work, double params) {
@@ -335,7 +336,8 @@ ModuleCosts flop_costs(const Spec& spec, const ModulePlan& m, double samples) {
 // The default stage boundaries of every pipelined module without parallel.<m>.stages: the joint
 // partition (partition.h) of what one rank of each module does per LLM microbatch — its share of
 // the global microbatch's samples over its data-parallel ranks.
-void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
+void choose_boundaries(const Spec& spec, const Profile* profile, const DataShape& data,
+                       Plan* plan) {
   std::vector<JointModule> modules;
   std::vector<size_t> index;
   bool any = false;
@@ -353,7 +355,7 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
     if (profile) {
       j.costs = profile_module_costs(*profile, spec, m, samples, m.layout.tp, m.layout.cp,
                                      plan->world_size > 1);
-      const ModuleCosts flop = module_layer_costs(spec, m, single_sample_microbatch(spec));
+      const ModuleCosts flop = sample_costs(spec, m);
       for (size_t b = 0; b < j.costs.blocks.size(); ++b) {
         shard_experts(&j.costs.blocks[b], m.layout);
         keep_whole(&j.costs.blocks[b], flop.blocks[b], m.layout);
@@ -361,7 +363,7 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
       keep_whole(&j.costs.back, flop.back, m.layout);
       if (m.role == ModuleRole::kLlm) keep_whole(&j.costs.front, flop.front, m.layout);
     } else {
-      j.costs = flop_costs(spec, m, samples);
+      j.costs = flop_costs(spec, m, samples, data);
     }
     // An interleaved LLM's chunks are cut alone, evenly by work: the busiest pipeline rank
     // (the sum of its vp chunks) sets the pace, so the chunks follow the cumulative work (the
@@ -392,7 +394,8 @@ void choose_boundaries(const Spec& spec, const Profile* profile, Plan* plan) {
 
 }  // namespace
 
-Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile) {
+Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile,
+               const DataShape* data) {
   if (profile) check_profile(*profile, spec);
   WEFT_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   const ParallelSpec& par = spec.parallel;
@@ -487,7 +490,7 @@ Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile) {
              dp, " = ", t.batch / dp,
              " samples, fewer than its microbatches; lower train.microbatches or raise "
              "train.batch");
-  choose_boundaries(spec, profile, &plan);
+  choose_boundaries(spec, profile, data ? *data : DataShape{}, &plan);
   return plan;
 }
 

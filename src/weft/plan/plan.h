@@ -192,9 +192,13 @@ struct Plan {
 // projectors share their encoder's ranks. Rejects layouts that do not fit the model, the world
 // or the batch with a message naming the config, `parallel.<module>.<key>` and the numbers.
 // Pipelined modules without parallel.<module>.stages get the joint partition of all modules
-// (partition.h partition_joint) on the FLOP model, or on a measured `profile` when given.
-struct Profile;  // plan/profile.h
-Plan make_plan(const Spec& spec, int64_t world_size = 1, const Profile* profile = nullptr);
+// (partition.h partition_joint) on the FLOP model — of the data's mean sample where `data` is
+// given (partition.h DataShape), of max_seq rows with one item per encoder otherwise — or on a
+// measured `profile` when given.
+struct Profile;    // plan/profile.h
+struct DataShape;  // plan/partition.h
+Plan make_plan(const Spec& spec, int64_t world_size = 1, const Profile* profile = nullptr,
+               const DataShape* data = nullptr);
 
 std::string to_json(const Plan& plan);
 

@@ -513,12 +513,11 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
 CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Plan& plan) {
   check_profile(profile, spec);
   const double seq = profile_seq(profile, spec);
-  // The FLOP fields (MFU) with the profiled vocabulary, of the rows the costs are for: the
-  // profiled data's padded length, not max_seq.
+  // The FLOP fields (MFU) with the profiled vocabulary, of the samples the costs are for: the
+  // profiled data's padded rows and items, not max_seq.
   Spec flops_spec = spec;
   if (flops_spec.model.llm.vocab == 0) flops_spec.model.llm.vocab = profiled_vocab(profile);
-  flops_spec.model.llm.max_seq = std::max<int64_t>(1, std::llround(seq));
-  CostTable table = stage_costs(flops_spec, plan);
+  CostTable table = stage_costs(flops_spec, plan, profile_data_shape(profile, spec));
   Spec plain = spec;  // recomputing nothing
   plain.model.llm.recompute = false;
   for (EncoderSpec& e : plain.model.encoders) e.recompute = false;
@@ -650,10 +649,20 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
   return table;
 }
 
+DataShape profile_data_shape(const Profile& profile, const Spec& spec) {
+  DataShape d;
+  d.positions = d.tokens = d.targets = profile_seq(profile, spec);
+  d.sum_sq_doc_len = d.positions * d.positions;
+  for (const EncoderSpec& e : spec.model.encoders)
+    d.items.push_back(profile.module(e.name).units_per_sample);
+  d.samples = std::llround(profile.samples);
+  return d;
+}
+
 SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOptions options) {
   options.data_seconds_per_sample = profile.data_seconds_per_sample;
   options.media_seconds_per_sample = profile.media_seconds_per_sample;
-  options.llm_seq = profile_seq(profile, spec);
+  options.data = profile_data_shape(profile, spec);
   options.p2p_curve = profile.p2p_curve;
   options.grad_curve = profile.all_reduce_curve;
   options.activation_curve = profile.all_reduce_compute_curve;

@@ -180,6 +180,10 @@ void check_profile(const Profile& profile, const Spec& spec);
 
 // LLM row length the profile's costs are evaluated at for this spec (see above).
 double profile_seq(const Profile& profile, const Spec& spec);
+// The sample the profile's costs are per (SimOptions::data): rows of profile_seq positions, loss
+// on every one (the FLOP fields count the head on each), and each encoder's profiled items per
+// sample (its costs per sample hold them).
+DataShape profile_data_shape(const Profile& profile, const Spec& spec);
 
 // The module's per-layer costs (seconds, bytes) for one microbatch of `samples` samples on a rank
 // of a tp × cp group (work per unit and activations divided over tp · cp, parameters over tp, but
@@ -202,7 +206,7 @@ ModuleCosts profile_module_costs(const Profile& profile, const Spec& spec, const
 CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Plan& plan);
 
 // The simulator options a profile implies for `spec`: its data preparation and media decoding
-// seconds, its LLM row length, its measured transport for ranks on one node
+// seconds, its sample (profile_data_shape), its measured transport for ranks on one node
 // (SimOptions::p2p_curve, grad_curve, activation_curve, comm_occupies_rank), and its vocabulary
 // for a spec that leaves model.llm.vocab unset (unset_vocab).
 SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOptions options = {});

@@ -213,13 +213,14 @@ SearchResult search(const Spec& spec, const Cluster& cluster, const SearchOption
 // candidate_plan moves the encoders).
 Spec apply_candidate(const Spec& spec, const Candidate& candidate);
 Plan candidate_plan(const Spec& spec, const Candidate& candidate);
-// The simulator's stage costs (stage_costs) with the spec's activation recomputation priced in
-// (see above); model.llm.vocab = 0 is taken as `unset_vocab` like the simulator does.
-CostTable planner_costs(const Spec& spec, const Plan& plan, int64_t unset_vocab = 64);
+// The simulator's stage costs (stage_costs of options.data) with the spec's activation
+// recomputation priced in (see above); model.llm.vocab = 0 is taken as options.unset_vocab like
+// the simulator does.
+CostTable planner_costs(const Spec& spec, const Plan& plan, const SimOptions& options = {});
 // The recomputation pricing of one module's stages (as planner_costs applies it): stage s's first
-// recomputed_blocks(true, blocks, s) blocks recomputed (empty: every block).
+// recomputed_blocks(true, blocks, s) blocks recomputed (empty: every block), on `data`'s sample.
 void add_recompute_costs(const Spec& spec, const ModulePlan& module, std::vector<StageCost>* stages,
-                         const std::vector<int64_t>& blocks = {});
+                         const std::vector<int64_t>& blocks = {}, const DataShape& data = {});
 // Simulates a candidate (planner_costs, or the `profile`'s measured costs; options.trace off).
 Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& candidate,
                     const SimOptions& options = {}, const Profile* profile = nullptr);

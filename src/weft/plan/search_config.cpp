@@ -52,16 +52,16 @@ std::vector<int64_t> candidate_blocks(const Candidate& c, size_t k) {
 }  // namespace
 
 void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<StageCost>* stages,
-                         const std::vector<int64_t>& blocks) {
-  const MicrobatchShape unit = single_sample_microbatch(spec);  // items = 1, as stage_costs
-  const ModuleCosts costs = module_layer_costs(spec, m, unit);
+                         const std::vector<int64_t>& blocks, const DataShape& data) {
+  const MicrobatchShape unit = single_sample_microbatch(spec, data, m.encoder);  // as stage_costs
+  const ModuleCosts costs = sample_costs(spec, m, data);
   const double act = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
   double input_bytes = 0;  // what a recomputed block keeps: its input, tokens × width
   if (m.role == ModuleRole::kLlm) {
-    input_bytes = act * static_cast<double>(spec.model.llm.max_seq * spec.model.llm.hidden);
+    input_bytes = act * unit.llm.tokens * static_cast<double>(spec.model.llm.hidden);
   } else {
     const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(m.encoder)];
-    input_bytes = act * static_cast<double>(e.tokens_per_item() * e.hidden);
+    input_bytes = act * unit.items * static_cast<double>(e.tokens_per_item() * e.hidden);
   }
   for (int64_t s = 0; s < static_cast<int64_t>(stages->size()); ++s) {
     const auto [begin, end] = m.stage_layers(s);
@@ -95,10 +95,10 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
   }
 }
 
-CostTable planner_costs(const Spec& spec_in, const Plan& plan, int64_t unset_vocab) {
+CostTable planner_costs(const Spec& spec_in, const Plan& plan, const SimOptions& options) {
   Spec spec = spec_in;
-  if (spec.model.llm.vocab == 0) spec.model.llm.vocab = unset_vocab;
-  CostTable table = stage_costs(spec, plan);
+  if (spec.model.llm.vocab == 0) spec.model.llm.vocab = options.unset_vocab;
+  CostTable table = stage_costs(spec, plan, options.data);
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
     if (m.role == ModuleRole::kProjector) continue;
@@ -106,7 +106,8 @@ CostTable planner_costs(const Spec& spec_in, const Plan& plan, int64_t unset_voc
     const EncoderSpec* e = llm ? nullptr : &spec.model.encoders[static_cast<size_t>(m.encoder)];
     if (llm ? spec.model.llm.recompute : e->recompute)
       add_recompute_costs(spec, m, &table[i],
-                          llm ? spec.model.llm.recompute_blocks : e->recompute_blocks);
+                          llm ? spec.model.llm.recompute_blocks : e->recompute_blocks,
+                          options.data);
   }
   return table;
 }
@@ -162,8 +163,7 @@ Evaluation evaluate(const Spec& spec, const Cluster& cluster, const Candidate& c
   SimOptions o = options;
   o.trace = false;
   e.sim = profile ? simulate(applied, e.plan, cluster, *profile, o)
-                  : simulate(applied, e.plan, cluster,
-                             planner_costs(applied, e.plan, o.unset_vocab), o);
+                  : simulate(applied, e.plan, cluster, planner_costs(applied, e.plan, o), o);
   return e;
 }
 

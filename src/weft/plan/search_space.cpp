@@ -91,7 +91,7 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
   act_ = spec.train.precision == Precision::kBf16 ? 2.0 : 4.0;
   data_ = o_.sim.data_seconds_per_sample * static_cast<double>(B_);
   const LlmSpec& l = spec.model.llm;
-  S_ = o_.sim.llm_seq > 0 ? o_.sim.llm_seq : static_cast<double>(l.max_seq);
+  S_ = o_.sim.data.empty() ? static_cast<double>(l.max_seq) : o_.sim.data.positions;
   H_ = static_cast<double>(l.hidden);
   kvw_ = static_cast<double>(l.head_dim() * l.kv_heads);
   for (const std::string& p : o_.placements) {
@@ -145,6 +145,7 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
     } else {
       const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(k)];
       mi.enc = &e;
+      mi.items = o_.sim.data.items_of(k);
       mi.backward = base_.modules[mi.plan_index + 1].needs_backward();  // its projector
       mi.keeps_activations = m.weight_grads;
       for (int64_t t = 1; t <= max_tp; ++t)
@@ -189,10 +190,9 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
   } else if (pp > 1 && even) {  // Megatron: layers split evenly over the stages
     for (int64_t i = 1; i < pp; ++i) st->boundaries.push_back((2 * i * m.layers + pp) / (2 * pp));
   } else if (pp > 1 && vp > 1) {  // interleaved chunks: make_plan's default cut
-    st->boundaries =
-        even_cuts(o_.profile ? profile_module_costs(*o_.profile, costed_, m, 1)
-                             : module_layer_costs(costed_, m, single_sample_microbatch(costed_)),
-                  pp);
+    st->boundaries = even_cuts(o_.profile ? profile_module_costs(*o_.profile, costed_, m, 1)
+                                          : sample_costs(costed_, m, o_.sim.data),
+                               pp);
   } else if (pp > 1 && o_.profile) {  // the measured split, every block recomputed or none
     PartitionOptions po;
     po.stages = pp;
@@ -200,14 +200,14 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
     st->boundaries =
         partition_stages(profile_module_costs(*o_.profile, priced, m, 1), po).boundaries;
   } else if (pp > 1) {  // the exact FLOP-balanced split of the recompute-aware layer costs
-    ModuleCosts costs = module_layer_costs(costed_, m, single_sample_microbatch(costed_));
+    ModuleCosts costs = sample_costs(costed_, m, o_.sim.data);
     if (recompute && blocks.empty()) {
       std::vector<StageCost> one(static_cast<size_t>(m.layers));
       ModulePlan per_block = m;  // one "stage" per block, to price each block's recompute
       per_block.layout.pp = m.layers;
       per_block.stage_boundaries.clear();
       for (int64_t b = 1; b < m.layers; ++b) per_block.stage_boundaries.push_back(b);
-      add_recompute_costs(costed_, per_block, &one);
+      add_recompute_costs(costed_, per_block, &one, {}, o_.sim.data);
       for (size_t b = 0; b < one.size(); ++b) {
         costs.blocks[b].input_grad += one[b].backward_flops;
         costs.blocks[b].activation_bytes += one[b].activation_bytes;  // <= 0: the saving
@@ -229,8 +229,8 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
     st->stages =
         profile_stage_costs(*o_.profile, with_recompute(costed_, m, recompute, blocks), one)[0];
   } else {
-    st->stages = stage_costs(costed_, one)[0];
-    if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks);
+    st->stages = stage_costs(costed_, one, o_.sim.data)[0];
+    if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks, o_.sim.data);
   }
   for (const StageCost& sc : st->stages) {
     const bool shared = sc.measured && sc.shared_measured;  // each op the cheaper of the two
@@ -412,7 +412,8 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   }
   const EncoderSpec& e = *mi.enc;
   w.backward = last ? mi.backward : mi.weight_grads;
-  const double T = static_cast<double>(e.tokens_per_item()), h = static_cast<double>(e.hidden);
+  const double T = static_cast<double>(e.tokens_per_item()) * mi.items,  // per unit (sample)
+      h = static_cast<double>(e.hidden);
   for (size_t r = 0; r < runs.size(); ++r) {
     const double items = static_cast<double>(encoder_items(runs[r].first, n.D, c.dp, i));
     const double count = static_cast<double>(runs[r].second);

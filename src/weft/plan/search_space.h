@@ -37,6 +37,7 @@ struct ModuleInfo {
   size_t plan_index = 0;  // in the base plan's modules
   bool llm = false;
   const EncoderSpec* enc = nullptr;
+  double items = 1;  // encoder: items per unit of data (a sample; SimOptions::data)
   std::vector<int64_t> tps, cps;
   std::vector<int64_t> eps;  // MoE LLM: expert-parallel sizes (divisors of the experts)
   int64_t max_pp = 1;

@@ -146,7 +146,7 @@ class Engine {
     act_ = p == Precision::kBf16 ? 2.0 : 4.0;
     WEFT_CHECK(flops_per_second_ > 0, cluster.source, ": device \"", cluster.device.name,
                "\" has no ", to_string(p), " FLOP/s");
-    seq_ = o.llm_seq > 0 ? o.llm_seq : static_cast<double>(spec.model.llm.max_seq);
+    seq_ = o.data.empty() ? static_cast<double>(spec.model.llm.max_seq) : o.data.positions;
     llm_ = static_cast<int64_t>(plan.modules.size()) - 1;
     WEFT_ASSERT(plan.modules[llm_].role == ModuleRole::kLlm, "the LLM is the last plan module");
     D_ = plan.modules[llm_].layout.dp;
@@ -377,7 +377,9 @@ class Engine {
     const bool first = s == 0, last = s == P - 1;
     const StageCost& sc = costs_[e][s];
     const EncoderSpec& es = enc_spec(e);
-    const double T = static_cast<double>(es.tokens_per_item()), h = static_cast<double>(es.hidden);
+    // Tokens per unit of data (a sample: its items').
+    const double T = static_cast<double>(es.tokens_per_item()) * o_.data.items_of(m.encoder),
+                 h = static_cast<double>(es.hidden);
     const double H = static_cast<double>(spec_.model.llm.hidden);
     const auto tp_group = m.group(r, {Axis::kTp}), cp_group = m.group(r, {Axis::kCp});
     const auto neighbour = [&](int64_t stage) { return m.rank_of({c.tp, c.cp, c.dp, stage}); };
@@ -591,7 +593,8 @@ class Engine {
         for (int64_t e = 0; e < llm_; ++e) {
           if (mod(e).role != ModuleRole::kEncoder || !mod(e + 1).needs_backward()) continue;
           const ModulePlan& em = mod(e);
-          const double T = static_cast<double>(enc_spec(e).tokens_per_item());
+          const double T =
+              static_cast<double>(enc_spec(e).tokens_per_item()) * o_.data.items_of(em.encoder);
           for (const auto& [i, items] : encoder_ranks_of(e, mb, d))
             for (int64_t ecp = 0; ecp < em.layout.cp; ++ecp)
               for (int64_t etp = 0; etp < em.layout.tp; ++etp) {
@@ -1188,14 +1191,12 @@ double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout
          (sc.measured ? sc.activation_fixed_bytes : 0);
 }
 
-CostTable stage_costs(const Spec& spec, const Plan& plan) {
+CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data) {
   CostTable table(plan.modules.size());
-  MicrobatchShape unit = single_sample_microbatch(spec);
-  unit.items = 1;
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
     if (m.role == ModuleRole::kProjector) continue;
-    const ModuleCosts costs = module_layer_costs(spec, m, unit);
+    const ModuleCosts costs = sample_costs(spec, m, data);
     for (int64_t s = 0; s < m.layout.stages(); ++s) {
       StageCost sc;
       const auto [begin, end] = m.stage_layers(s);
@@ -1222,7 +1223,7 @@ CostTable stage_costs(const Spec& spec, const Plan& plan) {
 SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
                    const SimOptions& options) {
   const Spec s = with_vocab(spec, options);
-  return simulate(s, plan, cluster, stage_costs(s, plan), options);
+  return simulate(s, plan, cluster, stage_costs(s, plan, options.data), options);
 }
 
 SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,

@@ -38,17 +38,20 @@
 // ep · etp ranks (rank_holding), and their gradients are reduced over the expert-data-parallel
 // group (plan.h ModulePlan::expert_groups), beside the CP × DP group's reduction.
 //
-// Data: each sample is model.llm.max_seq tokens (one document, loss on every token) with one item
-// per encoder; train.batch samples go to the LLM's DP replicas evenly, each replica's split into
-// train.microbatches as the loader does (sizes differ by at most one, larger first), and encoder
-// DP ranks take a global microbatch's items as the runtime does (fan-in, fan-out or even split).
+// Data: each sample is the data's mean sample (SimOptions::data: its padded row positions, loss
+// targets, documents and items per encoder, measured from the config's dataset by `weft plan`
+// and `weft simulate`), or without one model.llm.max_seq tokens (one document, loss on every
+// token) with one item per encoder; train.batch samples go to the LLM's DP replicas evenly, each
+// replica's split into train.microbatches as the loader does (sizes differ by at most one, larger
+// first), and encoder DP ranks take a global microbatch's items as the runtime does (fan-in,
+// fan-out or even split).
 //
 // Measured costs (plan/profile.h: simulate(spec, plan, cluster, profile)). Checked against real
 // 2-rank runs on a 2-core CPU (bench/validate_sim.py), the FLOP model above misses what follows;
 // each is modelled from a measurement, none by a global factor:
 //  - per-call overhead: an op costs fixed + n · per-unit seconds, the fixed part (operator
 //    dispatch, autograd bookkeeping; most of a small microbatch on a CPU) not divided over TP / CP;
-//  - real rows: the data's padded row length, not max_seq (SimOptions::llm_seq), for messages and
+//  - real rows: the data's padded row length, not max_seq (SimOptions::data), for messages and
 //    tokens/s; attention's quadratic part from a fit over two row lengths;
 //  - per-stage work: every LLM stage builds the attention mask and RoPE tables per microbatch;
 //  - data preparation: every rank lays out and collates the whole global batch at the start of
@@ -77,6 +80,7 @@
 #include "weft/core/spec.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/flops.h"
+#include "weft/plan/partition.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/trace.h"
 
@@ -167,7 +171,7 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
 double column_backward_comm(double blocks, double reduce, double regather,
                             const ColumnFlops& columns, double tokens, double tp,
                             double seconds_per_flop);
-CostTable stage_costs(const Spec& spec, const Plan& plan);
+CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data = {});
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
 // compute-dtype copies), fp32 gradients and AdamW moments, the dense part divided over tp and an
@@ -220,8 +224,11 @@ struct SimOptions {
   // reads (missing = 0).
   double data_seconds_per_sample = 0;
   std::map<std::string, double> media_seconds_per_sample;
-  // Tokens per LLM row (padded) the messages and tokens/s assume; 0 = model.llm.max_seq.
-  double llm_seq = 0;
+  // The data's mean sample (partition.h): the FLOP model's costs (stage_costs, planner_costs),
+  // the LLM's messages and tokens/s take its positions; empty = rows of model.llm.max_seq
+  // tokens, loss on every one, and one item per encoder. A profile's costs are measured on its
+  // own rows, which profile_sim_options puts here.
+  DataShape data;
   // Measured costs between ranks of one node, in place of the cluster's intra_node link where
   // given: point-to-point messages (pipeline, bridge), fp32 reductions (gradients, loss, norm)
   // and the TP / CP collectives of activations in the compute dtype. A group of n ranks runs a
@@ -260,7 +267,7 @@ struct RankReport {
 
 struct SimResult {
   double step_seconds = 0;
-  double tokens_per_step = 0;  // LLM tokens (train.batch × max_seq)
+  double tokens_per_step = 0;  // LLM row positions: train.batch × the data's (or max_seq)
   double tokens_per_second = 0;
   double model_flops = 0, llm_flops = 0;  // per step, under the frozen rules, no recomputation
   // flops / (step_seconds · world · the device's peak for train.precision)

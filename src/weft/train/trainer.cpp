@@ -510,7 +510,8 @@ struct Trainer::Impl {
     double llm = 0, rest = 0;
     const plan::ModulePlan& lp = plan.module("llm");
     for (const data::Microbatch& mb : mbs) {
-      plan::LlmTokens t{mb.real_tokens, mb.targets.numel(), mb.sum_sq_doc_len};
+      plan::LlmTokens t{static_cast<double>(mb.real_tokens),
+                        static_cast<double>(mb.targets.numel()), mb.sum_sq_doc_len};
       llm += plan::llm_forward_flops(spec.model.llm, t) *
              plan::training_multiplier(lp.weight_grads, lp.input_grads);
       for (size_t e = 0; e < spec.model.encoders.size(); ++e) {
