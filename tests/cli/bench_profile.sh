@@ -153,6 +153,9 @@ grep -q "p.json: module 'llm' was profiled with hidden = 128" "$tmp/out" \
   --profile "$tmp/p.json" > "$tmp/out" 2>&1 && die "plan: a profile of another model was accepted"
 grep -q "p.json: module 'llm' was profiled with hidden = 128" "$tmp/out" \
   || { cat "$tmp/out"; die "plan: mismatch error does not name the file, module and field"; }
+"$weft" "${sim[@]}" --profile "$tmp/p.json" --full-rows > "$tmp/out" 2>&1 \
+  && die "--full-rows with --profile was accepted"
+grep -q "measured on its own rows" "$tmp/out" || { cat "$tmp/out"; die "unclear --full-rows error"; }
 python3 - "$tmp/p.json" "$tmp/broken.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))

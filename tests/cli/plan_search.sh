@@ -92,6 +92,40 @@ echo "bad plan file: $(grep -o 'error:.*' "$tmp/err")"
 "$weft" plan "$config" --out "$tmp/x.json" > "$tmp/err" 2>&1 && die "--out without --cluster was accepted"
 grep -q "need --cluster" "$tmp/err" || { cat "$tmp/err"; die "unclear error for --out without --cluster"; }
 
+# The FLOP model prices the data's mean sample (the shapes dataset's rows of about 25 of 64
+# tokens, a few loss targets each), or with --full-rows rows of max_seq tokens: the summaries say
+# which, `weft simulate` takes the same, and full rows predict a slower step.
+tiny="$src/configs/tiny-vlm.toml"
+cpu="$src/configs/clusters/cpu-local.toml"
+"$weft" plan "$tiny" --cluster "$cpu" --world-size 2 --json "$tmp/data.json" > "$tmp/data.txt" \
+  || { cat "$tmp/data.txt"; die "weft plan on the data's shape failed"; }
+grep -q "^priced on the data's mean sample (1024 samples)" "$tmp/data.txt" \
+  || { cat "$tmp/data.txt"; die "weft plan does not say what it priced"; }
+"$weft" plan "$tiny" --cluster "$cpu" --world-size 2 --full-rows --json "$tmp/full.json" \
+  > "$tmp/full.txt" || die "weft plan --full-rows failed"
+grep -q "^priced on full rows: 64 tokens per sample" "$tmp/full.txt" \
+  || { cat "$tmp/full.txt"; die "weft plan --full-rows does not say it priced full rows"; }
+"$weft" simulate "$tiny" --cluster "$cpu" --world-size 2 > "$tmp/sim_data.json" \
+  || die "weft simulate on the data's shape failed"
+"$weft" simulate "$tiny" --cluster "$cpu" --world-size 2 --full-rows > "$tmp/sim_full.json" \
+  || die "weft simulate --full-rows failed"
+/usr/bin/python3 - "$tiny" "$tmp/data.json" "$tmp/full.json" "$tmp/sim_data.json" \
+  "$tmp/sim_full.json" <<'PY' || die "the data's shape is not what was priced"
+import json, sys, tomllib
+batch = tomllib.load(open(sys.argv[1], "rb"))["train"]["batch"]
+plan_data, plan_full, sim_data, sim_full = (json.load(open(p)) for p in sys.argv[2:])
+d = plan_data["data_shape"]
+assert d["samples"] == 1024 and 0 < d["tokens"] <= d["positions"] < 64, d
+assert 0 < d["targets"] < d["tokens"] and d["items"] == {"vision": 1.0}, d
+assert plan_full["data_shape"] == {"rows": "full", "positions": 64}, plan_full["data_shape"]
+assert sim_data["data_shape"] == d, (sim_data["data_shape"], d)
+assert abs(sim_data["tokens_per_step"] - batch * d["positions"]) < 1e-9, sim_data["tokens_per_step"]
+assert sim_full["tokens_per_step"] == batch * 64, sim_full["tokens_per_step"]
+assert sim_full["step_seconds"] > 1.3 * sim_data["step_seconds"], (sim_full["step_seconds"], sim_data["step_seconds"])
+print("priced on %.1f of 64 positions, %.1f targets: step %.4f s (full rows %.4f s)" % (
+    d["positions"], d["targets"], sim_data["step_seconds"], sim_full["step_seconds"]))
+PY
+
 # Without --cluster: the config's own plan, as before.
 "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2 --set parallel.llm.pp=2 > "$tmp/own.json" \
   || die "weft plan without --cluster failed"
