@@ -8,10 +8,11 @@ For each config (default configs/tiny-vlm.toml, configs/tiny-valm.toml and confi
 1. `weft bench profile CONFIG --set train.threads=1` measures every layer on one core, the data
    preparation and the local Gloo transport.
 2. `weft plan CONFIG --cluster configs/clusters/cpu-local.toml --top N` searches the 2-rank
-   layouts, microbatches, ZeRO-1 and recomputation twice: on the FLOP model (the cluster file's
-   measured peak and efficiency) and with `--profile` (every bound and simulation on the measured
-   costs).
-3. Every plan of either table (the union of both top N) is simulated under both models and runs
+   layouts, microbatches, ZeRO-1 and recomputation three times: on the FLOP model (the cluster
+   file's measured peak, efficiency and block overhead) of the data's mean sample, the default;
+   on the FLOP model of full max_seq rows (`--full-rows`); and with `--profile` (every bound and
+   simulation on the measured costs).
+3. Every plan of any table (the union of the top N) is simulated under each model and runs
    for real on 2 local ranks, one intra-op thread each (`weft launch --nproc 2`); the measured
    step is the median `step_seconds` after the first fifth, the median over rounds (each round
    runs every plan once, in a rotated order: the machine drifts over minutes).
@@ -37,11 +38,14 @@ CLUSTER = os.path.join(ROOT, "configs", "clusters", "cpu-local.toml")
 CONFIGS = ["configs/tiny-vlm.toml", "configs/tiny-valm.toml", "configs/pp-vlm.toml"]
 
 
-def search(args, config, profile=None):
+MODELS = ("FLOP model", "full rows", "profile")
+
+
+def search(args, config, profile=None, flags=()):
     """The table of `weft plan --cluster` (2 ranks): its rows, fastest first."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [os.path.join(args.build, "weft"), "plan", config, "--cluster", CLUSTER,
-               "--top", str(args.top), "--set", "train.threads=1", "--json", out.name]
+               "--top", str(args.top), "--set", "train.threads=1", "--json", out.name, *flags]
         if profile:
             cmd += ["--profile", profile]
         run(cmd, "plan")
@@ -91,7 +95,9 @@ def main():
             quiet.timed(lambda: run([weft, "bench", "profile", config, "--set", "train.threads=1",
                                      "--reps", str(args.reps), "--out", profile], "profile"))
             device = json.load(open(profile))["device"]
-            tables = {"FLOP model": search(args, config), "profile": search(args, config, profile)}
+            tables = {"FLOP model": search(args, config),
+                      "full rows": search(args, config, flags=["--full-rows"]),
+                      "profile": search(args, config, profile)}
             plans = []  # {layout, overrides, world, ranks: {model: place in its table}}
             for model, rows in tables.items():
                 for i, row in enumerate(rows):
@@ -107,6 +113,7 @@ def main():
                              "ranks; the real runs use 2")
                 # validate_sim.simulate: args.config on 2 ranks of cpu-local.toml
                 p["flop"] = simulate(args, p["overrides"])["step_seconds"]
+                p["full"] = simulate(args, p["overrides"], flags=["--full-rows"])["step_seconds"]
                 p["predicted"] = simulate(args, p["overrides"], profile, CLUSTER)["step_seconds"]
                 p["measured"] = []
             for r in range(args.rounds):
@@ -115,7 +122,8 @@ def main():
                     got = measure(args, tmp, f"plan{plans.index(p)}", p["overrides"], quiet)
                     p["measured"].append(got)
                     print(f"round {r + 1}: {config}: {p['layout']}: measured {got:.4f} s, "
-                          f"profile {p['predicted']:.4f} s, FLOP model {p['flop']:.4f} s",
+                          f"profile {p['predicted']:.4f} s, FLOP model {p['flop']:.4f} s "
+                          f"(full rows {p['full']:.4f} s)",
                           flush=True)
             for p in plans:
                 p["median"] = statistics.median(p["measured"])
@@ -126,31 +134,38 @@ def main():
              f"Machine: {results_md.machine()}. Reproduce: `/usr/bin/python3 "
              f"bench/validate_search.py --write`. Each config is searched with `weft plan CONFIG "
              f"--cluster configs/clusters/cpu-local.toml --top {args.top} --set train.threads=1` "
-             f"(2 ranks), on the FLOP model and with `--profile` (`weft bench profile --set "
-             f"train.threads=1 --reps {args.reps}`); every plan of either table then trains for "
+             f"(2 ranks) three times: on the FLOP model of the data's mean sample (the default), "
+             f"on the FLOP model of full max_seq rows (`--full-rows`), and with `--profile` "
+             f"(`weft bench profile --set train.threads=1 --reps {args.reps}`); every plan of any "
+             f"table then trains for "
              f"real on 2 local ranks, one intra-op thread each, {args.steps} steps, once per "
              f"round in a rotated order, {args.rounds} rounds; measured = the median over rounds "
              f"of the median step after the first fifth. Machine state: {quiet.describe()}.", ""]
     for config, device, plans in results:
         measured = [p["median"] for p in plans]
         flop = [p["flop"] for p in plans]
+        full = [p["full"] for p in plans]
         predicted = [p["predicted"] for p in plans]
         fastest = min(range(len(plans)), key=lambda k: measured[k])
         lines += [f"`{config}` (profile: {device}):", "",
-                  "| plan | FLOP model: rank, s | profile: rank, s | measured s | "
-                  "profile / measured | per round |", "|---|---|---|---|---|---|"]
+                  "| plan | FLOP model: rank, s | full rows: rank, s | profile: rank, s | "
+                  "measured s | FLOP model / measured | full rows / measured | "
+                  "profile / measured | per round |", "|---|---|---|---|---|---|---|---|---|"]
         for p in plans:
-            rank = {m: (f"#{p['ranks'][m]}" if m in p["ranks"] else "-")
-                    for m in ("FLOP model", "profile")}
+            rank = {m: (f"#{p['ranks'][m]}" if m in p["ranks"] else "-") for m in MODELS}
             lines.append(f"| {cell(p['layout'])} | {rank['FLOP model']}, {p['flop']:.4f} | "
+                         f"{rank['full rows']}, {p['full']:.4f} | "
                          f"{rank['profile']}, {p['predicted']:.4f} | {p['median']:.4f} | "
+                         f"{p['flop'] / p['median']:.2f} | {p['full'] / p['median']:.2f} | "
                          f"{p['predicted'] / p['median']:.2f} | "
                          + ", ".join(f"{x:.4f}" for x in p["measured"]) + " |")
         lines += ["", f"Measured fastest: {cell(plans[fastest]['layout'])}: the profile's "
-                  f"#{place(predicted, fastest)} and the FLOP model's #{place(flop, fastest)} "
-                  f"of these {len(plans)} plans. Rank agreement with the measurements (Kendall's "
-                  f"tau): profile {kendall_tau(predicted, measured):.2f}, FLOP model "
-                  f"{kendall_tau(flop, measured):.2f}.", ""]
+                  f"#{place(predicted, fastest)}, the FLOP model's #{place(flop, fastest)} and "
+                  f"full rows' #{place(full, fastest)} of these {len(plans)} plans. Rank "
+                  f"agreement with the measurements (Kendall's tau): profile "
+                  f"{kendall_tau(predicted, measured):.2f}, FLOP model "
+                  f"{kendall_tau(flop, measured):.2f}, full rows {kendall_tau(full, measured):.2f}.",
+                  ""]
     lines.append(END)
     print("\n".join(lines[1:-1]))
     if args.write:

@@ -192,10 +192,10 @@ def profile_pair(args, tmp, weft, quiet):
     return before, lambda: take(os.path.join(tmp, "after.json"))
 
 
-def simulate(args, extra, profile=None, cluster=None):
+def simulate(args, extra, profile=None, cluster=None, flags=()):
     cmd = [os.path.join(args.build, "weft"), "simulate", args.config, "--world-size", "2",
            "--cluster", cluster or os.path.join(ROOT, "configs", "clusters", "cpu-local.toml"),
-           *sets(["train.threads=1"] + extra)]
+           *sets(["train.threads=1"] + extra), *flags]
     if profile:
         cmd += ["--profile", profile]
     return json.loads(run(cmd, "simulate"))
