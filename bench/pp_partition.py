@@ -9,9 +9,11 @@ of an 8-layer LLM with a 16k vocabulary, LLM pp = 2, 4 microbatches (1F1B), 2 lo
 one intra-op thread each. Its output head and loss over 16k logits cost several blocks, so an
 even split [4] leaves the last stage the bottleneck. Compared, all in one invocation:
   even          parallel.llm.stages = [layers / 2]
-  weft (FLOP)   make_plan's default: the joint partition on the FLOP model (what `weft train`
-                picks without a profile; the FLOP model charges the head for every position,
-                weft's loss computes logits only on target positions)
+  weft (FLOP)   `weft plan`'s default, what `weft train` picks without a profile: the joint
+                partition on the FLOP model of the data's mean sample (its padded rows, the
+                output head on its loss targets only, as weft's loss computes logits)
+  weft (FLOP, full rows)  the same on full max_seq rows with a loss on every position
+                (`weft plan --full-rows`)
   weft (profile) the joint partition on the measured profile (`weft simulate --profile`)
 Each split runs for real (`weft launch --nproc 2 -- weft train ... --set parallel.llm.stages=[k]`,
 median step_seconds after the first fifth of the steps, median over rounds) and is simulated
@@ -90,8 +92,12 @@ def main():
             llm = next(m for m in plan["modules"] if m["name"] == "llm")
             layers = llm["layers"]
             flop = llm["stage_boundaries"]
+            full = json.loads(vs.run([weft, "plan", args.config, "--world-size", "2",
+                                      "--full-rows"], "plan"))
+            full = next(m for m in full["modules"] if m["name"] == "llm")["stage_boundaries"]
             measured_plan = simulate(args, [], profile, cluster)
             splits = [("even", [layers // 2]), ("weft (FLOP model)", flop),
+                      ("weft (FLOP model, full rows)", full),
                       ("weft (profile)", measured_plan["stage_boundaries"]["llm"])]
             for name, b in splits:
                 extra = [stages_set(b)]

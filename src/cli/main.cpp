@@ -32,6 +32,7 @@
 #include "weft/train/bench.h"
 #include "weft/train/peak.h"
 #include "weft/train/profile.h"
+#include "weft/train/data_shape.h"
 #include "weft/train/trainer.h"
 
 namespace {
@@ -57,7 +58,7 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   try {
     spec = weft::load_spec(path, sets);
     world = weft::dist::world_from_env();
-    plan = weft::plan::make_plan(spec, world.world_size);
+    plan = weft::train::default_plan(spec, world.world_size);  // as `weft plan` prints it
     // A fresh run never writes over another (every rank checks before the rendezvous, so before
     // rank 0 writes anything); a restart by `weft launch` continues its own, the first attempt
     // having checked.

@@ -289,10 +289,11 @@ std::function<int()> add_plan(CLI::App& app) {
     std::unique_ptr<plan::Profile> profile;
     if (!args->profile.empty())
       profile = std::make_unique<plan::Profile>(plan::load_profile(args->profile));
-    plan::SimOptions o;
-    const plan::DataShape& data = price_on_data(spec, args->full_rows, profile != nullptr, &o);
-    std::printf("%s\n", plan::to_json(plan::make_plan(spec, args->world > 0 ? args->world : 1,
-                                                      profile.get(), &data))
+    WEFT_CHECK(!(args->full_rows && profile), "--full-rows prices the FLOP model; a --profile's "
+               "costs are measured on its own rows");
+    // What `weft train` runs: the cuts on the data's sample (train/data_shape.h).
+    std::printf("%s\n", plan::to_json(train::default_plan(spec, args->world > 0 ? args->world : 1,
+                                                          profile.get(), args->full_rows))
                             .c_str());
     return 0;
   };

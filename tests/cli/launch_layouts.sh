@@ -18,6 +18,14 @@ layout=(--set parallel.vision.dp=4 --set parallel.llm.tp=2 --set parallel.llm.pp
   || { cat "$tmp/mixed.log"; die "4-rank mixed-layout launch failed"; }
 grep -q '"world_size": 4' "$tmp/mixed/summary.json" || die "summary does not record world_size 4"
 grep -q '"tp": 2' "$tmp/mixed/plan.json" || die "plan.json does not record the layout"
+# The run's plan is the one `weft plan` prints (its LLM stages cut on the data's mean sample).
+"$weft" plan "$src/configs/tiny-vlm.toml" --world-size 4 "${common[@]}" "${layout[@]}" \
+  > "$tmp/printed.json" || die "weft plan failed"
+python3 - "$tmp/printed.json" "$tmp/mixed/plan.json" <<'PY' || die "the run's plan is not weft plan's"
+import json, sys
+printed, ran = (json.load(open(p)) for p in sys.argv[1:])
+assert printed == ran, (printed, ran)
+PY
 python3 "$src/tests/cli/lib/same_losses.py" "$tmp/single/metrics.jsonl" \
   "$tmp/mixed/metrics.jsonl" 4 "vision dp4 -> llm tp2 x pp2 on 4 processes" || die "losses differ"
 # The run's timeline of step 3, every rank in it (the simulator's trace format).

@@ -163,7 +163,9 @@ struct SearchOptions {
   // simulates one candidate at a time, each pruned against every simulation before it.
   int64_t batch = 8;
   int64_t threads = 0;
-  SimOptions sim;  // how candidates are simulated (trace is ignored)
+  // How candidates are simulated (trace is ignored); sim.data, the data's mean sample, also
+  // prices the bound, the memory filter and the stage cuts of the FLOP model.
+  SimOptions sim;
   // Measured costs (`weft bench profile`, plan/profile.h) in place of the FLOP model: the bound,
   // the memory filter, the stage cuts and every simulation price each layer as measured (fixed
   // per-op overhead and per-unit seconds, measured activation bytes, optimizer seconds, the

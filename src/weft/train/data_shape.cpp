@@ -74,4 +74,21 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
   return out;
 }
 
+plan::Plan default_plan(const Spec& spec, int64_t world_size, const plan::Profile* profile,
+                        bool full_rows) {
+  plan::Plan p = plan::make_plan(spec, world_size, profile);
+  if (profile || full_rows) return p;
+  bool cut = false;  // by the partitioner, on costs
+  for (const plan::ModulePlan& m : p.modules) {
+    if (m.role == plan::ModuleRole::kProjector || m.layout.stages() <= 1) continue;
+    const auto it = spec.parallel.modules.find(m.name);
+    cut = cut || it == spec.parallel.modules.end() || it->second.stages.empty();
+  }
+  if (!cut) return p;
+  const MeasuredData data = measure_data_shape(spec);
+  Spec priced = spec;  // the output head at the tokenizer's vocabulary
+  if (priced.model.llm.vocab == 0) priced.model.llm.vocab = data.vocab;
+  return plan::make_plan(priced, world_size, nullptr, &data.shape);
+}
+
 }  // namespace weft::train
