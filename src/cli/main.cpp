@@ -30,9 +30,9 @@
 #include "weft/model/multimodal.h"
 #include "weft/plan/plan.h"
 #include "weft/train/bench.h"
+#include "weft/train/data_shape.h"
 #include "weft/train/peak.h"
 #include "weft/train/profile.h"
-#include "weft/train/data_shape.h"
 #include "weft/train/trainer.h"
 
 namespace {

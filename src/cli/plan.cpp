@@ -46,14 +46,30 @@ double peak(const plan::SimResult& r) {
   return p;
 }
 
+void check_rows(bool full_rows, bool profiled) {
+  WEFT_CHECK(!(full_rows && profiled),
+             "--full-rows prices the FLOP model; a --profile's costs are measured on its own rows");
+}
+
+// f(), whose errors reading the dataset say how to plan without it.
+template <typename F>
+auto reading_data(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) +
+                " (reading the dataset for the data's mean sample, which the FLOP model prices; "
+                "--full-rows prices max_seq rows instead, without the data)");
+  }
+}
+
 }  // namespace
 
 const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool profiled,
                                      plan::SimOptions* options) {
-  WEFT_CHECK(!(full_rows && profiled),
-             "--full-rows prices the FLOP model; a --profile's costs are measured on its own rows");
+  check_rows(full_rows, profiled);
   if (full_rows || profiled) return options->data;
-  const train::MeasuredData m = train::measure_data_shape(spec);
+  const train::MeasuredData m = reading_data([&] { return train::measure_data_shape(spec); });
   options->data = m.shape;
   if (spec.model.llm.vocab == 0) options->unset_vocab = m.vocab;
   return options->data;
@@ -289,12 +305,13 @@ std::function<int()> add_plan(CLI::App& app) {
     std::unique_ptr<plan::Profile> profile;
     if (!args->profile.empty())
       profile = std::make_unique<plan::Profile>(plan::load_profile(args->profile));
-    WEFT_CHECK(!(args->full_rows && profile), "--full-rows prices the FLOP model; a --profile's "
-               "costs are measured on its own rows");
+    check_rows(args->full_rows, profile != nullptr);
     // What `weft train` runs: the cuts on the data's sample (train/data_shape.h).
-    std::printf("%s\n", plan::to_json(train::default_plan(spec, args->world > 0 ? args->world : 1,
-                                                          profile.get(), args->full_rows))
-                            .c_str());
+    const int64_t world = args->world > 0 ? args->world : 1;
+    plan::make_plan(spec, world, profile.get());  // the config's own errors, without the hint
+    const plan::Plan p = reading_data(
+        [&] { return train::default_plan(spec, world, profile.get(), args->full_rows); });
+    std::printf("%s\n", plan::to_json(p).c_str());
     return 0;
   };
 }

@@ -49,8 +49,7 @@ int run_simulate(const SimulateArgs& a) {
   } else {
     Spec priced = spec;  // the FLOP model's output head at the vocabulary it simulates
     if (!profile && priced.model.llm.vocab == 0) priced.model.llm.vocab = options.unset_vocab;
-    p = plan::make_plan(priced, a.world > 0 ? a.world : cluster.world_size(), profile.get(),
-                        &data);
+    p = plan::make_plan(priced, a.world > 0 ? a.world : cluster.world_size(), profile.get(), &data);
   }
   const int64_t world = p.world_size;
   // FLOP model: the planner's costs (activation recomputation priced, as `weft plan` does).

@@ -56,5 +56,15 @@ expect_error world-size-zero "--world-size: must be > 0, got 0" "$weft" plan "$s
 expect_error world-size-text "--world-size: expected a number, got '2x'" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2x
 expect_error balance-batch "--batch: must be > 0, got 0" "$weft" inspect balance "$src/configs/tiny-vlm.toml" --batch 0
 expect_error master-port "--master-port: must be in 0..65535, got 99999" "$weft" launch --nproc 1 --master-port 99999 -- true
+# The FLOP model prices the data's mean sample: unreadable data names the file and says how to
+# plan without it (--full-rows), which then plans; `weft plan` (no --cluster) as well where it cuts.
+nodata=(--set 'data.kind="llava"' --set "data.path=$tmp/none.json" --set "data.tokenizer=$tmp/none-tok.json")
+expect_error plan-no-data "none-tok.json (reading the dataset for the data's mean sample, which the FLOP model prices; --full-rows prices max_seq rows instead" "$weft" plan "$src/configs/tiny-vlm.toml" --cluster "$src/configs/clusters/cpu-local.toml" "${nodata[@]}"
+"$weft" plan "$src/configs/tiny-vlm.toml" --cluster "$src/configs/clusters/cpu-local.toml" "${nodata[@]}" --full-rows > /dev/null \
+  || { echo "FAIL plan --full-rows without the data"; fail=1; }
+expect_error simulate-no-data "--full-rows prices max_seq rows instead" "$weft" simulate "$src/configs/tiny-vlm.toml" --cluster "$src/configs/clusters/cpu-local.toml" "${nodata[@]}"
+expect_error plan-cut-no-data "--full-rows prices max_seq rows instead" "$weft" plan "$src/configs/tiny-vlm.toml" --world-size 2 --set parallel.llm.pp=2 "${nodata[@]}"
+"$weft" plan "$src/configs/tiny-vlm.toml" "${nodata[@]}" > /dev/null \
+  || { echo "FAIL plan without a cut read the data"; fail=1; }
 [ $fail -eq 0 ] && echo "all CLI error cases passed"
 exit $fail

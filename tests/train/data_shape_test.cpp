@@ -80,19 +80,20 @@ TEST(DataShape, IsWhatTheTrainerCollates) {
 // vocabulary the output head of full rows (a loss on each of max_seq tokens) weighs many blocks,
 // of the data's few loss targets a few, and the cut moves; stages the config gives stay.
 TEST(DataShape, DefaultPlanCutsOnTheData) {
-  const Spec spec = parse_spec(weft::testing::kTinyVlm, "tiny",
-                               {"model.llm.layers=8", "model.llm.vocab=4096",
-                                "parallel.llm.pp=2", "train.microbatches=2"});
+  const Spec spec = parse_spec(
+      weft::testing::kTinyVlm, "tiny",
+      {"model.llm.layers=8", "model.llm.vocab=4096", "parallel.llm.pp=2", "train.microbatches=2"});
   const plan::Plan data = default_plan(spec, 2), full = default_plan(spec, 2, nullptr, true);
   const MeasuredData m = measure_data_shape(spec);
   const plan::Plan want = plan::make_plan(spec, 2, nullptr, &m.shape);
   EXPECT_EQ(data.module("llm").stage_boundaries, want.module("llm").stage_boundaries);
-  EXPECT_EQ(full.module("llm").stage_boundaries, plan::make_plan(spec, 2).module("llm").stage_boundaries);
+  EXPECT_EQ(full.module("llm").stage_boundaries,
+            plan::make_plan(spec, 2).module("llm").stage_boundaries);
   EXPECT_LT(data.module("llm").stage_boundaries, full.module("llm").stage_boundaries)
       << "full rows' heavy head leaves the last stage fewer blocks";
   const Spec given = parse_spec(weft::testing::kTinyVlm, "tiny",
-                                {"model.llm.layers=8", "model.llm.vocab=4096",
-                                 "parallel.llm.pp=2", "parallel.llm.stages=[2]"});
+                                {"model.llm.layers=8", "model.llm.vocab=4096", "parallel.llm.pp=2",
+                                 "parallel.llm.stages=[2]"});
   EXPECT_EQ(default_plan(given, 2).module("llm").stage_boundaries, std::vector<int64_t>{2});
 }
 

@@ -29,7 +29,7 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples = 1024);
 // pipeline cuts where the config leaves them to the partitioner (a pipelined module without
 // parallel.<module>.stages) are made on the data's mean sample — measured only then — or on
 // `profile` when given, or with `full_rows` on max_seq rows with one item per encoder.
-plan::Plan default_plan(const Spec& spec, int64_t world_size, const plan::Profile* profile = nullptr,
-                        bool full_rows = false);
+plan::Plan default_plan(const Spec& spec, int64_t world_size,
+                        const plan::Profile* profile = nullptr, bool full_rows = false);
 
 }  // namespace weft::train
