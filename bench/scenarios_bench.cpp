@@ -328,7 +328,8 @@ int main(int argc, char** argv) {
           << (g_partial ? "--partial-recompute " : "")
           << "--write`. Every figure is a prediction of weft's simulator (FLOP model at 70% of "
              "the H100's 989 TFLOP/s bf16 peak, NVLink 450 GB/s and 50 GB/s per GPU between "
-             "nodes, alpha-beta collectives), not a measurement; MFU is over every GPU of the "
+             "nodes, alpha-beta collectives; full `max_seq` rows with a loss on every token, as "
+             "`weft plan --full-rows`), not a measurement; MFU is over every GPU of the "
              "cluster. Megatron-style: the encoders on the ranks of the LLM's first pipeline "
              "stage with the LLM's tensor parallelism (or its largest divisor the encoder "
              "allows), no pipeline, context or sequence parallelism for them (Megatron-LM's "

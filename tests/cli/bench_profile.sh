@@ -12,7 +12,9 @@ die() { echo "FAIL: $*"; exit 1; }
 cfg="$src/configs/tiny-valm.toml"
 small=(--set train.batch=8 --set train.threads=1)
 
-"$weft" bench profile "$cfg" "${small[@]}" --reps 2 --warmup 1 --out "$tmp/p.json" \
+# The config's layout, per-stage recomputation counts included, does not matter: one process.
+"$weft" bench profile "$cfg" "${small[@]}" --set parallel.llm.pp=2 --set model.llm.recompute=true \
+  --set 'model.llm.recompute_blocks=[1,0]' --reps 2 --warmup 1 --out "$tmp/p.json" \
   > "$tmp/stdout.json" || die "bench profile failed"
 cmp -s "$tmp/p.json" "$tmp/stdout.json" || die "--out differs from stdout"
 python3 - "$tmp/p.json" <<'PY' || die "bad profile JSON"

@@ -95,6 +95,12 @@ TEST(DataShape, DefaultPlanCutsOnTheData) {
                                 {"model.llm.layers=8", "model.llm.vocab=4096", "parallel.llm.pp=2",
                                  "parallel.llm.stages=[2]"});
   EXPECT_EQ(default_plan(given, 2).module("llm").stage_boundaries, std::vector<int64_t>{2});
+  // Per-stage recomputation counts belong to the run's pipeline, not to the one replica the
+  // data is measured on.
+  const Spec counts = parse_spec(weft::testing::kTinyVlm, "tiny",
+                                 {"model.llm.layers=8", "parallel.llm.pp=2",
+                                  "model.llm.recompute=true", "model.llm.recompute_blocks=[2,0]"});
+  EXPECT_EQ(default_plan(counts, 2).module("llm").stage_boundaries.size(), 1u);
 }
 
 }  // namespace

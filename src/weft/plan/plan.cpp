@@ -394,6 +394,14 @@ void choose_boundaries(const Spec& spec, const Profile* profile, const DataShape
 
 }  // namespace
 
+Spec one_process(Spec spec) {
+  spec.parallel.modules.clear();
+  spec.parallel.placement = "colocated";
+  spec.model.llm.recompute_blocks.clear();
+  for (EncoderSpec& e : spec.model.encoders) e.recompute_blocks.clear();
+  return spec;
+}
+
 Plan make_plan(const Spec& spec, int64_t world_size, const Profile* profile,
                const DataShape* data) {
   if (profile) check_profile(*profile, spec);

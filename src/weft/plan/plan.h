@@ -200,6 +200,11 @@ struct DataShape;  // plan/partition.h
 Plan make_plan(const Spec& spec, int64_t world_size = 1, const Profile* profile = nullptr,
                const DataShape* data = nullptr);
 
+// `spec` as one process runs it, whatever layout it asks for: colocated, every module's layout
+// cleared, and no per-stage recompute_blocks (counts for stages it no longer has); the modules'
+// recompute flags stay.
+Spec one_process(Spec spec);
+
 std::string to_json(const Plan& plan);
 
 // Reads to_json's output back (plan_json.cpp). The first form checks the JSON on its own (types,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "weft/data/collate.h"
@@ -13,9 +14,7 @@
 namespace weft::train {
 
 MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
-  // One replica, whatever layout the config asks for (the loader's split of one replica).
-  spec.parallel.modules.clear();
-  spec.parallel.placement = "colocated";
+  spec = plan::one_process(std::move(spec));  // the loader's split of one replica
   const std::unique_ptr<data::Dataset> dataset = data::make_dataset(&spec);  // sets the vocab
   const plan::Plan plan = plan::make_plan(spec, 1);
   const plan::WorkModel work_model = plan::make_work_model(spec, plan);

@@ -771,9 +771,9 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   TrainSpec& ts = spec.train;
   const int threads = dist::intra_op_threads(ts.threads);
   at::set_num_threads(threads);
-  // One process, whatever layout the config asks for: the costs are per layer.
-  spec.parallel.modules.clear();
-  spec.parallel.placement = "colocated";
+  // One process, whatever layout the config asks for: the costs are per layer (every block
+  // measured plain and recomputed, whatever the config recomputes).
+  spec = plan::one_process(std::move(spec));
   const int64_t steps = o.warmup + o.reps;
   ts.steps = std::max(ts.steps, steps);
   ts.warmup = std::min(ts.warmup, ts.steps);
