@@ -91,6 +91,13 @@ nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& 
   for (size_t e = 0; e < spec.model.encoders.size(); ++e)
     items[spec.model.encoders[e].name] = d.items[e];
   j["items"] = items;
+  if (d.has_peak()) {  // what activation memory is priced on
+    nlohmann::ordered_json peak_items = nlohmann::ordered_json::object();
+    for (size_t e = 0; e < spec.model.encoders.size(); ++e)
+      peak_items[spec.model.encoders[e].name] = d.peak_items[e];
+    j["peak"] = {
+        {"positions", d.peak_positions}, {"targets", d.peak_targets}, {"items", peak_items}};
+  }
   return j;
 }
 
@@ -111,6 +118,11 @@ std::string data_shape_line(const Spec& spec, const plan::DataShape& d) {
   for (size_t e = 0; e < spec.model.encoders.size(); ++e) {
     std::snprintf(buf, sizeof buf, ", %.2f %s items", d.items[e],
                   spec.model.encoders[e].name.c_str());
+    line += buf;
+  }
+  if (d.has_peak()) {
+    std::snprintf(buf, sizeof buf, "; activation memory on %.0f positions per sample",
+                  d.peak_positions);
     line += buf;
   }
   return line + " (--full-rows: max_seq rows)";

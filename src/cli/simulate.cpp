@@ -47,8 +47,8 @@ int run_simulate(const SimulateArgs& a) {
     WEFT_CHECK(a.world == 0 || a.world == p.world_size, "--world-size ", a.world, ": ", a.plan,
                " is a plan for ", p.world_size, " ranks");
   } else {
-    Spec priced = spec;  // the FLOP model's output head at the vocabulary it simulates
-    if (!profile && priced.model.llm.vocab == 0) priced.model.llm.vocab = options.unset_vocab;
+    Spec priced = spec;  // the output head at the data's vocabulary (as weft train cuts)
+    if (!data.empty() && priced.model.llm.vocab == 0) priced.model.llm.vocab = options.unset_vocab;
     p = plan::make_plan(priced, a.world > 0 ? a.world : cluster.world_size(), profile.get(), &data);
   }
   const int64_t world = p.world_size;

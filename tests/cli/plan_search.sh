@@ -117,6 +117,9 @@ plan_data, plan_full, sim_data, sim_full = (json.load(open(p)) for p in sys.argv
 d = plan_data["data_shape"]
 assert d["samples"] == 1024 and 0 < d["tokens"] <= d["positions"] < 64, d
 assert 0 < d["targets"] < d["tokens"] and d["items"] == {"vision": 1.0}, d
+p = d["peak"]  # activation memory: the longest sample's row
+assert d["positions"] <= p["positions"] <= 64 and p["targets"] >= d["targets"], d
+assert p["items"] == {"vision": 1.0}, d
 assert plan_full["data_shape"] == {"rows": "full", "positions": 64}, plan_full["data_shape"]
 assert sim_data["data_shape"] == d, (sim_data["data_shape"], d)
 assert abs(sim_data["tokens_per_step"] - batch * d["positions"]) < 1e-9, sim_data["tokens_per_step"]

@@ -218,9 +218,10 @@ TEST(Search, BoundHoldsWithBlockOverhead) {
 }
 
 // Priced on the data's mean sample (SimOptions::data) — rows a quarter of max_seq, a third of
-// them loss targets, and four images each — the bound and the memory bound still hold over
-// every candidate, the search finds brute force's optimum, and that optimum is another layout
-// than the full rows' one, which is slower on this data.
+// them loss targets, and four images each; activation memory on a peak of full rows and six
+// images — the bound and the memory bound still hold over every candidate, the search finds
+// brute force's optimum, and that optimum is another layout than the full rows' one, which is
+// slower on this data.
 TEST(Search, PricesTheDataShape) {
   const Spec spec = small_vlm();
   const Cluster cluster = h100(1);
@@ -232,6 +233,9 @@ TEST(Search, PricesTheDataShape) {
   d.targets = 80;
   d.sum_sq_doc_len = 240.0 * 240.0;
   d.items = {4};
+  d.peak_positions = 1024;  // activation memory: a microbatch padded to a full row
+  d.peak_targets = 600;
+  d.peak_items = {6};
   check_data_shape(spec, d, "test");
   int64_t count = 0;
   const Evaluation best = brute_force(spec, cluster, o, &count);
@@ -270,6 +274,17 @@ TEST(Search, RejectsABadDataShape) {
   const std::string vision =
       testing::error_of([&] { check_data_shape(spec, negative, "data.json"); });
   EXPECT_NE(vision.find("encoder 'vision'"), std::string::npos) << vision;
+  DataShape low = d;  // a peak below the mean
+  low.peak_positions = 50;
+  low.peak_targets = 10;
+  low.peak_items = {1};
+  const std::string peak = testing::error_of([&] { check_data_shape(spec, low, "data.json"); });
+  EXPECT_NE(peak.find("the peak sample (50 positions"), std::string::npos) << peak;
+  // The search and the simulator check the shape they are given.
+  SearchOptions o;
+  o.sim.data = two;
+  const std::string searched = testing::error_of([&] { search(spec, h100(1), o); });
+  EXPECT_NE(searched.find("2 item counts"), std::string::npos) << searched;
 }
 
 TEST(Search, MemoryFilterRejectsTheFastestLayoutWhenItDoesNotFit) {

@@ -749,6 +749,36 @@ TEST(Simulate, PricesTheDataShape) {
     EXPECT_NEAR(d.llm_flops, 3 * B * llm_forward, 1e-9 * d.llm_flops);  // trainable: 3x
     const double vision = a.model_flops - a.llm_flops;
     EXPECT_NEAR(d.model_flops - d.llm_flops, 2.5 * vision, 1e-9 * vision);
+
+    // A peak sample prices activation memory and nothing else: the mean's step and FLOPs, the
+    // peak's activations (planner_costs, with recomputation, likewise).
+    SimOptions peaked = data;
+    peaked.data.peak_positions = 64;
+    peaked.data.peak_targets = 30;
+    peaked.data.peak_items = {4};
+    check_data_shape(s, peaked.data, "test");
+    SimOptions peak_alone;
+    peak_alone.data = peaked.data.peak();
+    const SimResult q = simulate(s, p, c, peaked), alone = simulate(s, p, c, peak_alone);
+    EXPECT_EQ(q.step_seconds, d.step_seconds);
+    EXPECT_EQ(q.model_flops, d.model_flops);
+    double most = 0;
+    for (size_t r = 0; r < q.ranks.size(); ++r) {
+      EXPECT_EQ(q.ranks[r].peak_activation_bytes, alone.ranks[r].peak_activation_bytes);
+      EXPECT_GE(q.ranks[r].peak_activation_bytes, d.ranks[r].peak_activation_bytes);
+      most = std::max(most, q.ranks[r].peak_activation_bytes - d.ranks[r].peak_activation_bytes);
+    }
+    EXPECT_GT(most, 0);
+    Spec rs = s;
+    rs.model.llm.recompute = true;
+    const CostTable mean = planner_costs(rs, p, data), both = planner_costs(rs, p, peaked),
+                    peak = planner_costs(rs, p, peak_alone);
+    for (size_t i = 0; i < both.size(); ++i)
+      for (size_t k = 0; k < both[i].size(); ++k) {
+        EXPECT_EQ(both[i][k].backward_flops, mean[i][k].backward_flops);
+        EXPECT_EQ(both[i][k].activation_bytes, peak[i][k].activation_bytes);
+        EXPECT_EQ(both[i][k].recompute_peak_bytes, peak[i][k].recompute_peak_bytes);
+      }
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -24,11 +25,12 @@ plan::DataShape collated_shape(const Spec& spec, int64_t steps) {
   o.eval = false;
   Trainer t(spec, plan::make_plan(spec), o);
   const Spec& s = t.spec();
-  double positions = 0, tokens = 0, targets = 0, sum_sq = 0, samples = 0;
+  double positions = 0, tokens = 0, targets = 0, sum_sq = 0, samples = 0, longest_row = 0;
   std::vector<double> items(s.model.encoders.size(), 0);
   for (int64_t step = 0; step < steps; ++step)
     for (const data::Microbatch& mb : t.prepare_step(step).microbatches) {
       positions += static_cast<double>(mb.tokens.numel());
+      longest_row = std::max(longest_row, static_cast<double>(mb.tokens.size(1)));
       tokens += static_cast<double>(mb.real_tokens);
       targets += static_cast<double>(mb.targets.numel());
       sum_sq += mb.sum_sq_doc_len;
@@ -45,6 +47,7 @@ plan::DataShape collated_shape(const Spec& spec, int64_t steps) {
   d.targets = targets / samples;
   d.sum_sq_doc_len = sum_sq / samples;
   for (double v : items) d.items.push_back(v / samples);
+  d.peak_positions = longest_row;  // padded: the longest sample's row
   return d;
 }
 
@@ -68,6 +71,14 @@ TEST(DataShape, IsWhatTheTrainerCollates) {
     EXPECT_DOUBLE_EQ(got.targets, want.targets);
     EXPECT_DOUBLE_EQ(got.sum_sq_doc_len, want.sum_sq_doc_len);
     EXPECT_EQ(got.items, want.items);
+    // Activation memory's peak: a microbatch padded to the longest sample (packed: max_seq).
+    if (spec.data.packing) {
+      EXPECT_EQ(got.peak_positions, static_cast<double>(spec.model.llm.max_seq));
+    } else {
+      EXPECT_EQ(got.peak_positions, want.peak_positions);
+    }
+    EXPECT_GE(got.peak_targets, got.targets);
+    for (size_t e = 0; e < got.items.size(); ++e) EXPECT_GE(got.peak_items[e], got.items[e]);
     EXPECT_GT(m.vocab, 0);
     // Real rows: shorter than max_seq, and padded (or packed) to at least their tokens.
     EXPECT_LT(got.positions, static_cast<double>(spec.model.llm.max_seq));

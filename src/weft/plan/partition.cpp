@@ -70,6 +70,24 @@ MicrobatchShape single_sample_microbatch(const Spec& spec, const DataShape& data
   return shape;
 }
 
+DataShape DataShape::mean() const {
+  DataShape d = *this;
+  d.peak_positions = d.peak_targets = 0;
+  d.peak_items.clear();
+  return d;
+}
+
+DataShape DataShape::peak() const {
+  if (!has_peak()) return mean();
+  DataShape d;
+  d.positions = d.tokens = peak_positions;
+  d.targets = peak_targets;
+  d.sum_sq_doc_len = peak_positions * peak_positions;
+  d.items = peak_items;
+  d.samples = samples;
+  return d;
+}
+
 void check_data_shape(const Spec& spec, const DataShape& d, const std::string& where) {
   if (d.empty() && d.samples == 0) return;
   WEFT_CHECK(d.positions > 0 && std::isfinite(d.positions), where,
@@ -85,6 +103,18 @@ void check_data_shape(const Spec& spec, const DataShape& d, const std::string& w
     WEFT_CHECK(d.items[e] >= 0 && std::isfinite(d.items[e]), where, ": data shape: items of ",
                "encoder '", spec.model.encoders[e].name, "' per sample must be non-negative, got ",
                d.items[e]);
+  if (!d.has_peak()) return;
+  WEFT_CHECK(std::isfinite(d.peak_positions) && d.peak_positions >= d.positions &&
+                 d.peak_targets >= d.targets && d.peak_targets <= d.peak_positions,
+             where, ": data shape: the peak sample (", d.peak_positions, " positions, ",
+             d.peak_targets, " targets) must be at least the mean (", d.positions, ", ", d.targets,
+             ") with no more targets than positions");
+  WEFT_CHECK(d.peak_items.size() == d.items.size(), where, ": data shape: ", d.peak_items.size(),
+             " peak item counts for the model's ", d.items.size(), " encoders");
+  for (size_t e = 0; e < d.items.size(); ++e)
+    WEFT_CHECK(d.peak_items[e] >= d.items[e] && std::isfinite(d.peak_items[e]), where,
+               ": data shape: the peak items of encoder '", spec.model.encoders[e].name, "' (",
+               d.peak_items[e], ") must be at least the mean (", d.items[e], ")");
 }
 
 namespace {

@@ -111,9 +111,19 @@ struct DataShape {
   double sum_sq_doc_len = 0;  // Σ over the sample's documents of length² (causal attention)
   std::vector<double> items;  // per encoder (spec order): items per sample
   int64_t samples = 0;        // measured over (reported)
+  // What a microbatch keeps per sample at most (0 / empty: the mean above), for activation
+  // memory, which the largest microbatch sets: padded rows are as long as their longest sample,
+  // so a microbatch holding the data's longest keeps that many positions for each of its samples
+  // (packed rows: max_seq); loss targets and items, the most of any sample. Time is priced on
+  // the mean, activation memory on this (stage_costs, planner_costs).
+  double peak_positions = 0, peak_targets = 0;
+  std::vector<double> peak_items;
   bool empty() const { return positions <= 0; }
   // Items of encoder `e` (spec order) per sample: 1 without a shape.
   double items_of(int64_t e) const { return empty() ? 1.0 : items.at(static_cast<size_t>(e)); }
+  bool has_peak() const { return !empty() && peak_positions > 0; }
+  DataShape mean() const;  // without the peak
+  DataShape peak() const;  // the peak as a shape of its own (one document per sample)
 };
 
 // One sample: without a data shape, model.llm.max_seq tokens (one document, loss on every token)
@@ -122,7 +132,7 @@ struct DataShape {
 MicrobatchShape single_sample_microbatch(const Spec& spec, const DataShape& data = {},
                                          int64_t encoder = -1);
 // A data shape that fits the spec: positive positions, targets no more than them, one item count
-// per encoder, none negative; errors name `where` and the field.
+// per encoder, none negative, a peak no less than the mean; errors name `where` and the field.
 void check_data_shape(const Spec& spec, const DataShape& data, const std::string& where);
 
 // FLOP-based costs of an encoder or the LLM (a projector is costed as its encoder's `back`):

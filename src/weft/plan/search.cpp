@@ -392,6 +392,7 @@ SearchOptions prepared(const Spec& spec, SearchOptions o) {
     check_profile(*o.profile, spec);
     o.sim = profile_sim_options(*o.profile, spec, o.sim);
   }
+  check_data_shape(spec, o.sim.data, spec.source);
   return o;
 }
 }  // namespace

@@ -98,17 +98,22 @@ void add_recompute_costs(const Spec& spec, const ModulePlan& m, std::vector<Stag
 CostTable planner_costs(const Spec& spec_in, const Plan& plan, const SimOptions& options) {
   Spec spec = spec_in;
   if (spec.model.llm.vocab == 0) spec.model.llm.vocab = options.unset_vocab;
-  CostTable table = stage_costs(spec, plan, options.data);
-  for (size_t i = 0; i < plan.modules.size(); ++i) {
-    const ModulePlan& m = plan.modules[i];
-    if (m.role == ModuleRole::kProjector) continue;
-    const bool llm = m.role == ModuleRole::kLlm;
-    const EncoderSpec* e = llm ? nullptr : &spec.model.encoders[static_cast<size_t>(m.encoder)];
-    if (llm ? spec.model.llm.recompute : e->recompute)
-      add_recompute_costs(spec, m, &table[i],
-                          llm ? spec.model.llm.recompute_blocks : e->recompute_blocks,
-                          options.data);
-  }
+  // Time on the data's mean sample, activation memory on its peak (DataShape).
+  const auto priced = [&](const DataShape& data) {
+    CostTable table = stage_costs(spec, plan, data);
+    for (size_t i = 0; i < plan.modules.size(); ++i) {
+      const ModulePlan& m = plan.modules[i];
+      if (m.role == ModuleRole::kProjector) continue;
+      const bool llm = m.role == ModuleRole::kLlm;
+      const EncoderSpec* e = llm ? nullptr : &spec.model.encoders[static_cast<size_t>(m.encoder)];
+      if (llm ? spec.model.llm.recompute : e->recompute)
+        add_recompute_costs(spec, m, &table[i],
+                            llm ? spec.model.llm.recompute_blocks : e->recompute_blocks, data);
+    }
+    return table;
+  };
+  CostTable table = priced(options.data.mean());
+  if (options.data.has_peak()) take_activation_bytes(&table, priced(options.data.peak()));
   return table;
 }
 

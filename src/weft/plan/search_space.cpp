@@ -229,8 +229,8 @@ const Staged& Space::staged(int k, int64_t pp, bool recompute, bool even, bool v
     st->stages =
         profile_stage_costs(*o_.profile, with_recompute(costed_, m, recompute, blocks), one)[0];
   } else {
-    st->stages = stage_costs(costed_, one, o_.sim.data)[0];
-    if (recompute) add_recompute_costs(costed_, m, &st->stages, blocks, o_.sim.data);
+    // planner_costs: time on the data's mean sample, activation memory on its peak.
+    st->stages = planner_costs(with_recompute(costed_, m, recompute, blocks), one, o_.sim)[0];
   }
   for (const StageCost& sc : st->stages) {
     const bool shared = sc.measured && sc.shared_measured;  // each op the cheaper of the two
@@ -1161,7 +1161,7 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   }
   int64_t used = n.llm.size();
   for (const Choice& c : n.enc) used += c.size();
-  const int64_t per_microbatch = (B_ / n.D + n.M - 1) / n.M * n.D;  // items, at most
+  const int64_t per_microbatch = (B_ / n.D + n.M - 1) / n.M * n.D;  // samples, at most
   const auto grid_choice = [](int64_t tp, int64_t cp, int64_t pp, int64_t dp) {
     Choice c;
     c.tp = tp, c.cp = cp, c.pp = pp, c.dp = dp;

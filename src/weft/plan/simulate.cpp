@@ -1191,7 +1191,25 @@ double kept_activation_bytes(const StageCost& sc, double n, const Layout& layout
          (sc.measured ? sc.activation_fixed_bytes : 0);
 }
 
-CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data) {
+void take_activation_bytes(CostTable* time, const CostTable& memory) {
+  WEFT_ASSERT(time->size() == memory.size(), "take_activation_bytes: tables of other plans");
+  for (size_t i = 0; i < time->size(); ++i) {
+    WEFT_ASSERT((*time)[i].size() == memory[i].size(), "take_activation_bytes: other stages");
+    for (size_t s = 0; s < memory[i].size(); ++s) {
+      StageCost& t = (*time)[i][s];
+      const StageCost& m = memory[i][s];
+      t.activation_bytes = m.activation_bytes;
+      t.whole_activation_bytes = m.whole_activation_bytes;
+      t.replicated_activation_bytes = m.replicated_activation_bytes;
+      t.recompute_peak_bytes = m.recompute_peak_bytes;
+      t.recompute_peak_whole_bytes = m.recompute_peak_whole_bytes;
+    }
+  }
+}
+
+namespace {
+
+CostTable flop_stage_costs(const Spec& spec, const Plan& plan, const DataShape& data) {
   CostTable table(plan.modules.size());
   for (size_t i = 0; i < plan.modules.size(); ++i) {
     const ModulePlan& m = plan.modules[i];
@@ -1220,6 +1238,14 @@ CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data)
   return table;
 }
 
+}  // namespace
+
+CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data) {
+  CostTable table = flop_stage_costs(spec, plan, data.mean());
+  if (data.has_peak()) take_activation_bytes(&table, flop_stage_costs(spec, plan, data.peak()));
+  return table;
+}
+
 SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
                    const SimOptions& options) {
   const Spec s = with_vocab(spec, options);
@@ -1228,6 +1254,7 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
 
 SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
                    const CostTable& costs, const SimOptions& options) {
+  check_data_shape(spec, options.data, spec.source);
   WEFT_CHECK(plan.world_size <= cluster.world_size(), "[simulate] the plan needs ", plan.world_size,
              " ranks but the cluster ", cluster.source, " has ", cluster.nodes, " x ",
              cluster.gpus_per_node, " = ", cluster.world_size(), " devices");

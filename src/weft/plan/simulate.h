@@ -172,6 +172,10 @@ double column_backward_comm(double blocks, double reduce, double regather,
                             const ColumnFlops& columns, double tokens, double tp,
                             double seconds_per_flop);
 CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data = {});
+// Activation memory per unit from `memory` (the same plan's stages priced on the data's peak
+// sample, DataShape::peak) into `time` (priced on its mean): activation, whole, replicated and
+// recompute-peak bytes. stage_costs and planner_costs price a data shape so.
+void take_activation_bytes(CostTable* time, const CostTable& memory);
 
 // What one rank of a module with `layout` holds of a stage (bytes): parameters (with their
 // compute-dtype copies), fp32 gradients and AdamW moments, the dense part divided over tp and an

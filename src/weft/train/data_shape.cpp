@@ -31,6 +31,9 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
   double positions = 0, tokens = 0, targets = 0, sum_sq = 0;
   std::vector<double> items(E, 0);
   int64_t samples = 0;
+  // The most of any sample: a padded microbatch keeps its longest row's positions per sample.
+  double longest = 0, most_targets = 0;
+  std::vector<double> most_items(E, 0);
   for (int64_t step = 0; step < steps; ++step) {
     const std::vector<data::Sample> layout = dataset->train_layout(step, batch);
     std::vector<plan::SampleWork> work;
@@ -41,7 +44,12 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
       tokens += len;
       targets += static_cast<double>(shape.targets);
       sum_sq += len * len;  // one document per sample (packed ones stay isolated)
-      for (size_t e = 0; e < E; ++e) items[e] += static_cast<double>(shape.items[e]);
+      longest = std::max(longest, len);
+      most_targets = std::max(most_targets, static_cast<double>(shape.targets));
+      for (size_t e = 0; e < E; ++e) {
+        items[e] += static_cast<double>(shape.items[e]);
+        most_items[e] = std::max(most_items[e], static_cast<double>(shape.items[e]));
+      }
     }
     samples += static_cast<int64_t>(layout.size());
     const plan::BatchBalance b = plan::balance_batch(work, work_model.cost, bo);
@@ -50,13 +58,13 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
       std::vector<int64_t> lengths;
       for (int64_t i : part) lengths.push_back(static_cast<int64_t>(layout[i].tokens.size()));
       const std::vector<std::vector<size_t>> rows = data::pack_rows(lengths, co);
-      int64_t longest = 0;
+      int64_t row_len = 0;  // the microbatch's longest row: every row is padded to it
       for (const std::vector<size_t>& row : rows) {
         int64_t len = 0;
         for (size_t k : row) len += lengths[k];
-        longest = std::max(longest, len);
+        row_len = std::max(row_len, len);
       }
-      positions += static_cast<double>(rows.size()) * static_cast<double>(longest);
+      positions += static_cast<double>(rows.size()) * static_cast<double>(row_len);
     }
   }
   MeasuredData out;
@@ -69,6 +77,10 @@ MeasuredData measure_data_shape(Spec spec, int64_t min_samples) {
   d.targets = targets / n;
   d.sum_sq_doc_len = sum_sq / n;
   for (double v : items) d.items.push_back(v / n);
+  // Packed rows fill up to max_seq, whatever the samples.
+  d.peak_positions = spec.data.packing ? static_cast<double>(spec.model.llm.max_seq) : longest;
+  d.peak_targets = most_targets;
+  d.peak_items = most_items;
   plan::check_data_shape(spec, d, spec.source);
   return out;
 }

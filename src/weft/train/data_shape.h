@@ -6,7 +6,10 @@
 // train.microbatches as the loader does for one data-parallel replica (data.balance), and lays
 // each microbatch out in rows as collate does (one sample per row padded to the microbatch's
 // longest, or packed under data.packing). Positions count that padding; a layout with more
-// replicas or microbatches pads less (smaller microbatches), which the shape does not follow.
+// replicas or microbatches pads less (smaller microbatches), and a separate placement balances
+// with other weights, which the mean does not follow. The peak (activation memory) holds for any
+// split: the longest sample's positions (packed: max_seq), the most targets and items of any.
+// Encoder ranks are priced on samples times the mean items (the runtime splits whole items).
 #pragma once
 
 #include <cstdint>
