@@ -293,7 +293,7 @@ std::function<int()> add_plan(CLI::App& app) {
                   "with --cluster: stop after this many simulations")
       ->check(weft::cli::kPositive);
   cmd->add_option("--time-budget", args->time_budget,
-                  "with --cluster: stop after this many seconds")
+                  "with --cluster: stop after this many seconds, once a plan that fits is found")
       ->check(weft::cli::kPositive);
   cmd->add_option("--threads", args->threads,
                   "with --cluster: threads simulating candidates (default: every core, at most 8; "

@@ -252,6 +252,18 @@ TEST(Search, PricesTheDataShape) {
       << "full rows' choice: " << describe(spec, full_rows);
 }
 
+// The time budget stops the search once it has a plan that fits, not before: a budget spent
+// before the first simulation (a slow or busy machine) still gets the first batch's best.
+TEST(Search, TimeBudgetStopsOnceAPlanFits) {
+  const Spec spec = small_vlm();
+  SearchOptions o = small_space();
+  o.time_budget_seconds = 1e-9;
+  const SearchResult r = search(spec, h100(2), o);
+  ASSERT_FALSE(r.best.empty());
+  EXPECT_GE(r.stats.simulated, 1);
+  EXPECT_LE(r.stats.simulated, o.batch);
+}
+
 // A data shape that does not fit the model is refused, naming where it came from and the field.
 TEST(Search, RejectsABadDataShape) {
   const Spec spec = small_vlm();

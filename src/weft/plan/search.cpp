@@ -278,7 +278,7 @@ SearchResult Searcher::run() {
       st.open_bound = b;
       if (b * (1 + o_.gap) >= threshold()) break;
       if (st.simulated + static_cast<int64_t>(batch.size()) >= o_.max_simulations ||
-          elapsed() > o_.time_budget_seconds) {
+          (elapsed() > o_.time_budget_seconds && !result.best.empty())) {
         stopped = true;
         break;
       }

@@ -155,6 +155,8 @@ struct SearchOptions {
   // would each need a simulation to be told apart.
   double gap = 0.005;
   int64_t max_simulations = 400;  // stop (SearchStats::complete = false) after this many
+  // Wall seconds after which the search stops once it has a plan that fits (a slow or busy
+  // machine still gets one: until then only max_simulations stops it).
   double time_budget_seconds = 50;
   // Candidates are simulated `batch` at a time (the next ones the search would take, bounds
   // below the step time to beat when the batch is formed), on up to `threads` threads (0: the
