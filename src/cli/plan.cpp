@@ -87,17 +87,16 @@ nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& 
   j["tokens"] = d.tokens;
   j["targets"] = d.targets;
   j["sum_sq_doc_len"] = d.sum_sq_doc_len;
-  nlohmann::ordered_json items = nlohmann::ordered_json::object();
-  for (size_t e = 0; e < spec.model.encoders.size(); ++e)
-    items[spec.model.encoders[e].name] = d.items[e];
-  j["items"] = items;
-  if (d.has_peak()) {  // what activation memory is priced on
-    nlohmann::ordered_json peak_items = nlohmann::ordered_json::object();
-    for (size_t e = 0; e < spec.model.encoders.size(); ++e)
-      peak_items[spec.model.encoders[e].name] = d.peak_items[e];
-    j["peak"] = {
-        {"positions", d.peak_positions}, {"targets", d.peak_targets}, {"items", peak_items}};
-  }
+  const auto per_encoder = [&](const std::vector<double>& v) {  // by encoder name
+    nlohmann::ordered_json out = nlohmann::ordered_json::object();
+    for (size_t e = 0; e < spec.model.encoders.size(); ++e) out[spec.model.encoders[e].name] = v[e];
+    return out;
+  };
+  j["items"] = per_encoder(d.items);
+  if (d.has_peak())  // what activation memory is priced on
+    j["peak"] = {{"positions", d.peak_positions},
+                 {"targets", d.peak_targets},
+                 {"items", per_encoder(d.peak_items)}};
   return j;
 }
 

@@ -122,6 +122,11 @@ struct DataShape {
   // Items of encoder `e` (spec order) per sample: 1 without a shape.
   double items_of(int64_t e) const { return empty() ? 1.0 : items.at(static_cast<size_t>(e)); }
   bool has_peak() const { return !empty() && peak_positions > 0; }
+  // A peak other than the mean (fixed-length data has none): memory is priced apart only then.
+  bool distinct_peak() const {
+    return has_peak() &&
+           (peak_positions != positions || peak_targets != targets || peak_items != items);
+  }
   DataShape mean() const;  // without the peak
   DataShape peak() const;  // the peak as a shape of its own (one document per sample)
 };

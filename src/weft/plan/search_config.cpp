@@ -113,7 +113,7 @@ CostTable planner_costs(const Spec& spec_in, const Plan& plan, const SimOptions&
     return table;
   };
   CostTable table = priced(options.data.mean());
-  if (options.data.has_peak()) take_activation_bytes(&table, priced(options.data.peak()));
+  if (options.data.distinct_peak()) take_activation_bytes(&table, priced(options.data.peak()));
   return table;
 }
 

@@ -1242,7 +1242,8 @@ CostTable flop_stage_costs(const Spec& spec, const Plan& plan, const DataShape& 
 
 CostTable stage_costs(const Spec& spec, const Plan& plan, const DataShape& data) {
   CostTable table = flop_stage_costs(spec, plan, data.mean());
-  if (data.has_peak()) take_activation_bytes(&table, flop_stage_costs(spec, plan, data.peak()));
+  if (data.distinct_peak())
+    take_activation_bytes(&table, flop_stage_costs(spec, plan, data.peak()));
   return table;
 }
 
