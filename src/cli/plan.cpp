@@ -75,31 +75,6 @@ const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool prof
   return options->data;
 }
 
-nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& d) {
-  nlohmann::ordered_json j;
-  if (d.empty()) {
-    j["rows"] = "full";
-    j["positions"] = spec.model.llm.max_seq;
-    return j;
-  }
-  j["samples"] = d.samples;
-  j["positions"] = d.positions;
-  j["tokens"] = d.tokens;
-  j["targets"] = d.targets;
-  j["sum_sq_doc_len"] = d.sum_sq_doc_len;
-  const auto per_encoder = [&](const std::vector<double>& v) {  // by encoder name
-    nlohmann::ordered_json out = nlohmann::ordered_json::object();
-    for (size_t e = 0; e < spec.model.encoders.size(); ++e) out[spec.model.encoders[e].name] = v[e];
-    return out;
-  };
-  j["items"] = per_encoder(d.items);
-  if (d.has_peak())  // what activation memory is priced on
-    j["peak"] = {{"positions", d.peak_positions},
-                 {"targets", d.peak_targets},
-                 {"items", per_encoder(d.peak_items)}};
-  return j;
-}
-
 std::string data_shape_line(const Spec& spec, const plan::DataShape& d) {
   char buf[256];
   if (d.empty()) {
@@ -231,7 +206,8 @@ int run_search(const PlanArgs& a) {
     j["config"] = a.config;
     j["cluster"] = a.cluster;
     if (profile) j["profile"] = a.profile;
-    if (!profile) j["data_shape"] = data_shape_json(spec, data);
+    j["data_shape"] =
+        plan::data_shape_json(spec, profile ? plan::profile_data_shape(*profile, spec) : data);
     j["devices"] = devices;
     j["stats"] = {{"candidates", st.nodes},    {"memory_filtered", st.memory_filtered},
                   {"simulated", st.simulated}, {"simulated_over_memory", st.simulated_over_memory},

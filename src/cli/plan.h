@@ -19,8 +19,6 @@ namespace weft::cli {
 // leaves model.llm.vocab unset (options->unset_vocab). Returns options->data.
 const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool profiled,
                                      plan::SimOptions* options);
-// The shape as JSON ("data_shape" of the outputs): per sample.
-nlohmann::ordered_json data_shape_json(const Spec& spec, const plan::DataShape& shape);
 // One line: what the FLOP model priced ("priced on ..." / "priced on full rows ...").
 std::string data_shape_line(const Spec& spec, const plan::DataShape& shape);
 

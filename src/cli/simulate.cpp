@@ -62,7 +62,8 @@ int run_simulate(const SimulateArgs& a) {
   out["device"] = cluster.device.name;
   out["world_size"] = world;
   if (profile) out["profile"] = a.profile;
-  if (!profile) out["data_shape"] = data_shape_json(spec, data);
+  out["data_shape"] =
+      plan::data_shape_json(spec, profile ? plan::profile_data_shape(*profile, spec) : data);
   if (!a.plan.empty()) out["plan_file"] = a.plan;
   nlohmann::ordered_json stages;  // the plan's pipeline stages (chosen on the costs used)
   for (const plan::ModulePlan& m : p.modules)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `weft bench profile`: profiles a small config quickly; the JSON has the device, threads,
-# precision, the profiled shape, the data preparation and, per module, every layer's measured
+# precision, the profiled shape, the data's mean sample, the data preparation and, per module, every layer's measured
 # seconds, bytes and fit, every block plain and recomputed; `weft simulate --profile` accepts it
 # and predicts a positive step that differs from the FLOP model's, and prices recomputation of
 # every block or of some from it; `weft plan --profile` searches on it; an MoE config gets a dense and an MoE block, and expert
@@ -74,6 +74,26 @@ assert all(r["data_seconds"] > 0 for r in m["ranks"]), m["ranks"]
 assert all(r["data_seconds"] == 0 for r in f["ranks"]), f["ranks"]
 assert len(m["stage_boundaries"]["llm"]) == 1, m["stage_boundaries"]
 print("simulated PP2 step: FLOP model %.4f s, measured profile %.4f s" % (fs, ms))
+PY
+# The profile records the data's mean sample as `weft simulate` measures it (the same data; the
+# padding follows each config's own microbatches, 2 here and 1 profiled): the simulation on the
+# profile prices that shape, and its encoders' items per sample are it.
+python3 - "$tmp/p.json" "$tmp/flops.json" "$tmp/measured.json" <<'PY' \
+  || die "the profile's data shape is not the data's"
+import json, sys
+p, f, m = (json.load(open(x)) for x in sys.argv[1:4])
+d = p["data_shape"]
+assert d == m["data_shape"], (d, m["data_shape"])
+padded = lambda x: {k: v for k, v in x.items() if k != "positions"}
+assert padded(d) == padded(f["data_shape"]), (d, f["data_shape"])
+assert d["positions"] >= f["data_shape"]["positions"], (d, f["data_shape"])
+assert d["samples"] == 64 * 8 and 0 < d["targets"] < d["tokens"] <= d["positions"] <= 64, d
+assert p["shape"]["tokens_per_sample"] == d["tokens"], (p["shape"], d)
+for mod in p["modules"]:
+    if mod["role"] == "encoder":
+        assert mod["units_per_sample"] == d["items"][mod["name"]], (mod["name"], d)
+print("profiled data shape (64 batches of 8): %.1f tokens in %.1f positions, %.1f targets" %
+      (d["tokens"], d["positions"], d["targets"]))
 PY
 
 # Recomputation priced from the profile's recomputed blocks, whatever the profiled config ran:

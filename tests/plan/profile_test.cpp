@@ -454,6 +454,80 @@ latency_us = 100
 }
 
 // An encoder's front end runs whole on each TP rank: only its blocks and back end split.
+// A profile that recorded the data's mean sample ("data_shape", as `weft bench profile` writes
+// it) prices its FLOP fields, messages and TP rank's whole share on it: here 12 loss targets of
+// 40 positions, not a loss on every position.
+TEST(Profile, PricesTheRecordedDataShape) {
+  Spec s = profiled_spec();
+  s.train.microbatches = 1;
+  DataShape d;
+  d.samples = 512;
+  d.positions = 40;
+  d.tokens = 33;
+  d.targets = 12;
+  d.sum_sq_doc_len = 33 * 33;
+  d.items = {2};
+  d.peak_positions = 64;
+  d.peak_targets = 20;
+  d.peak_items = {3};
+  json j = tiny_profile(s);
+  j["data_shape"] = json::parse(data_shape_json(s, d).dump());
+  const Profile p = parse_profile(j.dump(), "shape.json");
+  const DataShape got = profile_data_shape(p, s);
+  EXPECT_EQ(got.samples, 512);
+  EXPECT_DOUBLE_EQ(got.positions, 40);
+  EXPECT_DOUBLE_EQ(got.targets, 12);
+  EXPECT_DOUBLE_EQ(got.sum_sq_doc_len, 33 * 33);
+  EXPECT_EQ(got.items, d.items);
+  EXPECT_DOUBLE_EQ(got.peak_positions, 64);
+  EXPECT_EQ(got.peak_items, d.peak_items);
+  // The time is the profile's either way; the FLOPs (MFU) are the FLOP model's on the shape.
+  const Cluster c = parse_cluster(R"(
+nodes = 1
+gpus_per_node = 1
+device = "cpu-core"
+[intra_node]
+bandwidth_gbs = 1
+latency_us = 100
+)",
+                                  "c.toml");
+  const Plan one = make_plan(s, 1, &p);
+  const Profile without = parse_profile(tiny_profile(s).dump(), "tiny.json");
+  const SimResult r = simulate(s, one, c, p), old = simulate(s, one, c, without);
+  EXPECT_DOUBLE_EQ(r.step_seconds, old.step_seconds);
+  SimOptions on;
+  on.data = d;
+  EXPECT_DOUBLE_EQ(r.model_flops, simulate(s, one, c, on).model_flops);
+  EXPECT_LT(r.model_flops, old.model_flops) << "the head on 12 targets, not on 40 positions";
+  // Rescaled to another max_seq, the rows are full again.
+  Spec longer = s;
+  longer.model.llm.max_seq = 128;
+  EXPECT_DOUBLE_EQ(profile_data_shape(p, longer).targets, 128);
+
+  // Bad shapes name the file and the field.
+  const auto fails = [&](const std::function<void(json&)>& edit, const std::string& want) {
+    json bad = j;
+    edit(bad);
+    const std::string e =
+        error_of([&] { profile_data_shape(parse_profile(bad.dump(), "bad.json"), s); });
+    EXPECT_TRUE(has(e, want)) << e << "\n(expected: " << want << ")";
+  };
+  fails([](json& b) { b["data_shape"]["targets"] = -1; },
+        "bad.json: data_shape.targets = -1: must be a finite number >= 0");
+  fails([](json& b) { b["data_shape"].erase("positions"); },
+        "bad.json: data_shape.positions: missing");
+  fails([](json& b) { b["data_shape"]["items"] = 2; },
+        "bad.json: data_shape.items = 2: expected an object of encoder name -> items per sample");
+  fails(
+      [](json& b) {
+        b["data_shape"]["items"] = {{"audio", 1}};
+      },
+      "bad.json: data_shape.items: no items of encoder 'vision'");
+  fails([](json& b) { b["data_shape"]["peak"]["items"] = json::object(); },
+        "bad.json: data_shape.peak.items: no items of encoder 'vision'");
+  fails([](json& b) { b["data_shape"]["targets"] = 41; }, "bad.json: data shape: targets per");
+}
+
 TEST(Profile, EncoderFrontEndRunsWholeOnEveryTensorParallelRank) {
   Spec s = profiled_spec();
   s.parallel.modules["vision"].tp = 2;

@@ -323,6 +323,29 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
       p.comm_on_compute = c["on_compute"].get<bool>();
     }
   }
+  if (j.contains("data_shape")) {  // optional: older profiles have none
+    const json& d = j["data_shape"];
+    const std::string w = "data_shape";
+    p.data.samples = static_cast<int64_t>(r.number(d, "samples", w, true));
+    p.data.positions = r.number(d, "positions", w, true);
+    p.data.tokens = r.number(d, "tokens", w);
+    p.data.targets = r.number(d, "targets", w);
+    p.data.sum_sq_doc_len = r.number(d, "sum_sq_doc_len", w);
+    const auto items = [&](const json& parent, const std::string& where,
+                           std::map<std::string, double>* out) {
+      const json& v = r.at(parent, "items", where);
+      WEFT_CHECK(v.is_object(), source, ": ", where, ".items = ", v.dump(),
+                 ": expected an object of encoder name -> items per sample");
+      for (const auto& [name, n] : v.items()) (*out)[name] = r.number(v, name, where + ".items");
+    };
+    items(d, w, &p.data_items);
+    if (d.contains("peak")) {
+      const json& pk = d["peak"];
+      p.data.peak_positions = r.number(pk, "positions", w + ".peak", true);
+      p.data.peak_targets = r.number(pk, "targets", w + ".peak");
+      items(pk, w + ".peak", &p.data_peak_items);
+    }
+  }
   const json& mods = r.at(j, "modules", "");
   WEFT_CHECK(mods.is_array() && !mods.empty(), source, ": modules: expected a non-empty array");
   for (size_t i = 0; i < mods.size(); ++i) {
@@ -650,6 +673,24 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
 }
 
 DataShape profile_data_shape(const Profile& profile, const Spec& spec) {
+  if (!profile.data.empty() && spec.model.llm.max_seq == profile.max_seq) {
+    DataShape d = profile.data;
+    const auto per_encoder = [&](const std::map<std::string, double>& by_name,
+                                 const std::string& where) {
+      std::vector<double> out;
+      for (const EncoderSpec& e : spec.model.encoders) {
+        const auto it = by_name.find(e.name);
+        WEFT_CHECK(it != by_name.end(), profile.source, ": ", where, ": no items of encoder '",
+                   e.name, "' (the profile is of another model; profile this config again)");
+        out.push_back(it->second);
+      }
+      return out;
+    };
+    d.items = per_encoder(profile.data_items, "data_shape.items");
+    if (d.has_peak()) d.peak_items = per_encoder(profile.data_peak_items, "data_shape.peak.items");
+    check_data_shape(spec, d, profile.source);
+    return d;
+  }
   DataShape d;
   d.positions = d.tokens = d.targets = profile_seq(profile, spec);
   d.sum_sq_doc_len = d.positions * d.positions;
@@ -676,6 +717,31 @@ SimResult simulate(const Spec& spec, const Plan& plan, const Cluster& cluster,
   const CostTable costs = profile_stage_costs(profile, spec, plan);
   // model.llm.vocab = 0 is the profile's (options.unset_vocab).
   return simulate(spec, plan, cluster, costs, profile_sim_options(profile, spec, options));
+}
+
+nlohmann::ordered_json data_shape_json(const Spec& spec, const DataShape& d) {
+  nlohmann::ordered_json j;
+  if (d.empty()) {
+    j["rows"] = "full";
+    j["positions"] = spec.model.llm.max_seq;
+    return j;
+  }
+  j["samples"] = d.samples;
+  j["positions"] = d.positions;
+  j["tokens"] = d.tokens;
+  j["targets"] = d.targets;
+  j["sum_sq_doc_len"] = d.sum_sq_doc_len;
+  const auto per_encoder = [&](const std::vector<double>& v) {  // by encoder name
+    nlohmann::ordered_json out = nlohmann::ordered_json::object();
+    for (size_t e = 0; e < spec.model.encoders.size(); ++e) out[spec.model.encoders[e].name] = v[e];
+    return out;
+  };
+  j["items"] = per_encoder(d.items);
+  if (d.has_peak())  // what activation memory is priced on
+    j["peak"] = {{"positions", d.peak_positions},
+                 {"targets", d.peak_targets},
+                 {"items", per_encoder(d.peak_items)}};
+  return j;
 }
 
 }  // namespace weft::plan

@@ -63,6 +63,8 @@
 //  "tokens_per_sample"}, "data": {"seconds_per_sample", "media_seconds_per_sample": {encoder name:
 //  seconds}
 //           (optional)},
+//  "data_shape": the data's mean sample, as data_shape_json writes it (optional: older profiles
+//           price rows of "seq" positions with a loss on each),
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
 //           "all_reduce_compute": {...}, "on_compute": true,
 //           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute"}]}
@@ -81,6 +83,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -159,6 +162,10 @@ struct Profile {
   CommCurve p2p_curve, all_reduce_curve, all_reduce_compute_curve;
   bool comm_on_compute = false;  // the transport runs on the profiled cores (CPU ranks)
   std::vector<ModuleProfile> modules;
+  // The data's mean sample ("data_shape"; positions 0 = absent): its items and peak items are
+  // per encoder name (profile_data_shape orders them as a spec's encoders).
+  DataShape data;
+  std::map<std::string, double> data_items, data_peak_items;
 
   // The module named `name`; an Error naming the file when absent.
   const ModuleProfile& module(const std::string& name) const;
@@ -180,10 +187,19 @@ void check_profile(const Profile& profile, const Spec& spec);
 
 // LLM row length the profile's costs are evaluated at for this spec (see above).
 double profile_seq(const Profile& profile, const Spec& spec);
-// The sample the profile's costs are per (SimOptions::data): rows of profile_seq positions, loss
-// on every one (the FLOP fields count the head on each), and each encoder's profiled items per
-// sample (its costs per sample hold them).
+// The sample the profile's costs are per (SimOptions::data): the data's mean sample the profile
+// recorded ("data_shape"), where the spec's max_seq is the profiled one; else (an older profile,
+// or rows rescaled to another max_seq) rows of profile_seq positions, loss on every one (the
+// FLOP fields count the head on each), and each encoder's profiled items per sample (its costs
+// per sample hold them). A recorded shape that does not fit the spec is an Error naming the
+// file and the field.
 DataShape profile_data_shape(const Profile& profile, const Spec& spec);
+
+// A data shape as JSON, per sample (`weft plan` / `weft simulate` outputs, a profile's
+// "data_shape"): samples, positions, tokens, targets, sum_sq_doc_len, items {encoder name: n},
+// and, when it has one, peak {positions, targets, items}; without a shape {"rows": "full",
+// "positions": max_seq}.
+nlohmann::ordered_json data_shape_json(const Spec& spec, const DataShape& shape);
 
 // The module's per-layer costs (seconds, bytes) for one microbatch of `samples` samples on a rank
 // of a tp × cp group (work per unit and activations divided over tp · cp, parameters over tp, but

@@ -31,6 +31,7 @@
 #include "weft/model/recompute.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/profile.h"
+#include "weft/train/data_shape.h"
 #include "weft/train/live_bytes.h"
 #include "weft/train/optimizer.h"
 #include "weft/train/trainer.h"
@@ -815,19 +816,16 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
     data::collate(layout, co);
     if (i >= o.warmup) data.push_back((laid_out + now_seconds() - t2) * per);
   }
-  double rows = 0, padded = 0, tokens = 0, samples = 0;
-  std::vector<double> items(resolved.model.encoders.size(), 0);
+  // The profiled rows' mean padded length (the costs are per row of it), and the data's mean
+  // sample (what the FLOP fields, the messages and each encoder's items per sample are priced
+  // on; measured as `weft plan` measures it).
+  double rows = 0, padded = 0;
   for (const StepBatch& b : batches)
     for (const data::Microbatch& mb : b.microbatches) {
       rows += static_cast<double>(mb.tokens.size(0));
       padded += static_cast<double>(mb.tokens.numel());
-      tokens += static_cast<double>(mb.real_tokens);
-      samples += static_cast<double>(mb.samples);
-      for (size_t e = 0; e < items.size(); ++e)
-        if (mb.encoder_rows[e].defined())
-          items[e] += static_cast<double>(mb.encoder_rows[e].numel() /
-                                          resolved.model.encoders[e].tokens_per_item());
     }
+  const plan::DataShape shape = measure_data_shape(spec).shape;
   const model::Inputs& in = batches.front().inputs.front().front();
 
   const at::ScalarType compute = ts.precision == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
@@ -862,7 +860,7 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
     m["name"] = es.name;
     m["role"] = "encoder";
     m["unit"] = "item";
-    m["units_per_sample"] = items[e] / samples;
+    m["units_per_sample"] = shape.items[e];
     json model;
     for (const auto& [key, v] : plan::profile_model_fields(resolved, es.name)) model[key] = v;
     m["model"] = model;
@@ -884,7 +882,8 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
                 {"seq", padded / rows},
                 {"profiled_seq", in.tokens.size(1)},
                 {"max_seq", resolved.model.llm.max_seq},
-                {"tokens_per_sample", tokens / samples}};
+                {"tokens_per_sample", shape.tokens}};
+  j["data_shape"] = plan::data_shape_json(resolved, shape);
   json media_json = json::object();
   for (size_t e = 0; e < media.size(); ++e)
     media_json[resolved.model.encoders[e].name] = median(media[e]);
