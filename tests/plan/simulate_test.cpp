@@ -908,6 +908,21 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   const double per_microbatch = (10 + 8) * ar + loss;
   EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * per_microbatch, 1e-12);
   EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * per_microbatch, 1e-12);
+
+  // On the data's sample (40 positions, 12 loss targets): the blocks' and the embedding's
+  // collectives over the positions, the loss's over its rows, the targets.
+  SimOptions data = no_optimizer();
+  data.data.positions = 40;
+  data.data.tokens = 36;
+  data.data.targets = 12;
+  data.data.sum_sq_doc_len = 36 * 36;
+  data.data.items = {1};
+  const SimResult d = simulate(s, make_plan(s, 2), c, data);
+  const double on_data = 17 * all_reduce_seconds(c, {0, 1}, 4.0 * 40 * 128 * 2) +
+                         all_reduce_seconds(c, {0, 1}, 4.0 * 12 * 128 * 2) +
+                         all_reduce_seconds(c, {0, 1}, 4.0 * 12 * 4) +
+                         all_reduce_seconds(c, {0, 1}, 4.0 * 12 * 8);
+  EXPECT_NEAR(d.ranks[0].comm_seconds, 2 * on_data, 1e-12);
 }
 
 // Sequence parallelism's collectives, one by one as the runtime issues them (dist/collectives.h).

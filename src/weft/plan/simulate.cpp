@@ -147,6 +147,7 @@ class Engine {
     WEFT_CHECK(flops_per_second_ > 0, cluster.source, ": device \"", cluster.device.name,
                "\" has no ", to_string(p), " FLOP/s");
     seq_ = o.data.empty() ? static_cast<double>(spec.model.llm.max_seq) : o.data.positions;
+    targets_ = o.data.empty() ? seq_ : o.data.targets;
     llm_ = static_cast<int64_t>(plan.modules.size()) - 1;
     WEFT_ASSERT(plan.modules[llm_].role == ModuleRole::kLlm, "the LLM is the last plan module");
     D_ = plan.modules[llm_].layout.dp;
@@ -185,7 +186,8 @@ class Engine {
   const CostTable& costs_;
   const SimOptions& o_;
   double flops_per_second_ = 0, act_ = 2;
-  double seq_ = 0;  // tokens per LLM row
+  double seq_ = 0;      // tokens per LLM row
+  double targets_ = 0;  // of them loss targets (the head's rows)
   int64_t llm_ = 0, D_ = 1, M_ = 1;
   std::vector<int64_t> mb_samples_;  // per microbatch: samples of each LLM replica
   std::vector<std::vector<Op>> ops_;
@@ -544,15 +546,16 @@ class Engine {
       double n, tokens, kv;
       sizes(mb, &n, &tokens, &kv);
       // TP: 2 all-reduces per block (block_comm), the vocab-parallel embedding's, and the fused
-      // vocab-parallel loss's two fp32 reductions over its rows (the max; the sum of
-      // exponentials with the target logit) and, where backward follows, its rows' gradient's
-      // all-reduce (made in forward, model/cross_entropy.h); CP: one all-gather of K and V
-      // together per block; EP: see moe_comm.
+      // vocab-parallel loss's two fp32 reductions over its rows, the loss targets (the max; the
+      // sum of exponentials with the target logit) and, where backward follows, its rows'
+      // gradient's all-reduce (made in forward, model/cross_entropy.h); CP: one all-gather of K
+      // and V together per block; EP: see moe_comm.
+      const double rows = n * targets_ / static_cast<double>(cp);
       const double comm =
           block_comm(tokens, true, n) + (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
           (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
-          (last ? loss_all_reduce(tp_group, tokens * 4) + loss_all_reduce(tp_group, tokens * 8) +
-                      (m.needs_backward() ? all_reduce(tp_group, tokens * H * act_) : 0)
+          (last ? loss_all_reduce(tp_group, rows * 4) + loss_all_reduce(tp_group, rows * 8) +
+                      (m.needs_backward() ? all_reduce(tp_group, rows * H * act_) : 0)
                 : 0) +
           blocks * all_gather(cp_group, kv) + moe_comm(tokens);
       Op op = compute(llm_, true, mb, s, sc, n, static_cast<double>(tp * cp), comm);
