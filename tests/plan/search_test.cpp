@@ -96,8 +96,8 @@ Cluster tight_node(const Spec& spec, SearchOptions o, double fraction) {
   return h100(1, least * fraction / (1024.0 * 1024 * 1024));
 }
 
-// Simulates every candidate: checks the bound and the analytic memory against the simulator and
-// returns the fastest candidate that fits.
+// Simulates every candidate: checks the bound (its own and those of the search nodes above it)
+// and the analytic memory against the simulator and returns the fastest candidate that fits.
 Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOptions& o,
                        int64_t* count) {
   const std::vector<BoundedCandidate> all = enumerate_candidates(spec, cluster, o);
@@ -109,6 +109,9 @@ Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOpt
     ++*count;
     const std::string what = describe(spec, b.candidate);
     EXPECT_LE(b.lower_bound, e.sim.step_seconds * (1 + 1e-9)) << what;
+    for (size_t k = 0; k < b.ancestor_bounds.size(); ++k)
+      EXPECT_LE(b.ancestor_bounds[k], e.sim.step_seconds * (1 + 1e-9))
+          << what << " (the bound of its search node at depth " << k << ")";
     EXPECT_LE(b.memory_bytes, peak_memory(e.sim) * (1 + 1e-9) + 1) << what;
     if (!b.fits_memory) {
       EXPECT_FALSE(e.sim.memory_fits) << what;

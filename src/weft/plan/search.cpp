@@ -206,22 +206,26 @@ std::vector<Evaluation> Searcher::evaluate_all(const std::vector<std::pair<size_
 std::vector<BoundedCandidate> Searcher::enumerate() {
   std::vector<BoundedCandidate> out;
   const double mem = cl_.device.memory_bytes;
-  std::vector<Node> stack;
-  roots([&](Node&& n) { stack.push_back(std::move(n)); });
+  // Each node with the bounds of the nodes above it (the search prunes on them too).
+  std::vector<std::pair<Node, std::vector<double>>> stack;
+  roots([&](Node&& n) { stack.push_back({std::move(n), {}}); });
   std::reverse(stack.begin(), stack.end());
   while (!stack.empty()) {
-    Node n = std::move(stack.back());
+    auto [n, above] = std::move(stack.back());
     stack.pop_back();
     if (leaf(n)) {
       if (redundant(n)) continue;
       const Bound b = bound(n);
       if (!b.feasible) continue;
-      out.push_back({to_candidate(n), b.seconds, b.memory, b.memory <= mem});
+      out.push_back({to_candidate(n), b.seconds, b.memory, b.memory <= mem, std::move(above)});
       continue;
     }
+    // Infeasible (the search drops it): no completion of it may be feasible either.
+    const Bound b = bound(n);
+    above.push_back(b.feasible ? b.seconds : std::numeric_limits<double>::infinity());
     std::vector<Node> kids;
     children(n, [&](Node&& c) { kids.push_back(std::move(c)); });
-    for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.push_back(std::move(*it));
+    for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.push_back({std::move(*it), above});
   }
   return out;
 }

@@ -592,14 +592,24 @@ Space::Rank Space::rank_at(const Node& n, const std::vector<std::vector<Work>>& 
 // The analytic lower bound of a node's (every completion's) simulated step, and the largest
 // per-rank memory it certainly needs.
 Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t watch) const {
-  if (n.partial >= 0) {  // what its choices need at least: none the time, the most the memory
-    const Bound off = bound(recomputing(n, n.partial, false), fits_limit, over_limit, watch);
-    if (!off.feasible || off.memory <= cl_.device.memory_bytes) return off;  // none it is
-    // Every block of the partial choices' cut (not the recompute-aware one of every block).
-    Bound most = bound(recomputing(n, n.partial, true, chunk_blocks(n, n.partial)), fits_limit,
-                       over_limit, watch);
-    most.seconds = off.seconds;
-    return most;
+  if (n.partial >= 0) {
+    // A pending node stands for its choices (expand_partial): the least of their bounds, time
+    // and memory. Not the choice without recomputation alone: those whose cut moved with their
+    // counts (rebalance) can be faster than the default cut, and need less memory than every
+    // block recomputed on it.
+    Bound out;
+    out.feasible = false;
+    expand_partial(n, [&](Node&& c) {
+      const Bound b = bound(c, fits_limit, over_limit, watch);
+      if (!b.feasible) return;
+      if (!out.feasible) {
+        out = b;
+        return;
+      }
+      out.seconds = std::min(out.seconds, b.seconds);
+      out.memory = std::min(out.memory, b.memory);
+    });
+    return out;
   }
   const bool shared = n.placement != kSeparate;
   const bool overlap = overlap_grads();
