@@ -694,6 +694,51 @@ TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
   }
 }
 
+// Encoder ranks split a microbatch's items, as the runtime does, not its samples: 2 samples of
+// 2.5 images on 4 vision ranks are 5 images, 2 / 1 / 1 / 1 (their forwards, activations and
+// bridge messages in proportion); of 2 images each, 1 / 1 / 1 / 1. By samples, two ranks would
+// run a sample each and two nothing.
+TEST(Simulate, EncoderRanksSplitItemsNotSamples) {
+  Spec s = vlm_spec();
+  s.parallel.placement = "separate";
+  s.parallel.modules["vision"].dp = 4;
+  s.train.batch = 2;
+  s.train.microbatches = 1;
+  const Plan p = make_plan(s, 5);
+  ASSERT_EQ(p.module("vision").layout.dp, 4);
+  const Cluster c = ideal(5, 1e-4, 1);
+  for (const double items : {2.5, 2.0}) {
+    SCOPED_TRACE(items);
+    SimOptions o = no_optimizer();
+    o.data.positions = o.data.tokens = o.data.targets = 64;
+    o.data.sum_sq_doc_len = 64 * 64;
+    o.data.items = {items};
+    const SimResult r = simulate(s, p, c, o);
+    const std::vector<double> want =
+        items == 2.5 ? std::vector<double>{2, 1, 1, 1} : std::vector<double>{1, 1, 1, 1};
+    double forward[4] = {}, backward[4] = {};
+    for (const TraceEvent& e : r.trace) {
+      if (e.rank >= 4) continue;
+      if (e.name == "vision fwd mb0 s0") forward[e.rank] = e.seconds;
+      if (e.name == "vision bwd mb0 s0") backward[e.rank] = e.seconds;
+    }
+    for (int64_t k = 0; k < 4; ++k) {
+      SCOPED_TRACE(k);
+      EXPECT_NEAR(forward[k], forward[3] * want[k], 1e-12 * forward[3]);
+      EXPECT_NEAR(backward[k], backward[3] * want[k], 1e-12 * backward[3]);
+      EXPECT_NEAR(r.ranks[k].peak_activation_bytes, r.ranks[3].peak_activation_bytes * want[k],
+                  1e-6 * r.ranks[3].peak_activation_bytes);
+    }
+    EXPECT_GT(forward[3], 0);
+    // The LLM's forward starts once the largest share's images have crossed the bridge: rank 0's
+    // (its forward and its message of 2 or 1 images × 16 tokens × hidden 128 × bf16).
+    const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
+    ASSERT_NE(llm, nullptr);
+    EXPECT_NEAR(llm->start_seconds, forward[0] + p2p_seconds(c, 0, 4, want[0] * 16 * 128 * 2),
+                1e-12);
+  }
+}
+
 // A data shape of full rows — max_seq positions, each a loss target, one document, one item per
 // encoder — is what the simulator assumes without one: the same step, FLOPs and memory, on
 // layouts that send every kind of message. The data's own shape prices its positions, targets,

@@ -19,6 +19,7 @@
 #include "weft/model/fused.h"
 #include "weft/model/mask.h"
 #include "weft/plan/cp_split.h"
+#include "weft/plan/encoder_share.h"
 #include "weft/plan/trace.h"
 
 namespace weft::dist {
@@ -33,13 +34,7 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// [begin, end) of part `part` when n things are split into `parts` (sizes differ by at most one,
-// larger parts first).
-std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
-  const int64_t base = n / parts, extra = n % parts;
-  const int64_t begin = part * base + std::min(part, extra);
-  return {begin, begin + base + (part < extra ? 1 : 0)};
-}
+using plan::even_part;  // sizes differ by at most one, larger parts first
 
 // Message tags: kind | module | microbatch | stage, unique per (sender, receiver) within a step.
 enum Kind { kEncAct = 1, kEncGrad, kBridge, kBridgeGrad, kLlmAct, kLlmGrad };
@@ -549,7 +544,7 @@ struct Runtime::Impl {
   // The global items [begin, end) of microbatch m that encoder e's data-parallel rank i runs.
   // When one DP size divides the other, whole replicas map to encoder ranks (fan-in) or a
   // replica's items split over several (fan-out), so equal DP exchanges nothing; otherwise
-  // the items are split evenly.
+  // the items are split evenly. (plan::encoder_share prices this split for the simulator.)
   std::pair<int64_t, int64_t> encoder_range(const ItemLayout& items, size_t e, int64_t i) const {
     const int64_t edp = enc_plan[e]->layout.dp, D = static_cast<int64_t>(items.count.size());
     if (D % edp == 0) {

@@ -121,6 +121,10 @@ struct DataShape {
   bool empty() const { return positions <= 0; }
   // Items of encoder `e` (spec order) per sample: 1 without a shape.
   double items_of(int64_t e) const { return empty() ? 1.0 : items.at(static_cast<size_t>(e)); }
+  // The most items of encoder `e` of any sample (items_of without a peak).
+  double peak_items_of(int64_t e) const {
+    return has_peak() ? peak_items.at(static_cast<size_t>(e)) : items_of(e);
+  }
   bool has_peak() const { return !empty() && peak_positions > 0; }
   // A peak other than the mean (fixed-length data has none): memory is priced apart only then.
   bool distinct_peak() const {

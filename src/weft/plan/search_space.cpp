@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "weft/core/error.h"
+#include "weft/plan/encoder_share.h"
 #include "weft/plan/partition.h"
 #include "weft/plan/profile.h"
 
@@ -22,26 +23,6 @@ std::vector<int64_t> divisors(int64_t n) {
     }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-// [begin, end) of part `part` when n things are split into `parts`, larger parts first (the
-// loader's split) — as the simulator has it.
-std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
-  const int64_t base = n / parts, extra = n % parts;
-  const int64_t begin = part * base + std::min(part, extra);
-  return {begin, begin + base + (part < extra ? 1 : 0)};
-}
-
-// Items of a global microbatch (`per_replica` in each of D LLM replicas) that encoder DP rank i
-// of edp runs — the runtime's (and the simulator's) encoder_range.
-int64_t encoder_items(int64_t per_replica, int64_t D, int64_t edp, int64_t i) {
-  if (D % edp == 0) return D / edp * per_replica;
-  if (edp % D == 0) {
-    const auto [a, b] = even_part(per_replica, edp / D, i % (edp / D));
-    return b - a;
-  }
-  const auto [a, b] = even_part(per_replica * D, edp, i);
-  return b - a;
 }
 
 // `spec` with module m recomputing `on`, over `blocks` (recompute_blocks').
@@ -146,6 +127,7 @@ Space::Space(const Spec& spec, const Cluster& cluster, const SearchOptions& opti
       const EncoderSpec& e = spec.model.encoders[static_cast<size_t>(k)];
       mi.enc = &e;
       mi.items = o_.sim.data.items_of(k);
+      mi.peak_items = o_.sim.data.peak_items_of(k);
       mi.backward = base_.modules[mi.plan_index + 1].needs_backward();  // its projector
       mi.keeps_activations = m.weight_grads;
       for (int64_t t = 1; t <= max_tp; ++t)
@@ -415,9 +397,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const double T = static_cast<double>(e.tokens_per_item()) * mi.items,  // per unit (sample)
       h = static_cast<double>(e.hidden);
   for (size_t r = 0; r < runs.size(); ++r) {
-    const double items = static_cast<double>(encoder_items(runs[r].first, n.D, c.dp, i));
+    // Samples' worth of items (encoder_share).
+    const double items = encoder_share(runs[r].first, mi.items, n.D, c.dp, i).samples();
     const double count = static_cast<double>(runs[r].second);
-    if (items == 0) continue;
+    if (items <= 0) continue;
     const double tokens = items * T / cp, kv = items * T * 2 * h / tp * act_;
     const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, true);
     const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
@@ -445,7 +428,10 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
-    w.act += count * kept_activation_bytes(sc, items, layout);
+    // Per sample, the peak's bytes (take_activation_bytes), on the peak's share of the items.
+    w.act += count *
+             kept_activation_bytes(
+                 sc, encoder_share(runs[r].first, mi.peak_items, n.D, c.dp, i).samples(), layout);
   }
   return w;
 }

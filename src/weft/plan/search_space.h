@@ -37,7 +37,8 @@ struct ModuleInfo {
   size_t plan_index = 0;  // in the base plan's modules
   bool llm = false;
   const EncoderSpec* enc = nullptr;
-  double items = 1;  // encoder: items per unit of data (a sample; SimOptions::data)
+  double items = 1;       // encoder: items per unit of data (a sample; SimOptions::data)
+  double peak_items = 1;  // the most of any sample (activation memory: the peak's share)
   std::vector<int64_t> tps, cps;
   std::vector<int64_t> eps;  // MoE LLM: expert-parallel sizes (divisors of the experts)
   int64_t max_pp = 1;

@@ -10,19 +10,12 @@
 #include <utility>
 
 #include "weft/core/error.h"
+#include "weft/plan/encoder_share.h"
 #include "weft/plan/partition.h"
 
 namespace weft::plan {
 
 namespace {
-
-// [begin, end) of part `part` when n things are split into `parts` (larger parts first), as the
-// loader (data::split) and the runtime do.
-std::pair<int64_t, int64_t> even_part(int64_t n, int64_t parts, int64_t part) {
-  const int64_t base = n / parts, extra = n % parts;
-  const int64_t begin = part * base + std::min(part, extra);
-  return {begin, begin + base + (part < extra ? 1 : 0)};
-}
 
 void add(StageCost* s, const LayerCost& c, const Layout& layout) {
   s->forward_flops += c.forward;
@@ -120,21 +113,6 @@ struct Collective {
   std::vector<bool> arrived;
   int64_t count = 0;
 };
-
-// The items [begin, end) of a global microbatch that encoder DP rank i runs, as the runtime's
-// encoder_range: `per_replica` items in each of D replicas.
-std::pair<int64_t, int64_t> encoder_range(int64_t per_replica, int64_t D, int64_t edp, int64_t i) {
-  if (D % edp == 0) {
-    const int64_t k = D / edp;
-    return {i * k * per_replica, (i + 1) * k * per_replica};
-  }
-  if (edp % D == 0) {
-    const int64_t k = edp / D, d = i / k;
-    const auto [a, b] = even_part(per_replica, k, i % k);
-    return {d * per_replica + a, d * per_replica + b};
-  }
-  return even_part(per_replica * D, edp, i);
-}
 
 class Engine {
  public:
@@ -267,14 +245,20 @@ class Engine {
   double loss_all_reduce(const std::vector<int64_t>& g, double bytes) const {
     return o_.tp_cp_comm ? ring(o_.grad_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
   }
-  // Encoder DP ranks i holding items of replica d in microbatch m: {i, overlap items}.
-  std::vector<std::pair<int64_t, int64_t>> encoder_ranks_of(int64_t e, int64_t m, int64_t d) const {
-    std::vector<std::pair<int64_t, int64_t>> out;
-    const int64_t n = mb_samples_[m], edp = mod(e).layout.dp;
-    for (int64_t i = 0; i < edp; ++i) {
-      const auto [a, b] = encoder_range(n, D_, edp, i);
-      const int64_t lo = std::max(a, d * n), hi = std::min(b, (d + 1) * n);
-      if (lo < hi) out.push_back({i, hi - lo});
+  // Encoder e's DP rank i's share of microbatch m (encoder_share); `peak`: split as the data's
+  // peak sample's items would be (activation memory, which the peak's bytes per sample price).
+  EncoderShare share_of(int64_t e, int64_t m, int64_t i, bool peak = false) const {
+    const ModulePlan& em = mod(e);
+    const double items = peak ? o_.data.peak_items_of(em.encoder) : o_.data.items_of(em.encoder);
+    return encoder_share(mb_samples_[m], items, D_, em.layout.dp, i);
+  }
+  // Encoder DP ranks i holding items of replica d in microbatch m: {i, the samples of d they
+  // hold items of}.
+  std::vector<std::pair<int64_t, double>> encoder_ranks_of(int64_t e, int64_t m, int64_t d) const {
+    std::vector<std::pair<int64_t, double>> out;
+    for (int64_t i = 0; i < mod(e).layout.dp; ++i) {
+      const double overlap = share_of(e, m, i).overlap(d, mb_samples_[m]);
+      if (overlap > 0) out.push_back({i, overlap});
     }
     return out;
   }
@@ -390,11 +374,12 @@ class Engine {
     if (forward_pass) result_.ranks[r].stages.push_back(m.name + " s" + std::to_string(s));
     if (!forward_pass && !stage_backward(e, s)) return;
     for (int64_t mb = 0; mb < M_; ++mb) {
-      const auto [a, b] = encoder_range(mb_samples_[mb], D_, m.layout.dp, c.dp);
-      if (a == b) continue;
-      const double n = static_cast<double>(b - a);
-      const double tokens = n * T / static_cast<double>(cp);  // this rank's
-      const double act_bytes = kept_activation_bytes(sc, n, m.layout);
+      const EncoderShare share = share_of(e, mb, c.dp);
+      if (share.samples() <= 0) continue;
+      const double n = share.samples();
+      const double tokens = n * T / static_cast<double>(cp);        // this rank's
+      const double n_peak = share_of(e, mb, c.dp, true).samples();  // memory's
+      const double act_bytes = kept_activation_bytes(sc, n_peak, m.layout);
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
       const double blocks = static_cast<double>(sc.blocks), bytes = tokens * h * act_;
       if (forward_pass) {
@@ -411,12 +396,10 @@ class Engine {
         if (!last) {
           send(&op, {{kEncAct, e, mb, r, neighbour(s + 1)}, bytes / seq_split});
         } else if (c.tp == 0 && c.cp == 0) {  // bridge: items to the replicas' first LLM stage
-          const int64_t per = mb_samples_[mb];
           for (int64_t d = 0; d < D_; ++d) {
-            const int64_t lo = std::max(a, d * per), hi = std::min(b, (d + 1) * per);
-            if (lo >= hi) continue;
-            const double bytes =
-                static_cast<double>(hi - lo) * T * H * act_ / static_cast<double>(llm.layout.cp);
+            const double of_d = share.overlap(d, mb_samples_[mb]);
+            if (of_d <= 0) continue;
+            const double bytes = of_d * T * H * act_ / static_cast<double>(llm.layout.cp);
             for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
               for (int64_t ltp = 0; ltp < llm.layout.tp; ++ltp) {
                 const int64_t dst = llm.rank_of({ltp, lcp, d, 0});
@@ -443,9 +426,8 @@ class Engine {
                           (first && sp && m.weight_grads ? all_gather(tp_group, bytes) : 0);
       Op op = compute(e, false, mb, s, sc, n, static_cast<double>(tp * cp), comm);
       if (last) {  // from tp-rank 0 of every CP rank of the first LLM stage of each replica
-        const int64_t per = mb_samples_[mb];
         for (int64_t d = 0; d < D_; ++d) {
-          if (std::max(a, d * per) >= std::min(b, (d + 1) * per)) continue;
+          if (share.overlap(d, mb_samples_[mb]) <= 0) continue;
           for (int64_t lcp = 0; lcp < llm.layout.cp; ++lcp)
             wait_for(&op, {kBridgeGrad, e, mb, llm.rank_of({0, lcp, d, 0}), r});
         }
@@ -454,7 +436,7 @@ class Engine {
       }
       if (!first && m.weight_grads)
         send(&op, {{kEncGrad, e, mb, r, neighbour(s - 1)}, bytes / seq_split});
-      backward_bytes(&op, sc, n, m.layout);
+      backward_bytes(&op, sc, n_peak, m.layout);
       if (mb == M_ - 1) op.arms = arm_key(e, 0);
       ops_[r].push_back(std::move(op));
     }
@@ -603,7 +585,7 @@ class Engine {
               for (int64_t etp = 0; etp < em.layout.tp; ++etp) {
                 const int64_t dst = em.rank_of({etp, ecp, i, em.layout.pp - 1});
                 send(&op, {{kBridgeGrad, e, mb, r, dst},
-                           static_cast<double>(items) * T * H * act_ / static_cast<double>(cp)});
+                           items * T * H * act_ / static_cast<double>(cp)});
               }
         }
       }
@@ -678,10 +660,8 @@ class Engine {
       if (m.role != ModuleRole::kEncoder || !m.hosts(r) || m.coord(r).pp != 0 ||
           media == o_.media_seconds_per_sample.end())
         continue;
-      for (int64_t mb = 0; mb < M_; ++mb) {
-        const auto [a, b] = encoder_range(mb_samples_[mb], D_, m.layout.dp, m.coord(r).dp);
-        data += static_cast<double>(b - a) * media->second;
-      }
+      for (int64_t mb = 0; mb < M_; ++mb)
+        data += share_of(e, mb, m.coord(r).dp).samples() * media->second;
     }
     if (data > 0) {
       Op op;

@@ -9,7 +9,8 @@
 // replicas or microbatches pads less (smaller microbatches), and a separate placement balances
 // with other weights, which the mean does not follow. The peak (activation memory) holds for any
 // split: the longest sample's positions (packed: max_seq), the most targets and items of any.
-// Encoder ranks are priced on samples times the mean items (the runtime splits whole items).
+// Encoder ranks split each microbatch's mean items as the runtime splits its items
+// (plan/encoder_share.h).
 #pragma once
 
 #include <cstdint>
