@@ -23,6 +23,14 @@
 namespace weft::plan {
 namespace {
 
+// One node of `ranks` CPU cores, 1 GB/s and 100 us apart.
+Cluster cpu_node(int64_t ranks) {
+  return parse_cluster("nodes = 1\ngpus_per_node = " + std::to_string(ranks) +
+                           "\ndevice = \"cpu-core\"\n[intra_node]\nbandwidth_gbs = 1\n"
+                           "latency_us = 100\n",
+                       "c.toml");
+}
+
 using json = nlohmann::json;
 using testing::error_of;
 using testing::layer;
@@ -383,15 +391,7 @@ TEST(Profile, SimulatorUsesMeasuredCosts) {
   Spec s = profiled_spec();
   s.train.microbatches = 1;
   const Profile p = parse_profile(tiny_profile(s).dump(), "tiny.json");
-  const Cluster c = parse_cluster(R"(
-nodes = 1
-gpus_per_node = 2
-device = "cpu-core"
-[intra_node]
-bandwidth_gbs = 1
-latency_us = 100
-)",
-                                  "c.toml");
+  const Cluster c = cpu_node(2);
   const Plan one = make_plan(s, 1, &p);
   SimOptions o;
   const SimResult r = simulate(s, one, c, p, o);
@@ -482,15 +482,7 @@ TEST(Profile, PricesTheRecordedDataShape) {
   EXPECT_DOUBLE_EQ(got.peak_positions, 64);
   EXPECT_EQ(got.peak_items, d.peak_items);
   // The time is the profile's either way; the FLOPs (MFU) are the FLOP model's on the shape.
-  const Cluster c = parse_cluster(R"(
-nodes = 1
-gpus_per_node = 1
-device = "cpu-core"
-[intra_node]
-bandwidth_gbs = 1
-latency_us = 100
-)",
-                                  "c.toml");
+  const Cluster c = cpu_node(1);
   const Plan one = make_plan(s, 1, &p);
   const Profile without = parse_profile(tiny_profile(s).dump(), "tiny.json");
   const SimResult r = simulate(s, one, c, p), old = simulate(s, one, c, without);
