@@ -109,9 +109,12 @@ Evaluation brute_force(const Spec& spec, const Cluster& cluster, const SearchOpt
     ++*count;
     const std::string what = describe(spec, b.candidate);
     EXPECT_LE(b.lower_bound, e.sim.step_seconds * (1 + 1e-9)) << what;
-    for (size_t k = 0; k < b.ancestor_bounds.size(); ++k)
+    for (size_t k = 0; k < b.ancestor_bounds.size(); ++k) {
       EXPECT_LE(b.ancestor_bounds[k], e.sim.step_seconds * (1 + 1e-9))
           << what << " (the bound of its search node at depth " << k << ")";
+      EXPECT_LE(b.ancestor_memory[k], peak_memory(e.sim) * (1 + 1e-9) + 1)
+          << what << " (the memory of its search node at depth " << k << ")";
+    }
     EXPECT_LE(b.memory_bytes, peak_memory(e.sim) * (1 + 1e-9) + 1) << what;
     if (!b.fits_memory) {
       EXPECT_FALSE(e.sim.memory_fits) << what;

@@ -207,25 +207,34 @@ std::vector<BoundedCandidate> Searcher::enumerate() {
   std::vector<BoundedCandidate> out;
   const double mem = cl_.device.memory_bytes;
   // Each node with the bounds of the nodes above it (the search prunes on them too).
-  std::vector<std::pair<Node, std::vector<double>>> stack;
-  roots([&](Node&& n) { stack.push_back({std::move(n), {}}); });
+  struct Open {
+    Node node;
+    std::vector<double> seconds, memory;
+  };
+  std::vector<Open> stack;
+  roots([&](Node&& n) { stack.push_back({std::move(n), {}, {}}); });
   std::reverse(stack.begin(), stack.end());
   while (!stack.empty()) {
-    auto [n, above] = std::move(stack.back());
+    Open o = std::move(stack.back());
     stack.pop_back();
+    const Node& n = o.node;
     if (leaf(n)) {
       if (redundant(n)) continue;
       const Bound b = bound(n);
       if (!b.feasible) continue;
-      out.push_back({to_candidate(n), b.seconds, b.memory, b.memory <= mem, std::move(above)});
+      out.push_back({to_candidate(n), b.seconds, b.memory, b.memory <= mem, std::move(o.seconds),
+                     std::move(o.memory)});
       continue;
     }
     // Infeasible (the search drops it): no completion of it may be feasible either.
     const Bound b = bound(n);
-    above.push_back(b.feasible ? b.seconds : std::numeric_limits<double>::infinity());
+    const double inf = std::numeric_limits<double>::infinity();
+    o.seconds.push_back(b.feasible ? b.seconds : inf);
+    o.memory.push_back(b.feasible ? b.memory : inf);
     std::vector<Node> kids;
     children(n, [&](Node&& c) { kids.push_back(std::move(c)); });
-    for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.push_back({std::move(*it), above});
+    for (auto it = kids.rbegin(); it != kids.rend(); ++it)
+      stack.push_back({std::move(*it), o.seconds, o.memory});
   }
   return out;
 }

@@ -249,8 +249,9 @@ struct BoundedCandidate {
   double memory_bytes = 0;  // analytic per-rank peak (a lower bound of the simulated one)
   bool fits_memory = true;  // memory_bytes <= the device's
   // The bounds of the search nodes it completes (the LLM's choice, then each encoder's added in
-  // spec order): each a lower bound of its step too, where the search prunes them.
-  std::vector<double> ancestor_bounds;
+  // spec order), where the search prunes them: each a lower bound of its step and of its per-rank
+  // peak memory too.
+  std::vector<double> ancestor_bounds, ancestor_memory;
 };
 std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Cluster& cluster,
                                                    const SearchOptions& options = {});
