@@ -32,7 +32,7 @@ std::string read_text(const fs::path& path, const char* what) {
 json read_json(const fs::path& path, const char* what) {
   try {
     return json::parse(read_text(path, what));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, out_of_range (a number too large)
     WEFT_FAIL(path.string(), ": the ", what, " is not valid JSON (", e.what(), ")");
   }
 }
@@ -351,7 +351,7 @@ Run read_run(const fs::path& dir) {
     json j;
     try {
       j = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, out_of_range (a number too large)
       WEFT_FAIL(metrics.string(), ":", n, ": not valid JSON (", e.what(), ")");
     }
     WEFT_CHECK(j.is_object() && j.contains("step") && j.contains("loss"), metrics.string(), ":", n,

@@ -1,5 +1,6 @@
 // Inputs found by scripts/fuzz, kept as regressions: the config and cluster parsers turn each
-// into a Spec / Cluster or a weft::Error, never a crash or another exception.
+// into a Spec / Cluster or a weft::Error, never a crash or another exception; the profile and
+// Plan readers likewise, with a simulated step of what they accept (as their fuzz targets run).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -10,6 +11,9 @@
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
+#include "weft/plan/profile.h"
+#include "weft/plan/search.h"
+#include "weft/plan/simulate.h"
 
 namespace fs = std::filesystem;
 
@@ -47,6 +51,55 @@ TEST(FuzzRegressions, ClusterParser) {
       plan::parse_cluster(text, name);
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The profile and Plan targets' config (the profile's with the LLM in two stages) and cluster.
+const Spec& tiny_vlm(bool pp2) {
+  const std::string path = std::string(WEFT_SOURCE_DIR) + "/configs/tiny-vlm.toml";
+  static const Spec plain = load_spec(path), two = load_spec(path, {"parallel.llm.pp=2"});
+  return pp2 ? two : plain;
+}
+const plan::Cluster& cpu_local() {
+  static const plan::Cluster c =
+      plan::load_cluster(std::string(WEFT_SOURCE_DIR) + "/configs/clusters/cpu-local.toml");
+  return c;
+}
+
+TEST(FuzzRegressions, ProfileReader) {
+  const auto all = inputs("profile");
+  ASSERT_FALSE(all.empty());
+  const Spec& spec = tiny_vlm(true);
+  for (const auto& [name, text] : all) {
+    try {
+      const plan::Profile p = plan::parse_profile(text, name);
+      plan::profile_data_shape(p, spec);
+      const plan::Plan plan = plan::make_plan(spec, 2, &p);
+      EXPECT_GT(plan::simulate(spec, plan, cpu_local(), p).step_seconds, 0) << name;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(FuzzRegressions, PlanReader) {
+  const auto all = inputs("plan");
+  ASSERT_FALSE(all.empty());
+  const Spec& spec = tiny_vlm(false);
+  for (const auto& [name, text] : all) {
+    plan::Plan plan;
+    try {
+      plan = plan::plan_from_json(text, name, spec);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      continue;
+    }
+    try {  // a plan for more ranks than the cluster has is the simulator's Error
+      EXPECT_GT(
+          plan::simulate(spec, plan, cpu_local(), plan::planner_costs(spec, plan)).step_seconds, 0)
+          << name;
+    } catch (const Error&) {
     }
   }
 }

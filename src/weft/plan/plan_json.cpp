@@ -84,7 +84,7 @@ Plan plan_from_json(const std::string& text, const std::string& source) {
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, out_of_range (a number too large)
     WEFT_FAIL(source, ": not valid JSON (", e.what(), ")");
   }
   const Fields top(source, root, "");

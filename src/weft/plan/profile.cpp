@@ -260,7 +260,7 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, out_of_range (a number too large)
     WEFT_FAIL(source, ": not valid JSON: ", e.what());
   }
   const Reader r(source);
@@ -462,7 +462,9 @@ void check_profile(const Profile& p, const Spec& spec) {
     const ModuleProfile& m = p.module(name);
     WEFT_CHECK(m.llm == (name == "llm"), p.source, ": module '", name, "' is profiled as ",
                m.llm ? "an LLM" : "an encoder");
-    for (const auto& [key, want] : profile_model_fields(spec, name)) {
+    for (const auto& field : profile_model_fields(spec, name)) {
+      const std::string& key = field.first;
+      const double want = field.second;
       if (name == "llm" && key == "vocab" && want == 0) continue;  // taken from the tokenizer
       const auto it = std::find_if(m.model.begin(), m.model.end(),
                                    [&](const auto& kv) { return kv.first == key; });

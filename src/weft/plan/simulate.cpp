@@ -221,7 +221,9 @@ class Engine {
       for (size_t g = 0; g < groups.size(); ++g)
         for (int64_t q : groups[g]) index[static_cast<size_t>(q)] = static_cast<int64_t>(g);
     }
-    return groups[static_cast<size_t>(index[static_cast<size_t>(r)])];
+    const int64_t g = index[static_cast<size_t>(r)];
+    WEFT_ASSERT(g >= 0, "rank ", r, " holds none of the LLM's experts");
+    return groups[static_cast<size_t>(g)];
   }
   std::vector<std::vector<int64_t>> expert_groups_[2];
   std::vector<int64_t> expert_group_index_[2];
@@ -640,7 +642,9 @@ class Engine {
       const std::string kind = zero1 ? " grad reduce-scatter" : " grad all-reduce";
       reduce(m.name + kind, m.group(r, {Axis::kCp, Axis::kDp}), chunk.grads - chunk.expert_grads,
              &after);
-      reduce(m.name + " expert" + kind, expert_group(r, true), chunk.expert_grads, &expert_after);
+      if (chunk.expert_grads > 0)  // (only the LLM's ranks have an expert group)
+        reduce(m.name + " expert" + kind, expert_group(r, true), chunk.expert_grads,
+               &expert_after);
     }
   }
 
