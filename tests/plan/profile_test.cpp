@@ -138,6 +138,9 @@ TEST(Profile, BadFilesNameTheFileAndField) {
   fails([](json& j) { j["format"] = "other"; }, "bad.json: format = \"other\"");
   fails([](json& j) { j.erase("data"); }, "bad.json: data: missing");
   fails([](json& j) { j["shape"]["seq"] = -1; }, "bad.json: shape.seq = -1: must be a finite");
+  fails([](json& j) { j["shape"]["max_seq"] = 1e30; },
+        "bad.json: shape.max_seq = 1e+30: expected a whole number below 9e18");
+  fails([](json& j) { j["threads"] = 1.5; }, "bad.json: threads = 1.5: expected a whole number");
   fails([](json& j) { j["shape"]["samples"] = "eight"; },
         "shape.samples = \"eight\": expected a number");
   fails([](json& j) { j["precision"] = "fp8"; }, "precision = \"fp8\"");

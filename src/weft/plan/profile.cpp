@@ -63,6 +63,14 @@ class Reader {
                " = ", v.dump(), ": must be a finite number ", positive ? "> 0" : ">= 0");
     return d;
   }
+  // A whole number (of threads, tokens, samples) that fits an int64_t.
+  int64_t integer(const json& j, const std::string& key, const std::string& where,
+                  bool positive = false) const {
+    const double d = number(j, key, where, positive);
+    WEFT_CHECK(d == std::floor(d) && d < 9.0e18, source_, ": ", path(where, key), " = ",
+               at(j, key, where).dump(), ": expected a whole number below 9e18");
+    return static_cast<int64_t>(d);
+  }
   std::string string(const json& j, const std::string& key, const std::string& where) const {
     const json& v = at(j, key, where);
     WEFT_CHECK(v.is_string(), source_, ": ", path(where, key), " = ", v.dump(),
@@ -279,11 +287,11 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
   WEFT_CHECK(p.precision == "bf16" || p.precision == "fp32", source, ": precision = \"",
              p.precision, "\": expected \"bf16\" or \"fp32\"");
   p.config = j.contains("config") && j["config"].is_string() ? j["config"].get<std::string>() : "";
-  p.threads = static_cast<int64_t>(r.number(j, "threads", "", true));
+  p.threads = r.integer(j, "threads", "", true);
   const json& shape = r.at(j, "shape", "");
   p.samples = r.number(shape, "samples", "shape", true);
   p.seq = r.number(shape, "seq", "shape", true);
-  p.max_seq = static_cast<int64_t>(r.number(shape, "max_seq", "shape", true));
+  p.max_seq = r.integer(shape, "max_seq", "shape", true);
   const json& data = r.at(j, "data", "");
   p.data_seconds_per_sample = r.number(data, "seconds_per_sample", "data");
   if (data.contains("media_seconds_per_sample")) {  // per encoder (optional: older profiles)
@@ -326,7 +334,7 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
   if (j.contains("data_shape")) {  // optional: older profiles have none
     const json& d = j["data_shape"];
     const std::string w = "data_shape";
-    p.data.samples = static_cast<int64_t>(r.number(d, "samples", w, true));
+    p.data.samples = r.integer(d, "samples", w, true);
     p.data.positions = r.number(d, "positions", w, true);
     p.data.tokens = r.number(d, "tokens", w);
     p.data.targets = r.number(d, "targets", w);
