@@ -1,6 +1,7 @@
 // Inputs found by scripts/fuzz, kept as regressions: the config and cluster parsers turn each
 // into a Spec / Cluster or a weft::Error, never a crash or another exception; the profile and
-// Plan readers likewise, with a simulated step of what they accept (as their fuzz targets run).
+// Plan readers likewise, with a simulated step of what they accept (as their fuzz targets run),
+// and the Hugging Face config.json reader.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -9,6 +10,7 @@
 
 #include "weft/core/config.h"
 #include "weft/core/error.h"
+#include "weft/core/hf_config.h"
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/profile.h"
@@ -53,6 +55,26 @@ TEST(FuzzRegressions, ClusterParser) {
       EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(FuzzRegressions, HfConfigReader) {
+  const fs::path dir = fs::path(WEFT_SOURCE_DIR) / "tests/fuzz/hf_config";
+  int64_t read = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string path = e.path().string();
+    for (bool llm : {true, false}) {
+      try {
+        if (llm)
+          weft::read_hf_llm_config(path);
+        else
+          weft::read_hf_encoder_config(path);
+        ++read;
+      } catch (const Error& err) {
+        EXPECT_NE(std::string(err.what()).find(path), std::string::npos) << err.what();
+      }
+    }
+  }
+  EXPECT_GT(read, 0) << "the seeds are configs it reads";
 }
 
 // The profile and Plan targets' config (the profile's with the LLM in two stages) and cluster.
