@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "fuzz_support.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/plan.h"
@@ -13,7 +14,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const weft::Spec spec = weft::parse_spec(text, "fuzz.toml", {});
     weft::plan::make_plan(spec, 1);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

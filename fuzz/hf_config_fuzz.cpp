@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "fuzz_support.h"
 #include "weft/core/error.h"
 #include "weft/core/hf_config.h"
 
@@ -25,11 +26,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   try {
     weft::read_hf_llm_config(path);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   try {
     weft::read_hf_encoder_config(path);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

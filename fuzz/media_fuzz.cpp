@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "fuzz_support.h"
 #include "weft/core/error.h"
 #include "weft/data/image_decode.h"
 #include "weft/data/wav.h"
@@ -18,12 +19,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const weft::data::DecodedImage img = weft::data::decode_image(bytes, "fuzz");
     if (img.pixels.size() != static_cast<size_t>(img.width) * img.height * 3) __builtin_trap();
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   try {
     const weft::data::WavAudio wav = weft::data::decode_wav(bytes, "fuzz");
     if (wav.channels < 1 || wav.samples.size() % wav.channels != 0) __builtin_trap();
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

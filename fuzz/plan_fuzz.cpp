@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "fuzz_support.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
@@ -21,7 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const weft::plan::Plan plan = weft::plan::plan_from_json(
         std::string(reinterpret_cast<const char*>(data), size), "fuzz.json", spec);
     weft::plan::simulate(spec, plan, cluster, weft::plan::planner_costs(spec, plan, {}));
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "fuzz_support.h"
 #include "weft/core/config.h"
 #include "weft/core/error.h"
 #include "weft/plan/cluster.h"
@@ -35,7 +36,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     weft::plan::profile_data_shape(p, spec());
     const weft::plan::Plan plan = weft::plan::make_plan(spec(), 2, &p);
     weft::plan::simulate(spec(), plan, cluster(), p);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

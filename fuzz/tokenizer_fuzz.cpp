@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "fuzz_support.h"
 #include "weft/core/error.h"
 #include "weft/data/text_tokenizer.h"
 
@@ -23,7 +24,8 @@ void exercise(const weft::data::TextTokenizer& tok, std::string_view input) {
       try {
         const auto ids = tok.encode(text, parse_special != 0);
         tok.decode(ids, parse_special != 0);
-      } catch (const weft::Error&) {
+      } catch (const weft::Error& e) {
+        weft_fuzz::no_internal_error(e);
       }
     }
     try {
@@ -33,7 +35,8 @@ void exercise(const weft::data::TextTokenizer& tok, std::string_view input) {
         if (o.begin < 0 || o.end < o.begin || o.end > 1024) __builtin_trap();
         if (o.id >= 0) tok.token(o.id);
       }
-    } catch (const weft::Error&) {
+    } catch (const weft::Error& e) {
+      weft_fuzz::no_internal_error(e);
     }
   }
   const int64_t n = tok.vocab_size();
@@ -41,7 +44,8 @@ void exercise(const weft::data::TextTokenizer& tok, std::string_view input) {
     try {
       tok.decode({id, id});
       tok.is_special(id);
-    } catch (const weft::Error&) {
+    } catch (const weft::Error& e) {
+      weft_fuzz::no_internal_error(e);
     }
   }
 }
@@ -52,11 +56,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   try {
     exercise(*weft::data::load_tokenizer_json(bytes, "fuzz.json"), bytes);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   try {
     exercise(*weft::data::load_sentencepiece(bytes, "fuzz.model"), bytes);
-  } catch (const weft::Error&) {
+  } catch (const weft::Error& e) {
+    weft_fuzz::no_internal_error(e);
   }
   return 0;
 }

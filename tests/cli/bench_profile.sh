@@ -75,9 +75,10 @@ assert all(r["data_seconds"] == 0 for r in f["ranks"]), f["ranks"]
 assert len(m["stage_boundaries"]["llm"]) == 1, m["stage_boundaries"]
 print("simulated PP2 step: FLOP model %.4f s, measured profile %.4f s" % (fs, ms))
 PY
-# The profile records the data's mean sample as `weft simulate` measures it (the same data; the
-# padding follows each config's own microbatches, 2 here and 1 profiled): the simulation on the
-# profile prices that shape, and its encoders' items per sample are it.
+# The profile records the data's mean sample as `weft simulate` measures it without a profile
+# (the same data; the padding follows each config's own microbatches, 2 here and 1 profiled);
+# `weft simulate --profile` prices and writes the recorded shape, and the profile's encoders'
+# items per sample are it.
 python3 - "$tmp/p.json" "$tmp/flops.json" "$tmp/measured.json" <<'PY' \
   || die "the profile's data shape is not the data's"
 import json, sys

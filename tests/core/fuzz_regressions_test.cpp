@@ -93,22 +93,27 @@ TEST(FuzzRegressions, ProfileReader) {
   const auto all = inputs("profile");
   ASSERT_FALSE(all.empty());
   const Spec& spec = tiny_vlm(true);
+  int64_t simulated = 0;
   for (const auto& [name, text] : all) {
     try {
       const plan::Profile p = plan::parse_profile(text, name);
       plan::profile_data_shape(p, spec);
       const plan::Plan plan = plan::make_plan(spec, 2, &p);
       EXPECT_GT(plan::simulate(spec, plan, cpu_local(), p).step_seconds, 0) << name;
+      ++simulated;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("internal error"), std::string::npos) << e.what();
     }
   }
+  EXPECT_GT(simulated, 0) << "the seeds are profiles it simulates";
 }
 
 TEST(FuzzRegressions, PlanReader) {
   const auto all = inputs("plan");
   ASSERT_FALSE(all.empty());
   const Spec& spec = tiny_vlm(false);
+  int64_t simulated = 0;
   for (const auto& [name, text] : all) {
     plan::Plan plan;
     try {
@@ -121,9 +126,12 @@ TEST(FuzzRegressions, PlanReader) {
       EXPECT_GT(
           plan::simulate(spec, plan, cpu_local(), plan::planner_costs(spec, plan)).step_seconds, 0)
           << name;
-    } catch (const Error&) {
+      ++simulated;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("internal error"), std::string::npos) << e.what();
     }
   }
+  EXPECT_GT(simulated, 0) << "the seeds are plans it simulates";
 }
 
 }  // namespace

@@ -456,7 +456,6 @@ TEST(Profile, SimulatorUsesMeasuredCosts) {
                   "b.json: comm.points[1].bytes = 4: sizes must increase"));
 }
 
-// An encoder's front end runs whole on each TP rank: only its blocks and back end split.
 // A profile that recorded the data's mean sample ("data_shape", as `weft bench profile` writes
 // it) prices its FLOP fields, messages and TP rank's whole share on it: here 12 loss targets of
 // 40 positions, not a loss on every position.
@@ -521,8 +520,19 @@ TEST(Profile, PricesTheRecordedDataShape) {
   fails([](json& b) { b["data_shape"]["peak"]["items"] = json::object(); },
         "bad.json: data_shape.peak.items: no items of encoder 'vision'");
   fails([](json& b) { b["data_shape"]["targets"] = 41; }, "bad.json: data shape: targets per");
+  fails([](json& b) { b["data_shape"]["items"]["vision"] = 3; },
+        "bad.json: data_shape.items.vision = 3 but module 'vision' has units_per_sample = 2");
+  // The profiled vocabulary, which a spec without one (model.llm.vocab = 0) takes.
+  Spec unset = s;
+  unset.model.llm.vocab = 0;
+  json big = j;
+  big["modules"][0]["model"]["vocab"] = 1e30;
+  const Profile pb = parse_profile(big.dump(), "big.json");
+  EXPECT_TRUE(has(error_of([&] { simulate(unset, make_plan(unset, 1, &pb), c, pb); }),
+                  "big.json: model.vocab = 1e+30 (module 'llm'): expected a whole number"));
 }
 
+// An encoder's front end runs whole on each TP rank: only its blocks and back end split.
 TEST(Profile, EncoderFrontEndRunsWholeOnEveryTensorParallelRank) {
   Spec s = profiled_spec();
   s.parallel.modules["vision"].tp = 2;

@@ -697,7 +697,7 @@ TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
 // Encoder ranks split a microbatch's items, as the runtime does, not its samples: 2 samples of
 // 2.5 images on 4 vision ranks are 5 images, 2 / 1 / 1 / 1 (their forwards, activations and
 // bridge messages in proportion); of 2 images each, 1 / 1 / 1 / 1. By samples, two ranks would
-// run a sample each and two nothing.
+// run a sample each and two nothing. Activation memory splits the peak sample's images.
 TEST(Simulate, EncoderRanksSplitItemsNotSamples) {
   Spec s = vlm_spec();
   s.parallel.placement = "separate";
@@ -736,6 +736,26 @@ TEST(Simulate, EncoderRanksSplitItemsNotSamples) {
     ASSERT_NE(llm, nullptr);
     EXPECT_NEAR(llm->start_seconds, forward[0] + p2p_seconds(c, 0, 4, want[0] * 16 * 128 * 2),
                 1e-12);
+  }
+  // With a peak of 3 images a sample, activation memory takes the peak's split, 6 images as
+  // 2 / 2 / 1 / 1 (the peak's bytes per sample, per 3 images), the time the mean's 2 / 1 / 1 / 1.
+  SimOptions o = no_optimizer();
+  o.data.positions = o.data.tokens = o.data.targets = 64;
+  o.data.sum_sq_doc_len = 64 * 64;
+  o.data.items = {2.5};
+  o.data.peak_positions = o.data.peak_targets = 64;
+  o.data.peak_items = {3};
+  const SimResult r = simulate(s, p, c, o);
+  SimOptions alone = o;
+  alone.data = o.data.peak();
+  const SimResult q = simulate(s, p, c, alone);  // 3 images every sample: 2 / 2 / 1 / 1 too
+  const double held[4] = {2, 2, 1, 1};
+  for (int64_t k = 0; k < 4; ++k) {
+    SCOPED_TRACE(k);
+    EXPECT_NEAR(r.ranks[k].peak_activation_bytes, r.ranks[3].peak_activation_bytes * held[k],
+                1e-6 * r.ranks[3].peak_activation_bytes);
+    EXPECT_NEAR(r.ranks[k].peak_activation_bytes, q.ranks[k].peak_activation_bytes,
+                1e-6 * q.ranks[k].peak_activation_bytes);
   }
 }
 

@@ -163,7 +163,11 @@ bool back_trains(const Spec& spec, const ModulePlan& m) {
 // The vocabulary the profile's LLM was measured with (0: not recorded).
 int64_t profiled_vocab(const Profile& p) {
   for (const auto& [key, v] : p.module("llm").model)
-    if (key == "vocab") return static_cast<int64_t>(v);
+    if (key == "vocab") {
+      WEFT_CHECK(v == std::floor(v) && v < 9.0e18, p.source, ": model.vocab = ", v,
+                 " (module 'llm'): expected a whole number below 9e18");
+      return static_cast<int64_t>(v);
+    }
   return 0;
 }
 
@@ -697,6 +701,13 @@ DataShape profile_data_shape(const Profile& profile, const Spec& spec) {
       return out;
     };
     d.items = per_encoder(profile.data_items, "data_shape.items");
+    for (size_t e = 0; e < d.items.size(); ++e) {  // the items the costs per sample hold
+      const std::string& name = spec.model.encoders[e].name;
+      const double per = profile.module(name).units_per_sample;
+      WEFT_CHECK(std::abs(d.items[e] - per) <= 1e-9 * std::max(1.0, per), profile.source,
+                 ": data_shape.items.", name, " = ", d.items[e], " but module '", name,
+                 "' has units_per_sample = ", per, " (its costs per sample hold that many)");
+    }
     if (d.has_peak()) d.peak_items = per_encoder(profile.data_peak_items, "data_shape.peak.items");
     check_data_shape(spec, d, profile.source);
     return d;

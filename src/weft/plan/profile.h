@@ -40,11 +40,11 @@
 // difference in the model's widths, heads, vocabulary or precision; layer counts may differ.
 //
 // Rescaling to a plan: an op of a stage on a microbatch of n units (LLM samples; encoder items
-// = samples · the profiled items per sample) on a rank holding 1/split of the work (split =
-// tp · cp) costs fixed + n · per_unit(S) / split seconds, S being the profiled row length when
-// the spec's model.llm.max_seq is the profiled one (the same data) and max_seq otherwise (rows
-// assumed full, as the FLOP model does). Activation bytes scale the same way; parameters are
-// split over tp only. Frozen rules apply as in partition.h.
+// = samples · units_per_sample, the data's mean items per sample) on a rank holding 1/split of
+// the work (split = tp · cp) costs fixed + n · per_unit(S) / split seconds, S being the profiled
+// row length when the spec's model.llm.max_seq is the profiled one (the same data) and max_seq
+// otherwise (rows assumed full, as the FLOP model does). Activation bytes scale the same way;
+// parameters are split over tp only. Frozen rules apply as in partition.h.
 //
 // Contention: every layer is also measured while the machine's other cores train copies of the
 // model ("shared"); the simulator charges that cost for the share of an op's time during which
@@ -190,9 +190,12 @@ double profile_seq(const Profile& profile, const Spec& spec);
 // The sample the profile's costs are per (SimOptions::data): the data's mean sample the profile
 // recorded ("data_shape"), where the spec's max_seq is the profiled one; else (an older profile,
 // or rows rescaled to another max_seq) rows of profile_seq positions, loss on every one (the
-// FLOP fields count the head on each), and each encoder's profiled items per sample (its costs
-// per sample hold them). A recorded shape that does not fit the spec is an Error naming the
-// file and the field.
+// FLOP fields count the head on each), and each encoder's items per sample (units_per_sample:
+// its costs per sample hold them). The recorded shape is the profiled config's: its padding
+// follows that config's microbatches (a spec with others pads more or less), and under packing
+// its positions are per sample while the LLM's costs are per packed row of profile_seq. A
+// recorded shape that does not fit the spec, or whose items are not units_per_sample, is an
+// Error naming the file.
 DataShape profile_data_shape(const Profile& profile, const Spec& spec);
 
 // A data shape as JSON, per sample (`weft plan` / `weft simulate` outputs, a profile's

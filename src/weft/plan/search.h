@@ -14,7 +14,8 @@
 //   encoder   tp | heads, ffn (and llm.hidden for an mlp projector); cp a power of two dividing
 //             its tokens per item (no [CLS] token); pp <= min(blocks, max_encoder_pp);
 //             colocated: dp fills the LLM's ranks; separate: dp divides the LLM's dp or is a
-//             multiple of it, at most the items of one global microbatch
+//             multiple of it, at most the items of one global microbatch (its samples times
+//             the data's items per sample)
 //   ranks     at most the cluster's devices (a plan may leave some idle: the step time, not the
 //             device count, is what is minimised)
 //   microbatches  M | train.batch, M <= batch / llm dp, M <= max_microbatches
@@ -249,8 +250,9 @@ struct BoundedCandidate {
   double memory_bytes = 0;  // analytic per-rank peak (a lower bound of the simulated one)
   bool fits_memory = true;  // memory_bytes <= the device's
   // The bounds of the search nodes it completes (the LLM's choice, then each encoder's added in
-  // spec order), where the search prunes them: each a lower bound of its step and of its per-rank
-  // peak memory too.
+  // spec order, a pending partial-recompute choice a node of its own before it is expanded),
+  // where the search prunes them: each a lower bound of its step and of its per-rank peak memory
+  // too.
   std::vector<double> ancestor_bounds, ancestor_memory;
 };
 std::vector<BoundedCandidate> enumerate_candidates(const Spec& spec, const Cluster& cluster,

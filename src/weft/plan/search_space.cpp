@@ -428,10 +428,11 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
-    // Per sample, the peak's bytes (take_activation_bytes), on the peak's share of the items.
-    w.act += count *
-             kept_activation_bytes(
-                 sc, encoder_share(runs[r].first, mi.peak_items, n.D, c.dp, i).samples(), layout);
+    // The FLOP model's bytes per sample are the peak's (take_activation_bytes): on the peak's
+    // share of the items; a profile's per mean sample: on this share (as the simulator).
+    const double held =
+        sc.measured ? items : encoder_share(runs[r].first, mi.peak_items, n.D, c.dp, i).samples();
+    w.act += count * kept_activation_bytes(sc, held, layout);
   }
   return w;
 }
@@ -1158,6 +1159,10 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   int64_t used = n.llm.size();
   for (const Choice& c : n.enc) used += c.size();
   const int64_t per_microbatch = (B_ / n.D + n.M - 1) / n.M * n.D;  // samples, at most
+  // Its items (encoder_share: ranks split items, so more ranks than samples can help).
+  const int64_t items = std::max(
+      per_microbatch,
+      static_cast<int64_t>(std::ceil(static_cast<double>(per_microbatch) * mi.items - 1e-9)));
   const auto grid_choice = [](int64_t tp, int64_t cp, int64_t pp, int64_t dp) {
     Choice c;
     c.tp = tp, c.cp = cp, c.pp = pp, c.dp = dp;
@@ -1172,7 +1177,7 @@ void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
           continue;
         }
         std::vector<int64_t> dps = divisors(n.D);
-        for (int64_t m = 2 * n.D; m <= per_microbatch; m += n.D) dps.push_back(m);
+        for (int64_t m = 2 * n.D; m <= items; m += n.D) dps.push_back(m);
         for (int64_t dp : dps)
           if (used + grid * dp + (E_ - k - 1) <= max_ranks_) push(grid_choice(tp, cp, pp, dp));
       }

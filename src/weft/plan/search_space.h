@@ -126,7 +126,7 @@ class Space {
     return static_cast<int64_t>(n.enc.size()) == E_ && n.partial < 0;
   }
   // n with its pending module's choice as it stands (no recomputation), nothing pending.
-  Node settled(const Node& n) const { return n.partial < 0 ? n : recomputing(n, n.partial, -1); }
+  Node settled(const Node& n) const { return n.partial < 0 ? n : recomputing(n, n.partial, false); }
   Candidate to_candidate(const Node& n) const;
   // The leaf a candidate of this space stands for (its stage boundaries as cuts).
   Node node_of(const Candidate& c) const;

@@ -379,8 +379,10 @@ class Engine {
       const EncoderShare share = share_of(e, mb, c.dp);
       if (share.samples() <= 0) continue;
       const double n = share.samples();
-      const double tokens = n * T / static_cast<double>(cp);        // this rank's
-      const double n_peak = share_of(e, mb, c.dp, true).samples();  // memory's
+      const double tokens = n * T / static_cast<double>(cp);  // this rank's
+      // Memory's share: the peak's, whose bytes per sample the FLOP model's table holds; a
+      // profile's bytes are per mean sample (its items per sample), so its share the mean's.
+      const double n_peak = sc.measured ? n : share_of(e, mb, c.dp, true).samples();
       const double act_bytes = kept_activation_bytes(sc, n_peak, m.layout);
       const double kv = n * T * 2 * h / static_cast<double>(tp) * act_;  // gathered K and V
       const double blocks = static_cast<double>(sc.blocks), bytes = tokens * h * act_;
@@ -643,8 +645,7 @@ class Engine {
       reduce(m.name + kind, m.group(r, {Axis::kCp, Axis::kDp}), chunk.grads - chunk.expert_grads,
              &after);
       if (chunk.expert_grads > 0)  // (only the LLM's ranks have an expert group)
-        reduce(m.name + " expert" + kind, expert_group(r, true), chunk.expert_grads,
-               &expert_after);
+        reduce(m.name + " expert" + kind, expert_group(r, true), chunk.expert_grads, &expert_after);
     }
   }
 
