@@ -586,16 +586,16 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
     // block recomputed on it.
     Bound out;
     out.feasible = false;
-    expand_partial(n, [&](Node&& c) {
+    for (const Node& c : pending_choices(n)) {
       const Bound b = bound(c, fits_limit, over_limit, watch);
-      if (!b.feasible) return;
+      if (!b.feasible) continue;
       if (!out.feasible) {
         out = b;
-        return;
+        continue;
       }
       out.seconds = std::min(out.seconds, b.seconds);
       out.memory = std::min(out.memory, b.memory);
-    });
+    }
     return out;
   }
   const bool shared = n.placement != kSeparate;
@@ -912,6 +912,7 @@ Node Space::recomputing(const Node& n, int64_t k, bool on,
                         const std::vector<int64_t>& blocks) const {
   Node out = n;
   out.partial = -1;
+  out.choices.reset();
   const bool llm = k == E_;
   Choice& c = llm ? out.llm : out.enc[static_cast<size_t>(k)];
   c.recompute = on;
@@ -1127,9 +1128,21 @@ void Space::roots(const std::function<void(Node&&)>& emit) {
       }
 }
 
+const std::vector<Node>& Space::pending_choices(const Node& n) const {
+  if (!n.choices) {
+    auto all = std::make_shared<std::vector<Node>>();
+    expand_partial(n, [&](Node&& c) {
+      c.choices.reset();
+      all->push_back(std::move(c));
+    });
+    n.choices = std::move(all);
+  }
+  return *n.choices;
+}
+
 void Space::children(const Node& n, const std::function<void(Node&&)>& emit) {
   if (n.partial >= 0) {
-    expand_partial(n, emit);
+    for (const Node& c : pending_choices(n)) emit(Node(c));
     return;
   }
   const int64_t k = static_cast<int64_t>(n.enc.size());

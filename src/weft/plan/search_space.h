@@ -76,6 +76,9 @@ struct Node {
   // A module (E_: the LLM) whose choice, here without recomputation, stands for that and its
   // partial recomputations, not expanded yet (Space::children); -1: none.
   int64_t partial = -1;
+  // A pending node's choices (expand_partial), once its bound has made them, for children to
+  // emit again (none of them holds any: no cycle).
+  mutable std::shared_ptr<const std::vector<Node>> choices;
 };
 
 // One rank's share of one module stage over a step.
@@ -212,6 +215,8 @@ class Space {
   Node recomputing(const Node& n, int64_t k, bool on,
                    const std::vector<int64_t>& blocks = {}) const;
   void expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const;
+  // expand_partial's choices of pending node n, made once (Node::choices).
+  const std::vector<Node>& pending_choices(const Node& n) const;
   // Per pipeline stage of module k in n, the fewest first blocks of each chunk that make its
   // ranks fit the device by the memory bound (bisected for every stage at once: a rank's memory
   // falls as its own stage recomputes more and no other stage's count moves it); empty when some
