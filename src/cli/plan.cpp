@@ -65,10 +65,14 @@ auto reading_data(F&& f) {
 
 }  // namespace
 
-const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, bool profiled,
+const plan::DataShape& price_on_data(const Spec& spec, bool full_rows, const plan::Profile* profile,
                                      plan::SimOptions* options) {
-  check_rows(full_rows, profiled);
-  if (full_rows || profiled) return options->data;
+  check_rows(full_rows, profile != nullptr);
+  if (profile) {  // the profile's recorded sample (what its simulations price)
+    plan::check_profile(*profile, spec);
+    options->data = plan::profile_data_shape(*profile, spec);
+  }
+  if (full_rows || profile) return options->data;
   const train::MeasuredData m = reading_data([&] { return train::measure_data_shape(spec); });
   options->data = m.shape;
   if (spec.model.llm.vocab == 0) options->unset_vocab = m.vocab;
@@ -111,7 +115,7 @@ int run_search(const PlanArgs& a) {
   if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
   plan::SearchOptions o;
   o.profile = profile.get();
-  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile != nullptr, &o.sim);
+  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile.get(), &o.sim);
   o.max_ranks = a.world;
   if (!a.placements.empty()) o.placements = a.placements;
   o.top = a.top;
@@ -206,8 +210,7 @@ int run_search(const PlanArgs& a) {
     j["config"] = a.config;
     j["cluster"] = a.cluster;
     if (profile) j["profile"] = a.profile;
-    j["data_shape"] =
-        plan::data_shape_json(spec, profile ? plan::profile_data_shape(*profile, spec) : data);
+    j["data_shape"] = plan::data_shape_json(spec, data);
     j["devices"] = devices;
     j["stats"] = {{"candidates", st.nodes},    {"memory_filtered", st.memory_filtered},
                   {"simulated", st.simulated}, {"simulated_over_memory", st.simulated_over_memory},

@@ -37,7 +37,7 @@ int run_simulate(const SimulateArgs& a) {
   if (!a.profile.empty()) profile = std::make_unique<plan::Profile>(plan::load_profile(a.profile));
   plan::SimOptions options;
   options.trace = !a.trace.empty();
-  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile != nullptr, &options);
+  const plan::DataShape& data = price_on_data(spec, a.full_rows, profile.get(), &options);
   plan::Plan p;
   if (!a.plan.empty()) {
     std::ifstream in(a.plan);
@@ -62,8 +62,7 @@ int run_simulate(const SimulateArgs& a) {
   out["device"] = cluster.device.name;
   out["world_size"] = world;
   if (profile) out["profile"] = a.profile;
-  out["data_shape"] =
-      plan::data_shape_json(spec, profile ? plan::profile_data_shape(*profile, spec) : data);
+  out["data_shape"] = plan::data_shape_json(spec, data);
   if (!a.plan.empty()) out["plan_file"] = a.plan;
   nlohmann::ordered_json stages;  // the plan's pipeline stages (chosen on the costs used)
   for (const plan::ModulePlan& m : p.modules)
