@@ -22,6 +22,7 @@
 #include "weft/dist/runtime.h"
 #include "weft/io/checkpoint.h"
 #include "weft/io/safetensors.h"
+#include "weft/plan/partition.h"
 #include "weft/plan/plan.h"
 #include "weft/train/eval.h"
 #include "weft/train/inputs.h"
@@ -862,6 +863,49 @@ TEST(Layouts, Bf16ZeroOneCheckpointResumesBitForBit) {
   for (const auto& [name, p] : ref.params) {
     EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
     EXPECT_TRUE(torch::equal(got.params.at(name), p)) << name;
+  }
+}
+
+// Under sequence parallelism the runtime sums the gradients of the parameters every TP rank
+// holds whole but applies to its part of the sequence (model::Split::partial_grad) over TP at
+// the end of the step; the simulator charges that all-reduce on the plan's count of them
+// (plan::LayerCost::partial_grad_params). The two counts agree, module by module: a ViT with and
+// without its pre-LayerNorm, a Whisper encoder (its final LayerNorm), the LLM, a frozen encoder.
+TEST(Layouts, SequenceParallelPartialGradientsAreThePlansCount) {
+  const std::vector<std::vector<std::string>> cases = {
+      {"parallel.vision.tp=2", "parallel.vision.sp=true", "parallel.audio.tp=2",
+       "parallel.audio.sp=true", "parallel.llm.tp=2", "parallel.llm.sp=true"},
+      {"parallel.vision.tp=2", "parallel.vision.sp=true", "model.vision.pre_norm=false",
+       "model.audio.frozen=true", "parallel.audio.tp=2", "parallel.audio.sp=true",
+       "parallel.llm.tp=2", "parallel.llm.sp=true"},
+  };
+  for (const auto& sets : cases) {
+    std::vector<std::string> all = {"model.llm.vocab=64"};
+    all.insert(all.end(), sets.begin(), sets.end());
+    const Spec spec = parse_spec(kTinyValm, "tiny", all);
+    const plan::Plan p = plan::make_plan(spec, 2);
+    std::map<std::string, double> want;
+    for (const plan::ModulePlan& m : p.modules) {
+      if (m.role == plan::ModuleRole::kProjector) continue;
+      const plan::ModuleCosts c = plan::sample_costs(spec, m);
+      double n = c.front.partial_grad_params + c.back.partial_grad_params;
+      for (const plan::LayerCost& b : c.blocks) n += b.partial_grad_params;
+      want[m.name] = n;
+    }
+    EXPECT_GT(want.at("vision"), 0);
+    EXPECT_GT(want.at("llm"), 0);
+    testing::run_ranks(2, [&](const Comm& comm) {
+      Runtime rt(spec.model, 0, p, comm);
+      const model::ParamSet& ps = rt.model().param_set();
+      std::map<std::string, double> got;
+      for (const auto& [name, _] : want) got[name] = 0;
+      for (size_t k = 0; k < ps.all().size(); ++k) {
+        const auto& [name, t] = ps.all()[k];
+        if (ps.split(k).partial_grad && t.requires_grad())
+          got[model::MultimodalModel::module_of(name)] += static_cast<double>(t.numel());
+      }
+      EXPECT_EQ(got, want) << sets[2];
+    });
   }
 }
 

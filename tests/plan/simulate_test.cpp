@@ -1022,6 +1022,13 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
     const double backward = blocks * (2 * (ag + rs) + (frozen ? 0 : 2 * ag)) + ag;
     EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (forward + backward), 1e-12);
     EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * (forward + backward), 1e-12);
+    // At the end of the step the norms' gradients, partial on each rank's positions, are summed
+    // over TP in fp32 (4 blocks' two RMSNorms and the final one: 9 · 128); on both TP ranks,
+    // once; none where nothing trains, nor for the vision encoder (no SP).
+    const double partial = all_reduce_seconds(c, {0, 1}, 4.0 * 9 * 128);
+    EXPECT_EQ(count_events(r, "sequence-parallel grad all-reduce"), frozen ? 0 : 2);
+    for (const TraceEvent& e : r.trace)
+      if (e.name == "llm sequence-parallel grad all-reduce") EXPECT_NEAR(e.seconds, partial, 1e-15);
   }
 }
 

@@ -1183,9 +1183,11 @@ struct Runtime::Impl {
         tied.all_reduce_sum(g);
       }
     }
-    for (const PartialGrads& p : sequence_partial) {  // after the DP sums, which they commute with
+    for (size_t k = 0; k < sequence_partial.size(); ++k) {  // after the DP sums (they commute)
+      const PartialGrads& p = sequence_partial[k];
       if (p.params.empty()) continue;
-      Span span{this, "sequence-parallel grad all-reduce", "collective"};
+      const std::string& module = k < spec.encoders.size() ? spec.encoders[k].name : "llm";
+      Span span{this, module + " sequence-parallel grad all-reduce", "collective"};
       std::vector<at::Tensor> grads;
       for (size_t t : p.params) {
         at::Tensor& g = trainable[t].second.mutable_grad();

@@ -20,6 +20,7 @@ LayerCost apply_frozen_rules(LayerCost c, bool weight_grads, bool input_grads,
   c.expert_trained_cast_bytes = weight_grads ? c.expert_copy_bytes : 0;
   if (!weight_grads) {
     c.weight_grad = c.train_state_bytes = c.expert_train_state_bytes = 0;
+    c.partial_grad_params = 0;
     c.param_bytes *= holding.frozen;
     c.expert_param_bytes *= holding.frozen;
   }
@@ -165,6 +166,7 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
     LayerCost c = matmul_layer("llm.layers." + std::to_string(b), llm_block_forward_flops(l, t, b),
                                p.total, block_act);
     c.tp_whole_bytes = act * T * 4 * h;
+    c.partial_grad_params = 2 * h;  // the two RMSNorms
     if (is_moe) c.sp_whole_bytes = act * T * h;
     c.expert_param_bytes = kParamBytes * p.experts;
     c.expert_train_state_bytes = kTrainStateBytes * p.experts;
@@ -177,9 +179,11 @@ ModuleCosts llm_costs(const Spec& spec, const ModulePlan& m, const LlmTokens& t)
   // Vocab-parallel (tp > 1), it keeps the target rows it multiplies and fp32 logits.
   const bool own_weight = !l.tie_embeddings || m.layout.pp > 1;
   const bool fused = m.layout.tp == 1;
-  out.back =
-      rules(matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
-                         act * 2 * T * h + act * rows * h + (fused ? 0 : 4 * rows * V)));
+  LayerCost head =
+      matmul_layer("llm.head", llm_head_forward_flops(l, t), h + (own_weight ? V * h : 0),
+                   act * 2 * T * h + act * rows * h + (fused ? 0 : 4 * rows * V));
+  head.partial_grad_params = h;  // the final norm
+  out.back = rules(std::move(head));
   if (fused && m.weight_grads) out.back.copy_bytes += act * V * h;
   // Whole on each TP rank: the target rows, and without sequence parallelism the final norm's
   // input and output too.
@@ -223,8 +227,10 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
     front_params = h * mels * 3 + h + h * h * 3 + h;
     front_act = mels * frames + 2 * frames * h + 3 * T * h;
   }
-  out.front = rules(matmul_layer(e.name + ".front", items * encoder_front_forward_flops(e),
-                                 front_params, act * items * front_act));
+  LayerCost front = matmul_layer(e.name + ".front", items * encoder_front_forward_flops(e),
+                                 front_params, act * items * front_act);
+  if (e.kind == EncoderKind::kVit && e.pre_norm) front.partial_grad_params = 2 * h;  // pre-LN
+  out.front = rules(std::move(front));
   out.front.input_grad = 0;
   // Pre-LN block with a GELU MLP; kept per token: x, LN1 out, q/k/v, attention out, the residual,
   // LN2 out, fc1 out, GELU out.
@@ -236,6 +242,7 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
     LayerCost c =
         matmul_layer(e.name + ".layers." + std::to_string(b), block, block_params, block_act);
     c.tp_whole_bytes = act * items * T * 4 * h;
+    c.partial_grad_params = 6 * h;  // two LayerNorms, the biases of the attention output and fc2
     out.blocks.push_back(rules(std::move(c)));
   }
   // The projector (a module of its own, on this encoder's last stage) with its own flags.
@@ -248,7 +255,10 @@ ModuleCosts encoder_costs(const Spec& spec, const ModulePlan& m, double items) {
   out.back = apply_frozen_rules(proj, !e.projector.frozen, m.weight_grads, param_holding(spec));
   if (e.kind == EncoderKind::kWhisper) {  // the final LayerNorm runs on the last stage too
     out.back.param_bytes += kParamBytes * 2 * h;
-    if (m.weight_grads) out.back.train_state_bytes += kTrainStateBytes * 2 * h;
+    if (m.weight_grads) {
+      out.back.train_state_bytes += kTrainStateBytes * 2 * h;
+      out.back.partial_grad_params += 2 * h;
+    }
   }
   return out;
 }

@@ -43,6 +43,10 @@ struct LayerCost {
   double tp_whole_bytes = 0, sp_whole_bytes = 0;
   double param_bytes = 0;        // the parameters themselves (held frozen or not)
   double train_state_bytes = 0;  // gradients + optimizer state, held only when trainable
+  // Trainable parameters every TP rank holds whole and, under sequence parallelism, applies to
+  // its part of the sequence only (norms, row-parallel biases: model::Shard::whole()), whose
+  // gradients are summed over TP at the end of the step; 0 when frozen.
+  double partial_grad_params = 0;
   // Parameter-shaped tensors besides the parameters held at the step's peak, once per stage like
   // the parameters: their compute-dtype casts (ParamHolding::casts), and the weight gradient a
   // fused head and loss makes in forward (model/cross_entropy.h).

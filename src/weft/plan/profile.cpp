@@ -598,6 +598,7 @@ CostTable profile_stage_costs(const Profile& profile, const Spec& spec, const Pl
       fresh.expert_train_state_bytes = sc.expert_train_state_bytes;
       fresh.expert_grad_bytes = sc.expert_grad_bytes;
       fresh.measured = true;
+      fresh.partial_grad_bytes = sc.partial_grad_bytes;  // the model's structure too
       fresh.replicated_forward_flops = sc.replicated_forward_flops;
       fresh.replicated_backward_flops = sc.replicated_backward_flops;
       // What each TP rank keeps whole: the FLOP model's share of the activations (set below).

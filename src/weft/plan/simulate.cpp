@@ -29,6 +29,7 @@ void add(StageCost* s, const LayerCost& c, const Layout& layout) {
   // partition.h charges 12 train-state bytes per trainable parameter: the fp32 gradient (4) and
   // AdamW's two fp32 moments.
   s->grad_bytes += c.train_state_bytes / 3;
+  s->partial_grad_bytes += 4 * c.partial_grad_params;
   s->expert_param_bytes += c.expert_param_bytes;
   s->expert_train_state_bytes += c.expert_train_state_bytes;
   s->expert_copy_bytes += c.expert_copy_bytes;
@@ -649,6 +650,15 @@ class Engine {
     }
   }
 
+  void sequence_partial_reduce(int64_t r, int64_t i) {
+    const ModulePlan& m = mod(i);
+    const double bytes = rank_cost(i, r).partial_grad_bytes;
+    if (!m.layout.sequence_parallel() || bytes <= 0) return;
+    const std::vector<int64_t> tp = m.group(r, {Axis::kTp});
+    add_collective(r, m.name + " sequence-parallel grad all-reduce", tp,
+                   ring(o_.grad_curve, tp, bytes, true, CollectiveAlgo::kRing));
+  }
+
   void build_rank(int64_t r) {
     // Room for its forwards and backwards (per microbatch: each chunk of the LLM, each encoder
     // stage it hosts) and a few more.
@@ -709,6 +719,11 @@ class Engine {
                        ring(o_.grad_curve, pair, bytes, true, CollectiveAlgo::kRing));
       }
     }
+    // Under sequence parallelism the gradients of the parameters every TP rank holds whole but
+    // applies to its part of the sequence (norms, row-parallel biases) are summed over TP, after
+    // the DP sums, one module at a time (encoders, then the LLM), fp32 and never sharded.
+    for (int64_t i : encoders) sequence_partial_reduce(r, i);
+    if (llm.hosts(r)) sequence_partial_reduce(r, llm_);
     add_collective(r, "loss and grad-norm all-reduce", world,
                    2 * ring(o_.grad_curve, world, 8, true, CollectiveAlgo::kRing));
     // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.
@@ -1067,6 +1082,7 @@ StageCost rank_chunks(const std::vector<StageCost>& stages, int64_t pp, int64_t 
     sum.trained_cast_bytes += x.trained_cast_bytes;
     sum.train_state_bytes += x.train_state_bytes;
     sum.grad_bytes += x.grad_bytes;
+    sum.partial_grad_bytes += x.partial_grad_bytes;
     sum.expert_param_bytes += x.expert_param_bytes;
     sum.expert_train_state_bytes += x.expert_train_state_bytes;
     sum.expert_grad_bytes += x.expert_grad_bytes;

@@ -112,8 +112,11 @@ struct StageCost {
   double trained_cast_bytes = 0;  // of which casts of trainable parameters
   double train_state_bytes = 0;   // gradients + optimizer state of the trainable parameters
   double grad_bytes = 0;          // fp32 gradients of the trainable parameters (what DP reduces)
-  int64_t blocks = 0;             // transformer blocks (each issues TP / CP collectives)
-  int64_t backward_blocks = 0;    // of those, the ones with a backward (gradients to compute)
+  // Of grad_bytes, those of partition.h LayerCost::partial_grad_params: summed over TP at the
+  // end of the step under sequence parallelism.
+  double partial_grad_bytes = 0;
+  int64_t blocks = 0;           // transformer blocks (each issues TP / CP collectives)
+  int64_t backward_blocks = 0;  // of those, the ones with a backward (gradients to compute)
   // MoE blocks (LLM), and the experts' part of param_bytes / train_state_bytes / grad_bytes /
   // copy_bytes, which ep · etp ranks share instead of tp.
   int64_t moe_blocks = 0;
