@@ -974,6 +974,16 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
   EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * per_microbatch, 1e-12);
   EXPECT_NEAR(r.step_seconds - r0.step_seconds, 2 * per_microbatch, 1e-12);
 
+  // The loss reduces per chunk of rows (model::linear_cross_entropy_sum): a vocabulary of 2^20
+  // over tp 2 makes chunks of max(hidden, 32 Mi / 2^19) = 128 rows, so each microbatch's 4·64
+  // rows make 2 chunks of 2 reductions each.
+  Spec big = s;
+  big.model.llm.vocab = int64_t{1} << 20;
+  const double chunked =
+      2 * (all_reduce_seconds(c, {0, 1}, 128.0 * 4) + all_reduce_seconds(c, {0, 1}, 128.0 * 8));
+  EXPECT_NEAR(simulate(big, make_plan(big, 2), c, no_optimizer()).ranks[0].comm_seconds,
+              2 * ((10 + 8) * ar + chunked), 1e-12);
+
   // On the data's sample (40 positions, 12 loss targets): the blocks' and the embedding's
   // collectives over the positions, the loss's over its rows, the targets.
   SimOptions data = no_optimizer();

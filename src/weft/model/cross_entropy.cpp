@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "weft/core/error.h"
+#include "weft/core/loss_chunk.h"
 #include "weft/model/fused.h"
 
 namespace weft::model {
@@ -14,8 +15,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-constexpr int64_t kChunkLogits = int64_t{32} << 20;  // logits per chunk: 128 MiB in fp32
 
 // Which gradients forward makes: those autograd will ask for (grad mode on, and the input
 // requires grad; inside Function::forward grad mode is always off).
@@ -144,13 +143,8 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& we
                   rows.scalar_type() == weight.scalar_type(),
               "linear_cross_entropy_sum: rows ", rows.sizes(), " ", rows.scalar_type(), ", weight ",
               weight.sizes(), " ", weight.scalar_type(), ", targets ", targets.sizes());
-  // By default about kChunkLogits logits per chunk, but at least `hidden` rows: the weight's
-  // gradient is summed over the chunks through an fp32 [V, H] buffer, which more chunks than that
-  // would make cost more than the logits they save.
-  const int64_t chunk = chunk_rows > 0
-                            ? chunk_rows
-                            : std::max(std::max<int64_t>(1, weight.size(1)),
-                                       kChunkLogits / std::max<int64_t>(1, weight.size(0)));
+  const int64_t chunk =
+      chunk_rows > 0 ? chunk_rows : loss_chunk_rows(weight.size(1), weight.size(0));
   const bool grad = at::GradMode::is_enabled();
   const Needs need{grad && rows.requires_grad(), grad && weight.requires_grad()};
   return LinearCrossEntropyFn::apply(rows, weight, targets.to(at::kLong), chunk, need, &tp);

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "weft/core/error.h"
+#include "weft/core/loss_chunk.h"
 #include "weft/plan/encoder_share.h"
 #include "weft/plan/partition.h"
 
@@ -247,6 +248,16 @@ class Engine {
   // An fp32 reduction inside an op (the vocab-parallel loss's).
   double loss_all_reduce(const std::vector<int64_t>& g, double bytes) const {
     return o_.tp_cp_comm ? ring(o_.grad_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
+  }
+  // The vocab-parallel loss's fp32 reductions over `rows` rows: per chunk of rows
+  // (loss_chunk_rows), the max, then the sum of exponentials with the target logit.
+  double loss_reductions(const std::vector<int64_t>& tp, double rows) const {
+    if (tp.size() <= 1 || rows <= 0) return 0;
+    const LlmSpec& l = spec_.model.llm;
+    const double chunk =
+        static_cast<double>(loss_chunk_rows(l.hidden, l.vocab / static_cast<int64_t>(tp.size())));
+    const double chunks = std::ceil(rows / chunk), per = rows / chunks;
+    return chunks * (loss_all_reduce(tp, per * 4) + loss_all_reduce(tp, per * 8));
   }
   // Encoder e's DP rank i's share of microbatch m (encoder_share); `peak`: split as the data's
   // peak sample's items would be (activation memory, which the peak's bytes per sample price).
@@ -541,7 +552,7 @@ class Engine {
       const double comm =
           block_comm(tokens, true, n) + (first ? all_reduce(tp_group, tokens * H * act_) : 0) +
           (last && sp ? all_gather(tp_group, tokens * H * act_) : 0) +
-          (last ? loss_all_reduce(tp_group, rows * 4) + loss_all_reduce(tp_group, rows * 8) +
+          (last ? loss_reductions(tp_group, rows) +
                       (m.needs_backward() ? all_reduce(tp_group, rows * H * act_) : 0)
                 : 0) +
           blocks * all_gather(cp_group, kv) + moe_comm(tokens);
