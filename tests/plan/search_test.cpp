@@ -20,6 +20,7 @@
 #include "weft/plan/cluster.h"
 #include "weft/plan/plan.h"
 #include "weft/plan/profile.h"
+#include "weft/plan/search_space.h"
 #include "weft/plan/simulate.h"
 
 namespace weft::plan {
@@ -674,10 +675,8 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
 // interleaved chunks build once per rank), the bound stays below every simulation and the memory
 // bound below every peak, branch and bound finds brute force's optimum, its step is the profile's
 // simulation of its plan, and the plan the FLOP model picks is slower under the profile.
-TEST(Search, PricesLayoutsOnAMeasuredProfile) {
+testing::json loaded_profile(const Spec& spec) {
   using testing::json;
-  Spec spec = testing::profiled_spec();
-  spec.model.llm.layers = 6;
   json j = testing::with_comm_points(testing::tiny_profile(spec), {8, 1e5, 1e7}, {1e-4, 2e-9},
                                      {2e-4, 4e-9}, {1.5e-4, 3e-9});
   for (json& layer : j["modules"][0]["layers"])  // the per-stage work: the first chunk's only
@@ -695,8 +694,10 @@ TEST(Search, PricesLayoutsOnAMeasuredProfile) {
       }
       layer["fit"]["shared"] = shared;
     }
-  const Profile profile = parse_profile(j.dump(), "tiny.json");
-  const Cluster cluster = parse_cluster(R"(
+  return j;
+}
+
+const char* const kTwoCpuNodes = R"(
 nodes = 2
 gpus_per_node = 2
 device = "cpu-core"
@@ -706,8 +707,13 @@ latency_us = 50
 [inter_node]
 bandwidth_gbs = 1
 latency_us = 100
-)",
-                                        "cpu.toml");
+)";
+
+TEST(Search, PricesLayoutsOnAMeasuredProfile) {
+  Spec spec = testing::profiled_spec();
+  spec.model.llm.layers = 6;
+  const Profile profile = parse_profile(loaded_profile(spec).dump(), "tiny.json");
+  const Cluster cluster = parse_cluster(kTwoCpuNodes, "cpu.toml");
   SearchOptions o = small_space();
   o.profile = &profile;
   int64_t count = 0;
@@ -735,6 +741,52 @@ latency_us = 100
   other.model.llm.hidden *= 2;
   EXPECT_TRUE(testing::error_of([&] { search(other, cluster, o); }).find("tiny.json") !=
               std::string::npos);
+}
+
+// The bound spreads the work of modules not yet placed at their least seconds per unit of data,
+// which must not exceed any cut's. Each stage's ops take the cheaper of alone and under load: on
+// a profile whose blocks take half under load and whose front and back layers, each about 2.5
+// blocks' work, take 1.3x, the first and last stages of a cut with one block each are cheaper
+// alone and the stages between under load, below the whole module on one stage (cheaper under
+// load). Every cut of every pp stays at or above the least.
+TEST(Search, LeastUnitSecondsIsBelowEveryCut) {
+  Spec spec = testing::profiled_spec();
+  spec.model.llm.layers = 6;
+  testing::json j = loaded_profile(spec);
+  const std::map<std::string, double> heavier = {
+      {"llm.embed", 60}, {"llm.head", 9}, {"vision.front", 20}, {"vision.projector", 15}};
+  for (testing::json& module : j["modules"])
+    for (testing::json& layer : module["layers"]) {
+      const auto it = heavier.find(layer["name"].get<std::string>());
+      const double scale = it == heavier.end() ? 1 : it->second;
+      const double load = it == heavier.end() ? 0.5 : 1.3;
+      for (const char* q : {"forward", "input_grad", "weight_grad"})
+        for (size_t c = 0; c < 3; ++c) {
+          testing::json& v = layer["fit"][q][c];
+          v = v.get<double>() * scale;
+          layer["fit"]["shared"][q][c] = v.get<double>() * load;
+        }
+    }
+  const Profile profile = parse_profile(j.dump(), "tiny.json");
+  const Cluster cluster = parse_cluster(kTwoCpuNodes, "cpu.toml");
+  SearchOptions o = small_space();
+  o.profile = &profile;
+  const search_space::Space space(spec, cluster, o);
+  for (int64_t k = 0; k <= space.encoders(); ++k) {
+    const int64_t layers = k < space.encoders() ? spec.model.encoders[0].layers : 6;
+    const double least = space.min_unit_seconds(k);
+    SCOPED_TRACE("module " + std::to_string(k));
+    EXPECT_GT(least, 0);
+    EXPECT_LT(least, space.unit_seconds(k, 1, {}) * (1 - 1e-6));
+    // Every cut: the boundaries as a bit mask over the layers' inner edges.
+    for (int64_t mask = 0; mask < (int64_t{1} << (layers - 1)); ++mask) {
+      std::vector<int64_t> cut;
+      for (int64_t b = 1; b < layers; ++b)
+        if (mask & (int64_t{1} << (b - 1))) cut.push_back(b);
+      const int64_t pp = static_cast<int64_t>(cut.size()) + 1;
+      EXPECT_LE(least, space.unit_seconds(k, pp, cut) * (1 + 1e-12)) << "cut " << mask;
+    }
+  }
 }
 
 }  // namespace

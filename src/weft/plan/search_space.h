@@ -45,7 +45,8 @@ struct ModuleInfo {
   bool weight_grads = false;
   bool backward = false;  // LLM: needs backward; encoder: its last stage (the projector) does
   bool keeps_activations = false;
-  double min_unit_seconds = 0;  // unit_seconds at pp = 1 without recomputation
+  // The least unit_seconds of any cut without recomputation (measured: Space::least_unit_seconds)
+  double min_unit_seconds = 0;
 };
 
 // One module's choice in a search node.
@@ -141,6 +142,13 @@ class Space {
   std::optional<Candidate> rebalanced(const Evaluation& e) const;
   int64_t encoders() const { return E_; }
   int64_t max_ranks() const { return max_ranks_; }
+  // What the bound's work not yet placed rests on, for tests: module k's least seconds per unit
+  // of data (ModuleInfo::min_unit_seconds), which no cut of it may undercut, and its seconds per
+  // unit at pp stages cut at `cut` (pp - 1 boundaries), nothing recomputed (Staged::unit_seconds).
+  double min_unit_seconds(int64_t k) const { return info(k).min_unit_seconds; }
+  double unit_seconds(int64_t k, int64_t pp, const std::vector<int64_t>& cut) const {
+    return staged(static_cast<int>(k), pp, false, false, false, false, 1, {}, cut).unit_seconds;
+  }
 
  private:
   const Spec& spec_;
