@@ -38,8 +38,8 @@
 namespace {
 
 int cmd_train(const std::string& config, const std::vector<std::string>& sets,
-              const std::string& out, const std::string& resume, bool quiet,
-              double timeout_seconds) {
+              const std::string& out, const std::string& resume, bool quiet, double timeout_seconds,
+              bool trace_ops) {
   std::string path = config;
   if (!resume.empty()) {
     WEFT_CHECK(std::filesystem::is_directory(resume), "--resume ", resume, ": not a run directory");
@@ -98,6 +98,10 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
     }
   }
   opts.progress = !quiet;
+  WEFT_CHECK(!trace_ops || spec.output.trace_step > 0,
+             "weft train --trace-ops: traces the step output.trace_step names, which is 0 (no "
+             "trace); set it, e.g. --set output.trace_step=3");
+  opts.trace_ops = trace_ops;
   weft::train::Trainer trainer(std::move(spec), std::move(plan), opts);
   weft::train::Summary s = trainer.run();
   if (world.rank != 0) return 0;
@@ -208,6 +212,10 @@ int main(int argc, char** argv) {
                     "continue the run in this directory from its newest "
                     "checkpoint");
   train->add_flag("--quiet", quiet, "no progress output");
+  bool trace_ops = false;
+  train->add_flag("--trace-ops", trace_ops,
+                  "every rank also writes ops.rank<N>.json: its operators in step "
+                  "output.trace_step (bench/trace_summary.py summarises one)");
   double timeout_seconds = 120;
   train
       ->add_option("--timeout", timeout_seconds,
@@ -341,7 +349,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*version) return cmd_version();
-    if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds);
+    if (*train) return cmd_train(config, sets, out, resume, quiet, timeout_seconds, trace_ops);
     if (app.got_subcommand("plan")) return run_plan();
     if (*example_llava)
       return weft::cli::run_example_llava(example_out, example_samples, example_seed);

@@ -11,10 +11,28 @@ small=(--set model.llm.layers=1 --set model.vision.layers=1 --set data.eval_samp
 
 "$weft" train "$src/configs/tiny-vlm.toml" "${small[@]}" --out "$tmp/single" --quiet \
   || die "single-process run failed"
-"$weft" launch --nproc 2 -- "$weft" train "$src/configs/tiny-vlm.toml" "${small[@]}" \
-  --out "$tmp/dp2" > "$tmp/dp2.log" 2>&1 || { cat "$tmp/dp2.log"; die "DP2 launch failed"; }
+# Without --out, in a directory of its own: both ranks use rank 0's fresh run directory (runs/
+# <time>), where --trace-ops has each rank write its operators in step output.trace_step.
+mkdir "$tmp/work"
+(cd "$tmp/work" && "$weft" launch --nproc 2 -- "$weft" train "$src/configs/tiny-vlm.toml" \
+  "${small[@]}" --set output.trace_step=2 --trace-ops) > "$tmp/dp2.log" 2>&1 \
+  || { cat "$tmp/dp2.log"; die "DP2 launch failed"; }
+[ "$(ls "$tmp/work/runs" | wc -l)" = 1 ] || { ls -R "$tmp/work/runs"; die "DP2 made more than one run directory"; }
+mv "$tmp/work/runs"/* "$tmp/dp2"
 grep -q '^\[rank 1\]' "$tmp/dp2.log" || { cat "$tmp/dp2.log"; die "rank 1 output not prefixed"; }
 grep -q '"world_size": 2' "$tmp/dp2/summary.json" || die "summary does not record world_size 2"
+python3 - "$tmp/dp2" <<'PY' || die "ops.rank<N>.json missing or incomplete"
+import json, sys
+for r in (0, 1):
+    t = json.load(open(f"{sys.argv[1]}/ops.rank{r}.json"))["traceEvents"]
+    names = {e["name"] for e in t}
+    assert "aten::mm" in names and any(n.startswith("gloo:") for n in names), sorted(names)[:20]
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in t)
+    print(f"rank {r}: {len(t)} operators in step 2")
+PY
+"$weft" train "$src/configs/tiny-vlm.toml" --set output.trace_step=0 --trace-ops \
+  > "$tmp/noop.log" 2>&1 && die "--trace-ops without a traced step was accepted"
+grep -q "trace_step" "$tmp/noop.log" || { cat "$tmp/noop.log"; die "--trace-ops error does not name output.trace_step"; }
 # Each of the 2 local ranks takes half of the cores it may run on (at least 1), not all of them.
 share=$(( $(nproc) / 2 )); [ "$share" -ge 1 ] || share=1
 grep -q "\"threads\": $share\b" "$tmp/dp2/summary.json" \

@@ -1,9 +1,5 @@
 #include "weft/train/bench.h"
 
-#include <torch/csrc/autograd/profiler_legacy.h>
-#ifdef WEFT_CUDA
-#include <torch/csrc/autograd/profiler_kineto.h>
-#endif
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -15,10 +11,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
-#include <unordered_map>
 
 #include "weft/core/config.h"
 #include "weft/core/error.h"
@@ -31,6 +25,7 @@
 #include "weft/plan/plan.h"
 #include "weft/train/eval.h"
 #include "weft/train/live_bytes.h"
+#include "weft/train/op_trace.h"
 #include "weft/train/peak.h"
 #include "weft/train/trainer.h"
 
@@ -40,77 +35,6 @@ using json = nlohmann::ordered_json;
 namespace weft::train {
 
 namespace {
-
-// A Chrome trace of one step's operators, written when it goes out of scope, each operator with
-// its input shapes ("Input Dims", as Kineto writes them). CUDA builds record through Kineto
-// (CUPTI): the operators and the GPU kernels they launched, with their device times. CPU builds
-// record through the autograd profiler: the operators' CPU times.
-class StepTrace {
- public:
-  explicit StepTrace(std::string path) : path_(std::move(path)) {
-    namespace impl = torch::profiler::impl;
-#ifdef WEFT_CUDA
-    const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
-    const std::set<impl::ActivityType> activities{impl::ActivityType::CPU,
-                                                  impl::ActivityType::CUDA};
-    torch::autograd::profiler::prepareProfiler(config, activities);
-    torch::autograd::profiler::enableProfiler(config, activities);
-#else
-    torch::autograd::profiler::enableProfilerLegacy(
-        impl::ProfilerConfig(impl::ProfilerState::CPU, /*report_input_shapes=*/true));
-#endif
-  }
-  ~StepTrace() {
-    try {  // a destructor: a failed save is reported, not thrown
-#ifdef WEFT_CUDA
-      torch::autograd::profiler::disableProfiler()->save(path_);
-#else
-      write_legacy(torch::autograd::profiler::disableProfilerLegacy());
-#endif
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "weft bench step: could not write the trace %s: %s\n", path_.c_str(),
-                   e.what());
-    }
-  }
-  StepTrace(const StepTrace&) = delete;
-  StepTrace& operator=(const StepTrace&) = delete;
-
- private:
-  // The autograd profiler's push and pop events, paired by handle (a range may end on another
-  // thread), as complete ("X") events; written through a temporary file and renamed.
-  void write_legacy(const torch::autograd::profiler::thread_event_lists& lists) const {
-    using torch::autograd::profiler::EventKind;
-    using torch::autograd::profiler::LegacyEvent;
-    std::unordered_map<uint64_t, const LegacyEvent*> open;
-    double t0 = -1;
-    json events = json::array();
-    for (const auto& list : lists)
-      for (const LegacyEvent& e : list) {
-        if (e.kind() == EventKind::PushRange) {
-          open[e.handle()] = &e;
-          if (t0 < 0 || e.cpuUs() < t0) t0 = e.cpuUs();
-          continue;
-        }
-        if (e.kind() != EventKind::PopRange) continue;
-        const auto it = open.find(e.handle());
-        if (it == open.end()) continue;
-        const LegacyEvent& push = *it->second;
-        events.push_back({{"ph", "X"},
-                          {"cat", "cpu_op"},
-                          {"name", push.name()},
-                          {"pid", 0},
-                          {"tid", push.threadId()},
-                          {"ts", push.cpuUs()},
-                          {"dur", push.cpuElapsedUs(e)},
-                          {"args", {{"Input Dims", push.shapes()}}}});
-        open.erase(it);
-      }
-    for (json& e : events) e["ts"] = e["ts"].get<double>() - t0;
-    io::write_text_file(path_, json{{"traceEvents", std::move(events)}}.dump());
-  }
-
-  std::string path_;
-};
 
 // A "VmRSS:   1234 kB" style field of /proc/self/status, in bytes (0 where unavailable).
 int64_t status_field(const char* key) {
@@ -236,7 +160,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   struct Queued {
     QueuedStep q;
   };
-  std::unique_ptr<StepTrace> profiler;
+  std::unique_ptr<OpTrace> profiler;
   const auto profiled = [&](int64_t i) { return !o.profile.empty() && i + 1 == total; };
   // next_in_flight: a step runs on the device during this one's bookkeeping, whose time then
   // belongs to the next step's (finish to finish); otherwise the bookkeeping counts toward none.
@@ -265,7 +189,7 @@ std::string bench_step(Spec spec, const BenchOptions& o) {
   };
   const auto queue = [&](int64_t i) {
     if (profiled(i)) {  // it runs alone (run_steps finished the one before)
-      profiler = std::make_unique<StepTrace>(o.profile);
+      profiler = std::make_unique<OpTrace>(o.profile);
       dist::synchronize(device);
       last = now_seconds();
     }

@@ -33,6 +33,7 @@
 #include "weft/train/bench.h"
 #include "weft/train/eval.h"
 #include "weft/train/inputs.h"
+#include "weft/train/op_trace.h"
 #include "weft/train/optimizer.h"
 #include "weft/train/peak.h"
 
@@ -202,6 +203,9 @@ struct Trainer::Impl {
               : !opts.out_dir.empty()    ? fs::path(opts.out_dir)
               : !spec.output.dir.empty() ? fs::path(spec.output.dir)
                                          : fs::path(fresh_run_dir());
+    // Every rank's files (checkpoint shards, operator traces) go to rank 0's directory: a fresh
+    // one's name is rank 0's.
+    if (opts.comm.size() > 1) run_dir = opts.comm.all_gather_strings(run_dir.string())[0];
     if (!opts.resume_dir.empty())
       resume();
     else
@@ -991,8 +995,18 @@ Summary Trainer::run() {
     int64_t data_skipped = 0;
   };
   double last_done = now_seconds();
+  // The traced step's operators (TrainerOptions::trace_ops): recorded from its queueing to its
+  // finish, the device idle at both ends (it runs alone).
+  std::unique_ptr<OpTrace> op_trace;
+  const auto ops_traced = [&](int64_t step) {
+    return m.opts.trace_ops && step + 1 == spec.output.trace_step;
+  };
   auto complete = [&](Pending& p, bool next_in_flight) {
     const StepOutcome out = finish_step(p.q);
+    if (op_trace && ops_traced(p.q.step)) {
+      dist::synchronize(m.device);
+      op_trace.reset();
+    }
     const double finished = now_seconds();
     const StepBatch& batch = p.batch;
     const int64_t step = p.q.step;
@@ -1103,6 +1117,11 @@ Summary Trainer::run() {
     current.data_skipped = m.dataset->skipped();
     const bool traced = step + 1 == spec.output.trace_step;
     m.runtime->set_tracing(traced);
+    if (ops_traced(step)) {
+      dist::synchronize(m.device);
+      op_trace = std::make_unique<OpTrace>(
+          (m.run_dir / ("ops.rank" + std::to_string(m.opts.comm.rank()) + ".json")).string());
+    }
     current.q = queue_step(current.batch, step);
     if (traced) {  // collective; rank 0 writes the step's timeline
       const std::string trace = m.runtime->gather_trace();
@@ -1115,8 +1134,7 @@ Summary Trainer::run() {
     return (m.opts.eval && ts.eval_every > 0 && (step + 1) % ts.eval_every == 0) ||
            (ts.checkpoint_every > 0 && (step + 1) % ts.checkpoint_every == 0);
   };
-  run_steps<Pending>(m.start_step, ts.steps, queue, complete, reads_model,
-                     [](int64_t) { return false; });
+  run_steps<Pending>(m.start_step, ts.steps, queue, complete, reads_model, ops_traced);
   progress.finish();
   last_eval = true;
   eval_step = ts.steps;

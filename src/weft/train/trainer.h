@@ -42,6 +42,9 @@ struct TrainerOptions {
   int restart = 0;         // how many times the launcher restarted this job (metrics record it)
   int local_rank = 0;      // this rank's GPU under train.device = "cuda" (LOCAL_RANK)
   DeferReads defer = DeferReads::kAuto;
+  // Every rank records its operators in step output.trace_step (which then runs alone) and
+  // writes them to ops.rank<N>.json in the run directory (train/op_trace.h).
+  bool trace_ops = false;
   // The job's ranks (default: this process alone). Its size must equal the plan's world size.
   // Rank 0 writes the run directory and evaluates (where the layout spreads the model, on a copy
   // gathered onto it for the evaluation, in the compute dtype, and freed after); every rank

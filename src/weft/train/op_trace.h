@@ -1,0 +1,26 @@
+// The operators of a stretch of work as a Chrome / Perfetto trace, each with its input shapes
+// ("Input Dims", as Kineto writes them): `weft bench step --profile` and `weft train
+// --trace-ops` (every rank's operators in the traced step). bench/trace_summary.py summarises one.
+#pragma once
+
+#include <string>
+
+namespace weft::train {
+
+// Records from construction to destruction, then writes `path` (through a temporary file; its
+// directory made if missing). CUDA builds record through Kineto (CUPTI): the operators and the
+// GPU kernels they launched, with their device times (synchronise the device before the end).
+// CPU builds record through the autograd profiler: the operators' CPU times. One at a time per
+// process. A failed write is reported on stderr, not thrown.
+class OpTrace {
+ public:
+  explicit OpTrace(std::string path);
+  ~OpTrace();
+  OpTrace(const OpTrace&) = delete;
+  OpTrace& operator=(const OpTrace&) = delete;
+
+ private:
+  std::string path_;
+};
+
+}  // namespace weft::train
