@@ -1038,7 +1038,9 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
     const double partial = all_reduce_seconds(c, {0, 1}, 4.0 * 9 * 128);
     EXPECT_EQ(count_events(r, "sequence-parallel grad all-reduce"), frozen ? 0 : 2);
     for (const TraceEvent& e : r.trace)
-      if (e.name == "llm sequence-parallel grad all-reduce") EXPECT_NEAR(e.seconds, partial, 1e-15);
+      if (e.name == "llm sequence-parallel grad all-reduce") {
+        EXPECT_NEAR(e.seconds, partial, 1e-15);
+      }
   }
 }
 
