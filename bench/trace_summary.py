@@ -6,8 +6,8 @@
 A CUDA build writes a Kineto trace: its GPU kernels are grouped by kind (matmuls, attention,
 weft's own kernels, copies and casts, ...) with their summed device time, and the GPU's idle time
 (the span of the step's kernels less their summed time: the GPU waiting on the CPU). A CPU build
-writes the autograd profiler's trace of operators: they are summed by name (time includes the
-operators they call). Either way the heaviest entries follow, by name. Then where the copies come
+writes weft's trace of operators: they are summed by name (time includes the operators they
+call), asynchronous ones (Gloo's collectives, in flight while other work runs) apart. Either way the heaviest entries follow, by name. Then where the copies come
 from: for the kinds "copies and casts" and "other element-wise" (GPU), or the copying operators
 (CPU), the operator paths that ran them (the innermost operator, its callers and the backward node
 it ran under) with the innermost operator's input shapes, heaviest first.
@@ -116,12 +116,18 @@ def main():
         table(rows, span, "the step's kernel span")
     else:
         # CPU trace: top-level time per operator name (nested calls are inside their callers).
+        # Asynchronous operations (weft's recorder: category "async", Gloo's collectives) run
+        # while other work does: their time in flight is listed apart.
         span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+        in_flight = collections.defaultdict(lambda: [0, 0.0])
         for e in events:
-            d = by_name[e["name"]]
+            d = (in_flight if e.get("cat") == "async" else by_name)[e["name"]]
             d[0] += 1
             d[1] += e["dur"]
         print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)\n")
+        if in_flight:
+            print("\nasynchronous operations (time in flight, beside the operators below):\n")
+            table(sorted(in_flight.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")
     print(f"\nheaviest {'kernels' if kernels else 'operators'}:\n")
     table(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")
     if a.sources <= 0:

@@ -10,8 +10,10 @@ namespace weft::train {
 // Records from construction to destruction, then writes `path` (through a temporary file; its
 // directory made if missing). CUDA builds record through Kineto (CUPTI): the operators and the
 // GPU kernels they launched, with their device times (synchronise the device before the end).
-// CPU builds record through the autograd profiler: the operators' CPU times. One at a time per
-// process. A failed write is reported on stderr, not thrown.
+// CPU builds record through weft's own RecordFunction callback: the operators' CPU times, with
+// asynchronous ones (Gloo's collectives) in category "async", kept in memory mapped apart from the
+// heap so that the traced work allocates as it does untraced (op_trace.cpp). One at a time per
+// process (a second is an Error). A failed write is reported on stderr, not thrown.
 class OpTrace {
  public:
   explicit OpTrace(std::string path);

@@ -1003,11 +1003,10 @@ Summary Trainer::run() {
   };
   auto complete = [&](Pending& p, bool next_in_flight) {
     const StepOutcome out = finish_step(p.q);
-    if (op_trace && ops_traced(p.q.step)) {
-      dist::synchronize(m.device);
-      op_trace.reset();
-    }
+    const bool trace_done = op_trace && ops_traced(p.q.step);
+    if (trace_done) dist::synchronize(m.device);
     const double finished = now_seconds();
+    if (trace_done) op_trace.reset();  // written outside the step's time (it runs alone)
     const StepBatch& batch = p.batch;
     const int64_t step = p.q.step;
     const double data_seconds = p.data_seconds;
