@@ -7,8 +7,9 @@ A CUDA build writes a Kineto trace: its GPU kernels are grouped by kind (matmuls
 weft's own kernels, copies and casts, ...) with their summed device time, and the GPU's idle time
 (the span of the step's kernels less their summed time: the GPU waiting on the CPU). A CPU build
 writes weft's trace of operators: they are summed by name (time includes the operators they
-call), asynchronous ones (Gloo's collectives, in flight while other work runs) apart. Either way the heaviest entries follow, by name. Then where the copies come
-from: for the kinds "copies and casts" and "other element-wise" (GPU), or the copying operators
+call), with the step's ops (weft's spans, "llm fwd mb0 s0") and asynchronous ones (Gloo's
+collectives, in flight while other work runs) apart. Either way the heaviest entries follow, by
+name. Then where the copies come from: for the kinds "copies and casts" and "other element-wise" (GPU), or the copying operators
 (CPU), the operator paths that ran them (the innermost operator, its callers and the backward node
 it ran under) with the innermost operator's input shapes, heaviest first.
 """
@@ -120,11 +121,17 @@ def main():
         # while other work does: their time in flight is listed apart.
         span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
         in_flight = collections.defaultdict(lambda: [0, 0.0])
+        step_ops = collections.defaultdict(lambda: [0, 0.0])  # user-scope ranges: weft's spans
         for e in events:
-            d = (in_flight if e.get("cat") == "async" else by_name)[e["name"]]
+            cat = e.get("cat")
+            d = (in_flight if cat == "async" else step_ops if cat == "user_annotation"
+                 else by_name)[e["name"]]
             d[0] += 1
             d[1] += e["dur"]
         print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)\n")
+        if step_ops:
+            print("\nthe step's ops (as trace.json names them):\n")
+            table(sorted(step_ops.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")
         if in_flight:
             print("\nasynchronous operations (time in flight, beside the operators below):\n")
             table(sorted(in_flight.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")

@@ -23,13 +23,19 @@ grep -q '^\[rank 1\]' "$tmp/dp2.log" || { cat "$tmp/dp2.log"; die "rank 1 output
 grep -q '"world_size": 2' "$tmp/dp2/summary.json" || die "summary does not record world_size 2"
 python3 - "$tmp/dp2" <<'PY' || die "ops.rank<N>.json missing or incomplete"
 import json, sys
+spans = {e["name"] for e in json.load(open(f"{sys.argv[1]}/trace.json"))}  # the step's ops
 for r in (0, 1):
     t = json.load(open(f"{sys.argv[1]}/ops.rank{r}.json"))["traceEvents"]
     names = {e["name"] for e in t}
     assert "aten::mm" in names and any(n.startswith("gloo:") for n in names), sorted(names)[:20]
-    # Gloo's collectives are in flight beside other operators: apart from the nesting.
-    assert all(e["cat"] == ("async" if e["name"].startswith("gloo:") else "cpu_op") for e in t)
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in t)
+    # The step's ops, as trace.json names them, and weft's own are ranges around LibTorch's
+    # operators; Gloo's collectives are in flight beside the others, apart from the nesting.
+    assert "llm fwd mb0 s0" in names and "weft::rms_norm" in names, sorted(names)[:20]
+    for e in t:
+        want = ("async" if e["name"].startswith("gloo:") else
+                "user_annotation" if e["name"] in spans else "cpu_op")
+        assert e["cat"] == want, e
     print(f"rank {r}: {len(t)} operators in step 2")
 PY
 "$weft" train "$src/configs/tiny-vlm.toml" --set output.trace_step=0 --trace-ops \

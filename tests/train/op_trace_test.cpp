@@ -17,6 +17,7 @@
 
 #include "support/tiny_run.h"
 #include "weft/core/error.h"
+#include "weft/model/fused.h"
 
 namespace weft::train {
 namespace {
@@ -49,6 +50,7 @@ TEST(OpTrace, RecordsOperatorsWithShapesInsideTheirCallers) {
   {
     OpTrace trace(path.string());
     work(w);
+    model::rms_norm(torch::ones({2, 4}), torch::ones({4}), 1e-5);
   }
   const std::vector<json> events = events_of(path);  // its directory made
   for (const json& e : events) {
@@ -72,6 +74,10 @@ TEST(OpTrace, RecordsOperatorsWithShapesInsideTheirCallers) {
                           e.at("ts").get<double>() + e.at("dur").get<double>() <= end);
   }
   EXPECT_TRUE(nested) << "no matmul inside aten::linear";
+  // weft's own kernels are ranges too, with their inputs' shapes.
+  const std::vector<json> norm = named(events, "weft::rms_norm");
+  ASSERT_EQ(norm.size(), 1u);
+  EXPECT_EQ(norm[0].at("args").at("Input Dims"), json::parse("[[2, 4], [4]]"));
   bool backward = false;
   for (const json& e : events)
     backward = backward || e.at("name").get<std::string>().find("Backward") != std::string::npos;

@@ -1,5 +1,6 @@
 #include "weft/dist/collectives.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -203,6 +204,7 @@ struct AllToAll : torch::autograd::Function<AllToAll> {
 }  // namespace
 
 at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {
+  RECORD_FUNCTION("weft::split_replicated", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   dim = dim < 0 ? dim + x.dim() : dim;
   WEFT_CHECK(x.size(dim) % group.size() == 0, "split_replicated: dim ", dim, " of size ",
@@ -216,23 +218,27 @@ at::Tensor split_replicated(const at::Tensor& x, const Comm& group, int64_t dim)
 
 at::Tensor all_to_all(const at::Tensor& x, const Comm& group, std::vector<int64_t> send_counts,
                       std::vector<int64_t> recv_counts) {
+  RECORD_FUNCTION("weft::all_to_all", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   if (!x.requires_grad()) return group.all_to_all(x, send_counts, recv_counts);
   return AllToAll::apply(x, group, std::move(send_counts), std::move(recv_counts));
 }
 
 at::Tensor copy_to(const at::Tensor& x, const Comm& group) {
+  RECORD_FUNCTION("weft::copy_to", std::vector<c10::IValue>({x}));
   if (group.size() == 1 || !x.requires_grad()) return x;
   return CopyTo::apply(x, group);
 }
 
 at::Tensor reduce_from(const at::Tensor& x, const Comm& group) {
+  RECORD_FUNCTION("weft::reduce_from", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   if (!x.requires_grad()) return all_reduced(x, group);
   return ReduceFrom::apply(x, group);
 }
 
 at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
+  RECORD_FUNCTION("weft::gather_along", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   dim = dim < 0 ? dim + x.dim() : dim;
   if (!x.requires_grad()) return gathered(x, group, dim);
@@ -240,6 +246,7 @@ at::Tensor gather_along(const at::Tensor& x, const Comm& group, int64_t dim) {
 }
 
 at::Tensor scatter_along(const at::Tensor& x, const Comm& group, int64_t dim) {
+  RECORD_FUNCTION("weft::scatter_along", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   dim = dim < 0 ? dim + x.dim() : dim;
   WEFT_CHECK(x.size(dim) % group.size() == 0, "scatter_along: dim ", dim, " of size ", x.size(dim),
@@ -252,6 +259,7 @@ void set_overlap_tp_comm(bool overlap) { g_overlap_tp_comm = overlap; }
 
 at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                          const Comm& group, int64_t sequence_dim) {
+  RECORD_FUNCTION("weft::column_linear", std::vector<c10::IValue>({x, w, b}));
   if (group.size() == 1) return at::linear(x, w, b);
   const bool sp = sequence_dim >= 0;
   // No collective in backward: x's gradient is not wanted, nor (under SP) the weight's.
@@ -262,6 +270,7 @@ at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 }
 
 at::Tensor gather_replicated(const at::Tensor& x, const Comm& group, int64_t dim) {
+  RECORD_FUNCTION("weft::gather_replicated", std::vector<c10::IValue>({x}));
   if (group.size() == 1) return x;
   dim = dim < 0 ? dim + x.dim() : dim;
   if (!x.requires_grad()) return gathered(x, group, dim);

@@ -1,5 +1,6 @@
 #include "weft/dist/comm.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 #include <torch/version.h>  // TORCH_VERSION_MAJOR: the Backend alias
 
@@ -139,6 +140,7 @@ struct Comm::Impl {
   }
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
+    RECORD_FUNCTION(std::string("weft::wait ") + op, std::vector<c10::IValue>());
     const auto t0 = std::chrono::steady_clock::now();
     try {
       work->wait();

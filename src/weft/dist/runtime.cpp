@@ -1,5 +1,6 @@
 #include "weft/dist/runtime.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/accumulate.h>  // c10::multiply_integers
 #include <torch/torch.h>
 
@@ -158,10 +159,18 @@ struct Runtime::Impl {
   bool tracing = false;
   double step_t0 = 0;
   std::vector<plan::TraceEvent> trace;
+  // A traced op of the step; also a user-scope range in operator traces (train/op_trace.h).
   struct Span {
+    Span(Impl* runtime, std::string op, std::string cat)
+        : rt(runtime), name(std::move(op)), category(std::move(cat)) {
+      if (record.isActive()) record.before(name);
+    }
+    Span(const Span&) = delete;
+    Span& operator=(const Span&) = delete;
     Impl* rt;
     std::string name, category;
     double t0 = now(), wait0 = rt->times.p2p_wait_seconds;
+    at::RecordFunction record{at::RecordScope::USER_SCOPE};
     ~Span() {
       if (!rt->tracing) return;
       const double wait = rt->times.p2p_wait_seconds - wait0;

@@ -9,6 +9,7 @@
 #include "weft/model/blocked_attention.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -381,6 +382,7 @@ bool blocked_attention_applies(const at::Tensor& q, const at::Tensor& k, int64_t
 
 at::Tensor blocked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& visible, double scale, int64_t block) {
+  RECORD_FUNCTION("weft::blocked_attention", std::vector<c10::IValue>({q, k, v, visible}));
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
               "blocked_attention: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());

@@ -1,5 +1,6 @@
 #include "weft/model/chunked_attention.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <array>
@@ -411,6 +412,7 @@ ChunkMasks chunk_masks(const at::Tensor& mask, const std::vector<AttentionChunk>
 at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::vector<AttentionChunk>& chunks, const ChunkMasks& masks,
                              double scale, TileKernels kernels) {
+  RECORD_FUNCTION("weft::chunked_attention", std::vector<c10::IValue>({q, k, v}));
   WEFT_ASSERT(!chunks.empty(), "chunked_attention: no chunks");
   int64_t next = 0;  // the blocks tile the queries in order
   size_t masked = 0;

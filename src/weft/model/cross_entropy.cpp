@@ -1,5 +1,6 @@
 #include "weft/model/cross_entropy.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -138,6 +139,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
 at::Tensor linear_cross_entropy_sum(const at::Tensor& rows, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows,
                                     const dist::Comm& tp) {
+  RECORD_FUNCTION("weft::linear_cross_entropy_sum",
+                  std::vector<c10::IValue>({rows, weight, targets}));
   WEFT_ASSERT(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1) &&
                   targets.dim() == 1 && targets.size(0) == rows.size(0) &&
                   rows.scalar_type() == weight.scalar_type(),

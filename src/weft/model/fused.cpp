@@ -1,6 +1,7 @@
 #include "weft/model/fused.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -52,6 +53,7 @@ double sum_squares(const at::Tensor& x) {
 }
 
 at::Tensor squares_each(const std::vector<at::Tensor>& xs, c10::Device device) {
+  RECORD_FUNCTION("weft::squares_each", std::vector<c10::IValue>());
   const at::TensorOptions dbl = at::TensorOptions().dtype(at::kDouble).device(device);
   if (device.is_cpu()) {
     at::Tensor out = at::zeros({static_cast<int64_t>(xs.size())}, dbl);
@@ -116,6 +118,7 @@ at::Tensor norm_of_squares(const at::Tensor& squares) { return total_of(squares)
 
 void adamw_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                   const at::Tensor& v, const AdamWUpdate& u) {
+  RECORD_FUNCTION("weft::adamw_update", std::vector<c10::IValue>({p, g, m, v}));
   if (!(fusable(p) && fusable(g) && fusable(m) && fusable(v))) {
     torch::NoGradGuard no_grad;
     const at::Tensor gs = u.grad_scale == 1 ? g : g * u.grad_scale;
@@ -289,6 +292,7 @@ struct MaskedSoftmax : torch::autograd::Function<MaskedSoftmax> {
 }  // namespace
 
 at::Tensor cross_entropy_rows(at::Tensor& logits, const at::Tensor& targets, bool grad) {
+  RECORD_FUNCTION("weft::cross_entropy_rows", std::vector<c10::IValue>({logits, targets}));
   if (!logits.device().is_cpu() || logits.dim() != 2 || !logits.is_contiguous() ||
       (logits.scalar_type() != at::kFloat && logits.scalar_type() != at::kBFloat16))
     return {};
@@ -315,6 +319,7 @@ at::Tensor cross_entropy_rows(at::Tensor& logits, const at::Tensor& targets, boo
 }
 
 at::Tensor masked_softmax(const at::Tensor& scores, const at::Tensor& visible, double scale) {
+  RECORD_FUNCTION("weft::masked_softmax", std::vector<c10::IValue>({scores, visible}));
   if (softmax_fusable(scores)) return MaskedSoftmax::apply(scores, &visible, scale);
   // Reference ops: fp32 softmax over the visible keys.
   at::Tensor s = scores.to(at::kFloat).mul(scale);

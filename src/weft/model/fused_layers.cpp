@@ -1,6 +1,7 @@
 // Fused RMSNorm, LayerNorm, SwiGLU, GELU, RoPE and patchify (fused.h): autograd ops over rows of
 // the last dim, math in fp32 (fused_math.h), parallel over rows or elements.
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -639,6 +640,7 @@ struct RopeCudaFn : torch::autograd::Function<RopeCudaFn> {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("weft::rms_norm", std::vector<c10::IValue>({x, weight}));
   if (fusable(x) && fusable_param(weight, x.size(-1))) return RmsNormFn::apply(x, weight, eps);
 #ifdef WEFT_CUDA_KERNELS
   if (cuda_fusable(x) && cuda_fusable_param(weight, x) && x.size(-1) <= cuda::rms_norm_max_width())
@@ -650,6 +652,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       double eps) {
+  RECORD_FUNCTION("weft::layer_norm", std::vector<c10::IValue>({x, weight, bias}));
   const int64_t n = x.size(-1);
   if (fusable(x) && fusable_param(weight, n) && fusable_param(bias, n))
     return LayerNormFn::apply(x, weight, bias, eps);
@@ -657,6 +660,7 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
 }
 
 at::Tensor swiglu(const at::Tensor& gate_up) {
+  RECORD_FUNCTION("weft::swiglu", std::vector<c10::IValue>({gate_up}));
   if (fusable(gate_up) && gate_up.size(-1) % 2 == 0) return SwiGluFn::apply(gate_up);
 #ifdef WEFT_CUDA_KERNELS
   if (cuda_fusable(gate_up) && gate_up.size(-1) % 2 == 0) return SwiGluCudaFn::apply(gate_up);
@@ -666,11 +670,13 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 }
 
 at::Tensor gelu_erf(const at::Tensor& x) {
+  RECORD_FUNCTION("weft::gelu_erf", std::vector<c10::IValue>({x}));
   if (fusable(x)) return GeluFn::apply(x);
   return compat::gelu(x);
 }
 
 at::Tensor patchify(const at::Tensor& images, int64_t k) {
+  RECORD_FUNCTION("weft::patchify", std::vector<c10::IValue>({images, k}));
   TORCH_CHECK(images.dim() == 4 && k >= 1 && images.size(2) >= k && images.size(3) >= k,
               "patchify: images ", images.sizes(), " have no whole ", k, "x", k, " patch");
   if (images.device().is_cpu()) return PatchifyFn::apply(images, k);
@@ -684,6 +690,7 @@ at::Tensor patchify(const at::Tensor& images, int64_t k) {
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& rot_sin) {
+  RECORD_FUNCTION("weft::rope", std::vector<c10::IValue>({x, cos, rot_sin}));
   auto table_fits = [&](const at::Tensor& t) {
     return t.device() == x.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
            t.dim() == 4 && t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == 1 &&

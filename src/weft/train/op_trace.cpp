@@ -84,6 +84,7 @@ struct Recorder {
     uint32_t dims;      // shapes: per input, its rank then its sizes (rank -1: not a tensor)
     uint32_t ndims;
     bool async;
+    bool user;  // a user-scope range (the runtime's step ops)
   };
   struct Open {                    // an operator started and not ended
     const at::RecordFunction* fn;  // its record (unset handles are all 0), alive until its end
@@ -158,6 +159,7 @@ std::unique_ptr<at::ObserverContext> op_started(const at::RecordFunction& fn) {
   op.start = t;
   op.end = -1;
   op.async = fn.isAsync();
+  op.user = fn.scope() == at::RecordScope::USER_SCOPE;
   op.dims = static_cast<uint32_t>(r.dims.size());
   for (const c10::IValue& v : fn.inputs()) {
     if (!room) break;
@@ -197,7 +199,8 @@ void op_ended(const at::RecordFunction& fn, at::ObserverContext*) {
 
 // The recorded operators as complete ("X") events, times in microseconds from the first start.
 // Asynchronous ones (in flight while other work runs: Gloo's collectives) are in category
-// "async", apart from the "cpu_op" nesting; one still running at the end ends there.
+// "async", apart from the "cpu_op" nesting, and user-scope ranges in "user_annotation" (as Kineto
+// puts them); one still running at the end ends there.
 nlohmann::json recorded_events(const Recorder& r, double stopped) {
   using nlohmann::json;
   double t0 = stopped;
@@ -214,7 +217,9 @@ nlohmann::json recorded_events(const Recorder& r, double stopped) {
     }
     const double end = op.end < 0 ? stopped : op.end;
     events.push_back({{"ph", "X"},
-                      {"cat", op.async ? "async" : "cpu_op"},
+                      {"cat", op.async  ? "async"
+                              : op.user ? "user_annotation"
+                                        : "cpu_op"},
                       {"name", std::string(&r.chars[op.name], op.name_length)},
                       {"pid", 0},
                       {"tid", op.thread},

@@ -1,6 +1,9 @@
 // The operators of a stretch of work as a Chrome / Perfetto trace, each with its input shapes
 // ("Input Dims", as Kineto writes them): `weft bench step --profile` and `weft train
 // --trace-ops` (every rank's operators in the traced step). bench/trace_summary.py summarises one.
+// Besides LibTorch's operators it holds every RecordFunction range: the runtime's step ops
+// (dist/runtime.cpp's spans, "llm fwd mb0 s0") and weft's own kernels, collectives and waits
+// ("weft::rms_norm", "weft::reduce_from", "weft::wait all_reduce_sum").
 #pragma once
 
 #include <string>
