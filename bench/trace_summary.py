@@ -9,9 +9,10 @@ weft's own kernels, copies and casts, ...) with their summed device time, and th
 writes weft's trace of operators: they are summed by name (time includes the operators they
 call), with the step's ops (weft's spans, "llm fwd mb0 s0") and asynchronous ones (Gloo's
 collectives, in flight while other work runs) apart. Either way the heaviest entries follow, by
-name. Then where the copies come from: for the kinds "copies and casts" and "other element-wise" (GPU), or the copying operators
-(CPU), the operator paths that ran them (the innermost operator, its callers and the backward node
-it ran under) with the innermost operator's input shapes, heaviest first.
+name. Then where the copies come from: for the kinds "copies and casts" and "other element-wise"
+(GPU), or the copying operators (CPU), the operator paths that ran them (the innermost operator,
+its callers and the backward node it ran under) with the innermost operator's input shapes,
+heaviest first.
 """
 import argparse
 import collections
