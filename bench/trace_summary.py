@@ -67,6 +67,19 @@ def op_paths(ops):
     return paths
 
 
+def covered(events):
+    """The time inside any recorded range on the busiest thread: the union of its ranges."""
+    counts = collections.Counter(e["tid"] for e in events)
+    ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e["tid"] == counts.most_common(1)[0][0])
+    total, end = 0.0, float("-inf")
+    for a, b in ranges:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def path_label(path, shapes, depth=4):
     shown = " > ".join(path[-depth:]) or "(no operator)"
     dims = [d for d in (shapes or []) if d]  # scalars and absent arguments have no dims
@@ -129,7 +142,10 @@ def main():
                  else by_name)[e["name"]]
             d[0] += 1
             d[1] += e["dur"]
-        print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)\n")
+        print(f"{len(events)} operators over {span / 1e3:.1f} ms (CPU times, nested included)")
+        inside = covered([e for e in events if e.get("cat") != "async"])
+        print(f"{inside / 1e3:.1f} ms of it inside recorded operators or the step's ops on the "
+              f"busiest thread ({100 * inside / max(span, 1e-9):.0f}%)\n")
         if step_ops:
             print("\nthe step's ops (as trace.json names them):\n")
             table(sorted(step_ops.items(), key=lambda kv: -kv[1][1])[:a.top], span, "the span")

@@ -50,6 +50,12 @@ done
 grep -Eq "^\| (aten::|matmuls)" "$tmp/summary" || { cat "$tmp/summary"; die "no operators or kernels in the summary"; }
 grep -Eq "^\| (aten::to > aten::_to_copy|.*aten::copy_) \[\[" "$tmp/summary" \
   || { cat "$tmp/summary"; die "no copies with their callers and shapes in the summary"; }
+# A CPU trace covers the step: weft's own kernels and waits are ranges too (no GPU kernels here).
+if ! grep -q "GPU kernels" "$tmp/summary"; then
+  inside=$(sed -n 's/.*inside recorded operators.*(\([0-9]*\)%)$/\1/p' "$tmp/summary")
+  [ -n "$inside" ] && [ "$inside" -ge 90 ] \
+    || { cat "$tmp/summary"; die "the trace leaves ${inside:-?}% of the step outside any range (want >= 90%)"; }
+fi
 # A Kineto-style trace: each kernel is put under the operator path that launched it.
 cat > "$tmp/kineto.json" <<'JSON'
 {"traceEvents": [
