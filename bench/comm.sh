@@ -13,7 +13,13 @@
 #  - DP2 with and without ZeRO-1 (reduce-scatter, each rank steps its shard, all-gather), and
 #    ZeRO-1 with the parameter all-gather overlapped with the next forward (the default) and
 #    waited for after the optimizer step: the step time, the exposed gradient reduction, the
-#    optimizer step and the time forward waited for parameters, alternately, twice each.
+#    optimizer step and the time forward waited for parameters, alternately, twice each;
+#  - the blocking collectives through shared memory (train.shared_memory_collectives, the
+#    default) against Gloo's TCP loopback, for LLM TP2, TP2 + SP, TP2 + SP on the vision encoder
+#    too, LLM CP2 and DP2: step time and time blocked in collectives, alternately, twice each,
+#    with the losses of both compared.
+# The TP overlap runs keep their collectives on Gloo (train.shared_memory_collectives = false):
+# through shared memory nothing overlaps.
 # All runs happen here, in one invocation, so the ratios compare like with like.
 #   usage: bench/comm.sh [BUILD_DIR] [STEPS] [BUCKET_MB]
 set -euo pipefail
@@ -47,7 +53,8 @@ for round in 1 2; do
       name=tp2_sp${sp}_overlap${overlap}_$round
       "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
         "${common[@]}" --set parallel.llm.tp=2 --set parallel.llm.sp=$sp \
-        --set train.overlap_tp_comm=$overlap --out "$tmp/$name" --quiet \
+        --set train.overlap_tp_comm=$overlap --set train.shared_memory_collectives=false \
+        --out "$tmp/$name" --quiet \
         > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
     done
   done
@@ -61,6 +68,26 @@ for round in 1 2; do
       "${common[@]}" --set train.zero_stage=${zero%w} \
       --set train.overlap_param_gather=$([ "$zero" = 1w ] && echo false || echo true) \
       --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+  done
+done
+
+shm_layouts=(
+  "tp2:parallel.llm.tp=2"
+  "tp2sp:parallel.llm.tp=2 parallel.llm.sp=true"
+  "tp2sp_both:parallel.llm.tp=2 parallel.llm.sp=true parallel.vision.tp=2 parallel.vision.sp=true"
+  "cp2:parallel.llm.cp=2"
+  "dp2:"
+)
+for round in 1 2; do
+  for layout in "${shm_layouts[@]}"; do
+    sets=(); for kv in ${layout#*:}; do sets+=(--set "$kv"); done
+    order="true false"; [ $round -eq 2 ] && order="false true"
+    for shm in $order; do
+      name=shm_${layout%%:*}_${shm}_$round
+      "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
+        "${common[@]}" "${sets[@]}" --set train.shared_memory_collectives=$shm \
+        --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+    done
   done
 done
 
@@ -106,4 +133,17 @@ print(f"ZeRO-1's parameter all-gather waited for after the optimizer / overlappe
       f"forward: step time {zero('1w', 'step_seconds') / zero(1, 'step_seconds'):.3f}x; optimizer "
       f"step {zero('1w', 'optimizer_seconds'):.4f} s vs {zero(1, 'optimizer_seconds'):.4f} s; "
       f"forward waiting for parameters {zero(1, 'param_wait_seconds'):.4f} s overlapped")
+names = {"tp2": "LLM TP2", "tp2sp": "LLM TP2 + SP", "tp2sp_both": "TP2 + SP, vision and LLM",
+         "cp2": "LLM CP2", "dp2": "DP2"}
+print("blocking collectives through shared memory vs over Gloo (mean of two rounds' medians):")
+for key, label in names.items():
+    def both(shm, k):
+        return statistics.mean(med(load(f"shm_{key}_{shm}_{r}"), k) for r in (1, 2))
+    losses = {shm: [r["loss"] for r in load(f"shm_{key}_{shm}_1")] for shm in ("true", "false")}
+    same = "identical" if losses["true"] == losses["false"] else (
+        f"differ by at most {max(abs(a - b) for a, b in zip(losses['true'], losses['false'])):.2e}")
+    print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
+          f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); blocked in collectives "
+          f"{both('true', 'collective_wait_seconds'):.4f} s vs {both('false', 'collective_wait_seconds'):.4f} s; "
+          f"losses {same}")
 PY

@@ -219,6 +219,16 @@ def media_text(prof):
     return "".join(f", {name} media {1e3 * v:.3f} ms" for name, v in media.items())
 
 
+def blocking_text(comm):
+    """The blocking collectives' transport, where the profile says (older profiles do not)."""
+    if comm.get("activation_transport") != "shared memory":
+        return ""
+    b, a = comm["all_reduce_blocking"], comm["all_reduce_compute"]
+    return (f"; blocking collectives through shared memory: fp32 all-reduce {b['latency_us']:.0f} "
+            f"us per hop + {b['bandwidth_gbs']:.2f} GB/s, in the compute dtype "
+            f"{a['latency_us']:.0f} us + {a['bandwidth_gbs']:.2f} GB/s")
+
+
 def machine():
     return results_md.machine()
 
@@ -280,7 +290,8 @@ def main():
              f"{prof['device']}; data preparation {1e3 * prof['data']['seconds_per_sample']:.3f} "
              f"ms per sample{media_text(prof)}; Gloo two-rank all-reduce {comm['all_reduce']['latency_us']:.0f} us "
              f"per hop + {comm['all_reduce']['bandwidth_gbs']:.2f} GB/s, point-to-point "
-             f"{comm['p2p']['latency_us']:.0f} us + {comm['p2p']['bandwidth_gbs']:.2f} GB/s.", "",
+             f"{comm['p2p']['latency_us']:.0f} us + {comm['p2p']['bandwidth_gbs']:.2f} GB/s"
+             f"{blocking_text(comm)}.", "",
              "| plan | measured s | simulated s (profile) | simulated / measured | "
              "FLOP model s (cpu-local.toml) | per round: measured / simulated |",
              "|---|---|---|---|---|---|"]

@@ -79,7 +79,8 @@ int cmd_train(const std::string& config, const std::vector<std::string>& sets,
   const bool cuda = weft::dist::select_device(spec.train.device, world.local_rank).is_cuda();
   opts.local_rank = world.local_rank;
   opts.comm = weft::dist::Comm::connect(
-      world, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)), cuda);
+      world, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)), cuda,
+      spec.train.shared_memory_collectives);
   if (world.world_size > 1)
     std::fprintf(stderr, "weft: rank %d of %d connected (rendezvous %s:%d)\n", world.rank,
                  world.world_size, world.master_addr.c_str(), world.master_port);
@@ -309,10 +310,12 @@ int main(int argc, char** argv) {
   int peer_port = 0;
   int64_t peer_reps = 5, peer_warmup = 2;
   std::string peer_dtype = "fp32";
+  int peer_shared_memory = 1;
   comm_peer->add_option("--port", peer_port)->required();
   comm_peer->add_option("--reps", peer_reps);
   comm_peer->add_option("--warmup", peer_warmup);
   comm_peer->add_option("--dtype", peer_dtype);
+  comm_peer->add_option("--shared-memory", peer_shared_memory)->check(CLI::Range(0, 1));
 
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
@@ -364,7 +367,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*comm_peer) {
-      weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype);
+      weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype,
+                             peer_shared_memory != 0);
       return 0;
     }
     if (*prof) {

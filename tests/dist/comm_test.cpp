@@ -1,10 +1,12 @@
 // Comm over real Gloo groups, one thread per rank in one process (in-memory store).
 #include "weft/dist/comm.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <mutex>
 
 #include "support/ranks.h"
@@ -313,6 +315,94 @@ TEST(Comm, AsyncCollectivesInFlightTogether) {
         torch::equal(ga, torch::cat({torch::full({2, 3}, 10.0), torch::full({2, 3}, 20.0)})));
     EXPECT_TRUE(torch::equal(gathered.wait(), ga));  // waited again: the same result
   });
+}
+
+// The blocking CPU collectives through shared memory (dist/shm.h) give what Gloo gives, for
+// every dtype, on tensors of several slots (a slot of a 3-rank group is about 1.3 MiB), with
+// Gloo's async variants in flight beside them; subgroups get their own slots.
+TEST(Comm, SharedMemoryCollectivesMatchGloo) {
+  std::mutex mu;
+  std::map<std::pair<int, bool>, std::vector<at::Tensor>> results;  // (rank, shared memory)
+  for (const bool shared : {true, false}) {
+    run_ranks(
+        3,
+        [&](const Comm& c) {
+          EXPECT_EQ(c.shared_memory(), shared);
+          const int r = c.rank();
+          auto data = [&](int64_t n, at::ScalarType type) {
+            at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(7 + r + n));
+            at::Tensor x = at::randn({n}, gen);
+            return type == at::kLong ? (x * 1000).to(type) : x.to(type);
+          };
+          std::vector<at::Tensor> out;
+          at::Tensor in_flight = torch::full({1000}, r + 1.0);
+          Pending pending = c.all_reduce_sum_async(in_flight);  // Gloo, beside the blocking ones
+          for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf, at::kLong}) {
+            for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+              at::Tensor t = data(n, type);
+              c.all_reduce_sum(t);
+              out.push_back(t);
+              at::Tensor m = data(n, type == at::kLong ? at::kLong : at::kFloat);  // Gloo's
+              c.all_reduce_max(m);
+              out.push_back(m);
+              out.push_back(c.all_gather(data(n, type).view({n, 1})));
+              out.push_back(c.reduce_scatter_sum(data(3 * n, type).view({3, n})));
+            }
+          }
+          pending.wait();
+          EXPECT_TRUE(torch::equal(in_flight, torch::full({1000}, 6.0)));
+          Comm pair = c.subgroup({0, 2});
+          if (r != 1) {
+            EXPECT_EQ(pair.shared_memory(), shared);
+            at::Tensor t = torch::full({5}, r + 1.0);
+            pair.all_reduce_sum(t);
+            EXPECT_TRUE(torch::equal(t, torch::full({5}, 4.0)));
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          results[{r, shared}] = out;
+        },
+        shared);
+  }
+  for (int r = 0; r < 3; ++r) {
+    const auto& a = results.at({r, true});
+    const auto& b = results.at({r, false});
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].sizes(), b[i].sizes()) << "result " << i;
+      EXPECT_EQ(a[i].scalar_type(), b[i].scalar_type()) << "result " << i;
+      // Gloo's ring sums three ranks' floats in another order than rank order: the sums agree
+      // to rounding; everything else bit for bit.
+      if (i % 4 == 0 && a[i].is_floating_point())
+        EXPECT_TRUE(torch::allclose(a[i].to(at::kFloat), b[i].to(at::kFloat), 1e-5, 1e-5))
+            << "result " << i << " of rank " << r;
+      else
+        EXPECT_TRUE(torch::equal(a[i], b[i])) << "result " << i << " of rank " << r;
+    }
+    // Every rank holds the same sums and maxima (identical bits, as TP's replicas need).
+    for (size_t i = 0; i < a.size(); i += 4) {
+      EXPECT_TRUE(torch::equal(a[i], results.at({0, true})[i]));
+      EXPECT_TRUE(torch::equal(a[i + 1], results.at({0, true})[i + 1]));
+    }
+  }
+}
+
+// Ranks that call a group's collectives out of step (another collective, or another size, in
+// the same place) get an error naming the mismatch rather than each other's bytes.
+TEST(Comm, SharedMemoryCollectivesOutOfStepAreAnError) {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](const Comm& c) {
+    at::Tensor t = torch::ones({c.rank() == 0 ? 4 : 5});
+    try {
+      c.all_reduce_sum(t);
+      ADD_FAILURE() << "rank " << c.rank() << ": no error";
+    } catch (const weft::Error& e) {
+      errors[static_cast<size_t>(c.rank())] = e.what();
+    }
+    at::Tensor u = torch::ones({4});
+    EXPECT_THROW(c.all_reduce_sum(u), weft::Error);  // the group stays failed
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("another size, in the same place"), std::string::npos) << e;
 }
 
 }  // namespace

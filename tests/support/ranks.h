@@ -1,12 +1,14 @@
 // Test support: a multi-rank group inside one process, one thread per rank over an in-memory
 // store (the c10d test pattern). run_ranks returns when every rank is done and rethrows the
-// first failure, so a failed EXPECT/ASSERT or an exception on any rank fails the test.
+// first failure, so a failed EXPECT/ASSERT or an exception on any rank fails the test. The ranks'
+// blocking CPU collectives go through shared memory unless shared_memory is false (Gloo's).
 #pragma once
 
 #include <c10/core/AutogradState.h>
 #include <torch/version.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <string>
@@ -17,7 +19,8 @@
 
 namespace weft::testing {
 
-inline void run_ranks(int size, const std::function<void(const dist::Comm&)>& fn) {
+inline void run_ranks(int size, const std::function<void(const dist::Comm&)>& fn,
+                      bool shared_memory = true) {
   static std::atomic<int> groups{0};
   const std::string key = "test_group_" + std::to_string(groups++);
   std::vector<std::thread> threads;
@@ -32,7 +35,7 @@ inline void run_ranks(int size, const std::function<void(const dist::Comm&)>& fn
       c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
 #endif
       try {
-        fn(dist::Comm::in_memory(key, r, size));
+        fn(dist::Comm::in_memory(key, r, size, std::chrono::seconds(60), shared_memory));
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
       }

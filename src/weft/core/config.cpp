@@ -109,7 +109,8 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "overlap_tp_comm",
                                            "grad_bucket_mb",
                                            "cast_once",
-                                           "frozen_fp32"};
+                                           "frozen_fp32",
+                                           "shared_memory_collectives"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
 constexpr std::string_view kLayoutKeys[] = {"dp",  "tp", "pp", "cp",    "ep",
                                             "etp", "vp", "sp", "stages"};
@@ -780,6 +781,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.amount("grad_bucket_mb", &t->grad_bucket_mb);
   s.read("cast_once", &t->cast_once);
   s.read("frozen_fp32", &t->frozen_fp32);
+  s.read("shared_memory_collectives", &t->shared_memory_collectives);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -1071,6 +1073,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("grad_bucket_mb", t.grad_bucket_mb);
   w.put("cast_once", t.cast_once);
   w.put("frozen_fp32", t.frozen_fp32);
+  w.put("shared_memory_collectives", t.shared_memory_collectives);
 
   w.header("output");
   w.put("dir", spec.output.dir);

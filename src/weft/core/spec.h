@@ -269,6 +269,10 @@ struct TrainSpec {
   // forward passes cast (all but norms and routers) in the compute dtype, as they are used:
   // half the memory, no casts, the same results (model::ParamSet::hold_cast_params_in).
   bool frozen_fp32 = false;
+  // Ranks of one host run their blocking CPU collectives (TP / SP / CP activations, the loss
+  // and gradient-norm sums) through shared memory instead of Gloo's TCP loopback
+  // (dist/comm.h); false keeps them on Gloo (for measuring).
+  bool shared_memory_collectives = true;
 };
 
 struct OutputSpec {

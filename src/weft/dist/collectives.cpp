@@ -130,11 +130,13 @@ variable_list column_backward(AutogradContext* ctx, const at::Tensor& g, bool bi
   // needed, so that the matmuls between run while it is in flight (every rank issues them in the
   // same order): x's all-gather during the input gradient's matmul, the input gradient's
   // reduction during the weight gradient's.
+  // Through shared memory (CPU ranks of one host) the copies are the computing core's own work:
+  // nothing runs on meanwhile, and the blocking calls take that path.
   std::optional<PendingTensor> gathered_x;
-  const bool overlap = g_overlap_tp_comm.load(std::memory_order_relaxed);
+  const bool overlap = g_overlap_tp_comm.load(std::memory_order_relaxed) && !group.shared_memory();
   if (sp && ctx->needs_input_grad(1)) {
-    gathered_x = group.all_gather_async(x.transpose(0, dim).contiguous());
-    if (!overlap) gathered_x->wait();
+    const at::Tensor xt = x.transpose(0, dim).contiguous();
+    gathered_x = overlap ? group.all_gather_async(xt) : PendingTensor(group.all_gather(xt));
   }
   std::optional<PendingTensor> scattered_gx;
   at::Tensor gx, gw, gb;
@@ -143,13 +145,14 @@ variable_list column_backward(AutogradContext* ctx, const at::Tensor& g, bool bi
     std::vector<int64_t> shape = g.sizes().vec();
     shape.back() = w.size(1);
     gx = gy.mm(w).view(shape);  // this rank's output features' share
-    if (sp)
-      scattered_gx = group.reduce_scatter_sum_async(gx.transpose(0, dim).contiguous());
-    else
+    if (sp) {
+      const at::Tensor gxt = gx.transpose(0, dim).contiguous();
+      scattered_gx = overlap ? group.reduce_scatter_sum_async(gxt)
+                             : PendingTensor(group.reduce_scatter_sum(gxt));
+    } else if (overlap) {
       reduced_gx = group.all_reduce_sum_async(gx);
-    if (!overlap) {
-      if (scattered_gx) scattered_gx->wait();
-      reduced_gx.wait();
+    } else {
+      group.all_reduce_sum(gx);
     }
   }
   if (ctx->needs_input_grad(1)) {

@@ -49,6 +49,8 @@ at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                          const Comm& group, int64_t sequence_dim = -1);
 // Whether column_linear's backward overlaps (default true; train.overlap_tp_comm). Off, it waits
 // for each collective where it is issued: the same results, for measuring what overlap gains.
+// A group whose blocking collectives go through shared memory (Comm::shared_memory()) does not
+// overlap: the copies are the computing core's own work.
 // Process-wide: backward may run on another thread (an autograd device thread).
 void set_overlap_tp_comm(bool overlap);
 

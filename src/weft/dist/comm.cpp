@@ -24,6 +24,7 @@
 #endif
 
 #include "weft/core/error.h"
+#include "weft/dist/shm.h"
 
 namespace weft::dist {
 
@@ -118,6 +119,10 @@ struct Comm::Impl {
   // are matched by tag, which NCCL does not do).
   c10::intrusive_ptr<Backend> device;
   bool device_collectives = false;
+  // The blocking collectives of CPU tensors between ranks of one host (comm.h shared_memory()):
+  // null where the group has ranks on several hosts, or was connected without.
+  std::unique_ptr<SharedSlots> shm;
+  bool shared_memory = true;  // wanted: subgroups ask for it too
   int rank = 0, size = 1;
   std::string master_addr = "127.0.0.1";
   std::chrono::milliseconds timeout{60000};
@@ -139,6 +144,9 @@ struct Comm::Impl {
     return *pg;
   }
 
+  // Whether a blocking collective of `t` goes through the shared-memory slots.
+  bool shared(const at::Tensor& t) const { return shm && t.is_cpu(); }
+
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
     RECORD_FUNCTION(std::string("weft::wait ") + op, std::vector<c10::IValue>());
     const auto t0 = std::chrono::steady_clock::now();
@@ -157,10 +165,58 @@ struct Comm::Impl {
 };
 
 namespace {
+// Slot bytes per rank and slot set: 8 MiB in all for the group's two sets, at most 2 MiB each.
+// A group with device collectives moves only small host tensors (loss sums, flags) this way:
+// 64 KiB slots.
+size_t slot_bytes_for(int size, bool device_collectives) {
+  if (device_collectives) return 64 << 10;
+  const size_t per = (size_t{4} << 20) / static_cast<size_t>(size) / 4096 * 4096;
+  return std::min<size_t>(std::max<size_t>(per, 64 << 10), 2 << 20);
+}
+
+// The group's shared-memory slots, where every rank can map the segment rank 0 makes (so every
+// rank is on rank 0's host): rank 0 makes it and names it in the store, the others open it, and
+// all agree over Gloo, so that every rank takes the same path. Rank 0 then removes the name;
+// the segment goes with the last rank to exit.
+void connect_shared_slots(Comm::Impl& impl) {
+  const std::string key = "weft/shm";
+  std::string why;
+  std::unique_ptr<SharedSlots> slots;
+  try {
+    if (impl.rank == 0) {
+      slots =
+          SharedSlots::create(impl.size, slot_bytes_for(impl.size, impl.device_collectives), &why);
+      std::string v = slots ? slots->name() + " " + std::to_string(slots->nonce()) : "-";
+      impl.store->set(key, std::vector<uint8_t>(v.begin(), v.end()));
+    } else {
+      const std::vector<uint8_t> v = impl.store->get(key);
+      const std::string text(v.begin(), v.end());
+      const size_t space = text.find(' ');
+      if (space != std::string::npos)
+        slots = SharedSlots::open(text.substr(0, space), std::stoull(text.substr(space + 1)),
+                                  impl.rank, impl.size, &why);
+    }
+    at::Tensor ok = torch::tensor({slots ? 1 : 0}, torch::kInt);
+    std::vector<at::Tensor> v{ok};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MIN;
+    impl.wait(impl.pg->allreduce(v, opts), "connecting shared-memory collectives");
+    if (impl.rank == 0 && slots) slots->unlink();
+    if (ok.item<int>() == 1) impl.shm = std::move(slots);
+  } catch (const weft::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    WEFT_FAIL("rank ", impl.rank, " of ", impl.size,
+              ": connecting shared-memory collectives: ", message_of(e));
+  }
+}
+
 std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                        const std::string& master_addr,
-                                       std::chrono::milliseconds timeout, bool device_collectives) {
+                                       std::chrono::milliseconds timeout, bool device_collectives,
+                                       bool shared_memory) {
   auto impl = std::make_shared<Comm::Impl>();
+  impl->shared_memory = shared_memory;
   impl->store = store;
   impl->rank = rank;
   impl->size = size;
@@ -176,6 +232,7 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
       WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", message_of(e));
     }
   }
+  if (size > 1 && shared_memory) connect_shared_slots(*impl);
   if (size > 1 && device_collectives) {
 #ifdef WEFT_CUDA
     // NCCL's communicator is made on the first collective, on the current device (set_device).
@@ -199,7 +256,7 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
 Comm::Comm() : impl_(std::make_shared<Impl>()) {}
 
 Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout,
-                   bool device_collectives) {
+                   bool device_collectives, bool shared_memory) {
   Comm c;
   if (world.world_size == 1) return c;
   c10d::TCPStoreOptions opts;
@@ -235,12 +292,12 @@ Comm Comm::connect(const WorldInfo& world, std::chrono::milliseconds timeout,
     arrived = store->add(key, 0);
   }
   c.impl_ = make_group(store, world.rank, world.world_size, world.master_addr, timeout,
-                       device_collectives);
+                       device_collectives, shared_memory);
   return c;
 }
 
 Comm Comm::in_memory(const std::string& store_key, int rank, int size,
-                     std::chrono::milliseconds timeout) {
+                     std::chrono::milliseconds timeout, bool shared_memory) {
   static std::mutex mu;
   static std::map<std::string, c10::intrusive_ptr<c10d::Store>> stores;
   c10::intrusive_ptr<c10d::Store> store;
@@ -251,12 +308,14 @@ Comm Comm::in_memory(const std::string& store_key, int rank, int size,
     store = s;
   }
   Comm c;
-  c.impl_ = make_group(store, rank, size, "127.0.0.1", timeout, /*device_collectives=*/false);
+  c.impl_ = make_group(store, rank, size, "127.0.0.1", timeout, /*device_collectives=*/false,
+                       shared_memory);
   return c;
 }
 
 int Comm::rank() const { return impl_->rank; }
 int Comm::size() const { return impl_->size; }
+bool Comm::shared_memory() const { return impl_->shm != nullptr; }
 
 Comm Comm::subgroup(const std::vector<int>& ranks) const {
   WEFT_CHECK(!ranks.empty(), "subgroup: empty rank list");
@@ -271,7 +330,8 @@ Comm Comm::subgroup(const std::vector<int>& ranks) const {
   for (int r : ranks) prefix += "_" + std::to_string(r);
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
   c.impl_ = make_group(store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
-                       impl_->master_addr, impl_->timeout, impl_->device_collectives);
+                       impl_->master_addr, impl_->timeout, impl_->device_collectives,
+                       impl_->shared_memory);
   return c;
 }
 
@@ -279,6 +339,138 @@ namespace {
 // Gloo on LibTorch 1.13 cannot reduce bf16: reduce in fp32 and copy back (NCCL can).
 bool needs_fp32(const at::Tensor& t) {
   return !t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+}
+
+// Shared-memory collectives (Impl::shm): the tensor goes through the slots in pieces of at most a
+// slot, one exchange each. Every rank reads every slot and sums them in rank order, so every rank
+// gets the same bits (as Gloo's; 2-byte floats are summed in fp32 as Gloo's path does).
+enum class SharedOp : uint64_t { kSum = 1, kMax, kGather, kScatter };
+
+// An exchange's identity, the same on every rank that makes the same call (SharedSlots::exchange).
+uint64_t what_of(SharedOp op, at::ScalarType type, int64_t numel) {
+  return static_cast<uint64_t>(op) << 56 | static_cast<uint64_t>(type) << 48 |
+         (static_cast<uint64_t>(numel) & ((uint64_t{1} << 48) - 1));
+}
+
+at::Tensor slot_view(const char* slot, int64_t len, at::ScalarType type) {
+  return at::from_blob(const_cast<char*>(slot), {len}, at::TensorOptions().dtype(type));
+}
+
+// dst = the sum over ranks of their slots' first dst.numel() elements, from byte `offset`
+// (dist::sum_slots; half through fp32 and integers through ATen).
+void sum_slots(at::Tensor dst, const char* const* slots, int size, size_t offset) {
+  const int64_t len = dst.numel();
+  const at::ScalarType type = dst.scalar_type();
+  switch (type) {
+    case at::kFloat:
+      return dist::sum_slots(SlotType::kFloat, dst.data_ptr(), slots, size, offset, len);
+    case at::kDouble:
+      return dist::sum_slots(SlotType::kDouble, dst.data_ptr(), slots, size, offset, len);
+    case at::kBFloat16:
+      return dist::sum_slots(SlotType::kBFloat16, dst.data_ptr(), slots, size, offset, len);
+    case at::kHalf: {
+      at::Tensor acc = slot_view(slots[0] + offset, len, type).to(at::kFloat);
+      for (int q = 1; q < size; ++q) acc.add_(slot_view(slots[q] + offset, len, type));
+      dst.copy_(acc);
+      return;
+    }
+    default:
+      at::add_out(dst, slot_view(slots[0] + offset, len, type),
+                  slot_view(slots[1] + offset, len, type));
+      for (int q = 2; q < size; ++q) dst.add_(slot_view(slots[q] + offset, len, type));
+  }
+}
+
+void shared_all_reduce(const Comm::Impl& impl, at::Tensor& t, bool max, const char* op) {
+  RECORD_FUNCTION(std::string("weft::shm ") + op, std::vector<c10::IValue>({t}));
+  WEFT_CHECK(t.is_contiguous(), op, ": tensor must be contiguous");
+  SharedSlots& s = *impl.shm;
+  const size_t es = t.element_size();
+  const int64_t per = static_cast<int64_t>(s.slot_bytes() / es), n = t.numel();
+  const at::ScalarType type = t.scalar_type();
+  const uint64_t what = what_of(max ? SharedOp::kMax : SharedOp::kSum, type, n);
+  at::Tensor flat = t.view({-1});
+  const char* data = static_cast<const char*>(t.data_ptr());
+  for (int64_t off = 0; off < n; off += per) {
+    const int64_t len = std::min(per, n - off);
+    at::Tensor dst = flat.narrow(0, off, len);
+    s.exchange(
+        what, [&](char* mine) { std::memcpy(mine, data + off * es, len * es); },
+        [&](const char* const* slots) {
+          if (!max) return sum_slots(dst, slots, s.size(), 0);
+          for (int q = 0; q < s.size(); ++q)
+            if (q != s.rank()) at::maximum_out(dst, dst, slot_view(slots[q], len, type));
+        },
+        op, impl.timeout);
+  }
+}
+
+at::Tensor shared_all_gather(const Comm::Impl& impl, const at::Tensor& t) {
+  RECORD_FUNCTION("weft::shm all_gather", std::vector<c10::IValue>({t}));
+  SharedSlots& s = *impl.shm;
+  const at::Tensor in = t.dim() == 0 ? t.reshape({1}) : t.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] *= s.size();
+  at::Tensor out = torch::empty(shape, in.options());
+  const size_t bytes = in.nbytes(), piece = s.slot_bytes();
+  const char* src = static_cast<const char*>(in.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const uint64_t what = what_of(SharedOp::kGather, in.scalar_type(), in.numel());
+  for (size_t off = 0; off < bytes; off += piece) {
+    const size_t len = std::min(piece, bytes - off);
+    s.exchange(
+        what, [&](char* mine) { std::memcpy(mine, src + off, len); },
+        [&](const char* const* slots) {
+          for (int q = 0; q < s.size(); ++q) std::memcpy(dst + q * bytes + off, slots[q], len);
+        },
+        "all_gather", impl.timeout);
+  }
+  return out;
+}
+
+// Each rank's slot holds, per destination rank d, the piece of d's chunk (dim 0's d-th share)
+// at d · (slot / size) bytes.
+at::Tensor shared_reduce_scatter(const Comm::Impl& impl, const at::Tensor& t) {
+  RECORD_FUNCTION("weft::shm reduce_scatter_sum", std::vector<c10::IValue>({t}));
+  SharedSlots& s = *impl.shm;
+  const at::Tensor in = t.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] /= s.size();
+  at::Tensor out = torch::empty(shape, in.options());
+  at::Tensor flat = out.view({-1});
+  const size_t es = in.element_size();
+  const int64_t chunk = out.numel();
+  const size_t share = s.slot_bytes() / static_cast<size_t>(s.size()) / 64 * 64;
+  const int64_t per = static_cast<int64_t>(share / es);
+  const char* src = static_cast<const char*>(in.data_ptr());
+  const uint64_t what = what_of(SharedOp::kScatter, in.scalar_type(), in.numel());
+  for (int64_t off = 0; off < chunk; off += per) {
+    const int64_t len = std::min(per, chunk - off);
+    s.exchange(
+        what,
+        [&](char* mine) {
+          for (int d = 0; d < s.size(); ++d)
+            std::memcpy(mine + d * share, src + (d * chunk + off) * es, len * es);
+        },
+        [&](const char* const* slots) {
+          sum_slots(flat.narrow(0, off, len), slots, s.size(), s.rank() * share);
+        },
+        "reduce_scatter_sum", impl.timeout);
+  }
+  return out;
+}
+
+// Adds the calling thread's seconds in `f` to blocked_seconds().
+template <typename F>
+auto blocked(F&& f) {
+  struct Clock {
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Clock() {
+      t_blocked_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } clock;
+  return f();
 }
 
 // The collective `op` of a device tensor, in place, through a host copy (Impl::staged).
@@ -290,7 +482,11 @@ void through_host(at::Tensor& t, const Op& op) {
 }
 }  // namespace
 
-void Comm::all_reduce_sum(at::Tensor& t) const { all_reduce_sum_async(t).wait(); }
+void Comm::all_reduce_sum(at::Tensor& t) const {
+  if (size() > 1 && impl_->shared(t))
+    return blocked([&] { shared_all_reduce(*impl_, t, false, "all_reduce_sum"); });
+  all_reduce_sum_async(t).wait();
+}
 
 Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
   if (size() == 1) return {};
@@ -315,6 +511,8 @@ Pending Comm::all_reduce_sum_async(at::Tensor& t) const {
 
 void Comm::all_reduce_max(at::Tensor& t) const {
   if (size() == 1) return;
+  if (impl_->shared(t))
+    return blocked([&] { shared_all_reduce(*impl_, t, true, "all_reduce_max"); });
   if (impl_->staged(t)) return through_host(t, [&](at::Tensor& h) { all_reduce_max(h); });
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
@@ -331,7 +529,10 @@ void Comm::broadcast(at::Tensor& t, int root) const {
   impl_->wait(impl_->group_for(t).broadcast(v, opts), "broadcast");
 }
 
-at::Tensor Comm::all_gather(const at::Tensor& t) const { return all_gather_async(t).wait(); }
+at::Tensor Comm::all_gather(const at::Tensor& t) const {
+  if (size() > 1 && impl_->shared(t)) return blocked([&] { return shared_all_gather(*impl_, t); });
+  return all_gather_async(t).wait();
+}
 
 PendingTensor Comm::all_gather_async(const at::Tensor& t) const {
   if (size() == 1) return PendingTensor(t.clone());
@@ -393,6 +594,11 @@ std::vector<std::string> Comm::all_gather_strings(const std::string& s) const {
 }
 
 at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
+  if (size() > 1 && impl_->shared(t)) {
+    WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
+               t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
+    return blocked([&] { return shared_reduce_scatter(*impl_, t); });
+  }
   return reduce_scatter_sum_async(t).wait();
 }
 

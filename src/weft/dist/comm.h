@@ -3,6 +3,12 @@
 // Gloo. In a CUDA build connected with device collectives, CUDA tensors' collectives go over
 // NCCL, and their point-to-point messages over Gloo through host memory.
 //
+// Between ranks of one host, the blocking collectives of CPU tensors (all_reduce_sum,
+// all_reduce_max, all_gather, reduce_scatter_sum) go through shared memory (dist/shm.h) rather
+// than Gloo's TCP loopback, unless the group was connected without (shared_memory = false); the
+// *_async variants and point-to-point messages always use Gloo, whose transport threads let them
+// run on while the caller computes.
+//
 // Contract (as c10d's): every rank of a group calls its collectives in the same order with
 // tensors of the same shape and dtype; calls block until the collective completes or the
 // group's timeout expires, which throws weft::Error naming the operation. Comm objects are
@@ -73,14 +79,20 @@ class Comm {
   // group and its subgroups also get an NCCL group for CUDA tensors (a CUDA build only; the
   // caller has set this process's device). Without one, CUDA tensors' collectives go through
   // host memory over Gloo (as point-to-point messages always do).
+  // shared_memory: blocking CPU collectives through shared memory where every rank of a group
+  // (and of its subgroups) is on one host (train.shared_memory_collectives).
   static Comm connect(const WorldInfo& world, std::chrono::milliseconds timeout,
-                      bool device_collectives = false);
+                      bool device_collectives = false, bool shared_memory = true);
   // In-process groups for tests: one thread per rank, all calling with the same `store_key`.
   static Comm in_memory(const std::string& store_key, int rank, int size,
-                        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                        std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                        bool shared_memory = true);
 
   int rank() const;
   int size() const;
+  // Whether this group's blocking CPU collectives go through shared memory (the same on every
+  // rank of the group).
+  bool shared_memory() const;
 
   // A group of the given ranks of this group (ascending, unique). Collective over *this* group:
   // every rank calls it with the same list; non-members get the single-rank group back.

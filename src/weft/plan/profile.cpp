@@ -327,6 +327,9 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
         add(&p.p2p_curve, "bytes", "p2p");
         add(&p.all_reduce_curve, "bytes", "all_reduce");
         add(&p.all_reduce_compute_curve, "compute_bytes", "all_reduce_compute");
+        if (k == 0 ? pts[k].contains("all_reduce_blocking")
+                   : !p.all_reduce_blocking_curve.bytes.empty())
+          add(&p.all_reduce_blocking_curve, "bytes", "all_reduce_blocking");
       }
     }
     if (c.contains("on_compute")) {
@@ -728,6 +731,7 @@ SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOpti
   options.data = profile_data_shape(profile, spec);
   options.p2p_curve = profile.p2p_curve;
   options.grad_curve = profile.all_reduce_curve;
+  options.blocking_curve = profile.all_reduce_blocking_curve;
   options.activation_curve = profile.all_reduce_compute_curve;
   options.comm_occupies_rank = profile.comm_on_compute;
   if (const int64_t vocab = profiled_vocab(profile); vocab > 0) options.unset_vocab = vocab;

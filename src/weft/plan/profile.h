@@ -66,9 +66,14 @@
 //  "data_shape": the data's mean sample, as data_shape_json writes it (optional: older profiles
 //           price rows of "seq" positions with a loss on each),
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
-//           "all_reduce_compute": {...}, "on_compute": true,
-//           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute"}]}
-//          (optional; the simulator uses the points, the fits are for cluster files),
+//           "all_reduce_compute": {...}, "all_reduce_blocking": {...} (optional), "on_compute":
+//           true, "activation_transport": "shared memory" | "gloo" (optional, informational),
+//           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute",
+//           "all_reduce_blocking" (optional: older profiles)}]}
+//          (optional; the simulator uses the points, the fits are for cluster files;
+//          all_reduce: fp32 waited for later, as the gradient buckets are, over Gloo;
+//          all_reduce_blocking: fp32 waited for where issued, as the loss's, through shared
+//          memory where the ranks had it; all_reduce_compute: the same in the compute dtype),
 //  "modules": [{"name", "role": "llm"|"encoder", "unit": "sample"|"item", "units_per_sample",
 //     "model": {shape fields}, "layers": [{"name",
 //     "part": "front"|"block"|"block_recompute"|"back"|"stage"|"moe_block"|
@@ -160,6 +165,7 @@ struct Profile {
   Link p2p, all_reduce, all_reduce_compute;
   // The measured mean seconds behind those fits, per size (empty = not measured).
   CommCurve p2p_curve, all_reduce_curve, all_reduce_compute_curve;
+  CommCurve all_reduce_blocking_curve;  // empty in older profiles
   bool comm_on_compute = false;  // the transport runs on the profiled cores (CPU ranks)
   std::vector<ModuleProfile> modules;
   // The data's mean sample ("data_shape"; positions 0 = absent): its items and peak items are

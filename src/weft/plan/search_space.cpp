@@ -271,7 +271,12 @@ double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, bool 
   const CommCurve& curve = tp_cp ? o_.sim.activation_curve : o_.sim.grad_curve;
   if (inter || curve.empty()) return link;
   const double m = static_cast<double>(n);
-  return std::min(link, (kind == kAllReduce ? 1.0 : 0.5) * (m - 1) * curve.at(2 * bytes / m));
+  // An fp32 reduction may be one waited for where issued (SimOptions::blocking_curve): the
+  // cheaper of the two curves keeps the bound a bound.
+  double at = curve.at(2 * bytes / m);
+  if (!tp_cp && !o_.sim.blocking_curve.empty())
+    at = std::min(at, o_.sim.blocking_curve.at(2 * bytes / m));
+  return std::min(link, (kind == kAllReduce ? 1.0 : 0.5) * (m - 1) * at);
 }
 
 // A message between ranks `stride` apart (0: unknown, at best on one node; there a measured

@@ -245,9 +245,13 @@ class Engine {
       return p2p_seconds(cl_, src, dst, bytes);
     return o_.p2p_curve.at(bytes);
   }
+  // fp32 reductions waited for where issued (SimOptions::blocking_curve).
+  const CommCurve& blocking_curve() const {
+    return o_.blocking_curve.empty() ? o_.grad_curve : o_.blocking_curve;
+  }
   // An fp32 reduction inside an op (the vocab-parallel loss's).
   double loss_all_reduce(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(o_.grad_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
+    return o_.tp_cp_comm ? ring(blocking_curve(), g, bytes, true, CollectiveAlgo::kRing) : 0;
   }
   // The vocab-parallel loss's fp32 reductions over `rows` rows: per chunk of rows
   // (loss_chunk_rows), the max, then the sum of exponentials with the target logit.
@@ -667,7 +671,7 @@ class Engine {
     if (!m.layout.sequence_parallel() || bytes <= 0) return;
     const std::vector<int64_t> tp = m.group(r, {Axis::kTp});
     add_collective(r, m.name + " sequence-parallel grad all-reduce", tp,
-                   ring(o_.grad_curve, tp, bytes, true, CollectiveAlgo::kRing));
+                   ring(blocking_curve(), tp, bytes, true, CollectiveAlgo::kRing));
   }
 
   void build_rank(int64_t r) {
@@ -701,9 +705,10 @@ class Engine {
     // Media read from files can be bad: the ranks then agree on the bad records of the step
     // (one int32 per sample and one flag, a maximum over the world) before it runs.
     if (spec_.data.media_from_files())
-      add_collective(r, "bad-media agreement", world,
-                     ring(o_.grad_curve, world, 4.0 * static_cast<double>(plan_.global_batch + 1),
-                          true, CollectiveAlgo::kRing));
+      add_collective(
+          r, "bad-media agreement", world,
+          ring(blocking_curve(), world, 4.0 * static_cast<double>(plan_.global_batch + 1), true,
+               CollectiveAlgo::kRing));
     std::vector<int64_t> encoders;
     for (int64_t i = 0; i < llm_; ++i)
       if (mod(i).role == ModuleRole::kEncoder && mod(i).hosts(r)) encoders.push_back(i);
@@ -727,7 +732,7 @@ class Engine {
                              static_cast<double>(spec_.model.llm.hidden) /
                              static_cast<double>(llm.layout.tp) / shards;
         add_collective(r, "llm tied embedding all-reduce", pair,
-                       ring(o_.grad_curve, pair, bytes, true, CollectiveAlgo::kRing));
+                       ring(blocking_curve(), pair, bytes, true, CollectiveAlgo::kRing));
       }
     }
     // Under sequence parallelism the gradients of the parameters every TP rank holds whole but
@@ -736,7 +741,7 @@ class Engine {
     for (int64_t i : encoders) sequence_partial_reduce(r, i);
     if (llm.hosts(r)) sequence_partial_reduce(r, llm_);
     add_collective(r, "loss and grad-norm all-reduce", world,
-                   2 * ring(o_.grad_curve, world, 8, true, CollectiveAlgo::kRing));
+                   2 * ring(blocking_curve(), world, 8, true, CollectiveAlgo::kRing));
     // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.
     // Under ZeRO-1 a rank steps only its share of the CP × DP group's parameters.
     // Measured stages charge their measured optimizer seconds instead.

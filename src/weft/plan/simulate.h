@@ -242,6 +242,10 @@ struct SimOptions {
   // ring: an all-reduce is 2(n − 1) steps of bytes / n, (n − 1) · curve(2 · bytes / n), an
   // all-gather or a reduce-scatter half of that (two ranks: the curve, and half of it).
   CommCurve p2p_curve, grad_curve, activation_curve;
+  // fp32 reductions a rank waits for where it issues them (the loss's, the gradient norm's, SP's
+  // partial gradients', a tied embedding's), which go through shared memory on CPU ranks of one
+  // host (dist/comm.h) while gradient buckets stay on Gloo; empty: grad_curve.
+  CommCurve blocking_curve;
   // The transport runs on the ranks' own cores (Gloo over TCP on CPU ranks of one core each):
   // a gradient reduction overlapped with backward would take the core the backward runs on, so
   // it starts after the backward instead, as without train.overlap_grad_reduce.

@@ -635,7 +635,9 @@ json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::
 const std::vector<int64_t> kCommSizes = {1, 1024, 16384, 262144, 1048576};  // elements
 
 struct CommTimes {
-  std::vector<double> p2p, all_reduce, all_reduce_compute;  // per size, rank 0's
+  // per size, rank 0's; all_reduce: as the gradient buckets' (Gloo), all_reduce_blocking: as the
+  // loss's and the gradient norm's (through shared memory where the ranks have it)
+  std::vector<double> p2p, all_reduce, all_reduce_compute, all_reduce_blocking;
 };
 
 CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarType compute) {
@@ -646,8 +648,9 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
   for (int64_t n : kCommSizes) {
     at::Tensor x = torch::ones({n});
     at::Tensor xc = torch::ones({n}, torch::TensorOptions().dtype(compute));
-    std::vector<double> one_way, reduce, reduce_compute;
+    std::vector<double> one_way, reduce, reduce_compute, reduce_blocking;
     for (int64_t i = 0; i < o.warmup + reps; ++i) {
+      x.fill_(1), xc.fill_(1);  // each sum doubles them: kept finite
       c.barrier();
       const double t0 = now_seconds();
       if (rank == 0) {  // ping-pong: half the round trip
@@ -660,26 +663,31 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
       const double t1 = now_seconds();
       c.barrier();
       const double t2 = now_seconds();
-      c.all_reduce_sum(x);
+      c.all_reduce_sum_async(x).wait();  // as data parallelism's gradient buckets: over Gloo
       const double t3 = now_seconds();
       c.barrier();
       const double t4 = now_seconds();
-      c.all_reduce_sum(xc);
+      c.all_reduce_sum(xc);  // as TP's activations: blocking (through shared memory if it can)
       const double t5 = now_seconds();
+      c.barrier();
+      const double t6 = now_seconds();
+      c.all_reduce_sum(x);
+      const double t7 = now_seconds();
       if (i >= o.warmup)
         one_way.push_back((t1 - t0) / 2), reduce.push_back(t3 - t2),
-            reduce_compute.push_back(t5 - t4);
+            reduce_compute.push_back(t5 - t4), reduce_blocking.push_back(t7 - t6);
     }
     out.p2p.push_back(mean(one_way));
     out.all_reduce.push_back(mean(reduce));
     out.all_reduce_compute.push_back(mean(reduce_compute));
+    out.all_reduce_blocking.push_back(mean(reduce_blocking));
   }
   return out;
 }
 
 constexpr auto kCommTimeout = std::chrono::seconds(30);  // the peer starts in about a second
 
-json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
+json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_memory) {
   const int port = dist::free_port();
   const std::vector<std::string> args = {"weft",
                                          "bench",
@@ -691,7 +699,9 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
                                          "--warmup",
                                          std::to_string(o.warmup),
                                          "--dtype",
-                                         compute == at::kBFloat16 ? "bf16" : "fp32"};
+                                         compute == at::kBFloat16 ? "bf16" : "fp32",
+                                         "--shared-memory",
+                                         shared_memory ? "1" : "0"};
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -709,7 +719,9 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
   try {
     dist::WorldInfo w;
     w.rank = 0, w.world_size = 2, w.master_port = port;
-    t = comm_rounds(dist::Comm::connect(w, kCommTimeout), o, compute);
+    dist::Comm c = dist::Comm::connect(w, kCommTimeout, false, shared_memory);
+    shared_memory = c.shared_memory();
+    t = comm_rounds(c, o, compute);
   } catch (const std::exception& e) {
     failure = e.what();
     ::kill(pid, SIGKILL);
@@ -721,7 +733,7 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
   WEFT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
              "weft bench profile: the transport peer process (weft bench comm-peer) failed; its "
              "error is above");
-  std::vector<plan::CostPoint> pp, pa, pc;
+  std::vector<plan::CostPoint> pp, pa, pc, pb;
   json points = json::array();
   const double compute_bytes = static_cast<double>(c10::elementSize(compute));
   for (size_t k = 0; k < kCommSizes.size(); ++k) {
@@ -730,14 +742,16 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
     pp.push_back({bytes, 1, t.p2p[k]});
     pa.push_back({bytes, 1, t.all_reduce[k]});
     pc.push_back({cbytes, 1, t.all_reduce_compute[k]});
+    pb.push_back({bytes, 1, t.all_reduce_blocking[k]});
     points.push_back({{"bytes", bytes},
                       {"p2p", t.p2p[k]},
                       {"all_reduce", t.all_reduce[k]},
                       {"compute_bytes", cbytes},
-                      {"all_reduce_compute", t.all_reduce_compute[k]}});
+                      {"all_reduce_compute", t.all_reduce_compute[k]},
+                      {"all_reduce_blocking", t.all_reduce_blocking[k]}});
   }
   const plan::CostFit fp = plan::fit_cost(pp, false, true), fa = plan::fit_cost(pa, false, true);
-  const plan::CostFit fc = plan::fit_cost(pc, false, true);
+  const plan::CostFit fc = plan::fit_cost(pc, false, true), fb = plan::fit_cost(pb, false, true);
   // A two-rank ring all-reduce costs 2·α + bytes / B (plan/cluster.h).
   const auto link = [](double latency, double per_byte) {
     return json{{"latency_us", latency * 1e6},
@@ -747,14 +761,18 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute) {
   j["p2p"] = link(fp.fixed, fp.linear);
   j["all_reduce"] = link(fa.fixed / 2, fa.linear);
   j["all_reduce_compute"] = link(fc.fixed / 2, fc.linear);
+  j["all_reduce_blocking"] = link(fb.fixed / 2, fb.linear);
   j["on_compute"] = true;  // Gloo over TCP: its work runs on the CPU cores that compute
+  // What carried the blocking activation collectives (all_reduce_compute).
+  j["activation_transport"] = shared_memory ? "shared memory" : "gloo";
   j["points"] = points;
   return j;
 }
 
 }  // namespace
 
-void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype) {
+void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype,
+               bool shared_memory) {
   WEFT_CHECK(dtype == "bf16" || dtype == "fp32", "weft bench comm-peer: --dtype ", dtype,
              ": expected bf16 or fp32");
   ProfileOptions o;
@@ -762,7 +780,7 @@ void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype)
   o.warmup = warmup;
   dist::WorldInfo w;
   w.rank = 1, w.world_size = 2, w.master_port = port;
-  comm_rounds(dist::Comm::connect(w, kCommTimeout), o,
+  comm_rounds(dist::Comm::connect(w, kCommTimeout, false, shared_memory), o,
               dtype == "bf16" ? at::kBFloat16 : at::kFloat);
 }
 
@@ -888,7 +906,7 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   for (size_t e = 0; e < media.size(); ++e)
     media_json[resolved.model.encoders[e].name] = median(media[e]);
   j["data"] = {{"seconds_per_sample", median(data)}, {"media_seconds_per_sample", media_json}};
-  if (o.comm) j["comm"] = measure_comm(o, compute);
+  if (o.comm) j["comm"] = measure_comm(o, compute, ts.shared_memory_collectives);
   j["modules"] = modules;
   return j.dump(2);
 }
