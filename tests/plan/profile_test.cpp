@@ -454,6 +454,22 @@ TEST(Profile, SimulatorUsesMeasuredCosts) {
   bad["comm"]["points"][1]["bytes"] = 4;
   EXPECT_TRUE(has(error_of([&] { parse_profile(bad.dump(), "b.json"); }),
                   "b.json: comm.points[1].bytes = 4: sizes must increase"));
+
+  // The fp32 all-reduce waited for where issued measured apart (through shared memory on CPU
+  // ranks of one host): the loss and the norm cost that curve, the gradients still Gloo's.
+  const json blocking = testing::with_comm_points(tiny_profile(s), {8, 1e6, 1e7}, {1e-4, 1e-9},
+                                                  {2e-3, 1e-9}, {3e-3}, {5e-5, 1e-10});
+  const Profile pb = parse_profile(blocking.dump(), "blocking.json");
+  ASSERT_EQ(pb.all_reduce_blocking_curve.bytes.size(), 3u);
+  const SimResult r4 = simulate(s, make_plan(s, 2, &pb), c, pb, o);
+  const double loss_norm = 2 * pb.all_reduce_blocking_curve.at(8);
+  EXPECT_NEAR(loss_norm, 2 * (5e-5 + 8e-10), 1e-15);
+  EXPECT_NEAR(r4.ranks[0].collective_seconds,
+              reductions - 2 * pc.all_reduce_curve.at(8) + loss_norm, 1e-12);
+  json partial = blocking;
+  partial["comm"]["points"][2].erase("all_reduce_blocking");
+  EXPECT_TRUE(
+      has(error_of([&] { parse_profile(partial.dump(), "p.json"); }), "all_reduce_blocking"));
 }
 
 // A profile that recorded the data's mean sample ("data_shape", as `weft bench profile` writes

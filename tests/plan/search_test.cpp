@@ -670,7 +670,8 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
 }
 
 // A measured profile prices the whole search. On 2 nodes of 2 CPU ranks (the profile's transport
-// curves on one node, running on the ranks' cores; layers measured under load, the blocks
+// curves on one node, running on the ranks' cores, the blocking reductions' cheaper than the
+// gradients'; layers measured under load, the blocks
 // faster than alone, as noise can make it, the other layers slower; a costly per-stage mask, which
 // interleaved chunks build once per rank), the bound stays below every simulation and the memory
 // bound below every peak, branch and bound finds brute force's optimum, its step is the profile's
@@ -678,7 +679,7 @@ TEST(Search, RefineRecomputeRaisesCountsThatDoNotFit) {
 testing::json loaded_profile(const Spec& spec) {
   using testing::json;
   json j = testing::with_comm_points(testing::tiny_profile(spec), {8, 1e5, 1e7}, {1e-4, 2e-9},
-                                     {2e-4, 4e-9}, {1.5e-4, 3e-9});
+                                     {2e-4, 4e-9}, {1.5e-4, 3e-9}, {5e-5, 1e-9});
   for (json& layer : j["modules"][0]["layers"])  // the per-stage work: the first chunk's only
     if (layer["part"] == "stage") {
       layer["fit"]["forward"] = {2e-3, 1e-5, 0};

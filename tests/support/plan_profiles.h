@@ -120,16 +120,19 @@ struct AlphaBeta {
 };
 
 // `j` with measured transport points (`comm.points`) at `sizes` bytes: point-to-point, the fp32
-// two-rank all-reduce and the compute-dtype one (of half the bytes), running on the ranks' cores.
+// two-rank all-reduce and the compute-dtype one (of half the bytes), running on the ranks' cores;
+// with `blocking` (latency > 0), the fp32 all-reduce waited for where issued too.
 inline json with_comm_points(json j, const std::vector<double>& sizes, AlphaBeta p2p,
-                             AlphaBeta all_reduce, AlphaBeta compute) {
+                             AlphaBeta all_reduce, AlphaBeta compute, AlphaBeta blocking = {}) {
   j["comm"]["points"] = json::array();
-  for (double b : sizes)
+  for (double b : sizes) {
     j["comm"]["points"].push_back({{"bytes", b},
                                    {"p2p", p2p.at(b)},
                                    {"all_reduce", all_reduce.at(b)},
                                    {"compute_bytes", b / 2},
                                    {"all_reduce_compute", compute.at(b)}});
+    if (blocking.latency > 0) j["comm"]["points"].back()["all_reduce_blocking"] = blocking.at(b);
+  }
   j["comm"]["on_compute"] = true;
   return j;
 }
