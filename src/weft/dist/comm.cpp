@@ -7,6 +7,7 @@
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
 #endif
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -186,6 +187,11 @@ void connect_shared_slots(Comm::Impl& impl) {
     if (impl.rank == 0) {
       slots =
           SharedSlots::create(impl.size, slot_bytes_for(impl.size, impl.device_collectives), &why);
+      if (!slots)  // rare (a full /dev/shm, say) and slower: said once per group
+        std::fprintf(stderr,
+                     "weft: a group of %d ranks uses Gloo for its blocking collectives: no "
+                     "shared memory for it (%s)\n",
+                     impl.size, why.c_str());
       std::string v = slots ? slots->name() + " " + std::to_string(slots->nonce()) : "-";
       impl.store->set(key, std::vector<uint8_t>(v.begin(), v.end()));
     } else {
@@ -442,6 +448,8 @@ at::Tensor shared_reduce_scatter(const Comm::Impl& impl, const at::Tensor& t) {
   const int64_t chunk = out.numel();
   const size_t share = s.slot_bytes() / static_cast<size_t>(s.size()) / 64 * 64;
   const int64_t per = static_cast<int64_t>(share / es);
+  WEFT_ASSERT(per > 0, "reduce_scatter_sum: slots of ", s.slot_bytes(), " bytes for ", s.size(),
+              " ranks");
   const char* src = static_cast<const char*>(in.data_ptr());
   const uint64_t what = what_of(SharedOp::kScatter, in.scalar_type(), in.numel());
   for (int64_t off = 0; off < chunk; off += per) {
