@@ -386,6 +386,33 @@ TEST(Comm, SharedMemoryCollectivesMatchGloo) {
   }
 }
 
+// Two ranks: the sums through shared memory equal Gloo's bit for bit (a + b is b + a; 2-byte
+// floats summed in fp32 and rounded to nearest even once, as LibTorch rounds), sums that
+// overflow bf16 included.
+TEST(Comm, SharedMemorySumsOfTwoRanksAreGloosBitForBit) {
+  std::vector<at::Tensor> got[2];
+  for (const bool shared : {true, false})
+    run_ranks(
+        2,
+        [&](const Comm& c) {
+          at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(11 + c.rank()));
+          at::Tensor x =
+              at::randn({3, 70001}, gen) * at::pow(10.0, at::randint(-30, 39, {3, 70001}, gen));
+          for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf}) {
+            at::Tensor t = x.to(type);
+            c.all_reduce_sum(t);
+            if (c.rank() == 0) got[shared ? 0 : 1].push_back(t);
+          }
+        },
+        shared);
+  ASSERT_EQ(got[0].size(), got[1].size());
+  for (size_t i = 0; i < got[0].size(); ++i) {
+    EXPECT_GT(got[0][i].isinf().sum().item<int64_t>() + (i == 0), 0) << "no overflow in " << i;
+    EXPECT_TRUE(torch::equal(got[0][i].isnan(), got[1][i].isnan())) << i;
+    EXPECT_TRUE(torch::equal(got[0][i].nan_to_num(0), got[1][i].nan_to_num(0))) << i;
+  }
+}
+
 // Ranks that call a group's collectives out of step (another collective, or another size, in
 // the same place) get an error naming the mismatch rather than each other's bytes.
 TEST(Comm, SharedMemoryCollectivesOutOfStepAreAnError) {
