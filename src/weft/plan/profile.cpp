@@ -327,8 +327,7 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
         add(&p.p2p_curve, "bytes", "p2p");
         add(&p.all_reduce_curve, "bytes", "all_reduce");
         add(&p.all_reduce_compute_curve, "compute_bytes", "all_reduce_compute");
-        if (k == 0 ? pts[k].contains("all_reduce_blocking")
-                   : !p.all_reduce_blocking_curve.bytes.empty())
+        if (pts[0].contains("all_reduce_blocking"))  // on every point, or none (older profiles)
           add(&p.all_reduce_blocking_curve, "bytes", "all_reduce_blocking");
       }
     }
