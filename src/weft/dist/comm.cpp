@@ -36,6 +36,18 @@ thread_local double t_blocked_seconds = 0;  // blocked_seconds()
 double blocked_seconds() { return t_blocked_seconds; }
 
 namespace {
+// Adds the calling thread's seconds in `f` to blocked_seconds().
+template <typename F>
+auto blocked(F&& f) {
+  struct Clock {
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Clock() {
+      t_blocked_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } clock;
+  return f();
+}
 
 // An error's message without c10's stack trace.
 std::string message_of(const std::exception& e) {
@@ -150,12 +162,11 @@ struct Comm::Impl {
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
     RECORD_FUNCTION(std::string("weft::wait ") + op, std::vector<c10::IValue>());
-    const auto t0 = std::chrono::steady_clock::now();
     try {
-      work->wait();
       if (std::strcmp(op, "send") != 0 && std::strcmp(op, "recv") != 0)  // collectives only
-        t_blocked_seconds +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        blocked([&] { work->wait(); });
+      else
+        work->wait();
     } catch (const std::exception& e) {
       WEFT_FAIL("rank ", rank, " of ", size, ": ", op,
                 " failed (a peer died, hung or timed out "
@@ -468,17 +479,10 @@ at::Tensor shared_reduce_scatter(const Comm::Impl& impl, const at::Tensor& t) {
   return out;
 }
 
-// Adds the calling thread's seconds in `f` to blocked_seconds().
-template <typename F>
-auto blocked(F&& f) {
-  struct Clock {
-    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    ~Clock() {
-      t_blocked_seconds +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  } clock;
-  return f();
+// reduce_scatter_sum's contract: rank r keeps chunk r of dim 0.
+void check_scatter_rows(const at::Tensor& t, int size) {
+  WEFT_CHECK(t.dim() > 0 && t.size(0) % size == 0, "reduce_scatter_sum: dim 0 (",
+             t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size);
 }
 
 // The collective `op` of a device tensor, in place, through a host copy (Impl::staged).
@@ -603,16 +607,14 @@ std::vector<std::string> Comm::all_gather_strings(const std::string& s) const {
 
 at::Tensor Comm::reduce_scatter_sum(const at::Tensor& t) const {
   if (size() > 1 && impl_->shared(t)) {
-    WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
-               t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
+    check_scatter_rows(t, size());
     return blocked([&] { return shared_reduce_scatter(*impl_, t); });
   }
   return reduce_scatter_sum_async(t).wait();
 }
 
 PendingTensor Comm::reduce_scatter_sum_async(const at::Tensor& t) const {
-  WEFT_CHECK(t.dim() > 0 && t.size(0) % size() == 0, "reduce_scatter_sum: dim 0 (",
-             t.dim() ? t.size(0) : 0, ") must be divisible by the group size ", size());
+  check_scatter_rows(t, size());
   if (size() == 1) return PendingTensor(t.clone());
   std::shared_ptr<Impl> impl = impl_;
   if (impl_->staged(t)) {

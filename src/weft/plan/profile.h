@@ -166,7 +166,7 @@ struct Profile {
   // The measured mean seconds behind those fits, per size (empty = not measured).
   CommCurve p2p_curve, all_reduce_curve, all_reduce_compute_curve;
   CommCurve all_reduce_blocking_curve;  // empty in older profiles
-  bool comm_on_compute = false;  // the transport runs on the profiled cores (CPU ranks)
+  bool comm_on_compute = false;         // the transport runs on the profiled cores (CPU ranks)
   std::vector<ModuleProfile> modules;
   // The data's mean sample ("data_shape"; positions 0 = absent): its items and peak items are
   // per encoder name (profile_data_shape orders them as a spec's encoders).
