@@ -224,6 +224,26 @@ TEST(Search, BoundHoldsWithBlockOverhead) {
       << describe(spec, r.best.front().candidate);
 }
 
+// Blocking collectives through shared memory on each node (cluster.h; here cheaper than the
+// node's link, and nothing hidden behind the column-parallel matmuls): the bound and the memory
+// bound still hold over every candidate, with groups on one node and across two, and the search
+// finds brute force's optimum.
+TEST(Search, BoundHoldsThroughSharedMemory) {
+  const Spec spec = small_vlm();
+  Cluster cluster = h100(2);
+  cluster.shared_memory = {900e9, 1e-6};
+  SearchOptions o = small_space();
+  int64_t count = 0;
+  const Evaluation best = brute_force(spec, cluster, o, &count);
+  EXPECT_GT(count, 500);
+  const SearchResult r = search(spec, cluster, o);
+  ASSERT_FALSE(r.best.empty());
+  EXPECT_NEAR(r.best.front().sim.step_seconds, best.sim.step_seconds,
+              1e-12 * best.sim.step_seconds);
+  // Its TP collectives cost less than over NVLink: the optimum is no slower than without.
+  EXPECT_LE(best.sim.step_seconds, search(spec, h100(2), o).best.front().sim.step_seconds);
+}
+
 // Priced on the data's mean sample (SimOptions::data) — rows a quarter of max_seq, a third of
 // them loss targets, and four images each; activation memory on a peak of full rows and six
 // images — the bound and the memory bound still hold over every candidate, the search finds
@@ -522,6 +542,11 @@ TEST(Search, BoundHoldsWithExpertParallelism) {
   EXPECT_NEAR(r.best.front().sim.step_seconds, best.sim.step_seconds, 1e-12 * best.sim.step_seconds)
       << "search: " << describe(spec, r.best.front().candidate)
       << "\nbrute force: " << describe(spec, best.candidate);
+  // Through shared memory (whole experts under SP gather their output in place of a
+  // reduce-scatter, priced apart from the all-reduce there): the checks hold too.
+  Cluster shm = cluster;
+  shm.shared_memory = {900e9, 1e-6};
+  brute_force(spec, shm, o, &count);
 }
 
 TEST(Search, ExpertParallelismWhenTheExpertsDoNotFitOneDevice) {

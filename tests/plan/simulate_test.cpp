@@ -60,6 +60,11 @@ TEST(Cluster, ShippedFilesLoad) {
   EXPECT_DOUBLE_EQ(cpu.device.effective_flops(Precision::kBf16), 0.21e12 * 0.35);  // measured
   EXPECT_DOUBLE_EQ(cpu.intra_node.latency_seconds, 190e-6);
   EXPECT_DOUBLE_EQ(cpu.device.block_overhead_seconds, 350e-6);
+  EXPECT_GT(cpu.shared_memory.bytes_per_second, cpu.intra_node.bytes_per_second);
+  EXPECT_LT(cpu.shared_memory.latency_seconds, cpu.intra_node.latency_seconds);
+  EXPECT_EQ(h100.shared_memory.bytes_per_second, 0);  // NCCL carries a GPU run's collectives
+  EXPECT_NE(to_json(cpu).find("\"shared_memory\""), std::string::npos);
+  EXPECT_EQ(to_json(h100).find("\"shared_memory\""), std::string::npos);
 }
 
 TEST(Cluster, InlineDevice) {
@@ -113,6 +118,12 @@ TEST(Cluster, ErrorsNameFileKeyValue) {
   EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\n[device]\nname = \"x\"\nmemory_gib = 1" + link)
                 .find("c.toml: device.bf16_tflops: missing"),
             std::string::npos);
+  EXPECT_EQ(err("nodes = 1\ngpus_per_node = 1\ndevice = \"h100\"" + link +
+                "[shared_memory]\nbandwidth_gbs = 0\nlatency_us = 1\n"),
+            "c.toml: shared_memory.bandwidth_gbs = 0: must be a finite number > 0");
+  EXPECT_EQ(err("nodes = 1\ngpus_per_node = 1\ndevice = \"h100\"" + link +
+                "[shared_memory]\nbandwidth_gbs = 1\n"),
+            "c.toml: shared_memory.latency_us: missing (expected a number)");
   EXPECT_NE(error_of([] { load_cluster("/nonexistent/c.toml"); }).find("cannot read"),
             std::string::npos);
 }
@@ -141,6 +152,43 @@ TEST(CommModel, HandComputed) {
   // One rank: free.
   EXPECT_EQ(all_reduce_seconds(c, {3}, 1e9), 0);
   EXPECT_EQ(all_gather_seconds(c, {3}, 1e9), 0);
+}
+
+// Blocking collectives through shared memory (20 GB/s copies, 1 us per wait): every rank writes
+// its piece and reads what it needs once. Without the link, with the setting off or across
+// nodes: the ring.
+TEST(CommModel, BlockingCollectivesThroughSharedMemory) {
+  Cluster c = two_nodes();
+  Spec s = testing::vlm_spec();
+  const std::vector<int64_t> four = {0, 1, 2, 3}, across = {2, 5};
+  using K = CollectiveKind;
+  EXPECT_FALSE(shared_memory_collectives(s, c));
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllReduce, 4e9),
+                   all_reduce_seconds(c, four, 4e9));
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kReduceScatter, 4e9),
+                   reduce_scatter_seconds(c, four, 4e9));
+  c.shared_memory = {20e9, 1e-6};
+  EXPECT_TRUE(shared_memory_collectives(s, c));
+  // All-reduce: writes 4 GB, reads 4 x 4 GB. All-gather of 4 GB: writes 1, reads 4.
+  // Reduce-scatter of 4 GB: writes 4, reads its 1 GB row of each of the 4.
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllReduce, 4e9), 1e-6 + 1.0);
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllGather, 4e9), 1e-6 + 0.25);
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kReduceScatter, 4e9), 1e-6 + 0.4);
+  EXPECT_EQ(blocking_collective_seconds(s, c, {3}, K::kAllReduce, 4e9), 0);
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, across, K::kAllReduce, 1e9),
+                   all_reduce_seconds(c, across, 1e9));
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, across, K::kAllGather, 1e9),
+                   all_gather_seconds(c, across, 1e9));
+  s.train.shared_memory_collectives = false;
+  EXPECT_FALSE(shared_memory_collectives(s, c));
+  EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllGather, 4e9),
+                   all_gather_seconds(c, four, 4e9));
+  EXPECT_NE(parse_cluster("nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\n"
+                          "bandwidth_gbs = 1\nlatency_us = 190\n[shared_memory]\n"
+                          "bandwidth_gbs = 9\nlatency_us = 20\n",
+                          "s.toml")
+                .shared_memory.latency_seconds,
+            0);
 }
 
 // ---- the simulator ---------------------------------------------------------------------------
@@ -539,6 +587,12 @@ TEST(Simulate, DataParallelAddsExactlyTheAllReduce) {
   EXPECT_NEAR(two.step_seconds, one.step_seconds + grads + 2 * all_reduce_seconds(c, pair, 8),
               1e-12);
   EXPECT_NEAR(two.ranks[0].collective_seconds, two.step_seconds - one.step_seconds, 1e-12);
+  // With a shared-memory link the loss's and the norm's sums take it; the gradient buckets
+  // (Gloo's async all-reduces) stay on the ring.
+  Cluster shm = c;
+  shm.shared_memory = {20e9, 1e-6};
+  EXPECT_NEAR(simulate(s, make_plan(s, 2), shm, no_optimizer()).step_seconds,
+              one.step_seconds + grads + 2 * (1e-6 + 3 * 8 / 20e9), 1e-12);
   // Overlapped with the last backward, the exposed part shrinks but the last bucket remains.
   s.train.overlap_grad_reduce = true;
   const SimResult overlapped = simulate(s, make_plan(s, 2), c, no_optimizer());
@@ -998,6 +1052,21 @@ TEST(Simulate, TensorParallelChargesItsAllReduces) {
                          all_reduce_seconds(c, {0, 1}, 4.0 * 12 * 4) +
                          all_reduce_seconds(c, {0, 1}, 4.0 * 12 * 8);
   EXPECT_NEAR(d.ranks[0].comm_seconds, 2 * on_data, 1e-12);
+
+  // Through shared memory (cluster.h): the same collectives at its price; none are hidden.
+  Cluster shm = c;
+  shm.shared_memory = {20e9, 1e-6};
+  const auto through = [&](double bytes) {
+    return blocking_collective_seconds(s, shm, {0, 1}, CollectiveKind::kAllReduce, bytes);
+  };
+  EXPECT_DOUBLE_EQ(through(4.0 * 64 * 128 * 2), 1e-6 + 3 * 4.0 * 64 * 128 * 2 / 20e9);
+  const double shm_loss = through(4.0 * 64 * 4) + through(4.0 * 64 * 8);
+  EXPECT_NEAR(simulate(s, make_plan(s, 2), shm, no_optimizer()).ranks[0].comm_seconds,
+              2 * ((10 + 8) * through(4.0 * 64 * 128 * 2) + shm_loss), 1e-12);
+  Spec overlapped = s;
+  overlapped.train.overlap_tp_comm = true;
+  EXPECT_NEAR(simulate(overlapped, make_plan(s, 2), shm, no_optimizer()).ranks[0].comm_seconds,
+              2 * ((10 + 8) * through(4.0 * 64 * 128 * 2) + shm_loss), 1e-12);
 }
 
 // Sequence parallelism's collectives, one by one as the runtime issues them (dist/collectives.h).
@@ -1042,6 +1111,22 @@ TEST(Simulate, SequenceParallelChargesItsGathersAndScatters) {
         EXPECT_NEAR(e.seconds, partial, 1e-15);
       }
   }
+  // Through shared memory: an all-gather reads the gathered tensor, a reduce-scatter its row of
+  // both ranks' tensors (cluster.h); the norms' partial sums take it too.
+  s.model.llm.frozen = false;
+  Cluster shm = c;
+  shm.shared_memory = {20e9, 1e-6};
+  const double sag = 1e-6 + 1.5 * bytes / 20e9, srs = 1e-6 + 2 * bytes / 20e9,
+               sar = 1e-6 + 3 * bytes / 20e9;
+  const double shm_loss = 2e-6 + 3 * (4.0 * 64 * 4 + 4.0 * 64 * 8) / 20e9;
+  const SimResult r = simulate(s, make_plan(s, 2), shm, no_optimizer());
+  const double forward = blocks * 2 * (sag + srs) + sar + sag + shm_loss + sar;
+  const double backward = blocks * (2 * (sag + srs) + 2 * sag) + sag;
+  EXPECT_NEAR(r.ranks[0].comm_seconds, 2 * (forward + backward), 1e-12);
+  for (const TraceEvent& e : r.trace)
+    if (e.name == "llm sequence-parallel grad all-reduce") {
+      EXPECT_NEAR(e.seconds, 1e-6 + 3 * 4.0 * 9 * 128 / 20e9, 1e-15);
+    }
 }
 
 // With train.overlap_tp_comm (the default) a column-parallel linear's backward hides its input
@@ -1081,6 +1166,9 @@ TEST(Simulate, ColumnParallelBackwardHidesItsCollectives) {
     SimOptions cpu = no_optimizer();
     cpu.comm_occupies_rank = true;
     EXPECT_EQ(hidden(ideal(2, 1e-5, 10), cpu), 0);
+    Cluster shm = ideal(2, 1e-5, 10);  // waited for where issued (dist::column_linear)
+    shm.shared_memory = {1e9, 1e-5};
+    EXPECT_EQ(hidden(shm, no_optimizer()), 0);
     s.model.llm.frozen = true;  // no weight gradients: nothing follows the reductions
     EXPECT_EQ(hidden(ideal(2, 1e-5, 10), no_optimizer()), 0);
   }

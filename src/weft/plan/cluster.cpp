@@ -204,7 +204,7 @@ Cluster parse_cluster(const std::string& text, const std::string& source) {
   Cluster c;
   c.source = source;
   Reader r(c.source, root, "");
-  r.only({"nodes", "gpus_per_node", "device", "intra_node", "inter_node"});
+  r.only({"nodes", "gpus_per_node", "device", "intra_node", "inter_node", "shared_memory"});
   c.nodes = r.count("nodes");
   c.gpus_per_node = r.count("gpus_per_node");
   const toml::node* device = r.find("device");
@@ -218,6 +218,7 @@ Cluster parse_cluster(const std::string& text, const std::string& source) {
   } else {
     c.inter_node = c.intra_node;  // one node: never used
   }
+  if (r.find("shared_memory")) c.shared_memory = read_link(r, c.source, "shared_memory");
   return c;
 }
 
@@ -245,6 +246,9 @@ std::string to_json(const Cluster& c) {
                      {"latency_seconds", c.intra_node.latency_seconds}};
   j["inter_node"] = {{"bytes_per_second", c.inter_node.bytes_per_second},
                      {"latency_seconds", c.inter_node.latency_seconds}};
+  if (c.shared_memory.bytes_per_second > 0)
+    j["shared_memory"] = {{"bytes_per_second", c.shared_memory.bytes_per_second},
+                          {"latency_seconds", c.shared_memory.latency_seconds}};
   return j.dump(2);
 }
 
@@ -283,6 +287,25 @@ double all_to_all_seconds(const Cluster& c, const std::vector<int64_t>& ranks, d
 
 double reduce_scatter_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes) {
   return all_gather_seconds(c, ranks, bytes);  // the same ring, run the other way
+}
+
+bool shared_memory_collectives(const Spec& spec, const Cluster& c) {
+  return spec.train.shared_memory_collectives && c.shared_memory.bytes_per_second > 0;
+}
+
+double blocking_collective_seconds(const Spec& spec, const Cluster& c,
+                                   const std::vector<int64_t>& ranks, CollectiveKind kind,
+                                   double bytes) {
+  const double n = static_cast<double>(ranks.size());
+  if (n <= 1) return 0;
+  if (!shared_memory_collectives(spec, c) || &bottleneck_link(c, ranks) != &c.intra_node) {
+    return kind == CollectiveKind::kAllReduce ? all_reduce_seconds(c, ranks, bytes)
+                                              : all_gather_seconds(c, ranks, bytes);
+  }
+  const double copied = kind == CollectiveKind::kAllReduce   ? (n + 1) * bytes
+                        : kind == CollectiveKind::kAllGather ? (n + 1) / n * bytes
+                                                             : 2 * bytes;
+  return c.shared_memory.seconds(copied);
 }
 
 }  // namespace weft::plan

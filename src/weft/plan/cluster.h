@@ -15,6 +15,16 @@
 //   tree all-reduce       2⌈log2 n⌉·α + 2 · bytes/B         (pipelined reduce + broadcast)
 // A group of one rank costs nothing; so does a p2p message to oneself.
 //
+// Blocking collectives of CPU tensors among the ranks of one node (TP's and SP's activations,
+// CP's keys and values, the loss's and the gradient norm's sums) go through weft's shared-memory
+// segment (dist/shm.h) when the run has train.shared_memory_collectives and the cluster a
+// [shared_memory] link: every rank writes its piece into its own slot, waits once for every
+// rank (the latency α), and reads what it needs, so the bandwidth B is one rank's copy rate:
+//   all-reduce            α + (n+1) · bytes/B     (writes its tensor, reads all n and sums)
+//   all-gather            α + (n+1)/n · bytes/B   (writes its 1/n, reads the gathered tensor)
+//   reduce-scatter        α + 2 · bytes/B         (writes its tensor, reads its row of all n)
+// Otherwise (no such link, the setting off, a group spanning nodes) they run the ring above.
+//
 // Cluster file (TOML), errors naming the file, the key, the value and what is allowed:
 //   nodes = 1
 //   gpus_per_node = 8
@@ -28,6 +38,9 @@
 //   [inter_node]                     # required when nodes > 1
 //   bandwidth_gbs = 50
 //   latency_us = 5
+//   [shared_memory]                  # optional: CPU ranks' blocking collectives (above)
+//   bandwidth_gbs = 8.5
+//   latency_us = 18
 #pragma once
 
 #include <cstdint>
@@ -74,6 +87,7 @@ struct Cluster {
   int64_t nodes = 1, gpus_per_node = 1;
   DeviceProfile device;
   Link intra_node, inter_node;
+  Link shared_memory;  // [shared_memory]; bytes_per_second 0: none (the ring on intra_node)
 
   int64_t world_size() const { return nodes * gpus_per_node; }
   int64_t node_of(int64_t rank) const { return rank / gpus_per_node; }
@@ -85,6 +99,7 @@ Cluster load_cluster(const std::string& path);
 std::string to_json(const Cluster& cluster);
 
 enum class CollectiveAlgo { kRing, kTree };
+enum class CollectiveKind { kAllReduce, kAllGather, kReduceScatter };
 
 // The slowest link a group of ranks communicates over (inter-node iff it spans nodes).
 const Link& bottleneck_link(const Cluster& c, const std::vector<int64_t>& ranks);
@@ -96,5 +111,14 @@ double reduce_scatter_seconds(const Cluster& c, const std::vector<int64_t>& rank
 // All-to-all (expert parallelism's dispatch / combine) where every rank sends `bytes` in all,
 // spread evenly over the group: n - 1 pairwise rounds, (n-1)·α + (n-1)/n · bytes/B.
 double all_to_all_seconds(const Cluster& c, const std::vector<int64_t>& ranks, double bytes);
+
+// Whether the run's blocking collectives between ranks of one node go through shared memory:
+// train.shared_memory_collectives and a [shared_memory] link.
+bool shared_memory_collectives(const Spec& spec, const Cluster& c);
+// A blocking collective (one waited for where it is issued, the kinds above): through shared
+// memory where shared_memory_collectives(spec, c) and the group sits on one node, else the ring.
+double blocking_collective_seconds(const Spec& spec, const Cluster& c,
+                                   const std::vector<int64_t>& ranks, CollectiveKind kind,
+                                   double bytes);
 
 }  // namespace weft::plan

@@ -255,26 +255,34 @@ double Space::least_unit_seconds(int64_t k) const {
 }
 
 // A collective over n ranks spanning `span` consecutive ranks, over the cheapest link such a
-// group can have (one node when span <= gpus_per_node). On one node a measured curve
-// (SimOptions: the activations' for TP / CP, else the fp32 one) prices it as the simulator's ring
-// does where the group sits on one node; the cluster's link where it straddles two: the cheaper.
-double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, bool tp_cp,
+// group can have (one node when span <= gpus_per_node). Activations and the fp32 sums may go
+// through shared memory (cluster.h blocking_collective_seconds), gradients never. On one node a
+// measured curve (SimOptions: the activations' for them, else the fp32 one) prices it as the
+// simulator's ring does where the group sits on one node; the cluster's links where it straddles
+// two: the cheaper. Where the simulator may take either of two prices (the fp32 sums' curve; the
+// experts' all-to-all, which stays on Gloo), the cheaper keeps the bound a bound.
+double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, Traffic traffic,
                          CollectiveAlgo algo) const {
-  if (n <= 1 || (tp_cp && !o_.sim.tp_cp_comm)) return 0;
+  if (n <= 1 || (traffic == kActivations && !o_.sim.tp_cp_comm)) return 0;
   const bool inter = span > gpn_;
   auto& ranks = groups_[{n, inter}];
   if (ranks.empty()) {  // a stand-in group on one node, or spanning two
     for (int64_t r = 0; r < n; ++r) ranks.push_back(inter && r > 0 ? gpn_ + r - 1 : r);
   }
-  const double link = kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
-                                         : all_gather_seconds(cl_, ranks, bytes);
-  const CommCurve& curve = tp_cp ? o_.sim.activation_curve : o_.sim.grad_curve;
+  double link = kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
+                                   : all_gather_seconds(cl_, ranks, bytes);
+  if (traffic != kGradients) {
+    link =
+        std::min(link, blocking_collective_seconds(spec_, cl_, ranks,
+                                                   kind == kAllReduce ? CollectiveKind::kAllReduce
+                                                                      : CollectiveKind::kAllGather,
+                                                   bytes));
+  }
+  const CommCurve& curve = traffic == kActivations ? o_.sim.activation_curve : o_.sim.grad_curve;
   if (inter || curve.empty()) return link;
   const double m = static_cast<double>(n);
-  // An fp32 reduction may be one waited for where issued (SimOptions::blocking_curve): the
-  // cheaper of the two curves keeps the bound a bound.
   double at = curve.at(2 * bytes / m);
-  if (!tp_cp && !o_.sim.blocking_curve.empty())
+  if (traffic == kReductions && !o_.sim.blocking_curve.empty())
     at = std::min(at, o_.sim.blocking_curve.at(2 * bytes / m));
   return std::min(link, (kind == kAllReduce ? 1.0 : 0.5) * (m - 1) * at);
 }
@@ -314,8 +322,9 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const bool overlap = overlap_grads();
   // ZeRO-1 reduce-scatters (the bytes of an all-gather).
   const auto seconds = [&](int64_t ranks, int64_t span, double bytes) {
-    return n.zero == 1 ? collective(kAllGather, ranks, span, bytes, false)
-                       : collective(kAllReduce, ranks, span, bytes, false, o_.sim.grad_reduce_algo);
+    return n.zero == 1
+               ? collective(kAllGather, ranks, span, bytes, kGradients)
+               : collective(kAllReduce, ranks, span, bytes, kGradients, o_.sim.grad_reduce_algo);
   };
   const auto reduce = [&](int64_t ranks, int64_t span, double bytes, size_t kind) {
     if (bytes <= 0 || ranks <= 1) return;
@@ -337,7 +346,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
   const auto tp_backward = [&](double blocks, const ColumnFlops& columns, double units,
                                double tokens, double tp_ar, double tp_ag) {
     const double rate =
-        hiding_seconds_per_flop(spec_, o_.sim, mi.weight_grads, sc, units, split, flops_);
+        hiding_seconds_per_flop(spec_, cl_, o_.sim, mi.weight_grads, sc, units, split, flops_);
     if (!sp) return column_backward_comm(blocks, tp_ar, 0, columns, tokens, tp, rate);
     return 2 * blocks * tp_ag + column_backward_comm(blocks, tp_ag, mi.weight_grads ? tp_ag : 0,
                                                      columns, tokens, tp, rate);
@@ -354,26 +363,32 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double m = static_cast<double>(runs[r].first),
                    count = static_cast<double>(runs[r].second);
       const double tokens = m * S_ / cp, kv = m * S_ * 2 * kvw_ / tp * act_;
-      const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * H_ * act_, true);
-      const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
+      const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * H_ * act_, kActivations);
+      const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, kActivations);
       // Of k MoE blocks.
       const auto moe_comm_of = [&](double k) {
         if (k == 0) return 0.0;
         const double bytes = moe_all_to_all_bytes(spec_.model.llm, LlmTokens{1, 1, 1}, 0, act_) /
                              2 * tokens / static_cast<double>(slices);
-        return 2 * k * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, true) +
-               (slices > 1 ? k : 0) *
-                   (collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) - tp_ar);
+        // The substitution as the simulator's moe_comm: under SP less a reduce-scatter, at least
+        // the all-gather's price (cluster.h).
+        const double ag = collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, kActivations);
+        return 2 * k * collective(kAllGather, c.ep, etp * (c.ep - 1) + 1, bytes, kActivations) +
+               (slices > 1 ? k : 0) * (sp ? -ag : ag - tp_ar);
       };
       const double moe_comm = moe_comm_of(moe);
       // Sequence parallelism (the simulator's block_comm): a block's all-gather and reduce-
-      // scatter cost its all-reduce; backward gathers the column-parallel inputs again where the
-      // weights train (an MoE block its tokens instead), an MoE block gathers its tokens going
+      // scatter cost at least two all-gathers (on a ring their all-reduce; through shared memory
+      // less than it: cluster.h), tp_block; backward gathers the column-parallel inputs again where
+      // the weights train (an MoE block its tokens instead), an MoE block gathers its tokens going
       // forward, the last stage its hidden states for the loss, the first stage's backward its
       // tokens' gradient.
-      const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, true) : 0;
-      const double f = op_seconds(sc, true, m, split) + (2 * blocks + (first ? 1 : 0)) * tp_ar +
-                       blocks * cp_ag + moe_comm + (moe + (last ? 1 : 0)) * tp_ag;
+      const double tp_ag =
+          sp ? collective(kAllGather, c.tp, c.tp, tokens * H_ * act_, kActivations) : 0;
+      const double tp_block = sp ? 2 * tp_ag : tp_ar;
+      const double f = op_seconds(sc, true, m, split) + 2 * blocks * tp_block +
+                       (first ? tp_ar : 0) + blocks * cp_ag + moe_comm +
+                       (moe + (last ? 1 : 0)) * tp_ag;
       w.fwd += count * f;
       const double to_next = last ? 0 : hop(tokens * H_ * act_ / (sp ? tp : 1), c.size() / c.pp);
       if (r == 0) w.first_fwd = f, w.hop_first = to_next;
@@ -382,7 +397,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
       const double rb = static_cast<double>(sc.recompute_blocks),
                    rmoe = static_cast<double>(sc.recompute_moe_blocks);
       const double again =
-          sc.recompute ? 2 * rb * tp_ar + rb * cp_ag + moe_comm_of(rmoe) + rmoe * tp_ag : 0;
+          sc.recompute ? 2 * rb * tp_block + rb * cp_ag + moe_comm_of(rmoe) + rmoe * tp_ag : 0;
       const double b = op_seconds(sc, false, m, split) +
                        tp_backward(blocks - moe, columns, m, tokens, tp_ar, tp_ag) +
                        tp_backward(moe, moe_columns, m, tokens, tp_ar, tp_ag) + blocks * cp_ag +
@@ -407,13 +422,16 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
     const double count = static_cast<double>(runs[r].second);
     if (items <= 0) continue;
     const double tokens = items * T / cp, kv = items * T * 2 * h / tp * act_;
-    const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, true);
-    const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, true);
+    const double tp_ar = collective(kAllReduce, c.tp, c.tp, tokens * h * act_, kActivations);
+    const double cp_ag = collective(kAllGather, c.cp, span_cp, kv, kActivations);
     // Sequence parallelism as for the LLM; the last stage gathers its output over TP.
-    const double tp_ag = sp ? collective(kAllGather, c.tp, c.tp, tokens * h * act_, true) : 0;
+    const double tp_ag =
+        sp ? collective(kAllGather, c.tp, c.tp, tokens * h * act_, kActivations) : 0;
+    const double tp_block = sp ? 2 * tp_ag : tp_ar;
     const double f =
-        op_seconds(sc, true, items, split) + blocks * (2 * tp_ar + cp_ag) +
-        (last ? collective(kAllGather, c.cp, span_cp, items * T * H_ * act_, true) + tp_ag : 0);
+        op_seconds(sc, true, items, split) + blocks * (2 * tp_block + cp_ag) +
+        (last ? collective(kAllGather, c.cp, span_cp, items * T * H_ * act_, kActivations) + tp_ag
+              : 0);
     w.fwd += count * f;
     // The last stage sends replica 0's items (data-parallel rank 0 holds the first) over the
     // bridge, one message per LLM replica.
@@ -429,7 +447,7 @@ Work Space::work(int64_t k, const Choice& c, int64_t s, int64_t i, const Node& n
              ? tp_backward(blocks, encoder_column_flops(e), items, tokens, tp_ar, tp_ag) +
                    blocks * cp_ag + (first ? tp_ag : 0)
              : 0) +
-        static_cast<double>(sc.recompute ? sc.recompute_blocks : 0) * (2 * tp_ar + cp_ag);
+        static_cast<double>(sc.recompute ? sc.recompute_blocks : 0) * (2 * tp_block + cp_ag);
     w.bwd += count * b;
     if (r == 0) w.first_bwd = b;
     w.last_bwd = b;
@@ -517,7 +535,7 @@ Holding Space::hold(Work* w, const StageCost& sc, const Choice& c, const Node& n
     const int64_t group = c.cp * c.dp, etp = layout.expert_tp(), edp = c.tp / etp * group / c.ep;
     const int64_t span = c.tp * (group - 1) + 1, expert_span = etp * c.ep * (edp - 1) + 1;
     const auto gather = [&](int64_t ranks, int64_t span_of, double b) {
-      return b > 0 ? collective(kAllGather, ranks, span_of, b, false) : 0.0;
+      return b > 0 ? collective(kAllGather, ranks, span_of, b, kGradients) : 0.0;
     };
     const double wire = zero1_gather_fraction(spec_);
     w->gather = gather(group, span, wire * (held.grads - held.expert_grads)) +
@@ -811,7 +829,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
       if (open > 0) arrival = std::max(arrival, data_ + unknown / static_cast<double>(left));
       world += open;
     }
-    const double loss = 2 * collective(kAllReduce, world, world, 8, false);
+    const double loss = 2 * collective(kAllReduce, world, world, 8, kReductions);
     out.seconds = arrival + loss + opt;
     return out;
   };

@@ -186,14 +186,16 @@ class Engine {
     if (m.role == ModuleRole::kLlm) return m.needs_backward();
     return stage == m.layout.pp - 1 ? mod(i + 1).needs_backward() : m.weight_grads;
   }
+  // TP's and CP's collectives of activations, waited for where issued.
   double all_reduce(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, true, CollectiveAlgo::kRing) : 0;
+    return o_.tp_cp_comm ? blocking(o_.activation_curve, g, bytes, CollectiveKind::kAllReduce) : 0;
   }
   double all_gather(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
+    return o_.tp_cp_comm ? blocking(o_.activation_curve, g, bytes, CollectiveKind::kAllGather) : 0;
   }
   double reduce_scatter(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
+    return o_.tp_cp_comm ? blocking(o_.activation_curve, g, bytes, CollectiveKind::kReduceScatter)
+                         : 0;
   }
   // The forward's TP collectives of `blocks` transformer blocks over `bytes` of activations (a
   // rank's tokens, whole): two all-reduces per block. Under sequence parallelism (a rank holds
@@ -209,8 +211,9 @@ class Engine {
   }
   // Every rank sends `bytes` in all, evenly over the group: the pairwise exchange costs what a
   // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
+  // Gloo's (or NCCL's) on every host: never through shared memory (dist/comm.h).
   double all_to_all(const std::vector<int64_t>& g, double bytes) const {
-    return all_gather(g, bytes);
+    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
   // The LLM's expert-parallel group through rank r (data_parallel: its expert-data-parallel
   // group), from ModulePlan::expert_groups, computed once.
@@ -239,6 +242,15 @@ class Engine {
       return reduce ? all_reduce_seconds(cl_, g, bytes, algo) : all_gather_seconds(cl_, g, bytes);
     return (reduce ? 1.0 : 0.5) * (n - 1) * curve.at(2 * bytes / n);
   }
+  // A collective waited for where it is issued: on the measured curve as ring() where the group
+  // sits on one node, else the cluster's (through shared memory where it has that link).
+  double blocking(const CommCurve& curve, const std::vector<int64_t>& g, double bytes,
+                  CollectiveKind kind) const {
+    if (g.size() <= 1) return 0;
+    if (curve.empty() || cl_.node_of(g.front()) != cl_.node_of(g.back()))
+      return blocking_collective_seconds(spec_, cl_, g, kind, bytes);
+    return ring(curve, g, bytes, kind == CollectiveKind::kAllReduce, CollectiveAlgo::kRing);
+  }
   double message(int64_t src, int64_t dst, double bytes) const {
     if (src == dst) return 0;
     if (o_.p2p_curve.empty() || cl_.node_of(src) != cl_.node_of(dst))
@@ -251,7 +263,7 @@ class Engine {
   }
   // An fp32 reduction inside an op (the vocab-parallel loss's).
   double loss_all_reduce(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(blocking_curve(), g, bytes, true, CollectiveAlgo::kRing) : 0;
+    return o_.tp_cp_comm ? blocking(blocking_curve(), g, bytes, CollectiveKind::kAllReduce) : 0;
   }
   // The vocab-parallel loss's fp32 reductions over `rows` rows: per chunk of rows
   // (loss_chunk_rows), the max, then the sum of exponentials with the target logit.
@@ -435,7 +447,7 @@ class Engine {
       // the first stage gathers its tokens' gradient over TP for the front end, run whole.)
       const double blocks_back = m.weight_grads ? blocks : 0;
       const double again = static_cast<double>(sc.recompute_blocks);
-      const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
+      const double rate = hiding_seconds_per_flop(spec_, cl_, o_, m.weight_grads, sc, n,
                                                   static_cast<double>(tp * cp), flops_per_second_);
       const double comm = tp_blocks_backward_comm(tp_group, blocks_back, bytes, sp, true,
                                                   encoder_column_flops(es), tokens, rate) +
@@ -511,19 +523,23 @@ class Engine {
     // One exchange moves top_k rows per token (flops.h moe_all_to_all_bytes is both).
     const double a2a_per_token = moe_all_to_all_bytes(l, LlmTokens{1, 1, 1}, 0, act_) / 2;
     // Of `of` MoE blocks (default: all the stage's).
+    const bool sp = m.layout.sequence_parallel();
     const auto moe_comm = [&](double tokens, double of = -1) {
       const double k = of < 0 ? moe : of;
       if (k == 0) return 0.0;
       const double bytes = a2a_per_token * tokens / static_cast<double>(slices);
+      if (slices == 1) return 2 * k * all_to_all(ep_group, bytes);
+      // The experts' output gathered (an all-gather) in place of the MLP's all-reduce, or under
+      // SP of its reduce-scatter (the block gathered its tokens whole for the router: block_comm).
+      const double full = tokens * H * act_;
       return 2 * k * all_to_all(ep_group, bytes) +
-             (slices > 1 ? k : 0) * (all_gather(tp_group, tokens * H * act_) -
-                                     all_reduce(tp_group, tokens * H * act_));
+             k * (sp ? -reduce_scatter(tp_group, full)
+                     : all_gather(tp_group, full) - all_reduce(tp_group, full));
     };
     // Sequence parallelism (tp_blocks_forward_comm): besides, an MoE block gathers its tokens whole
     // each way (in backward in place of re-gathering its MLP's input, which its experts kept
     // whole), the last stage gathers the final hidden states for the loss, and the first stage's
     // backward gathers its tokens' gradient for the embedding and the features.
-    const bool sp = m.layout.sequence_parallel();
     const double seq_split = sp ? static_cast<double>(tp) : 1;
     const ColumnFlops columns = llm_column_flops(l), moe_columns{columns.qkv, 0};
     // A forward's (fwd) or a backward's TP collectives; a forward's over `of` blocks, `of_moe` of
@@ -536,7 +552,7 @@ class Engine {
         return tp_blocks_forward_comm(tp_group, k, bytes, sp) +
                (sp ? k_moe * all_gather(tp_group, bytes) : 0);
       const double moe_gather = sp && !m.weight_grads ? moe * all_gather(tp_group, bytes) : 0;
-      const double rate = hiding_seconds_per_flop(spec_, o_, m.weight_grads, sc, n,
+      const double rate = hiding_seconds_per_flop(spec_, cl_, o_, m.weight_grads, sc, n,
                                                   static_cast<double>(tp * cp), flops_per_second_);
       return tp_blocks_backward_comm(tp_group, blocks - moe, bytes, sp, m.weight_grads, columns,
                                      tokens, rate) +
@@ -671,7 +687,7 @@ class Engine {
     if (!m.layout.sequence_parallel() || bytes <= 0) return;
     const std::vector<int64_t> tp = m.group(r, {Axis::kTp});
     add_collective(r, m.name + " sequence-parallel grad all-reduce", tp,
-                   ring(blocking_curve(), tp, bytes, true, CollectiveAlgo::kRing));
+                   blocking(blocking_curve(), tp, bytes, CollectiveKind::kAllReduce));
   }
 
   void build_rank(int64_t r) {
@@ -707,8 +723,8 @@ class Engine {
     if (spec_.data.media_from_files())
       add_collective(
           r, "bad-media agreement", world,
-          ring(blocking_curve(), world, 4.0 * static_cast<double>(plan_.global_batch + 1), true,
-               CollectiveAlgo::kRing));
+          blocking(blocking_curve(), world, 4.0 * static_cast<double>(plan_.global_batch + 1),
+                   CollectiveKind::kAllReduce));
     std::vector<int64_t> encoders;
     for (int64_t i = 0; i < llm_; ++i)
       if (mod(i).role == ModuleRole::kEncoder && mod(i).hosts(r)) encoders.push_back(i);
@@ -732,7 +748,7 @@ class Engine {
                              static_cast<double>(spec_.model.llm.hidden) /
                              static_cast<double>(llm.layout.tp) / shards;
         add_collective(r, "llm tied embedding all-reduce", pair,
-                       ring(blocking_curve(), pair, bytes, true, CollectiveAlgo::kRing));
+                       blocking(blocking_curve(), pair, bytes, CollectiveKind::kAllReduce));
       }
     }
     // Under sequence parallelism the gradients of the parameters every TP rank holds whole but
@@ -741,7 +757,7 @@ class Engine {
     for (int64_t i : encoders) sequence_partial_reduce(r, i);
     if (llm.hosts(r)) sequence_partial_reduce(r, llm_);
     add_collective(r, "loss and grad-norm all-reduce", world,
-                   2 * ring(blocking_curve(), world, 8, true, CollectiveAlgo::kRing));
+                   2 * blocking(blocking_curve(), world, 8, CollectiveKind::kAllReduce));
     // AdamW reads parameter, gradient and two moments and writes three: 7 fp32 per parameter.
     // Under ZeRO-1 a rank steps only its share of the CP × DP group's parameters.
     // Measured stages charge their measured optimizer seconds instead.
@@ -1182,10 +1198,12 @@ double compute_seconds(const StageCost& sc, bool forward, double n, double split
                    part(sc.backward_seconds, sc.replicated_backward_seconds);
 }
 
-double hiding_seconds_per_flop(const Spec& spec, const SimOptions& o, bool weight_grads,
-                               const StageCost& sc, double n, double split,
+double hiding_seconds_per_flop(const Spec& spec, const Cluster& cluster, const SimOptions& o,
+                               bool weight_grads, const StageCost& sc, double n, double split,
                                double flops_per_second) {
-  if (!spec.train.overlap_tp_comm || o.comm_occupies_rank || !weight_grads) return 0;
+  if (!spec.train.overlap_tp_comm || o.comm_occupies_rank || !weight_grads ||
+      shared_memory_collectives(spec, cluster))
+    return 0;
   const double flops = n * ((sc.backward_flops - sc.replicated_backward_flops) / split +
                             sc.replicated_backward_flops);
   return flops > 0 ? compute_seconds(sc, false, n, split, flops_per_second) / flops : 0;

@@ -255,9 +255,10 @@ struct SimOptions {
 // The seconds per FLOP at which a backward of n units hides its column-parallel linears'
 // collectives (column_backward_comm's seconds_per_flop): the op's mean, compute_seconds over its
 // FLOPs; 0 where nothing hides: train.overlap_tp_comm off, no weight gradients follow the
-// reductions, or CPU ranks (SimOptions::comm_occupies_rank: Gloo works on the matmuls' core).
-double hiding_seconds_per_flop(const Spec& spec, const SimOptions& o, bool weight_grads,
-                               const StageCost& sc, double n, double split,
+// reductions, CPU ranks (SimOptions::comm_occupies_rank: Gloo works on the matmuls' core), or
+// collectives through shared memory (cluster.h: dist::column_linear waits for them where issued).
+double hiding_seconds_per_flop(const Spec& spec, const Cluster& cluster, const SimOptions& o,
+                               bool weight_grads, const StageCost& sc, double n, double split,
                                double flops_per_second);
 
 struct RankReport {
