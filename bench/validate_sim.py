@@ -8,7 +8,7 @@
    core, the data preparation and the local Gloo transport — right before and right after each
    real run, since this shared machine's speed drifts by tens of percent over minutes; the
    simulated step is the mean of the two profiles' predictions.
-2. A cluster file for this machine is written from the profile's transport measurement (2
+2. A cluster file for this machine is written from the profile's transport measurements (2
    devices of one core each; the device numbers are unused once costs are measured).
 3. Each plan runs for real on 2 local ranks, one intra-op thread each
    (`weft launch --nproc 2 -- weft train ... --set train.threads=1`): DP2, LLM TP2, LLM TP2 with
@@ -210,6 +210,12 @@ def write_cluster(profile, path):
         f.write("nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\n")
         f.write(f"bandwidth_gbs = {link['bandwidth_gbs']:.4g}\n")
         f.write(f"latency_us = {link['latency_us']:.4g}\n")
+        shm = p["comm"].get("all_reduce_blocking")
+        if p["comm"].get("activation_transport") == "shared memory" and shm:
+            # A two-rank all-reduce through shared memory copies 3x its bytes (cluster.h).
+            f.write("[shared_memory]\n")
+            f.write(f"bandwidth_gbs = {3 * shm['bandwidth_gbs']:.4g}\n")
+            f.write(f"latency_us = {shm['latency_us']:.4g}\n")
     return p
 
 
