@@ -472,6 +472,29 @@ TEST(Profile, SimulatorUsesMeasuredCosts) {
       has(error_of([&] { parse_profile(partial.dump(), "p.json"); }), "all_reduce_blocking"));
 }
 
+// Where the compute-dtype curve went through shared memory, the experts' all-to-all (Gloo's on
+// every host) is priced on Gloo's measured curve instead; a transport the file cannot have is an
+// error naming it.
+TEST(Profile, ActivationTransportPricesTheAllToAll) {
+  const Spec s = profiled_spec();
+  json j = testing::with_comm_points(tiny_profile(s), {8, 1e6, 1e7}, {1e-4, 1e-9}, {2e-3, 1e-9},
+                                     {3e-3}, {5e-5, 1e-10});
+  const Profile plain = parse_profile(j.dump(), "p.json");  // older profiles: no transport
+  EXPECT_FALSE(plain.activations_in_shared_memory);
+  EXPECT_TRUE(profile_sim_options(plain, s, SimOptions{}).all_to_all_curve.empty());
+  j["comm"]["activation_transport"] = "gloo";
+  EXPECT_FALSE(parse_profile(j.dump(), "p.json").activations_in_shared_memory);
+  j["comm"]["activation_transport"] = "shared memory";
+  const Profile shm = parse_profile(j.dump(), "p.json");
+  EXPECT_TRUE(shm.activations_in_shared_memory);
+  const SimOptions o = profile_sim_options(shm, s, SimOptions{});
+  EXPECT_EQ(o.all_to_all_curve.seconds, shm.all_reduce_curve.seconds);
+  EXPECT_EQ(o.activation_curve.seconds, shm.all_reduce_compute_curve.seconds);
+  j["comm"]["activation_transport"] = "tcp";
+  EXPECT_EQ(error_of([&] { parse_profile(j.dump(), "p.json"); }),
+            "p.json: comm.activation_transport = \"tcp\": expected \"shared memory\" or \"gloo\"");
+}
+
 // A profile that recorded the data's mean sample ("data_shape", as `weft bench profile` writes
 // it) prices its FLOP fields, messages and TP rank's whole share on it: here 12 loss targets of
 // 40 positions, not a loss on every position.

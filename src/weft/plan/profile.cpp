@@ -336,6 +336,13 @@ Profile parse_profile(const std::string& json_text, const std::string& source) {
                  ": comm.on_compute = ", c["on_compute"].dump(), ": expected true or false");
       p.comm_on_compute = c["on_compute"].get<bool>();
     }
+    if (c.contains("activation_transport")) {
+      const json& t = c["activation_transport"];
+      WEFT_CHECK(t == "shared memory" || t == "gloo", source,
+                 ": comm.activation_transport = ", t.dump(),
+                 ": expected \"shared memory\" or \"gloo\"");
+      p.activations_in_shared_memory = t == "shared memory";
+    }
   }
   if (j.contains("data_shape")) {  // optional: older profiles have none
     const json& d = j["data_shape"];
@@ -732,6 +739,7 @@ SimOptions profile_sim_options(const Profile& profile, const Spec& spec, SimOpti
   options.grad_curve = profile.all_reduce_curve;
   options.blocking_curve = profile.all_reduce_blocking_curve;
   options.activation_curve = profile.all_reduce_compute_curve;
+  if (profile.activations_in_shared_memory) options.all_to_all_curve = profile.all_reduce_curve;
   options.comm_occupies_rank = profile.comm_on_compute;
   if (const int64_t vocab = profiled_vocab(profile); vocab > 0) options.unset_vocab = vocab;
   return options;

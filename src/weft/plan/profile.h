@@ -67,9 +67,11 @@
 //           price rows of "seq" positions with a loss on each),
 //  "comm": {"p2p": {"latency_us", "bandwidth_gbs"}, "all_reduce": {...},
 //           "all_reduce_compute": {...}, "all_reduce_blocking": {...} (optional), "on_compute":
-//           true, "activation_transport": "shared memory" | "gloo" (optional, informational),
-//           "points": [{"bytes", "p2p", "all_reduce", "compute_bytes", "all_reduce_compute",
-//           "all_reduce_blocking" (optional: older profiles)}]}
+//           true, "activation_transport": "shared memory" | "gloo" (optional: where the
+//           compute-dtype curve was measured; the experts' all-to-all, always Gloo's, takes
+//           all_reduce's curve when it was shared memory), "points": [{"bytes", "p2p",
+//           "all_reduce", "compute_bytes", "all_reduce_compute", "all_reduce_blocking" (optional:
+//           older profiles)}]}
 //          (optional; the simulator uses the points, the fits are for cluster files;
 //          all_reduce: fp32 waited for later, as the gradient buckets are, over Gloo;
 //          all_reduce_blocking: fp32 waited for where issued, as the loss's, through shared
@@ -167,6 +169,7 @@ struct Profile {
   CommCurve p2p_curve, all_reduce_curve, all_reduce_compute_curve;
   CommCurve all_reduce_blocking_curve;  // empty in older profiles
   bool comm_on_compute = false;         // the transport runs on the profiled cores (CPU ranks)
+  bool activations_in_shared_memory = false;  // "activation_transport": "shared memory"
   std::vector<ModuleProfile> modules;
   // The data's mean sample ("data_shape"; positions 0 = absent): its items and peak items are
   // per encoder name (profile_data_shape orders them as a spec's encoders).

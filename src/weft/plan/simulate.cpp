@@ -213,7 +213,9 @@ class Engine {
   // ring all-gather of `bytes` does (cluster.h all_to_all_seconds).
   // Gloo's (or NCCL's) on every host: never through shared memory (dist/comm.h).
   double all_to_all(const std::vector<int64_t>& g, double bytes) const {
-    return o_.tp_cp_comm ? ring(o_.activation_curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
+    const CommCurve& curve =
+        o_.all_to_all_curve.empty() ? o_.activation_curve : o_.all_to_all_curve;
+    return o_.tp_cp_comm ? ring(curve, g, bytes, false, CollectiveAlgo::kRing) : 0;
   }
   // The LLM's expert-parallel group through rank r (data_parallel: its expert-data-parallel
   // group), from ModulePlan::expert_groups, computed once.

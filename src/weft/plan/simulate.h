@@ -246,6 +246,9 @@ struct SimOptions {
   // partial gradients', a tied embedding's), which go through shared memory on CPU ranks of one
   // host (dist/comm.h) while gradient buckets stay on Gloo; empty: grad_curve.
   CommCurve blocking_curve;
+  // The experts' all-to-all, which no host runs through shared memory: where the activations'
+  // curve was measured there, Gloo's (a profile's all_reduce); empty: activation_curve.
+  CommCurve all_to_all_curve;
   // The transport runs on the ranks' own cores (Gloo over TCP on CPU ranks of one core each):
   // a gradient reduction overlapped with backward would take the core the backward runs on, so
   // it starts after the backward instead, as without train.overlap_grad_reduce.
