@@ -346,6 +346,17 @@ TEST(Search, MemoryFilterRejectsTheFastestLayoutWhenItDoesNotFit) {
   ASSERT_EQ(r.over_memory.size(), 1u) << "the faster layout that does not fit is reported";
   EXPECT_LT(r.over_memory.front().sim.step_seconds, win.sim.step_seconds);
   EXPECT_NE(r.why.find("over memory"), std::string::npos) << r.why;
+  // Memory the device keeps for itself ([device] reserved_gib) is memory plans cannot use: the
+  // roomy optimum with the same shortfall reserved is the tight device's plan, and so is its
+  // simulated verdict.
+  Cluster reserved = h100(1, need * 1.0001 / (1024.0 * 1024 * 1024));
+  reserved.device.reserved_bytes = need * 0.0501;
+  EXPECT_FALSE(evaluate(spec, reserved, fastest.candidate).sim.memory_fits);
+  const SearchResult rr = search(spec, reserved, o);
+  EXPECT_EQ(describe(spec, rr.best.front().candidate), describe(spec, win.candidate));
+  EXPECT_NE(rr.why.find("reserved)"), std::string::npos) << rr.why;
+  reserved.device.reserved_bytes = 0;
+  EXPECT_TRUE(evaluate(spec, reserved, fastest.candidate).sim.memory_fits);
   // Nothing fits a device smaller than the model's parameters: a clear error.
   const std::string err = testing::error_of([&] { search(spec, h100(1, 0.01), o); });
   EXPECT_NE(err.find("small.toml: no layout fits 8 h100 devices"), std::string::npos) << err;

@@ -77,6 +77,7 @@ bf16_tflops = 2
 memory_gib = 1
 matmul_efficiency = 0.5
 block_overhead_us = 250
+reserved_gib = 0.25
 [intra_node]
 bandwidth_gbs = 1
 latency_us = 0
@@ -89,6 +90,8 @@ latency_us = 0
   EXPECT_DOUBLE_EQ(c.device.hbm_bytes_per_second, 0);
   EXPECT_DOUBLE_EQ(c.device.effective_flops(Precision::kBf16), 1e12);
   EXPECT_DOUBLE_EQ(c.device.block_overhead_seconds, 250e-6);
+  EXPECT_DOUBLE_EQ(c.device.usable_memory_bytes(), 0.75 * 1024 * 1024 * 1024);
+  EXPECT_NE(to_json(c).find("\"reserved_bytes\""), std::string::npos);
 }
 
 TEST(Cluster, ErrorsNameFileKeyValue) {
@@ -115,6 +118,9 @@ TEST(Cluster, ErrorsNameFileKeyValue) {
   EXPECT_EQ(
       err("nodes = 1\ngpus_per_node = 1\n[device]\nbase = \"h100\"\nblock_overhead_us = -1" + link),
       "c.toml: device.block_overhead_us = -1: must be a finite number >= 0");
+  EXPECT_EQ(
+      err("nodes = 1\ngpus_per_node = 1\n[device]\nbase = \"h100\"\nreserved_gib = 80" + link),
+      "c.toml: device.reserved_gib = 80: must be less than the device's memory (80 GiB)");
   EXPECT_NE(err("nodes = 1\ngpus_per_node = 1\n[device]\nname = \"x\"\nmemory_gib = 1" + link)
                 .find("c.toml: device.bf16_tflops: missing"),
             std::string::npos);

@@ -140,7 +140,7 @@ DeviceProfile read_device(const std::string& source, const toml::node& node) {
              quoted_list(names), ") or a table");
   Reader r(source, *t, "device");
   r.only({"base", "name", "bf16_tflops", "fp32_tflops", "memory_gib", "hbm_gbs",
-          "matmul_efficiency", "block_overhead_us"});
+          "matmul_efficiency", "block_overhead_us", "reserved_gib"});
   DeviceProfile d;
   const bool based = r.find("base") != nullptr;
   if (based) {
@@ -167,6 +167,14 @@ DeviceProfile read_device(const std::string& source, const toml::node& node) {
   }
   double us = 0;
   if (r.number("block_overhead_us", &us, false, true)) d.block_overhead_seconds = us * 1e-6;
+  if (r.number("reserved_gib", &gib, false, true)) {
+    if (gib * kGiB >= d.memory_bytes) {
+      std::ostringstream memory;
+      memory << d.memory_bytes / kGiB;
+      r.fail("reserved_gib", "must be less than the device's memory (" + memory.str() + " GiB)");
+    }
+    d.reserved_bytes = gib * kGiB;
+  }
   return d;
 }
 
@@ -239,6 +247,7 @@ std::string to_json(const Cluster& c) {
                  {"peak_bf16_flops", d.peak_bf16_flops},
                  {"peak_fp32_flops", d.peak_fp32_flops},
                  {"memory_bytes", d.memory_bytes},
+                 {"reserved_bytes", d.reserved_bytes},
                  {"hbm_bytes_per_second", d.hbm_bytes_per_second},
                  {"matmul_efficiency", d.matmul_efficiency},
                  {"block_overhead_seconds", d.block_overhead_seconds}};

@@ -31,7 +31,8 @@
 //   device = "h100"                  # a shipped profile, or an inline table:
 //   # [device]  base = "h100" (optional: start from a profile), name, bf16_tflops,
 //   #           fp32_tflops, memory_gib, hbm_gbs, matmul_efficiency,
-//   #           block_overhead_us (fixed microseconds per block per forward and backward)
+//   #           block_overhead_us (fixed microseconds per block per forward and backward),
+//   #           reserved_gib (memory plans must leave free; less than memory_gib)
 //   [intra_node]
 //   bandwidth_gbs = 450              # GB/s (1e9 bytes/s) per direction, per device
 //   latency_us = 3
@@ -53,9 +54,14 @@ namespace weft::plan {
 
 struct DeviceProfile {
   std::string name;
-  double peak_bf16_flops = 0;       // dense bf16 peak, FLOP/s
-  double peak_fp32_flops = 0;       // fp32 peak, FLOP/s (what an fp32 run is measured against)
-  double memory_bytes = 0;          // device memory
+  double peak_bf16_flops = 0;  // dense bf16 peak, FLOP/s
+  double peak_fp32_flops = 0;  // fp32 peak, FLOP/s (what an fp32 run is measured against)
+  double memory_bytes = 0;     // device memory
+  // Memory a run cannot give to weights, gradients, moments and activations: the CUDA context,
+  // the communicators' buffers, the caching allocator's fragmentation. The planner fits plans
+  // into usable_memory_bytes(). 0 in the shipped profiles (unmeasured); `reserved_gib` in a
+  // cluster file's [device] table.
+  double reserved_bytes = 0;
   double hbm_bytes_per_second = 0;  // memory bandwidth (optimizer step); 0 = unknown
   double matmul_efficiency = 1;     // achievable fraction of peak on the model's matmul work
   // Fixed seconds of each transformer block's forward, and again of its backward, per microbatch
@@ -64,6 +70,7 @@ struct DeviceProfile {
   // (plan/profile.h) replaces the FLOP model, this included.
   double block_overhead_seconds = 0;
 
+  double usable_memory_bytes() const { return memory_bytes - reserved_bytes; }
   double peak_flops(Precision p) const {
     return p == Precision::kBf16 ? peak_bf16_flops : peak_fp32_flops;
   }

@@ -108,7 +108,10 @@ std::string explain(const Spec& spec, const Cluster& cluster, const SearchResult
     const Evaluation& m = r.over_memory.front();
     os << "; faster but over memory: " << describe(spec, m.candidate) << " ("
        << duration(m.sim.step_seconds) << ") needs " << fixed(breakdown(m.sim).peak / kGiB, 1)
-       << " GiB per GPU > " << fixed(cluster.device.memory_bytes / kGiB, 1) << " GiB";
+       << " GiB per GPU > " << fixed(cluster.device.usable_memory_bytes() / kGiB, 1) << " GiB";
+    if (cluster.device.reserved_bytes > 0)
+      os << " (" << fixed(cluster.device.memory_bytes / kGiB, 1) << " less "
+         << fixed(cluster.device.reserved_bytes / kGiB, 1) << " reserved)";
   }
   return os.str();
 }
@@ -205,7 +208,7 @@ std::vector<Evaluation> Searcher::evaluate_all(const std::vector<std::pair<size_
 
 std::vector<BoundedCandidate> Searcher::enumerate() {
   std::vector<BoundedCandidate> out;
-  const double mem = cl_.device.memory_bytes;
+  const double mem = cl_.device.usable_memory_bytes();
   // Each node with the bounds of the nodes above it (the search prunes on them too).
   struct Open {
     Node node;
@@ -244,7 +247,7 @@ SearchResult Searcher::run() {
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   SearchResult result;
   SearchStats& st = result.stats;
-  const double mem = cl_.device.memory_bytes;
+  const double mem = cl_.device.usable_memory_bytes();
   std::vector<Node> nodes;
   using Entry = std::pair<double, size_t>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> open;

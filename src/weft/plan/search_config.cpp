@@ -203,7 +203,8 @@ Evaluation refine_recompute(const Spec& spec, const Cluster& cluster, Evaluation
         const std::vector<double> peak =
             stage_peak_bytes(raised.sim, names[k], static_cast<int64_t>(most.size()));
         for (size_t s = 0; s < now.size() && s < most.size(); ++s)
-          if (peak[s] > cluster.device.memory_bytes && now[s] < most[s]) ++now[s], more = true;
+          if (peak[s] > cluster.device.usable_memory_bytes() && now[s] < most[s])
+            ++now[s], more = true;
         if (now == most) now.clear();  // every block
       }
       if (!more) return e;

@@ -835,7 +835,7 @@ Bound Space::bound(const Node& n, double fits_limit, double over_limit, int64_t 
   };
   const Bound quick = finish();
   if (!quick.feasible ||
-      quick.seconds >= (quick.memory > cl_.device.memory_bytes ? over_limit : fits_limit))
+      quick.seconds >= (quick.memory > cl_.device.usable_memory_bytes() ? over_limit : fits_limit))
     return quick;
 
   // The LLM's schedule of replica 0 (pipeline_schedule: 1F1B, or interleaved 1F1B over the
@@ -953,7 +953,7 @@ Node Space::recomputing(const Node& n, int64_t k, bool on,
 std::vector<int64_t> Space::fit_stages(const Node& n, int64_t k,
                                        const std::vector<double>& headroom) const {
   const std::vector<int64_t> most = chunk_blocks(n, k);
-  const double mem = cl_.device.memory_bytes;
+  const double mem = cl_.device.usable_memory_bytes();
   // Memory only: the quick bound's (limits 0), which the schedule's replay does not change.
   const auto fits = [&](const Bound& b, size_t s) {
     return b.stage_memory[s] + (headroom.empty() ? 0 : headroom[s]) <= mem;
@@ -1044,7 +1044,7 @@ std::optional<Space::Fitted> Space::rebalance(const Node& n, int64_t k,
 void Space::expand_partial(const Node& n, const std::function<void(Node&&)>& emit) const {
   const int64_t k = n.partial;
   const std::vector<int64_t> most = chunk_blocks(n, k);
-  const double mem = cl_.device.memory_bytes;
+  const double mem = cl_.device.usable_memory_bytes();
   Node off = recomputing(n, k, false);
   const bool fits = bound(off, 0, 0).memory <= mem;
   emit(std::move(off));

@@ -1092,7 +1092,8 @@ class Engine {
     for (RankReport& rep : res.ranks) {
       rep.peak_memory_bytes =
           rep.static_bytes + std::max(rep.peak_activation_bytes, rep.gather_buffer_bytes);
-      res.memory_fits = res.memory_fits && rep.peak_memory_bytes <= cl_.device.memory_bytes;
+      res.memory_fits =
+          res.memory_fits && rep.peak_memory_bytes <= cl_.device.usable_memory_bytes();
       if (!mod(llm_).hosts(rep.rank) || llm_compute_end_ <= 0) continue;
       double busy = 0;  // within [start, llm_compute_end_)
       const double start = window_start_[rep.rank];
