@@ -40,8 +40,8 @@
 //   bandwidth_gbs = 50
 //   latency_us = 5
 //   [shared_memory]                  # optional: CPU ranks' blocking collectives (above)
-//   bandwidth_gbs = 8.5
-//   latency_us = 18
+//   bandwidth_gbs = 9
+//   latency_us = 20
 #pragma once
 
 #include <cstdint>
