@@ -189,12 +189,13 @@ TEST(CommModel, BlockingCollectivesThroughSharedMemory) {
   EXPECT_FALSE(shared_memory_collectives(s, c));
   EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllGather, 4e9),
                    all_gather_seconds(c, four, 4e9));
-  EXPECT_NE(parse_cluster("nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\n"
-                          "bandwidth_gbs = 1\nlatency_us = 190\n[shared_memory]\n"
-                          "bandwidth_gbs = 9\nlatency_us = 20\n",
-                          "s.toml")
-                .shared_memory.latency_seconds,
-            0);
+  const Cluster parsed = parse_cluster(
+      "nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\n"
+      "bandwidth_gbs = 1\nlatency_us = 190\n[shared_memory]\n"
+      "bandwidth_gbs = 9\nlatency_us = 20\n",
+      "s.toml");
+  EXPECT_DOUBLE_EQ(parsed.shared_memory.bytes_per_second, 9e9);
+  EXPECT_DOUBLE_EQ(parsed.shared_memory.latency_seconds, 20e-6);
 }
 
 // ---- the simulator ---------------------------------------------------------------------------
