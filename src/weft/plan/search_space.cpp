@@ -261,8 +261,8 @@ double Space::least_unit_seconds(int64_t k) const {
 // simulator's ring does where the group sits on one node; the cluster's links where it straddles
 // two: the cheaper. Where the simulator may take either of two prices (the fp32 sums' curve; the
 // experts' all-to-all, which stays on Gloo), the cheaper keeps the bound a bound.
-double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, Traffic traffic,
-                         CollectiveAlgo algo) const {
+double Space::collective(CollectiveKind kind, int64_t n, int64_t span, double bytes,
+                         Traffic traffic, CollectiveAlgo algo) const {
   if (n <= 1 || (traffic == kActivations && !o_.sim.tp_cp_comm)) return 0;
   const bool inter = span > gpn_;
   auto& ranks = groups_[{n, inter}];
@@ -272,11 +272,7 @@ double Space::collective(Kind kind, int64_t n, int64_t span, double bytes, Traff
   double link = kind == kAllReduce ? all_reduce_seconds(cl_, ranks, bytes, algo)
                                    : all_gather_seconds(cl_, ranks, bytes);
   if (traffic != kGradients) {
-    link =
-        std::min(link, blocking_collective_seconds(spec_, cl_, ranks,
-                                                   kind == kAllReduce ? CollectiveKind::kAllReduce
-                                                                      : CollectiveKind::kAllGather,
-                                                   bytes));
+    link = std::min(link, blocking_collective_seconds(spec_, cl_, ranks, kind, bytes));
   }
   const CommCurve& curve = traffic == kActivations ? o_.sim.activation_curve : o_.sim.grad_curve;
   if (inter || curve.empty()) return link;

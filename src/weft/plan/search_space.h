@@ -183,12 +183,14 @@ class Space {
   const Staged& staged(int k, int64_t pp, bool recompute, bool even, bool vocab_parallel,
                        bool sp = false, int64_t vp = 1, const std::vector<int64_t>& blocks = {},
                        const std::vector<int64_t>& cut = {}) const;
-  enum Kind { kAllReduce, kAllGather };
+  // An all-gather here stands for a reduce-scatter too (the cheaper of the two: a bound).
+  static constexpr CollectiveKind kAllReduce = CollectiveKind::kAllReduce,
+                                  kAllGather = CollectiveKind::kAllGather;
   // What a collective carries, and so how it goes: TP's and CP's activations (waited for where
   // issued; the experts' all-to-all among them), gradient buckets and ZeRO-1's gathers (Gloo's or
   // NCCL's, waited for later), or the loss's and the gradient norm's fp32 sums (waited for).
   enum Traffic { kActivations, kGradients, kReductions };
-  double collective(Kind kind, int64_t n, int64_t span, double bytes, Traffic traffic,
+  double collective(CollectiveKind kind, int64_t n, int64_t span, double bytes, Traffic traffic,
                     CollectiveAlgo algo = CollectiveAlgo::kRing) const;
   double hop(double bytes, int64_t stride) const;
   double least_unit_seconds(int64_t k) const;

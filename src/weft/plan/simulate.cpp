@@ -248,10 +248,9 @@ class Engine {
   // sits on one node, else the cluster's (through shared memory where it has that link).
   double blocking(const CommCurve& curve, const std::vector<int64_t>& g, double bytes,
                   CollectiveKind kind) const {
-    if (g.size() <= 1) return 0;
-    if (curve.empty() || cl_.node_of(g.front()) != cl_.node_of(g.back()))
-      return blocking_collective_seconds(spec_, cl_, g, kind, bytes);
-    return ring(curve, g, bytes, kind == CollectiveKind::kAllReduce, CollectiveAlgo::kRing);
+    if (!curve.empty() && cl_.node_of(g.front()) == cl_.node_of(g.back()))
+      return ring(curve, g, bytes, kind == CollectiveKind::kAllReduce, CollectiveAlgo::kRing);
+    return blocking_collective_seconds(spec_, cl_, g, kind, bytes);
   }
   double message(int64_t src, int64_t dst, double bytes) const {
     if (src == dst) return 0;
