@@ -8,6 +8,8 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <atomic>
 
 #include "support/ranks.h"
 #include "weft/core/error.h"
@@ -101,6 +103,139 @@ TEST(Comm, PostedReceivesMatchByTag) {
       sa.wait();
     }
   });
+}
+
+// A group made to carry messages sends them through shared memory, with Gloo's matching: by
+// (source, tag), in order per (source, tag), whether the receive was posted before the message
+// came or after; a message larger than its ring (4 MiB for two ranks) streams through it, and
+// sends that do not fit wait in the group's sender thread while the sender goes on, even into a
+// blocking collective that its receiver reaches before taking them.
+TEST(Comm, MessagesThroughSharedMemoryMatchByTagInOrder) {
+  run_ranks(2, [](const Comm& world) {
+    const Comm c = world.subgroup({0, 1}, /*messages=*/true);
+    EXPECT_TRUE(c.shared_memory_messages());
+    EXPECT_FALSE(world.shared_memory_messages());
+    auto payload = [](int64_t n, at::ScalarType type, int64_t seed) {
+      return (torch::arange(n, torch::kDouble).remainder(1000 + seed) + seed).to(type);
+    };
+    if (c.rank() == 0) {
+      at::Tensor a = torch::zeros({3}), b = torch::zeros({2, 2}, torch::kBFloat16);
+      Pending pa = c.irecv(a, 1, 7);
+      Pending pb = c.irecv(b, 1, 8);
+      c.barrier();  // both posted before rank 1 sends
+      pb.wait();    // behind a's message on the ring: a's is taken out first
+      EXPECT_TRUE(torch::equal(b, torch::full({2, 2}, 2.5, torch::kBFloat16)));
+      pa.wait();
+      EXPECT_TRUE(torch::equal(a, torch::arange(3, torch::kFloat)));
+      at::Tensor late = torch::zeros({1});
+      c.recv(late, 1, 9);  // sent before this receive was posted
+      EXPECT_EQ(late.item<float>(), 9.0f);
+      c.barrier();  // rank 1 has sent everything below, most of it still queued
+      at::Tensor x = torch::ones({1}, torch::kLong);
+      c.all_reduce_sum(x);  // reached before any of it is taken
+      EXPECT_EQ(x.item<int64_t>(), 2);
+      // Same tag: in the order sent. Other tags: in any order the receiver likes.
+      for (int64_t i = 0; i < 3; ++i) {
+        at::Tensor t = torch::empty({5000}, torch::kInt);
+        c.recv(t, 1, 20);
+        EXPECT_TRUE(torch::equal(t, payload(5000, at::kInt, i))) << i;
+      }
+      at::Tensor big = torch::empty({3 << 20});  // 12 MiB: three rings' worth
+      Pending pbig = c.irecv(big, 1, 30);
+      for (int64_t k = 49; k >= 0; --k) {  // 50 x 300 KB, received last first
+        at::Tensor t = torch::empty({75000});
+        c.recv(t, 1, static_cast<int>(100 + k));
+        EXPECT_TRUE(torch::equal(t, payload(75000, at::kFloat, k))) << k;
+      }
+      pbig.wait();
+      EXPECT_TRUE(torch::equal(big, payload(3 << 20, at::kFloat, 3)));
+      at::Tensor none = torch::empty({0}), h = torch::empty({4}, torch::kHalf);
+      c.recv(none, 1, 40);
+      c.recv(h, 1, 41);
+      EXPECT_TRUE(torch::equal(h, payload(4, at::kHalf, 5)));
+    } else {
+      c.barrier();
+      Pending sa = c.send(torch::arange(3, torch::kFloat), 0, 7);
+      Pending sb = c.send(torch::full({2, 2}, 2.5, torch::kBFloat16), 0, 8);
+      Pending sl = c.send(torch::full({1}, 9.0), 0, 9);
+      std::vector<Pending> sends;
+      for (int64_t i = 0; i < 3; ++i) sends.push_back(c.send(payload(5000, at::kInt, i), 0, 20));
+      sends.push_back(c.send(payload(3 << 20, at::kFloat, 3), 0, 30));
+      for (int64_t k = 0; k < 50; ++k)
+        sends.push_back(c.send(payload(75000, at::kFloat, k), 0, static_cast<int>(100 + k)));
+      sends.push_back(c.send(torch::empty({0}), 0, 40));
+      sends.push_back(c.send(payload(4, at::kHalf, 5), 0, 41));
+      c.barrier();
+      at::Tensor x = torch::ones({1}, torch::kLong);
+      c.all_reduce_sum(x);
+      sa.wait(), sb.wait(), sl.wait();
+      for (Pending& p : sends) p.wait();
+    }
+  });
+}
+
+// Three ranks, every one sending to both others at once: each ordered pair has its own ring.
+TEST(Comm, MessagesThroughSharedMemoryBetweenEveryPair) {
+  run_ranks(3, [](const Comm& world) {
+    const Comm c = world.subgroup({0, 1, 2}, /*messages=*/true);
+    ASSERT_TRUE(c.shared_memory_messages());
+    std::vector<Pending> sends;
+    for (int round = 0; round < 20; ++round) {
+      for (int q = 0; q < 3; ++q)
+        if (q != c.rank())
+          sends.push_back(
+              c.send(torch::full({20000 * (round % 3 + 1)},
+                                 static_cast<float>(c.rank() * 100 + q + round)),
+                     q, round));
+      for (int q = 0; q < 3; ++q) {
+        if (q == c.rank()) continue;
+        at::Tensor t = torch::empty({20000 * (round % 3 + 1)});
+        c.recv(t, q, round);
+        EXPECT_TRUE(torch::equal(t, torch::full_like(t, static_cast<float>(q * 100 + c.rank() + round))));
+      }
+    }
+    for (Pending& p : sends) p.wait();
+  });
+}
+
+// A receive that nothing arrives for ends with an error naming the peer and tag when the group's
+// timeout passes; a message of another size than its receive is an error naming both.
+TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
+  static std::atomic<int> groups{0};
+  const std::string key = "messages_fail_" + std::to_string(groups++);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  std::atomic<bool> timed_out{false};
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      const Comm c =
+          Comm::in_memory(key, r, 2, std::chrono::milliseconds(2000)).subgroup({0, 1}, true);
+      if (r == 0) {
+        at::Tensor t = torch::empty({4});
+        try {
+          c.recv(t, 1, 5);
+        } catch (const weft::Error& e) {
+          errors[0] = e.what();
+        }
+        timed_out = true;
+        try {
+          c.recv(t, 1, 6);  // rank 1 sends 5 floats
+        } catch (const weft::Error& e) {
+          errors[1] = e.what();
+        }
+      } else {
+        while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        c.send(torch::ones({5}), 0, 6).wait();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_NE(errors[0].find("recv from rank 1 with tag 5 failed: it did not arrive within 2 s"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("a message of 20 bytes from rank 1 with tag 6 arrived for a receive of "
+                           "16 bytes"),
+            std::string::npos)
+      << errors[1];
 }
 
 // Uneven all-to-all in every dtype the runtime sends (bf16 activations of MoE dispatch, int64

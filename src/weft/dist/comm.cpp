@@ -25,6 +25,7 @@
 #endif
 
 #include "weft/core/error.h"
+#include "weft/dist/messages.h"
 #include "weft/dist/shm.h"
 
 namespace weft::dist {
@@ -135,6 +136,10 @@ struct Comm::Impl {
   // The blocking collectives of CPU tensors between ranks of one host (comm.h shared_memory()):
   // null where the group has ranks on several hosts, or was connected without.
   std::unique_ptr<SharedSlots> shm;
+  // Point-to-point messages of CPU tensors (and of device tensors through host memory) through
+  // shm's rings: groups made to carry messages (subgroup's `messages`) that have shm. Declared
+  // after shm: destroyed before it.
+  std::unique_ptr<SharedMessages> messages;
   bool shared_memory = true;  // wanted: subgroups ask for it too
   int rank = 0, size = 1;
   std::string master_addr = "127.0.0.1";
@@ -186,18 +191,26 @@ size_t slot_bytes_for(int size, bool device_collectives) {
   return std::min<size_t>(std::max<size_t>(per, 64 << 10), 2 << 20);
 }
 
+// Ring bytes per ordered pair of a group that carries messages: 16 MiB in all, each between
+// 256 KiB and 4 MiB (a message larger than its ring streams through it).
+size_t ring_bytes_for(int size) {
+  const size_t pairs = static_cast<size_t>(size) * static_cast<size_t>(size - 1);
+  const size_t per = (size_t{16} << 20) / pairs / 4096 * 4096;
+  return std::min<size_t>(std::max<size_t>(per, 256 << 10), 4 << 20);
+}
+
 // The group's shared-memory slots, where every rank can map the segment rank 0 makes (so every
 // rank is on rank 0's host): rank 0 makes it and names it in the store, the others open it, and
 // all agree over Gloo, so that every rank takes the same path. Rank 0 then removes the name;
 // the segment goes with the last rank to exit.
-void connect_shared_slots(Comm::Impl& impl) {
+void connect_shared_slots(Comm::Impl& impl, size_t ring_bytes) {
   const std::string key = "weft/shm";
   std::string why;
   std::unique_ptr<SharedSlots> slots;
   try {
     if (impl.rank == 0) {
-      slots =
-          SharedSlots::create(impl.size, slot_bytes_for(impl.size, impl.device_collectives), &why);
+      slots = SharedSlots::create(impl.size, slot_bytes_for(impl.size, impl.device_collectives),
+                                  &why, ring_bytes);
       if (!slots)  // rare (a full /dev/shm, say) and slower: said once per group
         std::fprintf(stderr,
                      "weft: a group of %d ranks uses Gloo for its blocking collectives: no "
@@ -220,6 +233,8 @@ void connect_shared_slots(Comm::Impl& impl) {
     impl.wait(impl.pg->allreduce(v, opts), "connecting shared-memory collectives");
     if (impl.rank == 0 && slots) slots->unlink();
     if (ok.item<int>() == 1) impl.shm = std::move(slots);
+    if (impl.shm && ring_bytes > 0)
+      impl.messages = std::make_unique<SharedMessages>(*impl.shm, impl.timeout);
   } catch (const weft::Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -231,7 +246,7 @@ void connect_shared_slots(Comm::Impl& impl) {
 std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                        const std::string& master_addr,
                                        std::chrono::milliseconds timeout, bool device_collectives,
-                                       bool shared_memory) {
+                                       bool shared_memory, bool messages = false) {
   auto impl = std::make_shared<Comm::Impl>();
   impl->shared_memory = shared_memory;
   impl->store = store;
@@ -249,7 +264,7 @@ std::shared_ptr<Comm::Impl> make_group(c10::intrusive_ptr<c10d::Store> store, in
       WEFT_FAIL("rank ", rank, " of ", size, ": could not connect the Gloo group: ", message_of(e));
     }
   }
-  if (size > 1 && shared_memory) connect_shared_slots(*impl);
+  if (size > 1 && shared_memory) connect_shared_slots(*impl, messages ? ring_bytes_for(size) : 0);
   if (size > 1 && device_collectives) {
 #ifdef WEFT_CUDA
     // NCCL's communicator is made on the first collective, on the current device (set_device).
@@ -333,8 +348,9 @@ Comm Comm::in_memory(const std::string& store_key, int rank, int size,
 int Comm::rank() const { return impl_->rank; }
 int Comm::size() const { return impl_->size; }
 bool Comm::shared_memory() const { return impl_->shm != nullptr; }
+bool Comm::shared_memory_messages() const { return impl_->messages != nullptr; }
 
-Comm Comm::subgroup(const std::vector<int>& ranks) const {
+Comm Comm::subgroup(const std::vector<int>& ranks, bool messages) const {
   WEFT_CHECK(!ranks.empty(), "subgroup: empty rank list");
   for (size_t i = 0; i < ranks.size(); ++i)
     WEFT_CHECK(ranks[i] >= 0 && ranks[i] < size() && (i == 0 || ranks[i] > ranks[i - 1]),
@@ -348,7 +364,7 @@ Comm Comm::subgroup(const std::vector<int>& ranks) const {
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
   c.impl_ = make_group(store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
                        impl_->master_addr, impl_->timeout, impl_->device_collectives,
-                       impl_->shared_memory);
+                       impl_->shared_memory, messages);
   return c;
 }
 
@@ -695,8 +711,12 @@ Pending Comm::send(const at::Tensor& t, int dst, int tag) const {
              " cannot send to rank ", dst, " of a group of ", size());
   // Device tensors go through host memory over Gloo (tag-matched; see Impl::device).
   std::vector<at::Tensor> v{t.to(at::kCPU).contiguous()};
-  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).send(v, dst, tag);
   std::shared_ptr<Impl> impl = impl_;
+  if (impl->messages) {
+    Pending sent = impl->messages->send(v[0], dst, tag);
+    return Pending([impl, sent]() mutable { sent.wait(); });
+  }
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).send(v, dst, tag);
   return Pending([impl, work, v] { impl->wait(work, "send"); });
 }
 
@@ -709,8 +729,15 @@ Pending Comm::irecv(at::Tensor& t, int src, int tag) const {
   // Device tensors arrive in host memory (see send) and are copied over when waited.
   std::vector<at::Tensor> v{t.is_cuda() ? torch::empty(t.sizes(), t.options().device(at::kCPU))
                                         : t};
-  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).recv(v, src, tag);
   std::shared_ptr<Impl> impl = impl_;
+  if (impl->messages) {
+    Pending received = impl->messages->irecv(v[0], src, tag);
+    return Pending([impl, received, v, t]() mutable {
+      received.wait();
+      if (t.is_cuda()) t.copy_(v[0]);
+    });
+  }
+  c10::intrusive_ptr<c10d::Work> work = impl_->group_for(v[0]).recv(v, src, tag);
   return Pending([impl, work, v, t]() mutable {
     impl->wait(work, "recv");
     if (t.is_cuda()) t.copy_(v[0]);

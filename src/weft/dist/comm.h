@@ -6,8 +6,9 @@
 // Between ranks of one host, the blocking collectives of CPU tensors (all_reduce_sum,
 // all_reduce_max, all_gather, reduce_scatter_sum) go through shared memory (dist/shm.h) rather
 // than Gloo's TCP loopback, unless the group was connected without (shared_memory = false); the
-// *_async variants and point-to-point messages always use Gloo, whose transport threads let them
-// run on while the caller computes.
+// *_async variants always use Gloo, whose transport threads let them run on while the caller
+// computes. Point-to-point messages go through shared memory too in groups made to carry them
+// (subgroup's `messages`, dist/messages.h), else over Gloo.
 //
 // Contract (as c10d's): every rank of a group calls its collectives in the same order with
 // tensors of the same shape and dtype; calls block until the collective completes or the
@@ -94,9 +95,15 @@ class Comm {
   // rank of the group).
   bool shared_memory() const;
 
+  // Whether this group's point-to-point messages go through shared memory (the same on every
+  // rank of the group).
+  bool shared_memory_messages() const;
+
   // A group of the given ranks of this group (ascending, unique). Collective over *this* group:
   // every rank calls it with the same list; non-members get the single-rank group back.
-  Comm subgroup(const std::vector<int>& ranks) const;
+  // messages: where the group's blocking collectives go through shared memory, its point-to-point
+  // messages do too (each ordered pair of ranks gets a ring; 16 MiB of /dev/shm in all).
+  Comm subgroup(const std::vector<int>& ranks, bool messages = false) const;
 
   void all_reduce_sum(at::Tensor& t) const;  // in place; contiguous
   // Non-blocking variant (overlapping communication with compute): `t` holds the sum once the

@@ -118,6 +118,7 @@ struct SharedSlots::Header {
   uint64_t nonce;
   uint64_t size;
   uint64_t slot_bytes;
+  uint64_t ring_bytes;
   alignas(kLine) std::atomic<uint32_t> epoch;  // the futex word: bumped by every arrival
   std::atomic<uint32_t> waiters;               // ranks asleep (or about to be) on it
 };
@@ -136,13 +137,36 @@ size_t data_offset(int size) {
   return (lines_offset() + static_cast<size_t>(size) * sizeof(RankLine) + kPage - 1) / kPage *
          kPage;
 }
-size_t segment_bytes(int size, size_t slot_bytes) {
-  return data_offset(size) + 2 * static_cast<size_t>(size) * slot_bytes;
+size_t rings_count(int size) { return static_cast<size_t>(size) * static_cast<size_t>(size - 1); }
+size_t ring_heads_offset(int size, size_t slot_bytes) {
+  return (data_offset(size) + 2 * static_cast<size_t>(size) * slot_bytes + kPage - 1) / kPage *
+         kPage;
+}
+size_t ring_data_offset(int size, size_t slot_bytes) {
+  const size_t heads = rings_count(size) * 2 * kLine;  // sizeof(SharedSlots::Ring)
+  return ring_heads_offset(size, slot_bytes) + (heads + kPage - 1) / kPage * kPage;
+}
+size_t segment_bytes(int size, size_t slot_bytes, size_t ring_bytes) {
+  if (ring_bytes == 0) return data_offset(size) + 2 * static_cast<size_t>(size) * slot_bytes;
+  return ring_data_offset(size, slot_bytes) + rings_count(size) * ring_bytes;
 }
 }  // namespace
 
+// One end of a ring: a count of bytes (written, or read) that only that end's rank moves, and
+// the futex word the other end sleeps on.
+struct alignas(kLine) RingEnd {
+  std::atomic<uint64_t> count;
+  std::atomic<uint32_t> epoch;    // bumped after every move of count
+  std::atomic<uint32_t> waiters;  // the other end, asleep (or about to be) on epoch
+};
+struct SharedSlots::Ring {
+  RingEnd written;  // the writer's (src)
+  RingEnd read;     // the reader's (dst)
+};
+static_assert(sizeof(SharedSlots::Ring) == 2 * kLine, "ring heads are two cache lines");
+
 bool SharedSlots::map(int fd, bool creating, std::string* why) {
-  bytes_ = segment_bytes(size_, slot_bytes_);
+  bytes_ = segment_bytes(size_, slot_bytes_, ring_bytes_);
   if (creating) {
     if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
       *why = "ftruncate: " + errno_text(errno);
@@ -173,12 +197,15 @@ bool SharedSlots::map(int fd, bool creating, std::string* why) {
   return true;
 }
 
-std::unique_ptr<SharedSlots> SharedSlots::create(int size, size_t slot_bytes, std::string* why) {
-  WEFT_ASSERT(size > 1 && slot_bytes % kLine == 0, "SharedSlots::create: bad size or slot bytes");
+std::unique_ptr<SharedSlots> SharedSlots::create(int size, size_t slot_bytes, std::string* why,
+                                                 size_t ring_bytes) {
+  WEFT_ASSERT(size > 1 && slot_bytes % kLine == 0 && ring_bytes % kPage == 0,
+              "SharedSlots::create: bad size, slot bytes or ring bytes");
   std::unique_ptr<SharedSlots> s(new SharedSlots());
   s->size_ = size;
   s->rank_ = 0;
   s->slot_bytes_ = slot_bytes;
+  s->ring_bytes_ = ring_bytes;
   std::random_device rd;
   const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32 ^ rd()) | 1;
   static std::atomic<uint64_t> made{0};
@@ -202,6 +229,7 @@ std::unique_ptr<SharedSlots> SharedSlots::create(int size, size_t slot_bytes, st
   h->nonce = nonce;
   h->size = static_cast<uint64_t>(size);
   h->slot_bytes = slot_bytes;
+  h->ring_bytes = ring_bytes;
   auto* line = reinterpret_cast<RankLine*>(static_cast<char*>(s->base_) + lines_offset());
   line->pid = ::getpid();
   line->pid_namespace = pid_namespace();
@@ -231,8 +259,10 @@ std::unique_ptr<SharedSlots> SharedSlots::open(const std::string& name, uint64_t
   }
   const Header* h = static_cast<const Header*>(head);
   const bool same = h->magic == kMagic && h->nonce == nonce &&
-                    h->size == static_cast<uint64_t>(size) && h->slot_bytes % kLine == 0;
+                    h->size == static_cast<uint64_t>(size) && h->slot_bytes % kLine == 0 &&
+                    h->ring_bytes % kPage == 0;
   s->slot_bytes_ = static_cast<size_t>(h->slot_bytes);
+  s->ring_bytes_ = static_cast<size_t>(h->ring_bytes);
   ::munmap(head, sizeof(Header));
   if (!same) {
     *why = "segment " + name + " is not the one rank 0 made (another host's /dev/shm?)";
@@ -256,20 +286,76 @@ uint64_t SharedSlots::nonce() const { return header_->nonce; }
 
 void SharedSlots::unlink() { ::shm_unlink(name_.c_str()); }
 
-std::string SharedSlots::dead_rank(uint64_t seq) const {
+std::string SharedSlots::exited_rank(int q) const {
   const auto* lines =
       reinterpret_cast<const RankLine*>(static_cast<const char*>(base_) + lines_offset());
   const uint64_t mine = lines[rank_].pid_namespace;
+  const RankLine& l = lines[q];
+  // A rank in another PID namespace (a container sharing this /dev/shm) cannot be checked.
+  if (mine == 0 || l.pid_namespace != mine || l.pid <= 0 || !exited(l.pid)) return "";
+  return "rank " + std::to_string(q) + " (process " + std::to_string(l.pid) + ") exited";
+}
+
+std::string SharedSlots::dead_rank(uint64_t seq) const {
+  const auto* lines =
+      reinterpret_cast<const RankLine*>(static_cast<const char*>(base_) + lines_offset());
   for (int q = 0; q < size_; ++q) {
-    const RankLine& l = lines[q];
-    if (l.arrived.load(std::memory_order_acquire) >= seq) continue;
-    // A rank in another PID namespace (a container sharing this /dev/shm) cannot be checked.
-    if (mine == 0 || l.pid_namespace != mine || l.pid <= 0) continue;
-    if (exited(l.pid))
-      return "rank " + std::to_string(q) + " (process " + std::to_string(l.pid) + ") exited";
+    if (lines[q].arrived.load(std::memory_order_acquire) >= seq) continue;
+    if (std::string dead = exited_rank(q); !dead.empty()) return dead;
   }
   return "";
 }
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// Waits until ready(): spinning kSpin, then asleep on the futex `epoch` (counted in `waiters`) in
+// slices of at most kCheckEvery, calling check() (which throws to end the wait) after each slice.
+// Returns false when `until` passes first.
+template <typename Ready, typename Check>
+bool wait_until(std::atomic<uint32_t>& epoch, std::atomic<uint32_t>& waiters, Ready ready,
+                Check check, Clock::time_point until) {
+  const Clock::time_point t0 = Clock::now();
+  for (int i = 1;; ++i) {
+    if (ready()) return true;
+    cpu_relax();
+    if (i % 64 == 0 && Clock::now() - t0 > kSpin) break;
+  }
+  Clock::time_point next_check = t0 + SharedSlots::kCheckEvery;
+  for (;;) {
+    waiters.fetch_add(1);
+    const uint32_t seen = epoch.load();
+    if (ready()) {
+      waiters.fetch_sub(1);
+      return true;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::min(next_check, until) - Clock::now());
+    if (left.count() > 0) {
+      timespec ts{static_cast<time_t>(left.count() / 1000000000),
+                  static_cast<long>(left.count() % 1000000000)};
+      // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    }
+    waiters.fetch_sub(1);
+    if (ready()) return true;
+    const Clock::time_point now = Clock::now();
+    if (now >= next_check) {
+      check();
+      next_check = now + SharedSlots::kCheckEvery;
+    }
+    if (now >= until) return false;
+  }
+}
+
+// After a move that someone may sleep on: bump the futex word, and wake the sleepers.
+void publish(std::atomic<uint32_t>& epoch, const std::atomic<uint32_t>& waiters) {
+  epoch.fetch_add(1);  // seq_cst: ordered after the move (also seq_cst) and before the load below
+  if (waiters.load() > 0)
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch), FUTEX_WAKE, INT_MAX, nullptr,
+              nullptr, 0);
+}
+}  // namespace
 
 void SharedSlots::wait_all_arrived(uint64_t seq, const char* op,
                                    std::chrono::milliseconds timeout) {
@@ -279,50 +365,90 @@ void SharedSlots::wait_all_arrived(uint64_t seq, const char* op,
       if (lines[q].arrived.load(std::memory_order_acquire) < seq) return false;
     return true;
   };
-  using clock = std::chrono::steady_clock;
-  const clock::time_point t0 = clock::now();
-  for (int i = 1;; ++i) {
-    if (all()) return;
-    cpu_relax();
-    if (i % 64 == 0 && clock::now() - t0 > kSpin) break;
-  }
-  auto* word = reinterpret_cast<uint32_t*>(&header_->epoch);
-  const clock::time_point deadline = t0 + timeout;
-  clock::time_point check = t0 + kCheckEvery;
-  for (;;) {
-    header_->waiters.fetch_add(1);
-    const uint32_t epoch = header_->epoch.load();
-    if (all()) {
-      header_->waiters.fetch_sub(1);
-      return;
-    }
-    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::min(check, deadline) - clock::now());
-    if (left.count() > 0) {
-      timespec ts{static_cast<time_t>(left.count() / 1000000000),
-                  static_cast<long>(left.count() % 1000000000)};
-      // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
-      ::syscall(SYS_futex, word, FUTEX_WAIT, epoch, &ts, nullptr, 0);
-    }
-    header_->waiters.fetch_sub(1);
-    if (all()) return;
-    const clock::time_point now = clock::now();
-    if (now >= check) {
-      const std::string dead = dead_rank(seq);
-      WEFT_CHECK(dead.empty(), "rank ", rank_, " of ", size_, ": ", op, " failed: ", dead,
-                 " while this rank waited for it (shared-memory collectives)");
-      check = now + kCheckEvery;
-    }
-    if (now >= deadline) {
-      std::string late;
-      for (int q = 0; q < size_; ++q)
-        if (lines[q].arrived.load() < seq) late += (late.empty() ? "" : ", ") + std::to_string(q);
-      WEFT_FAIL("rank ", rank_, " of ", size_, ": ", op, " failed: rank(s) ", late,
-                " did not arrive within ", timeout.count() / 1000.0,
-                " s (shared-memory collectives: a peer hung, or the ranks called the group's "
-                "collectives in different orders)");
-    }
-  }
+  auto alive = [&] {
+    const std::string dead = dead_rank(seq);
+    WEFT_CHECK(dead.empty(), "rank ", rank_, " of ", size_, ": ", op, " failed: ", dead,
+               " while this rank waited for it (shared-memory collectives)");
+  };
+  if (wait_until(header_->epoch, header_->waiters, all, alive, Clock::now() + timeout)) return;
+  std::string late;
+  for (int q = 0; q < size_; ++q)
+    if (lines[q].arrived.load() < seq) late += (late.empty() ? "" : ", ") + std::to_string(q);
+  WEFT_FAIL("rank ", rank_, " of ", size_, ": ", op, " failed: rank(s) ", late,
+            " did not arrive within ", timeout.count() / 1000.0,
+            " s (shared-memory collectives: a peer hung, or the ranks called the group's "
+            "collectives in different orders)");
+}
+
+SharedSlots::Ring& SharedSlots::ring(int src, int dst) const {
+  WEFT_ASSERT(ring_bytes_ > 0 && src != dst && src >= 0 && dst >= 0 && src < size_ && dst < size_,
+              "SharedSlots: no ring from ", src, " to ", dst);
+  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(size_ - 1) +
+                       static_cast<size_t>(dst < src ? dst : dst - 1);
+  return reinterpret_cast<Ring*>(static_cast<char*>(base_) +
+                                 ring_heads_offset(size_, slot_bytes_))[index];
+}
+
+char* SharedSlots::ring_data(int src, int dst) const {
+  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(size_ - 1) +
+                       static_cast<size_t>(dst < src ? dst : dst - 1);
+  return static_cast<char*>(base_) + ring_data_offset(size_, slot_bytes_) + index * ring_bytes_;
+}
+
+size_t SharedSlots::ring_put(int dst, const char* data, size_t n) {
+  Ring& r = ring(rank_, dst);
+  const uint64_t written = r.written.count.load(std::memory_order_relaxed);  // ours
+  const uint64_t read = r.read.count.load(std::memory_order_acquire);
+  const size_t k = std::min<size_t>(n, ring_bytes_ - static_cast<size_t>(written - read));
+  if (k == 0) return 0;
+  char* ring = ring_data(rank_, dst);
+  const size_t at = static_cast<size_t>(written % ring_bytes_);
+  const size_t first = std::min(k, ring_bytes_ - at);
+  std::memcpy(ring + at, data, first);
+  std::memcpy(ring, data + first, k - first);
+  r.written.count.store(written + k);  // seq_cst: the bytes, then the count, then the wake
+  publish(r.written.epoch, r.written.waiters);
+  return k;
+}
+
+size_t SharedSlots::ring_ready(int src) const {
+  const Ring& r = ring(src, rank_);
+  return static_cast<size_t>(r.written.count.load(std::memory_order_acquire) -
+                             r.read.count.load(std::memory_order_relaxed));
+}
+
+size_t SharedSlots::ring_get(int src, char* out, size_t n) {
+  Ring& r = ring(src, rank_);
+  const uint64_t read = r.read.count.load(std::memory_order_relaxed);  // ours
+  const uint64_t written = r.written.count.load(std::memory_order_acquire);
+  const size_t k = std::min<size_t>(n, static_cast<size_t>(written - read));
+  if (k == 0) return 0;
+  const char* ring = ring_data(src, rank_);
+  const size_t at = static_cast<size_t>(read % ring_bytes_);
+  const size_t first = std::min(k, ring_bytes_ - at);
+  std::memcpy(out, ring + at, first);
+  std::memcpy(out + first, ring, k - first);
+  r.read.count.store(read + k);  // the bytes are out before the room is given back
+  publish(r.read.epoch, r.read.waiters);
+  return k;
+}
+
+bool SharedSlots::ring_wait(int peer, bool space, size_t want, Clock::time_point until,
+                            const char* op) const {
+  Ring& r = space ? ring(rank_, peer) : ring(peer, rank_);
+  want = std::min(want, ring_bytes_);
+  auto ready = [&] {
+    const uint64_t held = r.written.count.load() - r.read.count.load();
+    return (space ? ring_bytes_ - static_cast<size_t>(held) : static_cast<size_t>(held)) >= want;
+  };
+  auto alive = [&] {
+    const std::string dead = exited_rank(peer);
+    WEFT_CHECK(dead.empty(), "rank ", rank_, " of ", size_, ": ", op, " failed: ", dead,
+               " while this rank waited for it (shared-memory messages)");
+  };
+  // Room is given back by the reader's end; bytes come with the writer's.
+  RingEnd& end = space ? r.read : r.written;
+  return wait_until(end.epoch, end.waiters, ready, alive, until);
 }
 
 void SharedSlots::exchange(uint64_t what, const std::function<void(char* mine)>& write,
@@ -336,11 +462,8 @@ void SharedSlots::exchange(uint64_t what, const std::function<void(char* mine)>&
   write(set + static_cast<size_t>(rank_) * slot_bytes_);
   auto* lines = reinterpret_cast<RankLine*>(static_cast<char*>(base_) + lines_offset());
   lines[rank_].what[set_index] = what;
-  lines[rank_].arrived.store(seq);  // seq_cst: ordered before the waiters' load below
-  header_->epoch.fetch_add(1);
-  if (header_->waiters.load() > 0)
-    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAKE, INT_MAX, nullptr,
-              nullptr, 0);
+  lines[rank_].arrived.store(seq);  // seq_cst: ordered before the waiters' load in publish
+  publish(header_->epoch, header_->waiters);
   try {
     wait_all_arrived(seq, op, timeout);
   } catch (...) {

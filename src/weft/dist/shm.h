@@ -11,6 +11,12 @@
 // has finished reading exchange s - 1's set, so once every rank has arrived at s, the set of
 // s - 1 (= the set of s + 1) is free for rank-wise writing again.
 //
+// Rings (groups made with ring_bytes > 0: those that carry point-to-point messages, comm.h).
+// Each ordered pair of ranks (src, dst) has one byte ring, written only by src and read only by
+// dst: two monotonic counters (bytes written, bytes read), each published with a release store
+// and a bump of its futex word. A writer never waits for its reader unless the ring is full;
+// framing and matching of messages are the caller's (dist/messages.h).
+//
 // Failures: a wait ends with weft::Error when the group's timeout passes, or at once (within
 // kCheckEvery) when a rank's process has exited, naming the rank. Nothing here is torch's.
 #pragma once
@@ -38,7 +44,9 @@ class SharedSlots {
   // Made by the group's rank 0: a fresh segment of `size` ranks' slot pairs of `slot_bytes`
   // each, named in name(), with a random nonce() the others check. Null where it cannot be made
   // (no /dev/shm, or not room for it there): the reason goes to *why.
-  static std::unique_ptr<SharedSlots> create(int size, size_t slot_bytes, std::string* why);
+  // ring_bytes: each ordered pair's ring (a multiple of 4096; 0 for none).
+  static std::unique_ptr<SharedSlots> create(int size, size_t slot_bytes, std::string* why,
+                                             size_t ring_bytes = 0);
   // Opened by rank `rank` (> 0) from rank 0's name() and nonce(). Null where the segment is not
   // there or not the one rank 0 made (another host, or another /dev/shm): the reason in *why.
   static std::unique_ptr<SharedSlots> open(const std::string& name, uint64_t nonce, int rank,
@@ -65,21 +73,46 @@ class SharedSlots {
                 const std::function<void(const char* const* slots)>& read, const char* op,
                 std::chrono::milliseconds timeout);
 
+  // ---- rings (ring_bytes() > 0) ----
+  size_t ring_bytes() const { return ring_bytes_; }
+  // Copies as much of data[0, n) as the ring to `dst` has room for now and publishes it;
+  // returns the bytes copied (0 when the ring is full). One writer thread at a time per ring.
+  size_t ring_put(int dst, const char* data, size_t n);
+  // Copies up to n bytes that the ring from `src` holds now into out and frees their room;
+  // returns the bytes copied. One reader thread at a time per ring.
+  size_t ring_get(int src, char* out, size_t n);
+  // Bytes ring_get(src, ...) could take now.
+  size_t ring_ready(int src) const;
+  // Waits (spinning briefly, then on a futex) until the ring to `peer` has `want` bytes of room
+  // (space = true) or the ring from `peer` holds `want` bytes (space = false), but not past
+  // `until`: returns whether it came. Throws weft::Error naming `op` and the peer when the peer's
+  // process has exited.
+  bool ring_wait(int peer, bool space, size_t want, std::chrono::steady_clock::time_point until,
+                 const char* op) const;
+
+  // "" while rank q's process is alive (or cannot be checked: another PID namespace), else
+  // "rank q (process P) exited".
+  std::string exited_rank(int q) const;
+
   // How often a waiting rank checks that the ranks it waits for are alive.
   static constexpr std::chrono::milliseconds kCheckEvery{50};
 
   struct Header;  // the segment's first bytes (shm.cpp)
+  struct Ring;    // a ring's two ends (shm.cpp)
 
  private:
   SharedSlots() = default;
   bool map(int fd, bool creating, std::string* why);
   void wait_all_arrived(uint64_t seq, const char* op, std::chrono::milliseconds timeout);
   std::string dead_rank(uint64_t seq) const;  // "" when every rank short of seq is alive
+  Ring& ring(int src, int dst) const;
+  char* ring_data(int src, int dst) const;
 
   std::string name_;
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t slot_bytes_ = 0;
+  size_t ring_bytes_ = 0;
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;     // exchanges done
   bool broken_ = false;  // an exchange failed: the ranks are out of step

@@ -626,7 +626,8 @@ json encoder_module(const Profiler& prof, const Spec& spec, size_t e, const at::
 // The transport between two ranks of a job on this machine: rank 0 is this process, rank 1 a
 // peer process it starts (`weft bench comm-peer`, the same executable), over a TCP store on
 // loopback, exactly like `weft launch`'s ranks (threads of one process shared a scheduler and
-// measured Gloo faster than a real job saw). Per size: one-way point-to-point (half a ping-pong),
+// measured Gloo faster than a real job saw). Per size: one-way point-to-point (half a ping-pong,
+// on a group that carries messages as the runtime's does: through shared memory where it can),
 // and a two-rank all-reduce of fp32 (gradients) and of the compute dtype (activations under TP /
 // CP; Gloo 1.13 reduces bf16 in fp32, conversions included); fitted to latency + bytes /
 // bandwidth with relative errors. Means, not medians: on a small machine a fraction of the
@@ -645,6 +646,7 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
   const int rank = c.rank();
   const int64_t reps = std::max<int64_t>(40, 4 * o.reps);  // a mean over a heavy tail
   CommTimes out;
+  const dist::Comm messages = c.subgroup({0, 1}, /*messages=*/true);  // as the runtime's
   for (int64_t n : kCommSizes) {
     at::Tensor x = torch::ones({n});
     at::Tensor xc = torch::ones({n}, torch::TensorOptions().dtype(compute));
@@ -654,11 +656,11 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
       c.barrier();
       const double t0 = now_seconds();
       if (rank == 0) {  // ping-pong: half the round trip
-        c.send(x, 1, 1).wait();
-        c.recv(x, 1, 2);
+        messages.send(x, 1, 1).wait();
+        messages.recv(x, 1, 2);
       } else {
-        c.recv(x, 0, 1);
-        c.send(x, 0, 2).wait();
+        messages.recv(x, 0, 1);
+        messages.send(x, 0, 2).wait();
       }
       const double t1 = now_seconds();
       c.barrier();
