@@ -17,7 +17,11 @@
 #  - the blocking collectives through shared memory (train.shared_memory_collectives, the
 #    default) against Gloo's TCP loopback, for LLM TP2, TP2 + SP, TP2 + SP on the vision encoder
 #    too, LLM CP2 and DP2: step time and time blocked in collectives, alternately, twice each,
-#    with the losses of both compared.
+#    with the losses of both compared;
+#  - point-to-point messages through shared memory (train.shared_memory_messages, the default)
+#    against Gloo's TCP loopback, the collectives through shared memory in both, for LLM PP2,
+#    PP2 x VP2 (4 blocks, 2 chunks per rank) and the vision encoder and the LLM on separate ranks:
+#    step time and time blocked in receives, alternately, twice each, the losses compared.
 # The TP overlap runs keep their collectives on Gloo (train.shared_memory_collectives = false):
 # through shared memory nothing overlaps.
 # All runs happen here, in one invocation, so the ratios compare like with like.
@@ -91,6 +95,24 @@ for round in 1 2; do
   done
 done
 
+msg_layouts=(
+  "pp2:train.microbatches=4 parallel.llm.pp=2"
+  "pp2vp2:train.microbatches=4 model.llm.layers=4 parallel.llm.pp=2 parallel.llm.vp=2"
+  "separate:train.microbatches=4 parallel.placement=separate"
+)
+for round in 1 2; do
+  for layout in "${msg_layouts[@]}"; do
+    sets=(); for kv in ${layout#*:}; do sets+=(--set "$kv"); done
+    order="true false"; [ $round -eq 2 ] && order="false true"
+    for shm in $order; do
+      name=msg_${layout%%:*}_${shm}_$round
+      "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
+        "${common[@]}" "${sets[@]}" --set train.shared_memory_messages=$shm \
+        --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+    done
+  done
+done
+
 python3 - "$tmp" "$steps" <<'PY'
 import json, statistics, sys
 tmp, steps = sys.argv[1], int(sys.argv[2])
@@ -145,5 +167,17 @@ for key, label in names.items():
     print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
           f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); blocked in collectives "
           f"{both('true', 'collective_wait_seconds'):.4f} s vs {both('false', 'collective_wait_seconds'):.4f} s; "
+          f"losses {same}")
+names = {"pp2": "LLM PP2", "pp2vp2": "LLM PP2 x VP2", "separate": "vision | LLM on separate ranks"}
+print("point-to-point messages through shared memory vs over Gloo (mean of two rounds' medians):")
+for key, label in names.items():
+    def both(shm, k):
+        return statistics.mean(med(load(f"msg_{key}_{shm}_{r}"), k) for r in (1, 2))
+    losses = {shm: [r["loss"] for r in load(f"msg_{key}_{shm}_1")] for shm in ("true", "false")}
+    same = "identical" if losses["true"] == losses["false"] else (
+        f"differ by at most {max(abs(a - b) for a, b in zip(losses['true'], losses['false'])):.2e}")
+    print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
+          f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); blocked in receives "
+          f"{both('true', 'p2p_wait_seconds'):.4f} s vs {both('false', 'p2p_wait_seconds'):.4f} s; "
           f"losses {same}")
 PY

@@ -310,12 +310,13 @@ int main(int argc, char** argv) {
   int peer_port = 0;
   int64_t peer_reps = 5, peer_warmup = 2;
   std::string peer_dtype = "fp32";
-  int peer_shared_memory = 1;
+  int peer_shared_memory = 1, peer_messages = 1;
   comm_peer->add_option("--port", peer_port)->required();
   comm_peer->add_option("--reps", peer_reps);
   comm_peer->add_option("--warmup", peer_warmup);
   comm_peer->add_option("--dtype", peer_dtype);
   comm_peer->add_option("--shared-memory", peer_shared_memory)->check(CLI::Range(0, 1));
+  comm_peer->add_option("--messages", peer_messages)->check(CLI::Range(0, 1));
 
   CLI::App* exp = app.add_subcommand(
       "export", "write a run's newest checkpoint as Hugging Face checkpoints (safetensors)");
@@ -367,8 +368,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*comm_peer) {
-      weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype,
-                             peer_shared_memory != 0);
+      weft::train::comm_peer(peer_port, peer_reps, peer_warmup, peer_dtype, peer_shared_memory != 0,
+                             peer_messages != 0);
       return 0;
     }
     if (*prof) {

@@ -5,11 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
-#include <atomic>
 
 #include "support/ranks.h"
 #include "weft/core/error.h"
@@ -183,15 +183,15 @@ TEST(Comm, MessagesThroughSharedMemoryBetweenEveryPair) {
     for (int round = 0; round < 20; ++round) {
       for (int q = 0; q < 3; ++q)
         if (q != c.rank())
-          sends.push_back(
-              c.send(torch::full({20000 * (round % 3 + 1)},
-                                 static_cast<float>(c.rank() * 100 + q + round)),
-                     q, round));
+          sends.push_back(c.send(torch::full({20000 * (round % 3 + 1)},
+                                             static_cast<float>(c.rank() * 100 + q + round)),
+                                 q, round));
       for (int q = 0; q < 3; ++q) {
         if (q == c.rank()) continue;
         at::Tensor t = torch::empty({20000 * (round % 3 + 1)});
         c.recv(t, q, round);
-        EXPECT_TRUE(torch::equal(t, torch::full_like(t, static_cast<float>(q * 100 + c.rank() + round))));
+        EXPECT_TRUE(
+            torch::equal(t, torch::full_like(t, static_cast<float>(q * 100 + c.rank() + round))));
       }
     }
     for (Pending& p : sends) p.wait();

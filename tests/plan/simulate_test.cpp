@@ -189,6 +189,19 @@ TEST(CommModel, BlockingCollectivesThroughSharedMemory) {
   EXPECT_FALSE(shared_memory_collectives(s, c));
   EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllGather, 4e9),
                    all_gather_seconds(c, four, 4e9));
+  s.train.shared_memory_collectives = true;
+  // Messages: the sender copies 1 GB into the ring, the receiver copies it out. Across nodes, to
+  // oneself, or with the setting (or the collectives' setting) off: as before.
+  EXPECT_TRUE(shared_memory_messages(s, c));
+  EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, 1e9), 1e-6 + 0.1);
+  EXPECT_DOUBLE_EQ(message_seconds(s, c, 3, 4, 1e9), p2p_seconds(c, 3, 4, 1e9));
+  EXPECT_EQ(message_seconds(s, c, 2, 2, 1e9), 0);
+  s.train.shared_memory_messages = false;
+  EXPECT_FALSE(shared_memory_messages(s, c));
+  EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, 1e9), p2p_seconds(c, 0, 1, 1e9));
+  s.train.shared_memory_messages = true;
+  s.train.shared_memory_collectives = false;
+  EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, 1e9), p2p_seconds(c, 0, 1, 1e9));
   const Cluster parsed = parse_cluster(
       "nodes = 1\ngpus_per_node = 2\ndevice = \"cpu-core\"\n[intra_node]\n"
       "bandwidth_gbs = 1\nlatency_us = 190\n[shared_memory]\n"
@@ -722,37 +735,40 @@ TEST(Simulate, FrozenEncoderRunsNoBackward) {
 }
 
 // The bridge carries a microbatch's items: one per sample, or the data shape's items per sample
-// (SimOptions::data).
+// (SimOptions::data); through shared memory where the cluster has that link.
 TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
   Spec s = vlm_spec();
   s.parallel.placement = "separate";
-  const Cluster c = ideal(2, 1e-4, 1);
-  for (const double items : {1.0, 3.0}) {
-    SCOPED_TRACE(items);
-    SimOptions o = no_optimizer();
-    if (items != 1) {
-      o.data.positions = o.data.tokens = o.data.targets = 100;
-      o.data.sum_sq_doc_len = 100 * 100;
-      o.data.items = {items};
+  Cluster shm = ideal(2, 1e-4, 1);
+  shm.shared_memory = {4e9, 5e-6};
+  for (const Cluster& c : {ideal(2, 1e-4, 1), shm})
+    for (const double items : {1.0, 3.0}) {
+      SCOPED_TRACE(items);
+      SimOptions o = no_optimizer();
+      if (items != 1) {
+        o.data.positions = o.data.tokens = o.data.targets = 100;
+        o.data.sum_sq_doc_len = 100 * 100;
+        o.data.items = {items};
+      }
+      const SimResult r = simulate(s, make_plan(s, 2), c, o);
+      const TraceEvent* enc = find_event(r, "vision fwd mb0 s0");
+      const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
+      ASSERT_TRUE(enc && llm);
+      EXPECT_EQ(enc->rank, 0);
+      EXPECT_EQ(llm->rank, 1);
+      // 4 samples (a microbatch) × items × 16 tokens × hidden 128 × bf16.
+      const double bytes = 4.0 * items * 16 * 128 * 2;
+      const double link = c.shared_memory.bytes_per_second > 0 ? 5e-6 + 2 * bytes / 4e9
+                                                               : p2p_seconds(c, 0, 1, bytes);
+      EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, bytes), link);
+      EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + link, 1e-12);
+      // The encoder's backward waits for the LLM's first-stage backward and its gradients.
+      const TraceEvent* llm_bwd = find_event(r, "llm bwd mb0 s0");
+      const TraceEvent* enc_bwd = find_event(r, "vision bwd mb0 s0");
+      ASSERT_TRUE(llm_bwd && enc_bwd);
+      EXPECT_NEAR(enc_bwd->start_seconds, llm_bwd->start_seconds + llm_bwd->seconds + link, 1e-12);
+      EXPECT_GT(r.bubble_fraction, 0);  // the LLM waits for the encoder
     }
-    const SimResult r = simulate(s, make_plan(s, 2), c, o);
-    const TraceEvent* enc = find_event(r, "vision fwd mb0 s0");
-    const TraceEvent* llm = find_event(r, "llm fwd mb0 s0");
-    ASSERT_TRUE(enc && llm);
-    EXPECT_EQ(enc->rank, 0);
-    EXPECT_EQ(llm->rank, 1);
-    // 4 samples (a microbatch) × items × 16 tokens × hidden 128 × bf16.
-    const double bytes = 4.0 * items * 16 * 128 * 2;
-    EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + p2p_seconds(c, 0, 1, bytes),
-                1e-12);
-    // The encoder's backward waits for the LLM's first-stage backward and its gradients.
-    const TraceEvent* llm_bwd = find_event(r, "llm bwd mb0 s0");
-    const TraceEvent* enc_bwd = find_event(r, "vision bwd mb0 s0");
-    ASSERT_TRUE(llm_bwd && enc_bwd);
-    EXPECT_NEAR(enc_bwd->start_seconds,
-                llm_bwd->start_seconds + llm_bwd->seconds + p2p_seconds(c, 1, 0, bytes), 1e-12);
-    EXPECT_GT(r.bubble_fraction, 0);  // the LLM waits for the encoder
-  }
 }
 
 // Encoder ranks split a microbatch's items, as the runtime does, not its samples: 2 samples of

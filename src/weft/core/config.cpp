@@ -110,7 +110,8 @@ constexpr std::string_view kTrainKeys[] = {"steps",
                                            "grad_bucket_mb",
                                            "cast_once",
                                            "frozen_fp32",
-                                           "shared_memory_collectives"};
+                                           "shared_memory_collectives",
+                                           "shared_memory_messages"};
 constexpr std::string_view kOutputKeys[] = {"dir", "keep_checkpoints", "trace_step"};
 constexpr std::string_view kLayoutKeys[] = {"dp",  "tp", "pp", "cp",    "ep",
                                             "etp", "vp", "sp", "stages"};
@@ -782,6 +783,7 @@ void read_train(const Section& s, TrainSpec* t) {
   s.read("cast_once", &t->cast_once);
   s.read("frozen_fp32", &t->frozen_fp32);
   s.read("shared_memory_collectives", &t->shared_memory_collectives);
+  s.read("shared_memory_messages", &t->shared_memory_messages);
   if (t->zero_stage > 1)
     s.fail_value("zero_stage", std::to_string(t->zero_stage),
                  "must be 0 (replicated optimizer state) or 1 (sharded over data parallel)");
@@ -1074,6 +1076,7 @@ std::string spec_to_toml(const Spec& spec) {
   w.put("cast_once", t.cast_once);
   w.put("frozen_fp32", t.frozen_fp32);
   w.put("shared_memory_collectives", t.shared_memory_collectives);
+  w.put("shared_memory_messages", t.shared_memory_messages);
 
   w.header("output");
   w.put("dir", spec.output.dir);

@@ -273,6 +273,10 @@ struct TrainSpec {
   // and gradient-norm sums) through shared memory instead of Gloo's TCP loopback
   // (dist/comm.h); false keeps them on Gloo (for measuring).
   bool shared_memory_collectives = true;
+  // With shared_memory_collectives, ranks of one host also send their point-to-point messages
+  // (pipeline activations and gradients, encoder outputs to the LLM, generation in the layout)
+  // through shared-memory rings (dist/messages.h); false keeps them on Gloo (for measuring).
+  bool shared_memory_messages = true;
 };
 
 struct OutputSpec {

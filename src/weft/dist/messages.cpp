@@ -28,7 +28,7 @@ constexpr std::chrono::milliseconds kSenderSlice{5};
 struct SharedMessages::Outgoing {
   at::Tensor t;
   Header header{};
-  size_t done = 0;  // bytes of header and payload in the ring
+  size_t done = 0;             // bytes of header and payload in the ring
   Clock::time_point progress;  // when bytes last went in
   bool finished = false;
   std::string error;  // set when it never will
@@ -186,8 +186,9 @@ Pending SharedMessages::irecv(const at::Tensor& t, int src, int tag) {
       u->second.pop_front();
       if (u->second.empty()) unexpected_.erase(u);
       WEFT_CHECK(in->bytes == t.nbytes(), "rank ", rank_, " of ", size_, ": a message of ",
-                 in->bytes, " bytes from rank ", src, " with tag ", tag, " arrived for a receive of ",
-                 t.nbytes(), " bytes (the ranks disagree on its shape or dtype)");
+                 in->bytes, " bytes from rank ", src, " with tag ", tag,
+                 " arrived for a receive of ", t.nbytes(),
+                 " bytes (the ranks disagree on its shape or dtype)");
       in->posted = t;
     } else {
       in->into = t;
@@ -207,7 +208,8 @@ void SharedMessages::take(int src) {
       if (s.header_got < sizeof(Header)) return;
       s.header_got = 0;
       WEFT_CHECK(s.header.mark == kMark, "rank ", rank_, " of ", size_,
-                 ": the message ring from rank ", src, " is out of step (a header without its mark)");
+                 ": the message ring from rank ", src,
+                 " is out of step (a header without its mark)");
       const int tag = s.header.tag;
       const size_t bytes = static_cast<size_t>(s.header.bytes);
       auto p = posted_.find({src, tag});
@@ -216,9 +218,8 @@ void SharedMessages::take(int src) {
         p->second.pop_front();
         if (p->second.empty()) posted_.erase(p);
         WEFT_CHECK(s.current->bytes == bytes, "rank ", rank_, " of ", size_, ": a message of ",
-                   bytes, " bytes from rank ", src, " with tag ", tag,
-                   " arrived for a receive of ", s.current->bytes,
-                   " bytes (the ranks disagree on its shape or dtype)");
+                   bytes, " bytes from rank ", src, " with tag ", tag, " arrived for a receive of ",
+                   s.current->bytes, " bytes (the ranks disagree on its shape or dtype)");
       } else {  // no receive for it yet: set aside
         s.current = std::make_shared<Incoming>();
         s.current->bytes = bytes;
@@ -228,8 +229,8 @@ void SharedMessages::take(int src) {
     }
     Incoming& in = *s.current;
     if (in.got < in.bytes) {
-      in.got += rings_.ring_get(src, static_cast<char*>(in.into.data_ptr()) + in.got,
-                                in.bytes - in.got);
+      in.got +=
+          rings_.ring_get(src, static_cast<char*>(in.into.data_ptr()) + in.got, in.bytes - in.got);
       if (in.got < in.bytes) return;
     }
     in.complete = true;

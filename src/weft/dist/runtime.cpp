@@ -212,7 +212,7 @@ struct Runtime::Impl {
                " ranks but the job has ", world.size());
     std::vector<int64_t> all(static_cast<size_t>(world.size()));
     for (int64_t r = 0; r < world.size(); ++r) all[r] = r;
-    p2p = world.subgroup(to_int(all), /*messages=*/true);  // through shared memory on one host
+    p2p = world.subgroup(to_int(all), opts.shared_memory_messages);
 
     model::Hosting hosting;
     for (size_t e = 0; e < spec.encoders.size(); ++e) {

@@ -60,6 +60,9 @@ struct RuntimeOptions {
   bool cast_once = true;  // parameters cast to the compute dtype once per step (model::CastOnce)
   // What frozen modules' cast parameters are held in (model::Hosting::frozen_dtype).
   at::ScalarType frozen_dtype = at::kFloat;
+  // Point-to-point messages through shared memory where the world group has it
+  // (train.shared_memory_messages; Comm::subgroup's `messages`).
+  bool shared_memory_messages = true;
   // Where parameters and activations live (the batch stays on the CPU: each rank moves its own
   // slices). With several ranks on CUDA, a Comm connected with device collectives runs them over
   // NCCL; without (ranks sharing a GPU in tests), they go through host memory over Gloo.

@@ -352,8 +352,8 @@ bool wait_until(std::atomic<uint32_t>& epoch, std::atomic<uint32_t>& waiters, Re
 void publish(std::atomic<uint32_t>& epoch, const std::atomic<uint32_t>& waiters) {
   epoch.fetch_add(1);  // seq_cst: ordered after the move (also seq_cst) and before the load below
   if (waiters.load() > 0)
-    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch), FUTEX_WAKE, INT_MAX, nullptr,
-              nullptr, 0);
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+              0);
 }
 }  // namespace
 

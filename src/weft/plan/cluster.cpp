@@ -317,4 +317,15 @@ double blocking_collective_seconds(const Spec& spec, const Cluster& c,
   return c.shared_memory.seconds(copied);
 }
 
+bool shared_memory_messages(const Spec& spec, const Cluster& c) {
+  return shared_memory_collectives(spec, c) && spec.train.shared_memory_messages;
+}
+
+double message_seconds(const Spec& spec, const Cluster& c, int64_t src, int64_t dst, double bytes) {
+  if (src == dst || bytes <= 0) return 0;
+  if (!shared_memory_messages(spec, c) || c.node_of(src) != c.node_of(dst))
+    return p2p_seconds(c, src, dst, bytes);
+  return c.shared_memory.seconds(2 * bytes);
+}
+
 }  // namespace weft::plan

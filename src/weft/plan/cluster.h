@@ -24,6 +24,9 @@
 //   all-gather            α + (n+1)/n · bytes/B   (writes its 1/n, reads the gathered tensor)
 //   reduce-scatter        α + 2 · bytes/B         (writes its tensor, reads its row of all n)
 // Otherwise (no such link, the setting off, a group spanning nodes) they run the ring above.
+// Point-to-point messages between two ranks of one node go through that segment's rings too
+// where the run also has train.shared_memory_messages (dist/messages.h):
+//   message               α + 2 · bytes/B         (the sender copies it in, the receiver out)
 //
 // Cluster file (TOML), errors naming the file, the key, the value and what is allowed:
 //   nodes = 1
@@ -127,5 +130,11 @@ bool shared_memory_collectives(const Spec& spec, const Cluster& c);
 double blocking_collective_seconds(const Spec& spec, const Cluster& c,
                                    const std::vector<int64_t>& ranks, CollectiveKind kind,
                                    double bytes);
+// Whether the run's point-to-point messages between ranks of one node go through shared memory:
+// shared_memory_collectives(spec, c) and train.shared_memory_messages.
+bool shared_memory_messages(const Spec& spec, const Cluster& c);
+// A point-to-point message: through shared memory where shared_memory_messages(spec, c) and
+// both ranks are on one node, else p2p_seconds.
+double message_seconds(const Spec& spec, const Cluster& c, int64_t src, int64_t dst, double bytes);
 
 }  // namespace weft::plan

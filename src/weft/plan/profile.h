@@ -69,7 +69,8 @@
 //           "all_reduce_compute": {...}, "all_reduce_blocking": {...} (optional), "on_compute":
 //           true, "activation_transport": "shared memory" | "gloo" (optional: where the
 //           compute-dtype curve was measured; the experts' all-to-all, always Gloo's, takes
-//           all_reduce's curve when it was shared memory), "points": [{"bytes", "p2p",
+//           all_reduce's curve when it was shared memory), "message_transport": "shared
+//           memory" | "gloo" (informational: what carried p2p), "points": [{"bytes", "p2p",
 //           "all_reduce", "compute_bytes", "all_reduce_compute", "all_reduce_blocking" (optional:
 //           older profiles)}]}
 //          (optional; the simulator uses the points, the fits are for cluster files;

@@ -286,7 +286,7 @@ double Space::collective(CollectiveKind kind, int64_t n, int64_t span, double by
 // A message between ranks `stride` apart (0: unknown, at best on one node; there a measured
 // curve or the link, the cheaper).
 double Space::hop(double bytes, int64_t stride) const {
-  const double link = p2p_seconds(cl_, 0, stride >= gpn_ ? gpn_ : 1, bytes);
+  const double link = message_seconds(spec_, cl_, 0, stride >= gpn_ ? gpn_ : 1, bytes);
   if (stride >= gpn_ || o_.sim.p2p_curve.empty()) return link;
   return std::min(link, o_.sim.p2p_curve.at(bytes));
 }

@@ -255,7 +255,7 @@ class Engine {
   double message(int64_t src, int64_t dst, double bytes) const {
     if (src == dst) return 0;
     if (o_.p2p_curve.empty() || cl_.node_of(src) != cl_.node_of(dst))
-      return p2p_seconds(cl_, src, dst, bytes);
+      return message_seconds(spec_, cl_, src, dst, bytes);
     return o_.p2p_curve.at(bytes);
   }
   // fp32 reductions waited for where issued (SimOptions::blocking_curve).

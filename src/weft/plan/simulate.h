@@ -21,7 +21,7 @@
 //     all-reduced over the world, and the optimizer steps (AdamW's memory traffic).
 //
 // Each rank runs its ops one at a time. Sends never block (an isend); a message arrives
-// p2p_seconds after its op ends; a collective starts when all its ranks reach it. Links are not
+// message_seconds after its op ends; a collective starts when all its ranks reach it. Links are not
 // contended. Compute is the frozen-aware per-layer FLOP cost (partition.h: work a frozen layer
 // skips is not charged) for the microbatch's data, divided over the module's tp × cp ranks and
 // charged at the device's effective FLOP/s; TP all-reduces (2 per block and direction, 1 for the

@@ -639,14 +639,17 @@ struct CommTimes {
   // per size, rank 0's; all_reduce: as the gradient buckets' (Gloo), all_reduce_blocking: as the
   // loss's and the gradient norm's (through shared memory where the ranks have it)
   std::vector<double> p2p, all_reduce, all_reduce_compute, all_reduce_blocking;
+  bool messages_in_shared_memory = false;  // what carried p2p
 };
 
-CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarType compute) {
+CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarType compute,
+                      bool shared_memory_messages) {
   at::set_num_threads(1);
   const int rank = c.rank();
   const int64_t reps = std::max<int64_t>(40, 4 * o.reps);  // a mean over a heavy tail
   CommTimes out;
-  const dist::Comm messages = c.subgroup({0, 1}, /*messages=*/true);  // as the runtime's
+  const dist::Comm messages = c.subgroup({0, 1}, shared_memory_messages);  // as the runtime's
+  out.messages_in_shared_memory = messages.shared_memory_messages();
   for (int64_t n : kCommSizes) {
     at::Tensor x = torch::ones({n});
     at::Tensor xc = torch::ones({n}, torch::TensorOptions().dtype(compute));
@@ -689,7 +692,8 @@ CommTimes comm_rounds(const dist::Comm& c, const ProfileOptions& o, at::ScalarTy
 
 constexpr auto kCommTimeout = std::chrono::seconds(30);  // the peer starts in about a second
 
-json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_memory) {
+json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_memory,
+                  bool shared_memory_messages) {
   const int port = dist::free_port();
   const std::vector<std::string> args = {"weft",
                                          "bench",
@@ -703,7 +707,9 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_m
                                          "--dtype",
                                          compute == at::kBFloat16 ? "bf16" : "fp32",
                                          "--shared-memory",
-                                         shared_memory ? "1" : "0"};
+                                         shared_memory ? "1" : "0",
+                                         "--messages",
+                                         shared_memory_messages ? "1" : "0"};
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -723,7 +729,8 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_m
     w.rank = 0, w.world_size = 2, w.master_port = port;
     dist::Comm c = dist::Comm::connect(w, kCommTimeout, false, shared_memory);
     shared_memory = c.shared_memory();
-    t = comm_rounds(c, o, compute);
+    t = comm_rounds(c, o, compute, shared_memory_messages);
+    shared_memory_messages = t.messages_in_shared_memory;
   } catch (const std::exception& e) {
     failure = e.what();
     ::kill(pid, SIGKILL);
@@ -767,14 +774,15 @@ json measure_comm(const ProfileOptions& o, at::ScalarType compute, bool shared_m
   j["on_compute"] = true;  // Gloo over TCP: its work runs on the CPU cores that compute
   // What carried the blocking activation collectives (all_reduce_compute).
   j["activation_transport"] = shared_memory ? "shared memory" : "gloo";
+  j["message_transport"] = shared_memory_messages ? "shared memory" : "gloo";  // p2p's
   j["points"] = points;
   return j;
 }
 
 }  // namespace
 
-void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype,
-               bool shared_memory) {
+void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype, bool shared_memory,
+               bool messages) {
   WEFT_CHECK(dtype == "bf16" || dtype == "fp32", "weft bench comm-peer: --dtype ", dtype,
              ": expected bf16 or fp32");
   ProfileOptions o;
@@ -783,7 +791,7 @@ void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype,
   dist::WorldInfo w;
   w.rank = 1, w.world_size = 2, w.master_port = port;
   comm_rounds(dist::Comm::connect(w, kCommTimeout, false, shared_memory), o,
-              dtype == "bf16" ? at::kBFloat16 : at::kFloat);
+              dtype == "bf16" ? at::kBFloat16 : at::kFloat, messages);
 }
 
 std::string profile_config(Spec spec, const ProfileOptions& o) {
@@ -908,7 +916,8 @@ std::string profile_config(Spec spec, const ProfileOptions& o) {
   for (size_t e = 0; e < media.size(); ++e)
     media_json[resolved.model.encoders[e].name] = median(media[e]);
   j["data"] = {{"seconds_per_sample", median(data)}, {"media_seconds_per_sample", media_json}};
-  if (o.comm) j["comm"] = measure_comm(o, compute, ts.shared_memory_collectives);
+  if (o.comm)
+    j["comm"] = measure_comm(o, compute, ts.shared_memory_collectives, ts.shared_memory_messages);
   j["modules"] = modules;
   return j.dump(2);
 }

@@ -44,8 +44,8 @@ std::string profile_config(Spec spec, const ProfileOptions& options);
 // The second rank of the profile's transport measurement, in a process of its own
 // (`weft bench comm-peer`, which profile_config starts): joins rank 0 on 127.0.0.1:port and
 // runs the same rounds. dtype: "bf16" or "fp32" (the compute dtype); shared_memory: as rank 0's
-// train.shared_memory_collectives.
-void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype,
-               bool shared_memory);
+// train.shared_memory_collectives; messages: as its train.shared_memory_messages.
+void comm_peer(int port, int64_t reps, int64_t warmup, const std::string& dtype, bool shared_memory,
+               bool messages);
 
 }  // namespace weft::train

@@ -186,6 +186,7 @@ struct Trainer::Impl {
     ro.param_gather_dtype = compute;
     ro.cast_once = spec.train.cast_once;
     ro.frozen_dtype = spec.train.frozen_fp32 ? at::kFloat : compute;
+    ro.shared_memory_messages = spec.train.shared_memory_messages;
     device = dist::select_device(spec.train.device, opts.local_rank);
     ro.device = device;
     check_same_config(opts.comm, spec);  // before the first collective that sizes by it
