@@ -199,13 +199,14 @@ TEST(Comm, MessagesThroughSharedMemoryBetweenEveryPair) {
 }
 
 // A receive that nothing arrives for ends with an error naming the peer and tag when the group's
-// timeout passes; a message of another size than its receive is an error naming both.
+// timeout passes; a message of another size than its receive is an error naming both; a send
+// larger than its ring whose receiver takes none of it fails when the timeout passes.
 TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
   static std::atomic<int> groups{0};
   const std::string key = "messages_fail_" + std::to_string(groups++);
-  std::vector<std::string> errors(2);
+  std::vector<std::string> errors(3);
   std::vector<std::thread> threads;
-  std::atomic<bool> timed_out{false};
+  std::atomic<bool> timed_out{false}, sent{false};
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
       const Comm c =
@@ -223,12 +224,23 @@ TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
         } catch (const weft::Error& e) {
           errors[1] = e.what();
         }
+        while (!sent) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       } else {
         while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(10));
         c.send(torch::ones({5}), 0, 6).wait();
+        try {
+          c.send(torch::ones({2 << 20}), 0, 7).wait();  // 8 MiB, twice the ring: never taken
+        } catch (const weft::Error& e) {
+          errors[2] = e.what();
+        }
+        sent = true;
       }
     });
   for (auto& t : threads) t.join();
+  EXPECT_NE(errors[2].find("rank 1 of 2: send to rank 0 with tag 7 failed: the receiver took none "
+                           "of it within 2 s"),
+            std::string::npos)
+      << errors[2];
   EXPECT_NE(errors[0].find("recv from rank 1 with tag 5 failed: it did not arrive within 2 s"),
             std::string::npos)
       << errors[0];

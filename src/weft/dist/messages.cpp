@@ -123,10 +123,9 @@ void SharedMessages::sender_loop() {
     if (stopping_) {
       for (size_t dst = 0; dst < queued_.size(); ++dst)
         if (!queued_[dst].empty())
-          fail(dst, "rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-                        ": send to rank " + std::to_string(dst) + " with tag " +
-                        std::to_string(queued_[dst].front()->header.tag) +
-                        " failed: its group was closed before the receiver took it");
+          fail(dst, detail::str_cat("rank ", rank_, " of ", size_, ": send to rank ", dst,
+                                    " with tag ", queued_[dst].front()->header.tag,
+                                    " failed: its group was closed before the receiver took it"));
       return;
     }
     const Clock::time_point now = Clock::now();
@@ -148,14 +147,13 @@ void SharedMessages::sender_loop() {
       if (q.empty()) continue;
       const std::string exited = check ? rings_.exited_rank(dst) : "";
       if (!exited.empty() || now - q.front()->progress > timeout_) {
+        const std::string why = exited.empty()
+                                    ? detail::str_cat("the receiver took none of it within ",
+                                                      timeout_.count() / 1000.0, " s")
+                                    : exited;
         fail(static_cast<size_t>(dst),
-             "rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": send to rank " +
-                 std::to_string(dst) + " with tag " + std::to_string(q.front()->header.tag) +
-                 " failed: " +
-                 (exited.empty() ? "the receiver took none of it within " +
-                                       std::to_string(timeout_.count() / 1000.0) + " s"
-                                 : exited) +
-                 " (shared-memory messages)");
+             detail::str_cat("rank ", rank_, " of ", size_, ": send to rank ", dst, " with tag ",
+                             q.front()->header.tag, " failed: ", why, " (shared-memory messages)"));
         continue;
       }
       if (waiting < 0) waiting = dst;
