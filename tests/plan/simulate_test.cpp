@@ -190,10 +190,10 @@ TEST(CommModel, BlockingCollectivesThroughSharedMemory) {
   EXPECT_DOUBLE_EQ(blocking_collective_seconds(s, c, four, K::kAllGather, 4e9),
                    all_gather_seconds(c, four, 4e9));
   s.train.shared_memory_collectives = true;
-  // Messages: the sender copies 1 GB into the ring, the receiver copies it out. Across nodes, to
-  // oneself, or with the setting (or the collectives' setting) off: as before.
+  // Messages: α + bytes/B. Across nodes, to oneself, or with the setting (or the collectives'
+  // setting) off: as before.
   EXPECT_TRUE(shared_memory_messages(s, c));
-  EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, 1e9), 1e-6 + 0.1);
+  EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, 1e9), 1e-6 + 0.05);
   EXPECT_DOUBLE_EQ(message_seconds(s, c, 3, 4, 1e9), p2p_seconds(c, 3, 4, 1e9));
   EXPECT_EQ(message_seconds(s, c, 2, 2, 1e9), 0);
   s.train.shared_memory_messages = false;
@@ -758,8 +758,8 @@ TEST(Simulate, BridgeDelaysTheLlmByTheTransfer) {
       EXPECT_EQ(llm->rank, 1);
       // 4 samples (a microbatch) × items × 16 tokens × hidden 128 × bf16.
       const double bytes = 4.0 * items * 16 * 128 * 2;
-      const double link = c.shared_memory.bytes_per_second > 0 ? 5e-6 + 2 * bytes / 4e9
-                                                               : p2p_seconds(c, 0, 1, bytes);
+      const double link =
+          c.shared_memory.bytes_per_second > 0 ? 5e-6 + bytes / 4e9 : p2p_seconds(c, 0, 1, bytes);
       EXPECT_DOUBLE_EQ(message_seconds(s, c, 0, 1, bytes), link);
       EXPECT_NEAR(llm->start_seconds, enc->start_seconds + enc->seconds + link, 1e-12);
       // The encoder's backward waits for the LLM's first-stage backward and its gradients.

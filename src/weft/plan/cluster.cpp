@@ -325,7 +325,7 @@ double message_seconds(const Spec& spec, const Cluster& c, int64_t src, int64_t 
   if (src == dst || bytes <= 0) return 0;
   if (!shared_memory_messages(spec, c) || c.node_of(src) != c.node_of(dst))
     return p2p_seconds(c, src, dst, bytes);
-  return c.shared_memory.seconds(2 * bytes);
+  return c.shared_memory.seconds(bytes);
 }
 
 }  // namespace weft::plan
