@@ -225,6 +225,12 @@ def media_text(prof):
     return "".join(f", {name} media {1e3 * v:.3f} ms" for name, v in media.items())
 
 
+def message_transport(comm):
+    """What carried the profile's point-to-point messages (older profiles: Gloo)."""
+    return ("through shared memory" if comm.get("message_transport") == "shared memory"
+            else "over Gloo")
+
+
 def blocking_text(comm):
     """The blocking collectives' transport, where the profile says (older profiles do not)."""
     if comm.get("activation_transport") != "shared memory":
@@ -295,8 +301,9 @@ def main():
              f"Profile (`weft bench profile --set train.threads=1 --reps {args.reps}`): "
              f"{prof['device']}; data preparation {1e3 * prof['data']['seconds_per_sample']:.3f} "
              f"ms per sample{media_text(prof)}; Gloo two-rank all-reduce {comm['all_reduce']['latency_us']:.0f} us "
-             f"per hop + {comm['all_reduce']['bandwidth_gbs']:.2f} GB/s, point-to-point "
-             f"{comm['p2p']['latency_us']:.0f} us + {comm['p2p']['bandwidth_gbs']:.2f} GB/s"
+             f"per hop + {comm['all_reduce']['bandwidth_gbs']:.2f} GB/s; point-to-point "
+             f"{message_transport(comm)} {comm['p2p']['latency_us']:.0f} us + "
+             f"{comm['p2p']['bandwidth_gbs']:.2f} GB/s"
              f"{blocking_text(comm)}.", "",
              "| plan | measured s | simulated s (profile) | simulated / measured | "
              "FLOP model s (cpu-local.toml) | per round: measured / simulated |",
