@@ -82,36 +82,29 @@ shm_layouts=(
   "cp2:parallel.llm.cp=2"
   "dp2:"
 )
-for round in 1 2; do
-  for layout in "${shm_layouts[@]}"; do
-    sets=(); for kv in ${layout#*:}; do sets+=(--set "$kv"); done
-    order="true false"; [ $round -eq 2 ] && order="false true"
-    for shm in $order; do
-      name=shm_${layout%%:*}_${shm}_$round
-      "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
-        "${common[@]}" "${sets[@]}" --set train.shared_memory_collectives=$shm \
-        --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
-    done
-  done
-done
-
 msg_layouts=(
   "pp2:train.microbatches=4 parallel.llm.pp=2"
   "pp2vp2:train.microbatches=4 model.llm.layers=4 parallel.llm.pp=2 parallel.llm.vp=2"
   "separate:train.microbatches=4 parallel.placement=separate"
 )
-for round in 1 2; do
-  for layout in "${msg_layouts[@]}"; do
-    sets=(); for kv in ${layout#*:}; do sets+=(--set "$kv"); done
-    order="true false"; [ $round -eq 2 ] && order="false true"
-    for shm in $order; do
-      name=msg_${layout%%:*}_${shm}_$round
-      "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
-        "${common[@]}" "${sets[@]}" --set train.shared_memory_messages=$shm \
-        --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+# Each layout with `setting` true and false, alternating, twice: $tmp/PREFIX_LAYOUT_VALUE_ROUND.
+ab_runs() {  # prefix, setting, layouts...
+  local prefix=$1 setting=$2; shift 2
+  for round in 1 2; do
+    for layout in "$@"; do
+      local sets=(); for kv in ${layout#*:}; do sets+=(--set "$kv"); done
+      local order="true false"; [ $round -eq 2 ] && order="false true"
+      for value in $order; do
+        local name=${prefix}_${layout%%:*}_${value}_$round
+        "$build/weft" launch --nproc 2 -- "$build/weft" train "$src/configs/tiny-vlm.toml" \
+          "${common[@]}" "${sets[@]}" --set "$setting=$value" \
+          --out "$tmp/$name" --quiet > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; exit 1; }
+      done
     done
   done
-done
+}
+ab_runs shm train.shared_memory_collectives "${shm_layouts[@]}"
+ab_runs msg train.shared_memory_messages "${msg_layouts[@]}"
 
 python3 - "$tmp" "$steps" <<'PY'
 import json, statistics, sys
@@ -155,29 +148,21 @@ print(f"ZeRO-1's parameter all-gather waited for after the optimizer / overlappe
       f"forward: step time {zero('1w', 'step_seconds') / zero(1, 'step_seconds'):.3f}x; optimizer "
       f"step {zero('1w', 'optimizer_seconds'):.4f} s vs {zero(1, 'optimizer_seconds'):.4f} s; "
       f"forward waiting for parameters {zero(1, 'param_wait_seconds'):.4f} s overlapped")
-names = {"tp2": "LLM TP2", "tp2sp": "LLM TP2 + SP", "tp2sp_both": "TP2 + SP, vision and LLM",
-         "cp2": "LLM CP2", "dp2": "DP2"}
-print("blocking collectives through shared memory vs over Gloo (mean of two rounds' medians):")
-for key, label in names.items():
-    def both(shm, k):
-        return statistics.mean(med(load(f"shm_{key}_{shm}_{r}"), k) for r in (1, 2))
-    losses = {shm: [r["loss"] for r in load(f"shm_{key}_{shm}_1")] for shm in ("true", "false")}
-    same = "identical" if losses["true"] == losses["false"] else (
-        f"differ by at most {max(abs(a - b) for a, b in zip(losses['true'], losses['false'])):.2e}")
-    print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
-          f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); blocked in collectives "
-          f"{both('true', 'collective_wait_seconds'):.4f} s vs {both('false', 'collective_wait_seconds'):.4f} s; "
-          f"losses {same}")
-names = {"pp2": "LLM PP2", "pp2vp2": "LLM PP2 x VP2", "separate": "vision | LLM on separate ranks"}
-print("point-to-point messages through shared memory vs over Gloo (mean of two rounds' medians):")
-for key, label in names.items():
-    def both(shm, k):
-        return statistics.mean(med(load(f"msg_{key}_{shm}_{r}"), k) for r in (1, 2))
-    losses = {shm: [r["loss"] for r in load(f"msg_{key}_{shm}_1")] for shm in ("true", "false")}
-    same = "identical" if losses["true"] == losses["false"] else (
-        f"differ by at most {max(abs(a - b) for a, b in zip(losses['true'], losses['false'])):.2e}")
-    print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
-          f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); blocked in receives "
-          f"{both('true', 'p2p_wait_seconds'):.4f} s vs {both('false', 'p2p_wait_seconds'):.4f} s; "
-          f"losses {same}")
+def compare(prefix, what, names, wait_key, waiting):  # ab_runs' runs: true vs false
+    print(f"{what} through shared memory vs over Gloo (mean of two rounds' medians):")
+    for key, label in names.items():
+        def both(shm, k):
+            return statistics.mean(med(load(f"{prefix}_{key}_{shm}_{r}"), k) for r in (1, 2))
+        losses = {shm: [r["loss"] for r in load(f"{prefix}_{key}_{shm}_1")] for shm in ("true", "false")}
+        same = "identical" if losses["true"] == losses["false"] else (
+            f"differ by at most {max(abs(a - b) for a, b in zip(losses['true'], losses['false'])):.2e}")
+        print(f"  {label}: step {both('true', 'step_seconds'):.4f} s vs {both('false', 'step_seconds'):.4f} s "
+              f"({both('true', 'step_seconds') / both('false', 'step_seconds'):.2f}x); {waiting} "
+              f"{both('true', wait_key):.4f} s vs {both('false', wait_key):.4f} s; losses {same}")
+compare("shm", "blocking collectives",
+        {"tp2": "LLM TP2", "tp2sp": "LLM TP2 + SP", "tp2sp_both": "TP2 + SP, vision and LLM",
+         "cp2": "LLM CP2", "dp2": "DP2"}, "collective_wait_seconds", "blocked in collectives")
+compare("msg", "point-to-point messages",
+        {"pp2": "LLM PP2", "pp2vp2": "LLM PP2 x VP2", "separate": "vision | LLM on separate ranks"},
+        "p2p_wait_seconds", "blocked in receives")
 PY
