@@ -77,39 +77,43 @@ TEST(Comm, BroadcastGatherReduceScatter) {
   });
 }
 
-// Receives posted before their sends, read in another order than they were sent: each is
-// matched by its tag, and a posted receive not yet waited on leaves its tensor alone.
+// Receives match messages by tag, whether posted before the message came (b's, behind a's: a's
+// is taken first) or after (the last), over Gloo and through a group's shared-memory rings.
 TEST(Comm, PostedReceivesMatchByTag) {
-  run_ranks(2, [](const Comm& c) {
-    if (c.rank() == 0) {
-      at::Tensor a = torch::zeros({3}), b = torch::zeros({2, 2}, torch::kBFloat16);
-      Pending pa = c.irecv(a, 1, 7);
-      Pending pb = c.irecv(b, 1, 8);
-      c.barrier();  // both posted before rank 1 sends
-      pb.wait();
-      EXPECT_TRUE(torch::equal(b, torch::full({2, 2}, 2.5, torch::kBFloat16)));
-      pa.wait();
-      EXPECT_TRUE(torch::equal(a, torch::arange(3, torch::kFloat)));
-      at::Tensor late = torch::zeros({1});
-      c.recv(late, 1, 9);  // sent before this receive was posted
-      EXPECT_EQ(late.item<float>(), 9.0f);
-    } else {
-      c.barrier();
-      Pending sb = c.send(torch::full({2, 2}, 2.5, torch::kBFloat16), 0, 8);
-      Pending sl = c.send(torch::full({1}, 9.0), 0, 9);
-      Pending sa = c.send(torch::arange(3, torch::kFloat), 0, 7);
-      sb.wait();
-      sl.wait();
-      sa.wait();
+  run_ranks(2, [](const Comm& world) {
+    for (const bool messages : {false, true}) {
+      const Comm c = messages ? world.subgroup({0, 1}, /*messages=*/true) : world;
+      EXPECT_EQ(c.shared_memory_messages(), messages);
+      if (c.rank() == 0) {
+        at::Tensor a = torch::zeros({3}), b = torch::zeros({2, 2}, torch::kBFloat16);
+        Pending pa = c.irecv(a, 1, 7);
+        Pending pb = c.irecv(b, 1, 8);
+        c.barrier();  // both posted before rank 1 sends
+        pb.wait();
+        EXPECT_TRUE(torch::equal(b, torch::full({2, 2}, 2.5, torch::kBFloat16)));
+        pa.wait();
+        EXPECT_TRUE(torch::equal(a, torch::arange(3, torch::kFloat)));
+        at::Tensor late = torch::zeros({1});
+        c.recv(late, 1, 9);  // sent before this receive was posted
+        EXPECT_EQ(late.item<float>(), 9.0f);
+      } else {
+        c.barrier();
+        Pending sa = c.send(torch::arange(3, torch::kFloat), 0, 7);
+        Pending sb = c.send(torch::full({2, 2}, 2.5, torch::kBFloat16), 0, 8);
+        Pending sl = c.send(torch::full({1}, 9.0), 0, 9);
+        sb.wait();
+        sl.wait();
+        sa.wait();
+      }
     }
   });
 }
 
-// A group made to carry messages sends them through shared memory, with Gloo's matching: by
-// (source, tag), in order per (source, tag), whether the receive was posted before the message
-// came or after; a message larger than its ring (4 MiB for two ranks) streams through it, and
-// sends that do not fit wait in the group's sender thread while the sender goes on, even into a
-// blocking collective that its receiver reaches before taking them.
+// A group made to carry messages sends them through shared memory, with Gloo's matching (also
+// PostedReceivesMatchByTag): in order per (source, tag), in any order across tags; a message
+// larger than its ring (4 MiB for two ranks) streams through it, and sends that do not fit wait
+// in the group's sender thread while the sender goes on, even into a blocking collective that
+// its receiver reaches before taking them.
 TEST(Comm, MessagesThroughSharedMemoryMatchByTagInOrder) {
   run_ranks(2, [](const Comm& world) {
     const Comm c = world.subgroup({0, 1}, /*messages=*/true);
@@ -119,17 +123,6 @@ TEST(Comm, MessagesThroughSharedMemoryMatchByTagInOrder) {
       return (torch::arange(n, torch::kDouble).remainder(1000 + seed) + seed).to(type);
     };
     if (c.rank() == 0) {
-      at::Tensor a = torch::zeros({3}), b = torch::zeros({2, 2}, torch::kBFloat16);
-      Pending pa = c.irecv(a, 1, 7);
-      Pending pb = c.irecv(b, 1, 8);
-      c.barrier();  // both posted before rank 1 sends
-      pb.wait();    // behind a's message on the ring: a's is taken out first
-      EXPECT_TRUE(torch::equal(b, torch::full({2, 2}, 2.5, torch::kBFloat16)));
-      pa.wait();
-      EXPECT_TRUE(torch::equal(a, torch::arange(3, torch::kFloat)));
-      at::Tensor late = torch::zeros({1});
-      c.recv(late, 1, 9);  // sent before this receive was posted
-      EXPECT_EQ(late.item<float>(), 9.0f);
       c.barrier();  // rank 1 has sent everything below, most of it still queued
       at::Tensor x = torch::ones({1}, torch::kLong);
       c.all_reduce_sum(x);  // reached before any of it is taken
@@ -154,10 +147,6 @@ TEST(Comm, MessagesThroughSharedMemoryMatchByTagInOrder) {
       c.recv(h, 1, 41);
       EXPECT_TRUE(torch::equal(h, payload(4, at::kHalf, 5)));
     } else {
-      c.barrier();
-      Pending sa = c.send(torch::arange(3, torch::kFloat), 0, 7);
-      Pending sb = c.send(torch::full({2, 2}, 2.5, torch::kBFloat16), 0, 8);
-      Pending sl = c.send(torch::full({1}, 9.0), 0, 9);
       std::vector<Pending> sends;
       for (int64_t i = 0; i < 3; ++i) sends.push_back(c.send(payload(5000, at::kInt, i), 0, 20));
       sends.push_back(c.send(payload(3 << 20, at::kFloat, 3), 0, 30));
@@ -168,7 +157,6 @@ TEST(Comm, MessagesThroughSharedMemoryMatchByTagInOrder) {
       c.barrier();
       at::Tensor x = torch::ones({1}, torch::kLong);
       c.all_reduce_sum(x);
-      sa.wait(), sb.wait(), sl.wait();
       for (Pending& p : sends) p.wait();
     }
   });
