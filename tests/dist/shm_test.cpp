@@ -173,8 +173,9 @@ TEST(SharedSlots, RingsCarryEachPairsBytesInOrder) {
           for (size_t i = 0; i < m; ++i) wrong[r] += in[i] != byte(q, r, got[q] + i);
           got[q] += m;
           done = done && sent[q] == total && got[q] == total;
-          if (got[q] < total && sent[q] == total)
+          if (got[q] < total && sent[q] == total) {
             EXPECT_TRUE(g[r]->ring_wait(q, /*space=*/false, 1, until(), "test"));
+          }
         }
         if (done) break;
       }
@@ -183,7 +184,9 @@ TEST(SharedSlots, RingsCarryEachPairsBytesInOrder) {
   EXPECT_EQ(wrong, std::vector<int64_t>(size, 0));
   for (int r = 0; r < size; ++r)
     for (int q = 0; q < size; ++q)
-      if (q != r) EXPECT_EQ(g[r]->ring_ready(q), 0u);
+      if (q != r) {
+        EXPECT_EQ(g[r]->ring_ready(q), 0u);
+      }
 }
 
 // Waiting on a ring: room that is there, bytes that never come (false at the deadline), and a
