@@ -188,11 +188,12 @@ TEST(Comm, MessagesThroughSharedMemoryBetweenEveryPair) {
 
 // A receive that nothing arrives for ends with an error naming the peer and tag when the group's
 // timeout passes; a message of another size than its receive is an error naming both; a send
-// larger than its ring whose receiver takes none of it fails when the timeout passes.
+// larger than its ring whose receiver takes none of it fails when the timeout passes; later
+// messages on either failed ring fail at once with the first cause.
 TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
   static std::atomic<int> groups{0};
   const std::string key = "messages_fail_" + std::to_string(groups++);
-  std::vector<std::string> errors(3);
+  std::vector<std::string> errors(5);
   std::vector<std::thread> threads;
   std::atomic<bool> timed_out{false}, sent{false};
   for (int r = 0; r < 2; ++r)
@@ -212,6 +213,11 @@ TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
         } catch (const weft::Error& e) {
           errors[1] = e.what();
         }
+        try {  // the ring from rank 1 is out of step since
+          c.recv(t, 1, 8);
+        } catch (const weft::Error& e) {
+          errors[3] = e.what();
+        }
         while (!sent) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       } else {
         while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -221,6 +227,11 @@ TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
         } catch (const weft::Error& e) {
           errors[2] = e.what();
         }
+        try {  // part of it is in the ring
+          c.send(torch::ones({1}), 0, 8).wait();
+        } catch (const weft::Error& e) {
+          errors[4] = e.what();
+        }
         sent = true;
       }
     });
@@ -229,6 +240,15 @@ TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
                            "of it within 2 s"),
             std::string::npos)
       << errors[2];
+  // Later messages on a failed ring fail with the first cause.
+  EXPECT_NE(errors[3].find("recv from rank 1 with tag 8 failed: an earlier message from it "
+                           "failed: rank 0 of 2: a message of 20 bytes"),
+            std::string::npos)
+      << errors[3];
+  EXPECT_NE(errors[4].find("send to rank 0 with tag 8 refused: an earlier send to it failed: rank "
+                           "1 of 2: send to rank 0 with tag 7 failed"),
+            std::string::npos)
+      << errors[4];
   EXPECT_NE(errors[0].find("recv from rank 1 with tag 5 failed: it did not arrive within 2 s"),
             std::string::npos)
       << errors[0];

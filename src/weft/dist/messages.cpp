@@ -53,7 +53,9 @@ SharedMessages::SharedMessages(SharedSlots& rings, std::chrono::milliseconds tim
       rank_(rings.rank()),
       size_(rings.size()),
       queued_(static_cast<size_t>(rings.size())),
-      sources_(static_cast<size_t>(rings.size())) {
+      send_failed_(static_cast<size_t>(rings.size())),
+      sources_(static_cast<size_t>(rings.size())),
+      recv_failed_(static_cast<size_t>(rings.size())) {
   WEFT_ASSERT(rings.ring_bytes() > 0, "SharedMessages: the group has no rings");
 }
 
@@ -87,6 +89,9 @@ Pending SharedMessages::send(const at::Tensor& t, int dst, int tag) {
   m->t = t;
   m->header = {tag, kMark, static_cast<uint64_t>(t.nbytes())};
   std::lock_guard<std::mutex> lock(out_mu_);
+  const std::string& failed = send_failed_[static_cast<size_t>(dst)];
+  WEFT_CHECK(failed.empty(), "rank ", rank_, " of ", size_, ": send to rank ", dst, " with tag ",
+             tag, " refused: an earlier send to it failed: ", failed);
   std::deque<std::shared_ptr<Outgoing>>& q = queued_[static_cast<size_t>(dst)];
   while (!q.empty() && put(dst, *q.front())) {  // room freed since: the sender thread's work
     q.front()->finished = true;
@@ -108,6 +113,7 @@ Pending SharedMessages::send(const at::Tensor& t, int dst, int tag) {
 void SharedMessages::sender_loop() {
   std::unique_lock<std::mutex> lock(out_mu_);
   const auto fail = [&](size_t dst, const std::string& why) {
+    send_failed_[dst] = why;
     for (const std::shared_ptr<Outgoing>& m : queued_[dst]) m->finished = true, m->error = why;
     queued_[dst].clear();
     done_cv_.notify_all();
@@ -242,7 +248,15 @@ void SharedMessages::wait_received(const std::shared_ptr<Incoming>& in, int src,
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(in_mu_);
-      take(src);
+      std::string& failed = recv_failed_[static_cast<size_t>(src)];
+      WEFT_CHECK(failed.empty(), "rank ", rank_, " of ", size_, ": recv from rank ", src,
+                 " with tag ", tag, " failed: an earlier message from it failed: ", failed);
+      try {
+        take(src);
+      } catch (const weft::Error& e) {
+        failed = e.what();
+        throw;
+      }
       if (in->complete) {
         if (in->posted.defined() && in->bytes > 0)
           std::memcpy(in->posted.data_ptr(), in->into.data_ptr(), in->bytes);

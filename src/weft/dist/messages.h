@@ -19,7 +19,8 @@
 // Failures: a receive not complete within the group's timeout, or a send whose receiver takes
 // none of it for that long, ends with weft::Error naming the peer and tag; so does a peer whose
 // process exited, within SharedSlots::kCheckEvery. A received message of another size than the
-// receive's tensor is an error naming both.
+// receive's tensor is an error naming both. After a failed send to a rank, or a failed read of a
+// rank's ring, later sends to it (receives from it) fail at once with the first cause.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,10 +74,16 @@ class SharedMessages {
   std::condition_variable done_cv_;  // queued sends finished
   std::vector<std::deque<std::shared_ptr<Outgoing>>> queued_;  // per destination, in order
   bool stopping_ = false;
+  // Per destination: why a send to it failed (its ring may hold part of a message: later sends
+  // to it are refused with this cause).
+  std::vector<std::string> send_failed_;
   std::thread sender_;  // started at the first queued send
 
   std::mutex in_mu_;
   std::vector<Source> sources_;
+  // Per source: why reading its ring failed (it may be out of step: later receives from it fail
+  // with this cause).
+  std::vector<std::string> recv_failed_;
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<Incoming>>> posted_, unexpected_;
 };
 
