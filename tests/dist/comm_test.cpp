@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "support/errors.h"
 #include "support/ranks.h"
 #include "weft/core/error.h"
 #include "weft/dist/collectives.h"
@@ -18,6 +19,7 @@
 namespace weft::dist {
 namespace {
 
+using weft::testing::error_of;
 using weft::testing::run_ranks;
 
 TEST(Comm, SingleRankIsTheIdentity) {
@@ -202,36 +204,19 @@ TEST(Comm, MessagesThroughSharedMemoryFailClearly) {
           Comm::in_memory(key, r, 2, std::chrono::milliseconds(2000)).subgroup({0, 1}, true);
       if (r == 0) {
         at::Tensor t = torch::empty({4});
-        try {
-          c.recv(t, 1, 5);
-        } catch (const weft::Error& e) {
-          errors[0] = e.what();
-        }
+        errors[0] = error_of([&] { c.recv(t, 1, 5); });
         timed_out = true;
-        try {
-          c.recv(t, 1, 6);  // rank 1 sends 5 floats
-        } catch (const weft::Error& e) {
-          errors[1] = e.what();
-        }
-        try {  // the ring from rank 1 is out of step since
-          c.recv(t, 1, 8);
-        } catch (const weft::Error& e) {
-          errors[3] = e.what();
-        }
+        errors[1] = error_of([&] { c.recv(t, 1, 6); });  // rank 1 sends 5 floats
+        // The ring from rank 1 is out of step since.
+        errors[3] = error_of([&] { c.recv(t, 1, 8); });
         while (!sent) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       } else {
         while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(10));
         c.send(torch::ones({5}), 0, 6).wait();
-        try {
-          c.send(torch::ones({2 << 20}), 0, 7).wait();  // 8 MiB, twice the ring: never taken
-        } catch (const weft::Error& e) {
-          errors[2] = e.what();
-        }
-        try {  // part of it is in the ring
-          c.send(torch::ones({1}), 0, 8).wait();
-        } catch (const weft::Error& e) {
-          errors[4] = e.what();
-        }
+        // 8 MiB, twice the ring: never taken.
+        errors[2] = error_of([&] { c.send(torch::ones({2 << 20}), 0, 7).wait(); });
+        // Part of it is in the ring.
+        errors[4] = error_of([&] { c.send(torch::ones({1}), 0, 8).wait(); });
         sent = true;
       }
     });

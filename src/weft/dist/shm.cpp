@@ -380,19 +380,22 @@ void SharedSlots::wait_all_arrived(uint64_t seq, const char* op,
             "collectives in different orders)");
 }
 
-SharedSlots::Ring& SharedSlots::ring(int src, int dst) const {
+// The pair's place among the size·(size-1) rings: src-major, dst skipping src.
+size_t SharedSlots::ring_index(int src, int dst) const {
   WEFT_ASSERT(ring_bytes_ > 0 && src != dst && src >= 0 && dst >= 0 && src < size_ && dst < size_,
               "SharedSlots: no ring from ", src, " to ", dst);
-  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(size_ - 1) +
-                       static_cast<size_t>(dst < src ? dst : dst - 1);
+  return static_cast<size_t>(src) * static_cast<size_t>(size_ - 1) +
+         static_cast<size_t>(dst < src ? dst : dst - 1);
+}
+
+SharedSlots::Ring& SharedSlots::ring(int src, int dst) const {
   return reinterpret_cast<Ring*>(static_cast<char*>(base_) +
-                                 ring_heads_offset(size_, slot_bytes_))[index];
+                                 ring_heads_offset(size_, slot_bytes_))[ring_index(src, dst)];
 }
 
 char* SharedSlots::ring_data(int src, int dst) const {
-  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(size_ - 1) +
-                       static_cast<size_t>(dst < src ? dst : dst - 1);
-  return static_cast<char*>(base_) + ring_data_offset(size_, slot_bytes_) + index * ring_bytes_;
+  return static_cast<char*>(base_) + ring_data_offset(size_, slot_bytes_) +
+         ring_index(src, dst) * ring_bytes_;
 }
 
 size_t SharedSlots::ring_put(int dst, const char* data, size_t n) {

@@ -105,6 +105,7 @@ class SharedSlots {
   bool map(int fd, bool creating, std::string* why);
   void wait_all_arrived(uint64_t seq, const char* op, std::chrono::milliseconds timeout);
   std::string dead_rank(uint64_t seq) const;  // "" when every rank short of seq is alive
+  size_t ring_index(int src, int dst) const;
   Ring& ring(int src, int dst) const;
   char* ring_data(int src, int dst) const;
 
